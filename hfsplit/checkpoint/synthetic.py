@@ -1,0 +1,105 @@
+"""Small real checkpoints written from transformers model classes with random weights.
+
+Used by the built-in default run, the tests and the benchmarks, so that every path
+reads genuine safetensors files in the layouts users have: one file or sharded,
+tied or untied, a plain folder or a hub cache.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4, hidden: int = 64,
+                heads: int = 4, kv_heads: int = 2, intermediate: int = 128, vocab: int = 256,
+                max_positions: int = 512, **overrides):
+    """A transformers config of `arch` with tiny dimensions (fp32)."""
+    from transformers import AutoConfig
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch {arch!r}: choose one of {ARCHITECTURES}")
+    kwargs = dict(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+        max_position_embeddings=max_positions, tie_word_embeddings=tied, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(arch, **kwargs)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    return config
+
+
+def write_checkpoint(path: str | Path, config, *, seed: int = 0, max_shard_size: Optional[str] = None,
+                     dtype=None) -> Path:
+    """Write a randomly initialised model of `config` with `save_pretrained`.
+
+    Args:
+        path: output folder.
+        config: a transformers config.
+        seed: torch seed for the weights.
+        max_shard_size: e.g. "40KB" for a sharded checkpoint; None writes one `model.safetensors`.
+        dtype: torch dtype to save in (default: the model's, fp32).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    path = Path(path)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def write_tiny_checkpoint(path: str | Path, arch: str = "llama", *, tied: bool = False, sharded: bool = True,
+                          seed: int = 0, **config_overrides) -> Path:
+    """A tiny `arch` checkpoint in `path`; sharded into several safetensors files unless `sharded=False`."""
+    config = tiny_config(arch, tied=tied, **config_overrides)
+    return write_checkpoint(path, config, seed=seed, max_shard_size="60KB" if sharded else None)
+
+
+def write_hub_cache(cache_dir: str | Path, repo_id: str, source: str | Path, *, revision: str = "main",
+                    commit: str = "0" * 40) -> Path:
+    """Lay out the files of folder `source` as huggingface_hub's cache holds repo `repo_id`.
+
+    With `HF_HUB_CACHE=cache_dir` and `HF_HUB_OFFLINE=1`, `hf_hub_download(repo_id, name)`
+    then resolves through the hub library's own offline lookup.
+
+    Returns:
+        The snapshot folder.
+    """
+    cache_dir = Path(cache_dir)
+    repo = cache_dir / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / revision).write_text(commit)
+    blobs = repo / "blobs"
+    blobs.mkdir(exist_ok=True)
+    for file in sorted(Path(source).iterdir()):
+        if file.is_file():
+            blob = blobs / f"{file.name}.blob"
+            shutil.copyfile(file, blob)
+            link = snapshot / file.name
+            if link.exists() or link.is_symlink():
+                link.unlink()
+            link.symlink_to(Path("../../blobs") / blob.name)
+    return snapshot
+
+
+def shard_files(path: str | Path) -> list[str]:
+    """Names of the safetensors files a checkpoint folder's index lists (or the single file)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"]

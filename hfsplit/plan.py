@@ -1,0 +1,192 @@
+"""The Plan: the single contract between deciding a split and doing it.
+
+A Plan is plain data (frozen dataclasses, JSON round trip). Everything downstream
+(loading, stage building, training) reads its decisions from here and re-derives none.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
+
+from .budget import format_bytes
+from .costs import TrainingSpec
+
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Estimated bytes one rank of a stage holds at its peak."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    reserve: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.reserve
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage (a virtual stage under interleaved schedules).
+
+    Args:
+        index: position in the pipeline, 0 first.
+        pp_rank: the pipeline rank that runs it (interleaved: `index % pp`; V-shaped: rank r runs r and 2p-1-r).
+        devices: devices of its TP group for each data-parallel replica: `devices[r][t]`.
+        layers: decoder blocks `[start, stop)`.
+        has_embed: holds the input embeddings.
+        has_head: holds the final norm and lm_head (and computes the loss).
+        memory: estimated peak per rank.
+        budget: the smallest budget among its devices.
+        time_s: estimated forward + backward time per micro-batch.
+    """
+
+    index: int
+    pp_rank: int
+    devices: tuple[tuple[str, ...], ...]
+    layers: tuple[int, int]
+    has_embed: bool
+    has_head: bool
+    memory: StageMemory
+    budget: int
+    time_s: float
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model is split across devices for one kind of step.
+
+    Args:
+        model: the name or path the plan was made for.
+        model_type: transformers `model_type`.
+        num_layers: decoder blocks in the model.
+        tp: tensor-parallel degree inside each stage.
+        pp: pipeline ranks (physical stages).
+        dp: data-parallel replicas.
+        virtual_stages: stages per pipeline rank (1 except for interleaved schedules).
+        schedule: a torch.distributed.pipelining schedule name (see SCHEDULES).
+        micro_batches: micro-batches per step per replica.
+        spec: the training spec the costs were computed for.
+        stages: pp × virtual_stages stages in pipeline order; `stage.pp_rank` says which rank runs each.
+        step_time_s: estimated time of one optimizer step.
+        bubble_fraction: the schedule's idle fraction, `(p-1)/(m+p-1)` for 1F1B.
+        tied_embeddings: lm_head shares the embedding matrix.
+    """
+
+    model: str
+    model_type: str
+    num_layers: int
+    tp: int
+    pp: int
+    dp: int
+    virtual_stages: int
+    schedule: str
+    micro_batches: int
+    spec: TrainingSpec
+    stages: tuple[Stage, ...]
+    step_time_s: float
+    bubble_fraction: float
+    tied_embeddings: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(asdict(self), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        data["spec"] = TrainingSpec(**{**data["spec"], "lora_targets": _tuple_or_none(data["spec"].get("lora_targets"))})
+        data["stages"] = tuple(
+            Stage(
+                **{
+                    **s,
+                    "devices": tuple(tuple(group) for group in s["devices"]),
+                    "layers": tuple(s["layers"]),
+                    "memory": StageMemory(**s["memory"]),
+                }
+            )
+            for s in data["stages"]
+        )
+        data["notes"] = tuple(data.get("notes", ()))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def stages_of_rank(self, pp_rank: int) -> tuple[Stage, ...]:
+        """The stages pipeline rank `pp_rank` runs (several under interleaved schedules)."""
+        return tuple(s for s in self.stages if s.pp_rank == pp_rank)
+
+    def device_map(self) -> dict[str, str]:
+        """An accelerate/transformers `device_map` for single-process use (TP = 1, replica 0).
+
+        Devices are strings accelerate accepts: "0", "1", ... become ints, "cpu" stays.
+        """
+        if self.tp != 1:
+            raise ValueError("device_map() describes single-process placement; this plan has tp > 1")
+        out: dict[str, object] = {}
+        ordered = sorted(self.stages, key=lambda s: s.layers[0])
+        for stage in ordered:
+            device = _accelerate_device(stage.devices[0][0])
+            if stage.has_embed:
+                out["model.embed_tokens"] = device
+            for layer in range(*stage.layers):
+                out[f"model.layers.{layer}"] = device
+            if stage.has_head:
+                out["model.norm"] = device
+                out["model.rotary_emb"] = device
+                out["lm_head"] = device
+        return out
+
+    def table(self) -> str:
+        """The plan as a text table, one row per device of replica 0."""
+        head = (
+            f"{self.model} ({self.model_type}, {self.num_layers} layers) — {self.spec.method}, "
+            f"seq {self.spec.seq_len} × micro-batch {self.spec.micro_batch_size}, {self.micro_batches} micro-batches, "
+            f"{self.spec.dtype}, activation checkpointing {'on' if self.spec.activation_checkpointing else 'off'}\n"
+            f"split: pp={self.pp} × tp={self.tp} × dp={self.dp}"
+            + (f" (virtual stages {self.virtual_stages})" if self.virtual_stages > 1 else "")
+            + f", schedule {self.schedule}\n"
+        )
+        cols = ("stage", "device", "layers", "weights", "grads", "optim", "activ", "reserve", "total", "budget", "use")
+        rows = []
+        for stage in self.stages:
+            m = stage.memory
+            for device in stage.devices[0]:
+                extra = ("+embed" if stage.has_embed else "") + ("+head" if stage.has_head else "")
+                rows.append((
+                    str(stage.index), device, f"{stage.layers[0]}-{stage.layers[1] - 1}{extra}" if stage.num_layers else extra or "-",
+                    format_bytes(m.weights), format_bytes(m.gradients), format_bytes(m.optimizer),
+                    format_bytes(m.activations), format_bytes(m.reserve), format_bytes(m.total),
+                    format_bytes(stage.budget), f"{100 * m.total / stage.budget:.0f}%",
+                ))
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+        tail = (
+            f"\nestimated step: {self.step_time_s * 1e3:.1f} ms, bubble {100 * self.bubble_fraction:.1f}%"
+        )
+        notes = "".join(f"\nnote: {n}" for n in self.notes)
+        return head + "\n".join(lines) + tail + notes
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _tuple_or_none(value):
+    return None if value is None else tuple(value)
+
+
+def _accelerate_device(device: str):
+    return int(device) if device.isdigit() else device

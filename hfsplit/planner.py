@@ -1,0 +1,416 @@
+"""The planner: choose TP degree, pipeline depth, layer counts and device order.
+
+costs → solver → Plan. Costs come from `hfsplit.costs`; this module only searches.
+
+The layer split: DESIGN.md sketches a dynamic programme over contiguous layer ranges.
+Because every decoder block of a model costs the same, a stage's time and memory
+depend only on how many blocks it holds, and the programme collapses to giving each
+stage a count. Handing out blocks one at a time to the stage whose time grows least
+(within its memory cap) reaches the min-max optimum exactly for nondecreasing stage
+costs (tests check it against brute force) in O(L log P) instead of O(P L²), which is
+what keeps 126 layers × 16 devices well under a second.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Iterable, Optional, Sequence, Union
+
+from .budget import BudgetSpec, format_bytes, parse_max_memory
+from .costs import ModelCosts, PartCost, TrainingSpec, model_costs, valid_tp_degrees
+from .errors import PlanError
+from .plan import SCHEDULES, Plan, Stage, StageMemory
+
+# Effective dense throughput of a device of speed 1 and the TP link bandwidth. Only
+# ratios between plans matter for the choice; absolute step times are rough estimates.
+DEVICE_FLOPS = 100e12 * 0.4
+TP_BANDWIDTH = 50e9
+CPU_SPEED = 0.02
+MAX_PERMUTED_GROUPS = 5  # device orders tried exhaustively up to this many stage groups
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One (virtual) stage position before layers are assigned."""
+
+    index: int
+    pp_rank: int
+    devices: tuple[tuple[str, ...], ...]
+    budget: int
+    speed: float
+    in_flight: int
+    has_embed: bool
+    has_head: bool
+
+
+def make_plan(
+    model,
+    max_memory: BudgetSpec,
+    *,
+    spec: Optional[TrainingSpec] = None,
+    micro_batches: Optional[int] = None,
+    global_batch: Optional[int] = None,
+    schedule: str = "1F1B",
+    activation_checkpointing: Union[bool, str] = "auto",
+    device_speeds: Optional[dict] = None,
+    tp: Optional[int] = None,
+    pp: Optional[int] = None,
+    dp: Optional[int] = None,
+) -> Plan:
+    """Plan the split of `model` over the devices of `max_memory`.
+
+    Args:
+        model: a hub name, a local folder, a config.json path, or a transformers config.
+        max_memory: per-device budget (see `hfsplit.budget.parse_max_memory`).
+        spec: what a step does (method, seq_len, micro-batch size, dtype, LoRA rank...).
+        micro_batches: micro-batches per step per replica (default 4 × pipeline depth).
+        global_batch: sequences per optimizer step across replicas; sets micro_batches when given.
+        schedule: "1F1B", "GPipe", "Interleaved1F1B" or "ZBVZeroBubble".
+        activation_checkpointing: True, False, or "auto" (on only when needed to fit).
+        device_speeds: relative speed per device key (default 1 each).
+        tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
+
+    Raises:
+        PlanError: nothing fits; the message says per stage what is needed against
+            the budget and which computed change would fit.
+    """
+    from .checkpoint import load_config
+
+    config = load_config(model) if isinstance(model, (str, os.PathLike)) else model
+    name = str(model) if isinstance(model, (str, os.PathLike)) else (config._name_or_path or config.model_type)
+    spec = spec or TrainingSpec()
+    budgets = parse_max_memory(max_memory)
+    _check_options(schedule, micro_batches, global_batch, spec)
+    options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule,
+                   device_speeds=device_speeds or {}, tp=tp, pp=pp, dp=dp)
+    checkpointing = [False, True] if activation_checkpointing == "auto" else [bool(activation_checkpointing)]
+    if spec.method == "inference":
+        checkpointing = [False]
+    for ac in checkpointing:
+        found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
+        if found is not None:
+            return found
+    raise PlanError(_explain_no_fit(config, budgets, replace(spec, activation_checkpointing=checkpointing[-1]),
+                                    name=name, options=options))
+
+
+def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, micro_batches, global_batch,
+              schedule: str, device_speeds: dict, tp=None, pp=None, dp=None) -> Optional[Plan]:
+    """The fastest fitting plan (by tokens/s), or None."""
+    devices = list(budgets)
+    n = len(devices)
+    best: Optional[Plan] = None
+    best_rate = 0.0
+    for t in [tp] if tp else valid_tp_degrees(config, n):
+        costs = model_costs(config, spec, tp=t)
+        for p in [pp] if pp else range(1, n // t + 1):
+            if p > costs.num_layers:
+                break
+            replicas = [dp] if dp else [n // (t * p)]
+            for d in replicas:
+                if d < 1 or t * p * d > n:
+                    continue
+                m = _micro_batches(micro_batches, global_batch, spec, p, d)
+                for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m,
+                                                 schedule=schedule, name=name, config=config):
+                    rate = d * m * spec.micro_batch_size / candidate.step_time_s
+                    if rate > best_rate * (1 + 1e-9):
+                        best, best_rate = candidate, rate
+    return best
+
+
+def plans_for_shape(costs: ModelCosts, budgets: dict[str, int], speeds: dict, *, t: int, p: int, d: int, m: int,
+                    schedule: str, name: str, config) -> Iterable[Plan]:
+    """Fitting plans of one (tp, pp, dp) shape, one per device order tried."""
+    schedule = schedule if p > 1 else "1F1B"
+    v = _virtual_stages(schedule, p)
+    for groups in _device_orders(budgets, t=t, count=p * d):
+        slots = _slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule)
+        counts = split_layers(costs, slots)
+        if counts is None:
+            continue
+        yield _plan(costs, slots, counts, name=name, config=config, t=t, p=p, d=d, v=v, m=m, schedule=schedule)
+
+
+def split_layers(costs: ModelCosts, slots: Sequence[Slot]) -> Optional[list[int]]:
+    """Layer counts per slot minimising the slowest pipeline rank within memory caps; None if none fits."""
+    L = costs.num_layers
+    if len(slots) > L:
+        return None
+    counts = [1] * len(slots)
+    if any(not _rank_fits(costs, slots, counts, slot.pp_rank) for slot in slots):
+        return None
+    heap = [(_slot_time(costs, s, 2), s.index) for s in slots]
+    heapq.heapify(heap)
+    for _ in range(L - len(slots)):
+        while heap:
+            _, k = heapq.heappop(heap)
+            counts[k] += 1
+            if _rank_fits(costs, slots, counts, slots[k].pp_rank):
+                heapq.heappush(heap, (_slot_time(costs, slots[k], counts[k] + 1), k))
+                break
+            counts[k] -= 1  # full: this slot takes no more layers
+        else:
+            return None
+    return counts
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of the schedule: `(p-1)/(v·m+p-1)`; zero-bubble schedules fill most of it."""
+    if p == 1:
+        return 0.0
+    if schedule == "ZBVZeroBubble":
+        # Splitting backward into input and weight gradients fills about two thirds
+        # of the warm-up/cool-down idle time (Qi et al., 2024).
+        return (p - 1) / 3 / (v * m + (p - 1) / 3)
+    return (p - 1) / (v * m + p - 1)
+
+
+def in_flight(schedule: str, *, p: int, m: int, v: int, pp_rank: int) -> int:
+    """Micro-batches whose activations a stage of rank `pp_rank` holds at its peak."""
+    if p == 1:
+        return 1
+    if schedule == "GPipe":
+        return m
+    if schedule == "Interleaved1F1B":
+        warmup = (v - 1) * p + 2 * (p - 1 - pp_rank)
+        return math.ceil(min(warmup + 1, m * v) / v)
+    return min(p - pp_rank, m)
+
+
+def stage_memory(costs: ModelCosts, slot: Slot, layers: int) -> StageMemory:
+    """Estimated peak bytes of one rank of `slot` holding `layers` blocks (reserve excluded from sharing)."""
+    parts = _parts(costs, slot, layers)
+    weights = sum(c.param_bytes * k for c, k in parts)
+    grads = sum(c.grad_bytes * k for c, k in parts)
+    optim = sum(c.optimizer_bytes * k for c, k in parts)
+    acts = slot.in_flight * sum(c.activation_bytes * k for c, k in parts)
+    acts += max((c.workspace_bytes for c, k in parts if k), default=0)
+    return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
+                       reserve=costs.spec.reserve_bytes)
+
+
+def _parts(costs: ModelCosts, slot: Slot, layers: int) -> list[tuple[PartCost, int]]:
+    parts = [(costs.block, layers)]
+    if slot.has_embed:
+        parts.append((costs.embed, 1))
+    if slot.has_head:
+        parts.append((costs.head, 1))
+    if costs.tied and slot.has_embed and slot.has_head:
+        # One stage holding both ends keeps the tied matrix once.
+        shared = costs.embed
+        parts.append((PartCost(-shared.param_bytes, -shared.grad_bytes, -shared.optimizer_bytes, 0, 0, 0.0), 1))
+    return parts
+
+
+def _slot_time(costs: ModelCosts, slot: Slot, layers: int) -> float:
+    parts = _parts(costs, slot, layers)
+    flops = sum(c.flops * k for c, k in parts)
+    comm = sum(c.comm_bytes * k for c, k in parts)
+    t = costs.tp
+    comm_time = comm * 2 * (t - 1) / t / TP_BANDWIDTH if t > 1 else 0.0
+    return flops / (DEVICE_FLOPS * slot.speed) + comm_time
+
+
+def _rank_fits(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], pp_rank: int) -> bool:
+    mine = [s for s in slots if s.pp_rank == pp_rank]
+    total = sum(stage_memory(costs, s, counts[s.index]).total for s in mine)
+    total -= (len(mine) - 1) * costs.spec.reserve_bytes  # one reserve per device
+    return total <= mine[0].budget
+
+
+def _rank_times(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int]) -> dict[int, float]:
+    times: dict[int, float] = {}
+    for s in slots:
+        times[s.pp_rank] = times.get(s.pp_rank, 0.0) + _slot_time(costs, s, counts[s.index])
+    return times
+
+
+def _plan(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], *, name: str, config, t: int, p: int,
+          d: int, v: int, m: int, schedule: str) -> Plan:
+    stages, start = [], 0
+    for slot, count in zip(slots, counts):
+        stages.append(Stage(
+            index=slot.index, pp_rank=slot.pp_rank, devices=slot.devices, layers=(start, start + count),
+            has_embed=slot.has_embed, has_head=slot.has_head, memory=stage_memory(costs, slot, count),
+            budget=slot.budget, time_s=_slot_time(costs, slot, count),
+        ))
+        start += count
+    bubble = bubble_fraction(schedule, p, m, v)
+    slowest = max(_rank_times(costs, slots, counts).values())
+    return Plan(
+        model=name, model_type=config.model_type, num_layers=costs.num_layers, tp=t, pp=p, dp=d,
+        virtual_stages=v, schedule=schedule, micro_batches=m, spec=costs.spec, stages=tuple(stages),
+        step_time_s=slowest * m / (1 - bubble), bubble_fraction=bubble, tied_embeddings=costs.tied,
+    )
+
+
+def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: dict, *, p: int, d: int, v: int,
+           m: int, schedule: str) -> list[Slot]:
+    """Stage positions: replica r of pipeline rank k runs on device group `groups[r * p + k]`."""
+    count = p * v
+    slots = []
+    for index in range(count):
+        rank = _rank_of_stage(index, p, schedule)
+        devices = tuple(groups[r * p + rank] for r in range(d))
+        flat = [dev for group in devices for dev in group]
+        slots.append(Slot(
+            index=index, pp_rank=rank, devices=devices, budget=min(budgets[x] for x in flat),
+            speed=min(_speed(speeds, x, budgets) for x in flat),
+            in_flight=in_flight(schedule, p=p, m=m, v=v, pp_rank=rank),
+            has_embed=index == 0, has_head=index == count - 1,
+        ))
+    return slots
+
+
+def _rank_of_stage(index: int, p: int, schedule: str) -> int:
+    if schedule == "ZBVZeroBubble":
+        return index if index < p else 2 * p - 1 - index
+    return index % p
+
+
+def _virtual_stages(schedule: str, p: int) -> int:
+    return 2 if p > 1 and schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
+
+
+def _device_orders(budgets: dict[str, int], *, t: int, count: int) -> Iterable[list[tuple[str, ...]]]:
+    """Ways to cut the devices into `count` TP groups of `t`, ordered as pipeline positions.
+
+    Groups are formed from devices sorted by budget so a group's cap (its smallest
+    budget) wastes least; their order along the pipeline is then searched: exhaustively
+    for a few groups, otherwise the given order and both budget orders.
+    """
+    devices = list(budgets)[: t * count]
+    by_size = sorted(budgets, key=lambda x: -budgets[x])[: t * count]
+    seen = set()
+    for base in (devices, by_size):
+        groups = [tuple(base[i * t:(i + 1) * t]) for i in range(count)]
+        orders: Iterable = (
+            itertools.permutations(groups) if count <= MAX_PERMUTED_GROUPS else (groups, groups[::-1])
+        )
+        for order in orders:
+            key = tuple(order)
+            if key not in seen:
+                seen.add(key)
+                yield list(order)
+
+
+def _micro_batches(micro_batches, global_batch, spec: TrainingSpec, p: int, d: int) -> int:
+    if global_batch:
+        per_replica = global_batch // d
+        return max(1, per_replica // spec.micro_batch_size)
+    return micro_batches or max(1, 4 * p)
+
+
+def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpec) -> None:
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    if micro_batches is not None and micro_batches < 1:
+        raise PlanError(f"micro_batches={micro_batches}: needs at least 1")
+    if global_batch is not None and global_batch < spec.micro_batch_size:
+        raise PlanError(f"global_batch={global_batch} is smaller than micro_batch_size={spec.micro_batch_size}")
+    if spec.seq_len < 1 or spec.micro_batch_size < 1:
+        raise PlanError("seq_len and micro_batch_size must be at least 1")
+
+
+def _speed(speeds: dict, device: str, budgets: dict[str, int]) -> float:
+    given = speeds.get(device, speeds.get(int(device) if device.isdigit() else device))
+    if given is not None:
+        return float(given)
+    # A CPU beside GPUs is far slower; alone it is simply "the device".
+    return CPU_SPEED if device == "cpu" and len(budgets) > 1 else 1.0
+
+
+# ---------------------------------------------------------------- explaining a failure
+
+
+def _explain_no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, options: dict) -> str:
+    closest = _closest_plan(config, budgets, spec, options)
+    lines = [f"{name}: no split fits the budget ({len(budgets)} device(s): "
+             + ", ".join(f"{k}={format_bytes(v)}" for k, v in budgets.items())
+             + f") for {spec.method} at seq_len {spec.seq_len} × micro-batch {spec.micro_batch_size}."]
+    if closest is not None:
+        lines.append(f"closest split: pp={closest.pp} × tp={closest.tp}:")
+        for s in closest.stages:
+            over = s.memory.total - s.budget
+            lines.append(f"  stage {s.index} on {','.join(s.devices[0])}: layers {s.layers[0]}-{s.layers[1] - 1}, "
+                         f"needs {format_bytes(s.memory.total)} of {format_bytes(s.budget)}"
+                         + (f" ({format_bytes(over)} over)" if over > 0 else ""))
+    fixes = _fixes_that_fit(config, budgets, spec, options)
+    if fixes:
+        lines.append("changes that fit: " + "; ".join(fixes))
+    else:
+        lines.append("no single change tried (LoRA, activation checkpointing, shorter sequence, smaller "
+                     "micro-batch, more or larger GPUs) fits")
+    return "\n".join(lines)
+
+
+def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
+    """The time-balanced split with the smallest worst overshoot, ignoring the caps."""
+    unlimited = {k: 1 << 62 for k in budgets}
+    best, best_over = None, math.inf
+    for t in valid_tp_degrees(config, len(budgets)):
+        costs = model_costs(config, spec, tp=t)
+        p = min(len(budgets) // t, costs.num_layers)
+        m = _micro_batches(options["micro_batches"], options["global_batch"], spec, p, 1)
+        for groups in itertools.islice(_device_orders(budgets, t=t, count=p), 24):
+            slots = _slots(groups, unlimited, options["device_speeds"], p=p, d=1, v=_virtual_stages(options["schedule"], p),
+                           m=m, schedule=options["schedule"] if p > 1 else "1F1B")
+            counts = split_layers(costs, slots)
+            if counts is None:
+                continue
+            slots = [replace(s, budget=min(budgets[x] for g in s.devices for x in g)) for s in slots]
+            plan = _plan(costs, slots, counts, name="", config=config, t=t, p=p, d=1, v=1, m=m, schedule="1F1B")
+            over = max(s.memory.total / s.budget for s in plan.stages)
+            if over < best_over:
+                best, best_over = plan, over
+    return best
+
+
+def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> list[str]:
+    def fits(b, s) -> bool:
+        return best_plan(config, b, s, name="", **options) is not None
+
+    fixes = []
+    if spec.method == "full" and fits(budgets, replace(spec, method="lora")):
+        fixes.append("LoRA instead of full fine-tuning (--lora-r 16)")
+    if spec.method != "inference" and not spec.activation_checkpointing and fits(
+            budgets, replace(spec, activation_checkpointing=True)):
+        fixes.append("activation checkpointing (--activation-checkpointing on)")
+    seq = spec.seq_len // 2
+    while seq >= 128:
+        if fits(budgets, replace(spec, seq_len=seq)):
+            fixes.append(f"a shorter sequence (--seq-len {seq})")
+            break
+        seq //= 2
+    if spec.micro_batch_size > 1 and fits(budgets, replace(spec, micro_batch_size=1)):
+        fixes.append("micro-batch size 1 (--micro-batch-size 1)")
+    smallest = min(budgets.values())
+    for count in range(len(budgets) + 1, 4 * len(budgets) + 9):
+        more = {**budgets, **{str(1000 + i): smallest for i in range(count - len(budgets))}}
+        if fits(more, spec):
+            fixes.append(f"{count} devices (add {count - len(budgets)} × {format_bytes(smallest)})")
+            break
+    larger = _smallest_uniform_budget(lambda b: fits(b, spec), budgets)
+    if larger is not None:
+        fixes.append(f"{len(budgets)} devices of {format_bytes(larger)} each")
+    return fixes
+
+
+def _smallest_uniform_budget(fits, budgets: dict[str, int]) -> Optional[int]:
+    """Smallest per-device budget (to 1/16 GiB) at which every device of `budgets` fits, up to 16× the largest."""
+    high = max(budgets.values()) * 16
+    if not fits({k: high for k in budgets}):
+        return None
+    low = max(budgets.values())
+    step = 1 << 26
+    while high - low > step:
+        mid = (low + high) // 2
+        if fits({k: mid for k in budgets}):
+            high = mid
+        else:
+            low = mid
+    return high

@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny real checkpoints written once per session."""
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: `tiny_checkpoint(arch, tied=False, sharded=True, **overrides)` → folder (cached per arguments)."""
+    from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
+
+    made = {}
+
+    def make(arch="llama", *, tied=False, sharded=True, **overrides):
+        key = (arch, tied, sharded, tuple(sorted(overrides.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"{arch}-{'tied' if tied else 'untied'}-{'sharded' if sharded else 'single'}")
+            made[key] = write_tiny_checkpoint(folder, arch, tied=tied, sharded=sharded, **overrides)
+        return made[key]
+
+    return make
