@@ -89,6 +89,7 @@ def make_plan(
     checkpointing = [False, True] if activation_checkpointing == "auto" else [bool(activation_checkpointing)]
     if spec.method == "inference":
         checkpointing = [False]
+    _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp)
     for ac in checkpointing:
         found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
         if found is not None:
@@ -314,6 +315,22 @@ def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpe
         raise PlanError(f"global_batch={global_batch} is smaller than micro_batch_size={spec.micro_batch_size}")
     if spec.seq_len < 1 or spec.micro_batch_size < 1:
         raise PlanError("seq_len and micro_batch_size must be at least 1")
+
+
+def _check_degrees(config, devices: int, *, tp, pp, dp) -> None:
+    if tp is not None:
+        valid = valid_tp_degrees(config, max(tp, 1))
+        if tp not in valid:
+            raise PlanError(
+                f"tp={tp} does not divide the model's attention heads ({config.num_attention_heads}), key-value heads "
+                f"({getattr(config, 'num_key_value_heads', None) or config.num_attention_heads}) and MLP width "
+                f"({config.intermediate_size}); valid degrees: {', '.join(map(str, valid))}")
+    needed = (tp or 1) * (pp or 1) * (dp or 1)
+    if needed > devices:
+        raise PlanError(f"tp={tp or 1} × pp={pp or 1} × dp={dp or 1} needs {needed} devices but the budget names "
+                        f"{devices}; add devices to max_memory or lower the degrees")
+    if pp is not None and pp > config.num_hidden_layers:
+        raise PlanError(f"pp={pp} is more pipeline stages than the model's {config.num_hidden_layers} layers")
 
 
 def _speed(speeds: dict, device: str, budgets: dict[str, int]) -> float:
