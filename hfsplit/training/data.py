@@ -1,0 +1,484 @@
+"""Data for fine-tuning: datasets → fixed-length token rows → deterministic micro-batches.
+
+Three formats, each turned into rows of `input_ids` and `labels` of length `seq_len`
+(labels equal the inputs where the loss counts and -100 elsewhere; the model shifts
+them itself, as transformers' `ForCausalLMLoss` does):
+
+- "text": documents joined with EOS and cut into full blocks; the remainder is dropped.
+- "instruction": alpaca columns `instruction` / `input` / `output`; loss on the response only.
+- "chat": a `messages` list rendered with the tokenizer's chat template; loss on assistant turns only.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from hfsplit.errors import HfsplitError
+
+IGNORE_INDEX = -100
+BUNDLED_DIR = Path(__file__).parent / "data"
+TINY_TOKENIZER_DIR = Path(__file__).parent / "tiny_tokenizer"
+
+BUILDER_BY_SUFFIX = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".txt": "text",
+    ".text": "text",
+}
+FORMATS = ("text", "instruction", "chat")
+
+# The prompts of Stanford Alpaca, so a model fine-tuned here answers prompts written that way.
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+class DatasetError(HfsplitError, ValueError):
+    """A dataset that cannot be read or turned into training rows (missing columns, empty, ...)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def builder_for(source: str) -> tuple[str, dict[str, Any]]:
+    """The `datasets.load_dataset` builder name and arguments for a local file, folder or hub name.
+
+    Args:
+        source: a local `.json`/`.jsonl`/`.csv`/`.parquet`/`.txt` file, a local folder, or a hub name.
+    """
+    path = Path(os.path.expanduser(source))
+    if path.is_dir():
+        return str(path), {}
+    suffix = path.suffix.lower()
+    if path.is_file():
+        if suffix not in BUILDER_BY_SUFFIX:
+            raise DatasetError(
+                f"cannot tell the file type of {source!r} from its extension {suffix!r}; "
+                f"use one of {sorted(BUILDER_BY_SUFFIX)}"
+            )
+        return BUILDER_BY_SUFFIX[suffix], {"data_files": str(path)}
+    if suffix in BUILDER_BY_SUFFIX:
+        # Looks like a file, not a hub name: say so instead of a confusing hub lookup error.
+        raise DatasetError(f"dataset file {source!r} does not exist")
+    return source, {}
+
+
+def is_blank_file(path: Path) -> bool:
+    """Whether `path` holds nothing but whitespace (only its start is read)."""
+    with path.open("rb") as f:
+        return not f.read(1 << 16).strip()
+
+
+def load_examples(source: str, *, split: str = "train", **load_kwargs: Any):
+    """Load raw examples (a `datasets.Dataset`) from a local file or folder, or a hub dataset name.
+
+    Args:
+        source: path or hub name, see `builder_for`.
+        split: the split to load; local files land in "train".
+        load_kwargs: passed on to `datasets.load_dataset` (e.g. `cache_dir`, `name`, `revision`).
+    """
+    import datasets
+
+    builder, kwargs = builder_for(source)
+    # An empty file fails deep inside the builders (StopIteration, "no columns"), so catch it first.
+    if "data_files" in kwargs and is_blank_file(Path(kwargs["data_files"])):
+        raise DatasetError(f"dataset file {source!r} is empty")
+    try:
+        dataset = datasets.load_dataset(builder, split=split, **kwargs, **load_kwargs)
+    except datasets.exceptions.DatasetGenerationError as err:
+        raise DatasetError(f"could not read dataset {source!r}: {err.__cause__ or err}") from err
+    except ValueError as err:
+        # How `datasets` reports a split with zero rows, e.g. a JSON file holding `[]`.
+        if "corresponds to no data" in str(err):
+            raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples") from err
+        raise
+    if len(dataset) == 0:
+        raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples")
+    return dataset
+
+
+def bundled_dataset_path(name: str) -> Path:
+    """Path of a dataset shipped with hfsplit: "tiny_alpaca.jsonl", "tiny_chat.jsonl" or "tiny_text.txt"."""
+    path = BUNDLED_DIR / name
+    if not path.is_file():
+        found = sorted(p.name for p in BUNDLED_DIR.iterdir() if p.suffix in BUILDER_BY_SUFFIX)
+        raise DatasetError(f"no bundled dataset {name!r}; bundled: {found}")
+    return path
+
+
+def tiny_tokenizer():
+    """The tiny tokenizer shipped with hfsplit (vocab 256, ChatML chat template), loaded offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
+
+
+# ---------------------------------------------------------------------------------------------
+# format detection
+
+
+def detect_format(columns: Sequence[str]) -> str:
+    """The format that a dataset's columns imply: "chat", "instruction" or "text".
+
+    Args:
+        columns: the dataset's column names.
+    """
+    if "messages" in columns:
+        return "chat"
+    if "instruction" in columns and "output" in columns:
+        return "instruction"
+    if "text" in columns:
+        return "text"
+    raise DatasetError(
+        f"cannot tell the dataset format from its columns {list(columns)}; expected 'messages' (chat), "
+        "'instruction' + 'output' (instruction) or 'text' (text), or pass format= and rename the columns"
+    )
+
+
+def check_columns(columns: Sequence[str], format: str) -> None:
+    """Raise `DatasetError` when the columns that `format` needs are missing."""
+    needed = {"text": ["text"], "instruction": ["instruction", "output"], "chat": ["messages"]}
+    if format not in needed:
+        raise DatasetError(f"unknown dataset format {format!r}; use one of {list(FORMATS)}")
+    missing = [c for c in needed[format] if c not in columns]
+    if missing:
+        optional = " (and optionally 'input')" if format == "instruction" else ""
+        raise DatasetError(
+            f"dataset format {format!r} needs columns {needed[format]}{optional}, but the dataset has "
+            f"{list(columns)} (missing {missing}); rename the columns or pass another format="
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# token rows
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """Fixed-length training rows: `input_ids` and `labels`, both (num_rows, seq_len) int64."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def eos_id(tokenizer) -> int:
+    """The tokenizer's EOS id, or a `DatasetError` saying it needs one."""
+    if tokenizer.eos_token_id is None:
+        raise DatasetError(f"tokenizer {tokenizer.name_or_path!r} has no eos_token; set tokenizer.eos_token")
+    return tokenizer.eos_token_id
+
+
+def pad_id(tokenizer) -> int:
+    """The id used to pad rows: the pad token, else EOS (padding is masked out of the loss anyway)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id(tokenizer)
+
+
+def packed_text_rows(texts: Sequence[str], tokenizer, *, seq_len: int) -> TokenRows:
+    """Documents joined with EOS after each one and cut into full blocks of `seq_len`; the rest is dropped.
+
+    Args:
+        texts: the documents; empty ones are skipped.
+        tokenizer: a Hugging Face tokenizer with an EOS token.
+        seq_len: tokens per row.
+    """
+    eos = eos_id(tokenizer)
+    docs = [t for t in texts if t]
+    encoded = tokenizer(docs, add_special_tokens=False)["input_ids"] if docs else []
+    stream = np.fromiter((i for ids in encoded for i in (*ids, eos)), dtype=np.int64)
+    num_rows = len(stream) // seq_len
+    if num_rows == 0:
+        raise DatasetError(
+            f"the text dataset has {len(stream)} tokens, fewer than one block of seq_len={seq_len}; "
+            "add text or lower seq_len"
+        )
+    blocks = torch.from_numpy(stream[: num_rows * seq_len].reshape(num_rows, seq_len))
+    return TokenRows(input_ids=blocks, labels=blocks.clone())
+
+
+def alpaca_prompt(instruction: str, input: str | None = None) -> str:
+    """The alpaca prompt for one example, with or without its `input` section."""
+    if input:
+        return ALPACA_PROMPT.format(instruction=instruction, input=input)
+    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+def padded_row(ids: list[int], labels: list[int], *, seq_len: int, pad: int) -> tuple[list[int], list[int]]:
+    """`ids` and `labels` cut to `seq_len`, then padded on the right (pad ids, -100 labels)."""
+    ids, labels = ids[:seq_len], labels[:seq_len]
+    fill = seq_len - len(ids)
+    return ids + [pad] * fill, labels + [IGNORE_INDEX] * fill
+
+
+def stacked_rows(rows: list[tuple[list[int], list[int]]], *, format: str, seq_len: int) -> TokenRows:
+    """Rows with at least one supervised token, stacked; an error when none has one."""
+    # A row whose response was cut off entirely teaches nothing and would make an all -100 batch (NaN loss).
+    kept = [r for r in rows if any(label != IGNORE_INDEX for label in r[1])]
+    if not kept:
+        raise DatasetError(
+            f"no {format} example has a response token within seq_len={seq_len} "
+            f"({len(rows)} examples); raise seq_len or shorten the prompts"
+        )
+    return TokenRows(
+        input_ids=torch.tensor([r[0] for r in kept], dtype=torch.int64),
+        labels=torch.tensor([r[1] for r in kept], dtype=torch.int64),
+    )
+
+
+def instruction_rows(examples: Sequence[dict], tokenizer, *, seq_len: int) -> TokenRows:
+    """Alpaca examples as rows: prompt tokens masked, response tokens and the closing EOS supervised.
+
+    Prompt and response are tokenized apart, so the mask is exact whatever merges the tokenizer makes
+    (the prompt is tokenized the same way at generation time). Rows are cut and padded to `seq_len`.
+
+    Args:
+        examples: dicts with "instruction", "output" and optionally "input".
+        tokenizer: a Hugging Face tokenizer with an EOS token; its BOS (if it adds one) starts the prompt.
+        seq_len: tokens per row.
+    """
+    eos, pad = eos_id(tokenizer), pad_id(tokenizer)
+    prompts = [alpaca_prompt(e["instruction"] or "", e.get("input")) for e in examples]
+    responses = [e["output"] or "" for e in examples]
+    prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    rows = []
+    for p, r in zip(prompt_ids, response_ids):
+        response = [*r, eos]
+        rows.append(padded_row([*p, *response], [IGNORE_INDEX] * len(p) + response, seq_len=seq_len, pad=pad))
+    return stacked_rows(rows, format="instruction", seq_len=seq_len)
+
+
+def rendered_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
+    """`messages` rendered as text by the tokenizer's chat template."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of each assistant reply (content + end marker).
+
+    Each span is found by rendering the conversation prefix by prefix: it starts where the prefix with a
+    generation prompt ends and stops where the prefix including the reply ends. Trailing whitespace the
+    template writes after the end marker is left out, since generation stops at the marker.
+    """
+    full = rendered_chat(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(rendered_chat(tokenizer, messages[:i], add_generation_prompt=True))
+        upto = rendered_chat(tokenizer, messages[: i + 1])
+        if not full.startswith(upto) or start > len(upto):
+            raise DatasetError(
+                "the tokenizer's chat template does not render conversations prefix by prefix, so assistant "
+                "turns cannot be located; use a template whose output for a conversation's prefix is a prefix"
+            )
+        end = len(upto.rstrip())
+        if end > start:
+            spans.append((start, end))
+    return full, spans
+
+
+def chat_row(tokenizer, messages: list[dict], *, seq_len: int, pad: int) -> tuple[list[int], list[int]]:
+    """One conversation as a row: tokens of assistant replies supervised, the rest masked."""
+    text, spans = assistant_char_spans(tokenizer, messages)
+    # The template writes special tokens (BOS included) itself, so the tokenizer must add none.
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    labels = [
+        tok if any(start <= begin < end for start, end in spans) else IGNORE_INDEX
+        for tok, (begin, _) in zip(ids, encoded["offset_mapping"])
+    ]
+    return padded_row(ids, labels, seq_len=seq_len, pad=pad)
+
+
+def checked_messages(messages: Any, index: int) -> list[dict]:
+    """`messages` of example `index` if it is a list of {role, content} dicts, else a `DatasetError`."""
+    ok = isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    )
+    if not ok:
+        raise DatasetError(
+            f"example {index}: 'messages' must be a list of {{'role': str, 'content': str}} dicts, "
+            f"got {str(messages)[:200]}"
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def chat_rows(conversations: Sequence[Any], tokenizer, *, seq_len: int) -> TokenRows:
+    """Conversations as rows: only assistant replies and their end token supervised.
+
+    Args:
+        conversations: each a list of {"role", "content"} dicts.
+        tokenizer: a fast Hugging Face tokenizer with a chat template.
+        seq_len: tokens per row.
+    """
+    if not tokenizer.chat_template:
+        raise DatasetError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; set tokenizer.chat_template")
+    if not tokenizer.is_fast:
+        raise DatasetError("chat format needs a fast tokenizer (character offsets locate the assistant turns)")
+    pad = pad_id(tokenizer)
+    rows = [
+        chat_row(tokenizer, checked_messages(messages, i), seq_len=seq_len, pad=pad)
+        for i, messages in enumerate(conversations)
+    ]
+    return stacked_rows(rows, format="chat", seq_len=seq_len)
+
+
+def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None) -> TokenRows:
+    """A loaded dataset turned into training rows of `seq_len` tokens.
+
+    Args:
+        dataset: a `datasets.Dataset` (or anything with `column_names`, `len` and column access).
+        tokenizer: a Hugging Face tokenizer.
+        seq_len: tokens per row.
+        format: "text", "instruction" or "chat"; None detects it from the columns.
+    """
+    if len(dataset) == 0:
+        raise DatasetError("the dataset has no examples")
+    if seq_len < 2:
+        raise DatasetError(f"seq_len={seq_len} is too short; use at least 2")
+    columns = list(dataset.column_names)
+    format = format or detect_format(columns)
+    check_columns(columns, format)
+    if format == "text":
+        return packed_text_rows(dataset["text"], tokenizer, seq_len=seq_len)
+    if format == "instruction":
+        inputs = dataset["input"] if "input" in columns else [None] * len(dataset)
+        examples = [
+            {"instruction": i, "input": x, "output": o}
+            for i, x, o in zip(dataset["instruction"], inputs, dataset["output"])
+        ]
+        return instruction_rows(examples, tokenizer, seq_len=seq_len)
+    return chat_rows(dataset["messages"], tokenizer, seq_len=seq_len)
+
+
+def load_token_rows(
+    source: str, tokenizer, *, seq_len: int, format: str | None = None, split: str = "train", **load_kwargs: Any
+) -> TokenRows:
+    """Load a dataset (file, folder or hub name) and turn it into training rows; see `token_rows`.
+
+    Args:
+        source: path or hub name.
+        tokenizer: a Hugging Face tokenizer.
+        seq_len: tokens per row.
+        format: "text", "instruction", "chat", or None to detect from the columns.
+        split: the split to load.
+        load_kwargs: passed on to `datasets.load_dataset`.
+    """
+    dataset = load_examples(source, split=split, **load_kwargs)
+    try:
+        return token_rows(dataset, tokenizer, seq_len=seq_len, format=format)
+    except DatasetError as err:
+        raise DatasetError(f"{source}: {err}") from err
+
+
+# ---------------------------------------------------------------------------------------------
+# batching
+
+
+def epoch_order(num_rows: int, *, seed: int, epoch: int) -> np.ndarray:
+    """The row order of one epoch: a permutation that depends only on (seed, epoch), same on every rank."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+class MicroBatches:
+    """Endless, resumable batches: per optimizer step, `num_micro_batches * micro_batch_size` rows.
+
+    Every rank built with the same seed draws the same batches. Each epoch visits the rows in a fresh
+    order and drops the last rows that do not fill a step. `state_dict()` holds (seed, epoch, step), so
+    a resumed run continues with the very next batch.
+
+    Args:
+        rows: the training rows.
+        micro_batch_size: rows per micro-batch.
+        num_micro_batches: micro-batches per optimizer step.
+        seed: the shuffling seed.
+        epoch: the epoch to start in.
+    """
+
+    def __init__(self, rows: TokenRows, *, micro_batch_size: int, num_micro_batches: int, seed: int, epoch: int = 0):
+        self.rows = rows
+        self.batch_size = micro_batch_size * num_micro_batches
+        if micro_batch_size < 1 or num_micro_batches < 1:
+            raise DatasetError(
+                f"micro_batch_size and num_micro_batches must be ≥ 1, got {micro_batch_size}, {num_micro_batches}"
+            )
+        self.steps_per_epoch = len(rows) // self.batch_size
+        if self.steps_per_epoch == 0:
+            raise DatasetError(
+                f"the dataset has {len(rows)} rows, fewer than one step of {num_micro_batches} micro-batches × "
+                f"{micro_batch_size} rows = {self.batch_size}; lower micro_batch_size or num_micro_batches"
+            )
+        self.seed, self.epoch, self.step = seed, epoch, 0
+        self._order = epoch_order(len(rows), seed=seed, epoch=epoch)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.step == self.steps_per_epoch:
+            self._start_epoch(self.epoch + 1)
+        index = torch.from_numpy(self._order[self.step * self.batch_size : (self.step + 1) * self.batch_size])
+        self.step += 1
+        return {"input_ids": self.rows.input_ids[index], "labels": self.rows.labels[index]}
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch, self.step = epoch, 0
+        self._order = epoch_order(len(self.rows), seed=self.seed, epoch=epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the batches stand: seed, epoch, and steps already taken in that epoch."""
+        return {"seed": self.seed, "epoch": self.epoch, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a `state_dict()`: the next batch is the one that followed it."""
+        if not 0 <= state["step"] <= self.steps_per_epoch:
+            raise DatasetError(
+                f"saved data position step={state['step']} is outside an epoch of {self.steps_per_epoch} steps; "
+                "was the dataset, seq_len or batch size changed since the checkpoint?"
+            )
+        self.seed = state["seed"]
+        self._start_epoch(state["epoch"])
+        self.step = state["step"]
+
+
+def micro_batches(
+    rows: TokenRows, *, micro_batch_size: int, num_micro_batches: int, seed: int, epoch: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The batches of one epoch, one per optimizer step; see `MicroBatches`.
+
+    Args:
+        rows: the training rows.
+        micro_batch_size: rows per micro-batch.
+        num_micro_batches: micro-batches per optimizer step.
+        seed: the shuffling seed.
+        epoch: which epoch's order to use.
+    """
+    batches = MicroBatches(
+        rows, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches, seed=seed, epoch=epoch
+    )
+    for _ in range(batches.steps_per_epoch):
+        yield next(batches)
