@@ -5,12 +5,22 @@ from hand formulas. Activation bytes are measured by tracing one block at the re
 dimensions under FakeTensorMode (no allocation), so they follow whatever the
 attention implementation and MLP really keep for backward.
 
-INTERFACE (implementation in progress): the planner relies on exactly these names.
+The planner relies on exactly the public names below.
 """
 from __future__ import annotations
 
+import fnmatch
+import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Literal, Optional
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import PlanError, UnsupportedModelError
 
 Method = Literal["inference", "lora", "full"]
 
@@ -96,16 +106,499 @@ class ModelCosts:
     spec: TrainingSpec = field(default_factory=TrainingSpec)
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LORA_ADAPTER_DTYPE = torch.float32  # peft's autocast_adapter_dtype=True (its default) upcasts bf16/fp16 adapters
+_ADAMW_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+_MASTER_WEIGHT_BYTES = 4  # fp32 master copy under mixed precision
+
+
 def valid_tp_degrees(config, max_degree: int) -> list[int]:
     """TP degrees ≤ max_degree dividing attention heads, key-value heads and MLP width."""
-    raise NotImplementedError
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    widths = (heads, kv_heads, config.intermediate_size)
+    return [t for t in range(1, max_degree + 1) if all(w % t == 0 for w in widths)]
 
 
 def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
-    """Costs of `config`'s model under `spec` with tensor-parallel degree `tp`."""
-    raise NotImplementedError
+    """Costs of `config`'s model under `spec` with tensor-parallel degree `tp`.
+
+    Args:
+        config: a transformers config of a decoder-only causal LM (see `hfsplit.checkpoint.load_config`).
+        spec: what one step does.
+        tp: tensor-parallel degree; must be one of `valid_tp_degrees(config, tp)`.
+    """
+    if tp not in valid_tp_degrees(config, tp):
+        raise PlanError(
+            f"tp={tp} does not divide the attention heads ({config.num_attention_heads}), key-value heads "
+            f"and MLP width ({config.intermediate_size}) of {config.model_type}; "
+            f"use one of {valid_tp_degrees(config, max(tp, 1))}"
+        )
+    if spec.method not in ("inference", "lora", "full"):
+        raise PlanError(f"TrainingSpec.method {spec.method!r}: use 'inference', 'lora' or 'full'")
+    _dtype(spec.dtype)  # fail early on an unknown dtype
+    key = _config_key(config)
+    _CONFIGS.setdefault(key, config)
+    return _model_costs(key, spec, tp)
 
 
 def estimate_peak_bytes(costs: ModelCosts) -> int:
-    """Estimated peak of one training step of the whole model in one process (no pipeline), without reserve."""
-    raise NotImplementedError
+    """Estimated peak of one training step of the whole model in one process (no pipeline), without reserve.
+
+    Training is a steady-state step: AdamW state already exists and `zero_grad(set_to_none=True)`
+    freed the gradients, so the peak is the largest of: forward + loss, each part's backward
+    (its activations freed as its gradients appear) and the optimizer step. Inference is one
+    forward without a KV cache (`use_cache=False`).
+    """
+    embed, block, head, n = costs.embed, costs.block, costs.head, costs.num_layers
+    shared = embed if costs.tied else None  # the tied matrix is held once in one process
+
+    def total(field_name: str) -> int:
+        value = getattr(embed, field_name) + n * getattr(block, field_name) + getattr(head, field_name)
+        return value - (getattr(shared, field_name) if shared is not None else 0)
+
+    params, grads, optim = total("param_bytes"), total("grad_bytes"), total("optimizer_bytes")
+    if costs.spec.method == "inference":
+        # The model's forward keeps `inputs_embeds` (the embedding output) alive to the end.
+        return params + embed.workspace_bytes + max(block.workspace_bytes, head.workspace_bytes)
+
+    held = params + optim
+    activations = embed.activation_bytes + n * block.activation_bytes + head.activation_bytes
+    phases = [held + activations + head.workspace_bytes]  # forward done, loss computed
+    # Backward walks head → blocks → embed; each part's activations go as its gradients arrive.
+    order = [head] + [block] * n + [embed]
+    live_acts, live_grads = activations, 0
+    for part in order:
+        grad = part.grad_bytes
+        if part is embed and shared is not None:
+            grad = 0  # accumulates into the head's gradient of the shared matrix
+        phases.append(held + live_acts + live_grads + grad + part.workspace_bytes)
+        live_acts -= part.activation_bytes
+        live_grads += grad
+    phases.append(params + grads + optim + _optimizer_step_bytes(costs, optim))
+    return max(phases)
+
+
+# --- internals -------------------------------------------------------------------------------
+
+_CONFIGS: dict[str, object] = {}
+
+
+def _config_key(config) -> str:
+    return config.to_json_string(use_diff=False)
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise PlanError(f"TrainingSpec.dtype {name!r}: use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _optimizer_step_bytes(costs: ModelCosts, optimizer_bytes: int) -> int:
+    """Transient of AdamW's step: the foreach implementation (default on GPUs) builds one fp32
+    temporary per trainable parameter (the square root of the second moment)."""
+    master = costs.spec.method == "full" and costs.spec.dtype != "float32"
+    per_param = _ADAMW_MOMENT_BYTES + (_MASTER_WEIGHT_BYTES if master else 0)
+    return optimizer_bytes // per_param * 4
+
+
+def _one_layer_config(config, *, tp: int = 1):
+    """A copy of `config` with one decoder block whose heads and MLP width are those of one TP rank."""
+    cfg = config.__class__.from_dict(config.to_dict())
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    cfg.num_hidden_layers = 1
+    layer_types = getattr(cfg, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and layer_types:
+        cfg.layer_types = list(layer_types[:1])
+    if tp > 1:
+        cfg.num_attention_heads = heads // tp
+        cfg.num_key_value_heads = kv_heads // tp
+        cfg.intermediate_size = config.intermediate_size // tp
+        cfg.head_dim = head_dim  # hidden_size // heads would change once heads are divided
+    if getattr(cfg, "_attn_implementation", None) is None:
+        cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+@dataclass(frozen=True)
+class _Linear:
+    name: str  # relative to the block
+    in_features: int
+    out_features: int
+    shard: Optional[str]  # "col" (output dim split), "row" (input dim split) or None (replicated)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Parameter counts of the real model class, read from a meta-device instance."""
+
+    embed_numel: int
+    head_numel: int  # final norm + lm_head, the tied matrix included
+    norm_numel: int  # the final norm alone (replicated under TP)
+    block_numel_replicated: int  # block parameters not split by TP (norms, rowwise biases)
+    block_numel_sharded: int  # block parameters split by TP (before division)
+    linears: tuple[_Linear, ...]
+    tied: bool
+
+
+@functools.lru_cache(maxsize=32)
+def _layout(key: str) -> _Layout:
+    config = _CONFIGS[key]
+    from transformers import AutoModelForCausalLM
+
+    # One block suffices: ModelCosts assumes all blocks alike, and 1 block builds ~80× faster than 80.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_one_layer_config(config))
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm")):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: hfsplit splits decoders laid out as embed_tokens, layers, norm "
+            "(Llama, Qwen2, Mistral and alike); this model is not"
+        )
+    embed, block = base.embed_tokens, base.layers[0]
+    lm_head = model.get_output_embeddings()
+    tied = lm_head.weight is embed.weight
+    tp_plan = getattr(config, "base_model_tp_plan", None) or {}
+
+    def shard_of(module_name: str) -> Optional[str]:
+        for pattern, style in tp_plan.items():
+            if fnmatch.fnmatchcase(f"layers.0.{module_name}", pattern):
+                if "colwise" in style:
+                    return "col"
+                if "rowwise" in style:
+                    return "row"
+        return None
+
+    replicated = sharded = 0
+    linears = []
+    for name, module in block.named_modules():
+        shard = shard_of(name) if name else None
+        for pname, p in module.named_parameters(recurse=False):
+            # A rowwise layer's bias is added after the all-reduce, so each rank holds it whole.
+            if shard == "col" or (shard == "row" and pname == "weight"):
+                sharded += p.numel()
+            else:
+                replicated += p.numel()
+        if isinstance(module, torch.nn.Linear):
+            linears.append(_Linear(name, module.in_features, module.out_features, shard))
+    head_numel = sum(p.numel() for p in base.norm.parameters()) + sum(p.numel() for p in lm_head.parameters())
+    return _Layout(
+        embed_numel=sum(p.numel() for p in embed.parameters()),
+        head_numel=head_numel,
+        norm_numel=sum(p.numel() for p in base.norm.parameters()),
+        block_numel_replicated=replicated,
+        block_numel_sharded=sharded,
+        linears=tuple(linears),
+        tied=tied,
+    )
+
+
+def _lora_targets(layout: _Layout, spec: TrainingSpec) -> list[_Linear]:
+    if spec.lora_targets is None:
+        return list(layout.linears)
+    # peft matches a target name against the end of the module path
+    return [lin for lin in layout.linears if any(lin.name == t or lin.name.endswith("." + t) for t in spec.lora_targets)]
+
+
+def _lora_numel(layout: _Layout, spec: TrainingSpec, tp: int) -> int:
+    numel = 0
+    for lin in _lora_targets(layout, spec):
+        in_f = lin.in_features // tp if lin.shard == "row" else lin.in_features  # A is r × in
+        out_f = lin.out_features // tp if lin.shard == "col" else lin.out_features  # B is out × r
+        numel += spec.lora_r * (in_f + out_f)
+    return numel
+
+
+@functools.lru_cache(maxsize=256)
+def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
+    config = _CONFIGS[key]
+    layout = _layout(key)
+    size = _dtype(spec.dtype).itemsize
+    block_numel = layout.block_numel_replicated + layout.block_numel_sharded // tp
+    # hfsplit.parallel.tensor shards the embedding and lm_head over the vocabulary (the
+    # final norm stays whole), so each TP rank holds 1/tp of both matrices.
+    head_numel = layout.norm_numel + (layout.head_numel - layout.norm_numel) // tp
+    numels = {"embed": layout.embed_numel // tp, "block": block_numel, "head": head_numel}
+    lora_numel = _lora_numel(layout, spec, tp) if spec.method == "lora" else 0
+
+    trace = _trace_block(key, spec, tp)
+    ends = _trace_ends(key, spec)
+    tokens = spec.micro_batch_size * spec.seq_len
+    hidden_bytes = tokens * config.hidden_size * size
+
+    def state(part: str) -> tuple[int, int, int]:
+        params = numels[part] * size
+        if spec.method == "full":
+            master = _MASTER_WEIGHT_BYTES if spec.dtype != "float32" else 0
+            return params, numels[part] * size, numels[part] * (_ADAMW_MOMENT_BYTES + master)
+        if spec.method == "lora" and part == "block":
+            adapter = _LORA_ADAPTER_DTYPE.itemsize
+            return params + lora_numel * adapter, lora_numel * adapter, lora_numel * _ADAMW_MOMENT_BYTES
+        return params, 0, 0
+
+    passes = 1 if spec.method == "inference" else 3  # backward ≈ 2 × forward
+    ckpt = spec.activation_checkpointing and spec.method != "inference"
+
+    # Block FLOPs: every matmul parameter (base + adapter) × 2 per token, plus QKᵀ and AV.
+    matmul_numel = sum(
+        lin.in_features * lin.out_features // (tp if lin.shard else 1) for lin in layout.linears
+    ) + lora_numel
+    heads_dim = config.num_attention_heads // tp * _head_dim(config)
+    block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * spec.seq_len**2 * heads_dim
+    block_flops = block_fwd * (passes + (1 if ckpt else 0))
+    head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * passes
+    # Two all-reduces (after attention and after the MLP) each way; recompute repeats the forward ones.
+    all_reduces = 2 if spec.method == "inference" else 4 + (2 if ckpt else 0)
+    comm = all_reduces * hidden_bytes if tp > 1 else 0
+
+    if spec.method == "inference":
+        block_acts, block_ws = 0, trace.inference_peak
+    elif ckpt:
+        # Only the block input is kept; backward recomputes the block's activations transiently.
+        block_acts, block_ws = hidden_bytes, trace.activations + trace.workspace
+    else:
+        block_acts, block_ws = trace.activations, trace.workspace
+
+    embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
+    block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
+    head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
+    return ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+# --- measurement under FakeTensorMode ---------------------------------------------------------
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages created inside the mode and still alive, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # Views and in-place results alias an input: nothing new, even when that input
+        # (a parameter) was created before the mode and is not counted.
+        inputs = {id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage) -> None:
+        sid = id(storage)
+        if sid in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen.add(sid)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, sid, nbytes)
+
+    def _free(self, sid: int, nbytes: int) -> None:
+        self._seen.discard(sid)
+        self.live -= nbytes
+
+
+class _SavedBytes:
+    """Sums the unique storages autograd saves for backward, parameters excluded."""
+
+    def __init__(self, exclude: list[torch.Tensor]):
+        self._exclude = {id(t.untyped_storage()) for t in exclude}
+        self._storages: dict[int, object] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if id(storage) not in self._exclude:
+            self._storages[id(storage)] = storage  # holding it keeps ids unique
+        return t
+
+    def add(self, t: torch.Tensor) -> None:
+        self.pack(t)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.nbytes() for s in self._storages.values())
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+@dataclass(frozen=True)
+class _BlockTrace:
+    activations: int  # saved for backward by one block
+    workspace: int  # transient beyond the saved activations and the block's own gradients
+    inference_peak: int  # peak of a no-grad forward, input and output included
+
+
+@dataclass(frozen=True)
+class _EndsTrace:
+    embed_activations: int
+    embed_workspace: int
+    head_activations: int
+    head_workspace: int
+
+
+class _Captured(Exception):
+    pass
+
+
+def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
+    """A one-block model of the real class with fake (unallocated) weights, and the kwargs its model
+    forward passes to the block (rotary embeddings, mask), captured by running it once."""
+    from transformers import AutoModelForCausalLM
+
+    config = _CONFIGS[key]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_one_layer_config(config, tp=tp), dtype=_dtype(spec.dtype))
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    if spec.method == "lora":
+        from peft import LoraConfig, inject_adapter_in_model
+
+        targets = [lin.name.rsplit(".", 1)[-1] for lin in _lora_targets(_layout(key), spec)]
+        inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=targets), base.layers[0])
+        for name, module in base.layers[0].named_modules():
+            if name.endswith(("lora_A", "lora_B")):
+                module.to(_LORA_ADAPTER_DTYPE)
+    with mode:
+        _to_fake(model)
+        kwargs, ids = _block_kwargs(base, spec)
+    return model, base, kwargs, ids
+
+
+def _block_kwargs(base, spec: TrainingSpec):
+    captured = {}
+
+    def capture(module, args, kwargs):
+        captured.update(kwargs)
+        raise _Captured
+
+    handle = base.layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+    ids = torch.zeros(spec.micro_batch_size, spec.seq_len, dtype=torch.long)
+    try:
+        with torch.no_grad():
+            base(input_ids=ids, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    captured.pop("hidden_states", None)
+    captured.pop("past_key_values", None)
+    captured.pop("past_key_value", None)
+    return captured, ids
+
+
+def _to_fake(model: torch.nn.Module) -> None:
+    """Replace meta parameters and buffers with fake CPU tensors of the caller's FakeTensorMode.
+
+    Built on meta first because peft cannot swap fake parameters; replaced entry by entry
+    because `to_empty` swaps tensors, which transformers' weak references forbid.
+    """
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
+
+
+def _set_trainable(module: torch.nn.Module, spec: TrainingSpec) -> None:
+    for name, p in module.named_parameters():
+        p.requires_grad_(spec.method == "full" or (spec.method == "lora" and "lora_" in name))
+
+
+@functools.lru_cache(maxsize=256)
+def _trace_block(key: str, spec: TrainingSpec, tp: int) -> _BlockTrace:
+    config = _CONFIGS[key]
+    dtype = _dtype(spec.dtype)
+    shape = (spec.micro_batch_size, spec.seq_len, config.hidden_size)
+    mode = FakeTensorMode()
+    model, base, kwargs, _ = _fake_model(key, spec, tp, mode)
+    with mode:
+        block = base.layers[0]
+        _set_trainable(block, spec)
+        params = list(block.parameters())
+
+        with _LiveBytes() as live, torch.no_grad():
+            x = torch.empty(shape, dtype=dtype)
+            y = block(x, **kwargs)
+            del x, y
+        inference_peak = live.peak
+        if spec.method == "inference":
+            return _BlockTrace(0, 0, inference_peak)
+
+        saved = _SavedBytes(exclude=params)
+        with _LiveBytes() as live:
+            x = torch.empty(shape, dtype=dtype, requires_grad=True)
+            with saved.hooks():
+                y = block(x, **kwargs)
+            fwd_peak = live.peak
+            grad_out = torch.empty_like(y)
+            live.reset_peak()
+            y.backward(grad_out)
+            bwd_peak = live.peak
+        activations = saved.bytes
+        grads = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+        out_bytes = y.untyped_storage().nbytes()  # the output belongs to the next part's activations
+        workspace = max(fwd_peak - activations, bwd_peak - activations - grads - out_bytes)
+        return _BlockTrace(activations, max(workspace, 0), inference_peak)
+
+
+@functools.lru_cache(maxsize=256)
+def _trace_ends(key: str, spec: TrainingSpec) -> _EndsTrace:
+    config = _CONFIGS[key]
+    dtype = _dtype(spec.dtype)
+    shape = (spec.micro_batch_size, spec.seq_len, config.hidden_size)
+    mode = FakeTensorMode()
+    model, base, _, ids = _fake_model(key, spec, 1, mode)
+    with mode:
+        embed, norm, lm_head = base.embed_tokens, base.norm, model.get_output_embeddings()
+        _set_trainable(model, spec)
+        train = spec.method != "inference"
+
+        # Embeddings: the lookup output is the first block's input, counted there.
+        saved = _SavedBytes(exclude=list(embed.parameters()))
+        with _LiveBytes() as live, torch.set_grad_enabled(train), saved.hooks():
+            h = embed(ids)
+        embed_fwd = live.peak
+        embed_bwd = 0
+        if spec.method == "full":
+            with _LiveBytes() as live:
+                h.backward(torch.empty_like(h))
+            embed_bwd = live.peak - embed.weight.grad.untyped_storage().nbytes()
+            embed.weight.grad = None
+        embed_acts = saved.bytes if train else 0
+        embed_ws = max(embed_fwd - embed_acts, embed_bwd)
+
+        # Head: the final norm, lm_head and the loss. The logits stay alive with the model output.
+        head_params = list(norm.parameters()) + list(lm_head.parameters())
+        saved = _SavedBytes(exclude=head_params)
+        with _LiveBytes() as live:
+            x = torch.empty(shape, dtype=dtype, requires_grad=train)
+            with torch.set_grad_enabled(train), saved.hooks():
+                logits = lm_head(norm(x))
+                if train:
+                    loss = model.loss_function(logits=logits, labels=ids, vocab_size=config.vocab_size)
+            head_fwd = live.peak
+            if not train:
+                return _EndsTrace(0, embed_ws, 0, head_fwd)
+            saved.add(logits)
+            live.reset_peak()
+            loss.backward()
+            head_bwd = live.peak
+        head_acts = saved.bytes
+        grads = sum(p.grad.untyped_storage().nbytes() for p in head_params if p.grad is not None)
+        head_ws = max(head_fwd - head_acts, head_bwd - head_acts - grads)
+        return _EndsTrace(embed_acts, max(embed_ws, 0), head_acts, max(head_ws, 0))

@@ -59,6 +59,7 @@ def make_plan(
     tp: Optional[int] = None,
     pp: Optional[int] = None,
     dp: Optional[int] = None,
+    world_size: Optional[int] = None,
 ) -> Plan:
     """Plan the split of `model` over the devices of `max_memory`.
 
@@ -72,6 +73,7 @@ def make_plan(
         activation_checkpointing: True, False, or "auto" (on only when needed to fit).
         device_speeds: relative speed per device key (default 1 each).
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
+        world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
 
     Raises:
         PlanError: nothing fits; the message says per stage what is needed against
@@ -85,11 +87,14 @@ def make_plan(
     budgets = parse_max_memory(max_memory)
     _check_options(schedule, micro_batches, global_batch, spec)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule,
-                   device_speeds=device_speeds or {}, tp=tp, pp=pp, dp=dp)
+                   device_speeds=device_speeds or {}, tp=tp, pp=pp, dp=dp, world_size=world_size)
     checkpointing = [False, True] if activation_checkpointing == "auto" else [bool(activation_checkpointing)]
     if spec.method == "inference":
         checkpointing = [False]
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp)
+    if world_size is not None and world_size > len(budgets):
+        raise PlanError(f"{world_size} ranks but max_memory names {len(budgets)} devices; give one budget per rank "
+                        f'(e.g. "{world_size}x{format_bytes(min(budgets.values())).replace(" ", "")}")')
     for ac in checkpointing:
         found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
         if found is not None:
@@ -99,7 +104,8 @@ def make_plan(
 
 
 def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, micro_batches, global_batch,
-              schedule: str, device_speeds: dict, tp=None, pp=None, dp=None) -> Optional[Plan]:
+              schedule: str, device_speeds: dict, tp=None, pp=None, dp=None,
+              world_size: Optional[int] = None) -> Optional[Plan]:
     """The fastest fitting plan (by tokens/s), or None."""
     devices = list(budgets)
     n = len(devices)
@@ -112,7 +118,7 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
                 break
             replicas = [dp] if dp else [n // (t * p)]
             for d in replicas:
-                if d < 1 or t * p * d > n:
+                if d < 1 or t * p * d > n or (world_size and t * p * d != world_size):
                     continue
                 m = _micro_batches(micro_batches, global_batch, spec, p, d)
                 for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m,
@@ -141,8 +147,11 @@ def split_layers(costs: ModelCosts, slots: Sequence[Slot]) -> Optional[list[int]
     L = costs.num_layers
     if len(slots) > L:
         return None
+    by_rank: dict[int, list[Slot]] = {}
+    for slot in slots:
+        by_rank.setdefault(slot.pp_rank, []).append(slot)
     counts = [1] * len(slots)
-    if any(not _rank_fits(costs, slots, counts, slot.pp_rank) for slot in slots):
+    if any(not _fits(costs, mine, counts) for mine in by_rank.values()):
         return None
     heap = [(_slot_time(costs, s, 2), s.index) for s in slots]
     heapq.heapify(heap)
@@ -150,7 +159,7 @@ def split_layers(costs: ModelCosts, slots: Sequence[Slot]) -> Optional[list[int]
         while heap:
             _, k = heapq.heappop(heap)
             counts[k] += 1
-            if _rank_fits(costs, slots, counts, slots[k].pp_rank):
+            if _fits(costs, by_rank[slots[k].pp_rank], counts):
                 heapq.heappush(heap, (_slot_time(costs, slots[k], counts[k] + 1), k))
                 break
             counts[k] -= 1  # full: this slot takes no more layers
@@ -217,9 +226,13 @@ def _slot_time(costs: ModelCosts, slot: Slot, layers: int) -> float:
 
 
 def _rank_fits(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], pp_rank: int) -> bool:
-    mine = [s for s in slots if s.pp_rank == pp_rank]
+    return _fits(costs, [s for s in slots if s.pp_rank == pp_rank], counts)
+
+
+def _fits(costs: ModelCosts, mine: Sequence[Slot], counts: Sequence[int]) -> bool:
+    """Whether the slots of one pipeline rank fit its budget together (one reserve per device)."""
     total = sum(stage_memory(costs, s, counts[s.index]).total for s in mine)
-    total -= (len(mine) - 1) * costs.spec.reserve_bytes  # one reserve per device
+    total -= (len(mine) - 1) * costs.spec.reserve_bytes
     return total <= mine[0].budget
 
 
@@ -405,16 +418,34 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
         seq //= 2
     if spec.micro_batch_size > 1 and fits(budgets, replace(spec, micro_batch_size=1)):
         fixes.append("micro-batch size 1 (--micro-batch-size 1)")
-    smallest = min(budgets.values())
-    for count in range(len(budgets) + 1, 4 * len(budgets) + 9):
-        more = {**budgets, **{str(1000 + i): smallest for i in range(count - len(budgets))}}
-        if fits(more, spec):
-            fixes.append(f"{count} devices (add {count - len(budgets)} × {format_bytes(smallest)})")
-            break
+    count = _fewest_devices(lambda b: fits(b, spec), budgets)
+    if count is not None:
+        fixes.append(f"{count} devices (add {count - len(budgets)} × {format_bytes(min(budgets.values()))})")
     larger = _smallest_uniform_budget(lambda b: fits(b, spec), budgets)
     if larger is not None:
         fixes.append(f"{len(budgets)} devices of {format_bytes(larger)} each")
     return fixes
+
+
+def _fewest_devices(fits, budgets: dict[str, int], limit: int = 512) -> Optional[int]:
+    """Fewest devices (the given ones plus more of the smallest budget) that fit, up to `limit`."""
+    smallest = min(budgets.values())
+
+    def grown(count: int) -> dict[str, int]:
+        return {**budgets, **{f"+{i}": smallest for i in range(count - len(budgets))}}
+
+    low, high = len(budgets), len(budgets) * 2
+    while not fits(grown(high)):
+        low, high = high, high * 2
+        if high > limit:
+            return None
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(grown(mid)):
+            high = mid
+        else:
+            low = mid
+    return high
 
 
 def _smallest_uniform_budget(fits, budgets: dict[str, int]) -> Optional[int]:

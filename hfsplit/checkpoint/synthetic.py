@@ -63,8 +63,14 @@ def write_checkpoint(path: str | Path, config, *, seed: int = 0, max_shard_size:
 def write_tiny_checkpoint(path: str | Path, arch: str = "llama", *, tied: bool = False, sharded: bool = True,
                           seed: int = 0, **config_overrides) -> Path:
     """A tiny `arch` checkpoint in `path`; sharded into several safetensors files unless `sharded=False`."""
+    from ..training.data import tiny_tokenizer
+
     config = tiny_config(arch, tied=tied, **config_overrides)
-    return write_checkpoint(path, config, seed=seed, max_shard_size="60KB" if sharded else None)
+    path = write_checkpoint(path, config, seed=seed, max_shard_size="60KB" if sharded else None)
+    tokenizer = tiny_tokenizer()
+    if len(tokenizer) <= config.vocab_size:  # a complete model folder, as users have them
+        tokenizer.save_pretrained(path)
+    return path
 
 
 def write_hub_cache(cache_dir: str | Path, repo_id: str, source: str | Path, *, revision: str = "main",

@@ -1,0 +1,101 @@
+"""`hfsplit plan` end to end on the bundled public configs (no weights, no network)."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hfsplit import Plan, PlanError, TrainingSpec, make_plan
+from hfsplit.cli import main
+from hfsplit.costs import valid_tp_degrees
+from hfsplit.checkpoint import load_config
+
+GiB = 2**30
+
+
+def test_plan_fits_uneven_budgets_and_prints_a_table(capsys):
+    assert main(["plan", "Qwen/Qwen2.5-14B", "--max-memory", "24GiB,12GiB,12GiB", "--seq-len", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "pp=" in out and "bubble" in out
+    for device in ("0", "1", "2"):
+        assert any(line.split()[1:2] == [device] for line in out.splitlines()[3:])
+
+
+def test_uneven_budgets_give_the_larger_card_at_least_as_many_layers():
+    plan = make_plan("Qwen/Qwen2.5-14B", "24GiB,12GiB,12GiB", spec=TrainingSpec(method="lora", seq_len=2048))
+    by_device = {d: s for s in plan.stages for g in s.devices for d in g}
+    if plan.tp == 1 and plan.pp == 3:
+        assert by_device["0"].num_layers >= max(by_device["1"].num_layers, by_device["2"].num_layers)
+    for stage in plan.stages:
+        assert stage.memory.total <= stage.budget
+
+
+def test_json_round_trip(capsys):
+    assert main(["plan", "meta-llama/Llama-3.1-8B", "--max-memory", "4x16GiB", "--json"]) == 0
+    text = capsys.readouterr().out
+    plan = Plan.from_json(text)
+    assert plan == Plan.from_json(plan.to_json())
+    assert json.loads(plan.to_json()) == json.loads(text)
+    assert sum(s.num_layers for s in plan.stages) == 32
+
+
+def test_png_chart(tmp_path):
+    png = tmp_path / "plan.png"
+    assert main(["plan", "mistralai/Mistral-7B-v0.3", "--max-memory", "2x16GiB", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_infeasible_budget_exits_2_with_per_stage_needs_and_computed_fixes(capsys):
+    code = main(["plan", "meta-llama/Llama-3.1-70B", "--max-memory", "2x24GiB", "--full", "--seq-len", "4096"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no split fits" in err and "needs" in err and "over" in err
+    assert "devices" in err  # more or larger GPUs is always among the computed fixes here
+
+
+def test_suggested_fixes_really_fit():
+    with pytest.raises(PlanError) as err:
+        make_plan("meta-llama/Llama-3.1-8B", "2x24GiB", spec=TrainingSpec(method="full", seq_len=1024))
+    message = str(err.value)
+    assert "LoRA instead of full" in message
+    make_plan("meta-llama/Llama-3.1-8B", "2x24GiB", spec=TrainingSpec(method="lora", seq_len=1024))
+    # "N devices of X each" is computed: X fits, and X minus the search's 64 MiB step does not.
+    size = re.search(r"2 devices of ([\d.]+) GiB each", message)
+    assert size is not None
+    make_plan("meta-llama/Llama-3.1-8B", f"2x{size.group(1)}GiB", spec=TrainingSpec(method="full", seq_len=1024))
+    with pytest.raises(PlanError):
+        smaller = int(float(size.group(1)) * GiB) - 2 * 2**26
+        make_plan("meta-llama/Llama-3.1-8B", f"2x{smaller}", spec=TrainingSpec(method="full", seq_len=1024))
+
+
+def test_head_counts_restrict_tensor_parallel_degree():
+    config = load_config("Qwen/Qwen2.5-0.5B")  # 14 heads, 2 kv heads
+    assert valid_tp_degrees(config, 8) == [1, 2]
+    with pytest.raises(PlanError, match="tp=4 does not divide"):
+        make_plan(config, "4x8GiB", tp=4)
+    assert make_plan(config, "4x8GiB").tp in (1, 2)
+
+
+def test_tied_embeddings_single_process_device_map():
+    plan = make_plan("Qwen/Qwen2.5-0.5B", {0: "1GiB", 1: "1GiB", "cpu": "64GiB"},
+                     spec=TrainingSpec(method="inference", seq_len=512, reserve_bytes=0), tp=1, dp=1)
+    device_map = plan.device_map()
+    assert plan.tied_embeddings
+    assert {f"model.layers.{i}" for i in range(24)} <= set(device_map)
+    assert set(device_map.values()) <= {0, 1, "cpu"}
+    assert device_map["model.embed_tokens"] == device_map["model.layers.0"]
+    assert device_map["lm_head"] == device_map["model.layers.23"] == device_map["model.norm"]
+    assert all(s.memory.total <= s.budget for s in plan.stages)
+
+
+def test_more_stages_than_devices_is_a_clear_error():
+    with pytest.raises(PlanError, match="needs 4 devices"):
+        make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=4)
+
+
+def test_console_script_runs():
+    out = subprocess.run([sys.executable, "-m", "hfsplit.cli", "plan", "Qwen/Qwen2.5-0.5B", "--max-memory", "1MiB"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "no split fits" in out.stderr

@@ -1,0 +1,174 @@
+"""Cost model: parameter counts of real configs, TP arithmetic, and estimated peaks against
+peaks measured with MemTracker on real tiny models running a real step."""
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from hfsplit.checkpoint import load_config
+from hfsplit.costs import TrainingSpec, estimate_peak_bytes, model_costs, valid_tp_degrees
+
+CONFIGS = Path(__file__).resolve().parent.parent / "hfsplit" / "configs"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def bundled(name: str):
+    return load_config(CONFIGS / f"{name}.json")
+
+
+def param_count(config, tp: int = 1) -> float:
+    """Parameters of the whole model from ModelCosts (the tied matrix once)."""
+    costs = model_costs(config, TrainingSpec(method="inference", dtype="bfloat16"), tp=tp)
+    total = costs.embed.param_bytes + costs.num_layers * costs.block.param_bytes + costs.head.param_bytes
+    if costs.tied:
+        total -= costs.embed.param_bytes
+    return total / 2
+
+
+@pytest.mark.parametrize(
+    "name, published",
+    [
+        ("meta-llama--Llama-3.1-8B", 8.03e9),
+        ("meta-llama--Llama-3.1-70B", 70.55e9),
+        ("Qwen--Qwen2.5-14B", 14.77e9),
+        ("Qwen--Qwen2.5-0.5B", 0.494e9),  # "0.49B" in the report; the hub page says 494M
+        ("mistralai--Mistral-7B-v0.3", 7.25e9),
+    ],
+)
+def test_published_parameter_counts(name, published):
+    assert param_count(bundled(name)) == pytest.approx(published, rel=0.005)
+
+
+@pytest.mark.parametrize(
+    "name, max_degree, expected",
+    [
+        ("Qwen--Qwen2.5-0.5B", 8, [1, 2]),  # 14 heads, 2 kv heads
+        ("meta-llama--Llama-3.1-8B", 8, [1, 2, 4, 8]),  # 32 heads, 8 kv heads, 14336 wide
+        ("meta-llama--Llama-3.1-8B", 3, [1, 2]),
+        ("Qwen--Qwen2.5-14B", 16, [1, 2, 4, 8]),  # 40 heads, 8 kv heads, 13824 wide
+    ],
+)
+def test_valid_tp_degrees(name, max_degree, expected):
+    assert valid_tp_degrees(bundled(name), max_degree) == expected
+
+
+@pytest.mark.parametrize("name, tp", [("meta-llama--Llama-3.1-8B", 2), ("meta-llama--Llama-3.1-8B", 8), ("Qwen--Qwen2.5-0.5B", 2)])
+def test_tp_divides_block_projections_only(name, tp):
+    config = bundled(name)
+    spec = TrainingSpec(method="full", dtype="bfloat16", seq_len=128)
+    one, split = model_costs(config, spec), model_costs(config, spec, tp=tp)
+    norms = 2 * config.hidden_size * 2  # two RMSNorm weights per block, replicated
+    # Qwen2's q/k/v biases are colwise-sharded with their weights, so only the norms stay whole.
+    assert split.block.param_bytes - norms == (one.block.param_bytes - norms) // tp
+    assert split.block.grad_bytes == split.block.param_bytes
+    # embedding and lm_head are sharded over the vocabulary, the final norm is not
+    assert split.embed.param_bytes == one.embed.param_bytes // tp
+    norm = config.hidden_size * 2
+    assert split.head.param_bytes == norm + (one.head.param_bytes - norm) // tp
+    assert split.block.activation_bytes < one.block.activation_bytes
+    assert split.block.comm_bytes == 4 * 128 * config.hidden_size * 2
+    assert one.block.comm_bytes == 0
+
+
+def test_lora_and_checkpointing_shapes():
+    config = bundled("meta-llama--Llama-3.1-8B")
+    lora = model_costs(config, TrainingSpec(method="lora", lora_r=16, dtype="bfloat16", seq_len=256))
+    h, kv, ff = config.hidden_size, 8 * 128, config.intermediate_size
+    adapters = 16 * ((h + h) * 2 + (h + kv) * 2 + (h + ff) * 2 + (ff + h))
+    assert lora.block.grad_bytes == adapters * 4  # fp32 adapters
+    assert lora.block.optimizer_bytes == adapters * 8
+    assert lora.embed.grad_bytes == lora.head.grad_bytes == 0
+    ckpt = model_costs(config, TrainingSpec(method="lora", lora_r=16, dtype="bfloat16", seq_len=256, activation_checkpointing=True))
+    assert ckpt.block.activation_bytes == 256 * h * 2
+    assert ckpt.block.workspace_bytes >= lora.block.activation_bytes
+    assert ckpt.block.flops == pytest.approx(lora.block.flops * 4 / 3)
+
+
+def tiny_config(family: str):
+    common = dict(num_hidden_layers=2, max_position_embeddings=512)
+    if family == "llama":
+        return LlamaConfig(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2, vocab_size=2000, **common)
+    if family == "qwen2":
+        return Qwen2Config(hidden_size=96, intermediate_size=256, num_attention_heads=6, num_key_value_heads=2, vocab_size=3000, tie_word_embeddings=True, **common)
+    return MistralConfig(hidden_size=128, intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, sliding_window=None, **common)
+
+
+class FrozenAwareMemTracker(MemTracker):
+    """MemTracker hooks every parameter of a module for its gradient, which fails on frozen ones
+    (LoRA's base weights). Hooks only modules whose parameters all train; the adapters' own
+    Linear modules still get theirs, and the hooks only label memory, they do not count it."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        trains = all(p.requires_grad for p in module.parameters())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks and trains)
+
+
+def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False) -> int:
+    """Peak bytes over the first two real steps (the second is the steady state with AdamW state)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=list(LORA_TARGETS)))
+    ids = torch.randint(0, config.vocab_size, (1, seq_len))
+    optimizer = None
+    if method == "inference":
+        model.eval()
+    else:
+        # foreach is AdamW's default on GPUs, which is what the estimate is for
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+    tracker = FrozenAwareMemTracker()
+    tracker.track_external(model, *([optimizer] if optimizer else []))
+    peak = 0
+    for _ in range(2):
+        with tracker:
+            if optimizer is None:
+                with torch.no_grad():
+                    model(input_ids=ids, use_cache=False)  # a scoring forward; no KV cache is modelled
+            else:
+                out = model(input_ids=ids, labels=ids)
+                out.loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                del out
+        peak = max(peak, max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values()))
+        tracker.reset_mod_stats()
+    return peak
+
+
+def estimated_peak(config, method: str, seq_len: int, checkpointing: bool = False) -> int:
+    spec = TrainingSpec(
+        method=method, seq_len=seq_len, dtype="float32", lora_r=8, lora_targets=LORA_TARGETS, activation_checkpointing=checkpointing
+    )
+    return estimate_peak_bytes(model_costs(config, spec))
+
+
+@pytest.mark.parametrize("seq_len", [64, 256])
+@pytest.mark.parametrize("method", ["inference", "lora", "full"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_estimated_peak_matches_a_real_step(family, method, seq_len):
+    config = tiny_config(family)
+    measured, estimated = measured_peak(config, method, seq_len), estimated_peak(config, method, seq_len)
+    assert estimated == pytest.approx(measured, rel=0.15), f"estimated/measured = {estimated / measured:.3f}"
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_estimated_peak_with_activation_checkpointing(method):
+    config = tiny_config("llama")
+    measured, estimated = measured_peak(config, method, 256, True), estimated_peak(config, method, 256, True)
+    assert estimated == pytest.approx(measured, rel=0.15), f"estimated/measured = {estimated / measured:.3f}"
+
+
+def test_model_costs_is_fast_for_70b():
+    config = bundled("meta-llama--Llama-3.1-70B")
+    start = time.perf_counter()
+    for tp in (1, 2, 4, 8):
+        model_costs(config, TrainingSpec(method="lora", seq_len=4096, dtype="bfloat16", lora_r=32), tp=tp)
+    # Generous for a shared CI core; a single call takes ~0.3 s on a laptop core.
+    assert time.perf_counter() - start < 8
