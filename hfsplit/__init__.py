@@ -2,10 +2,11 @@
 from .budget import parse_max_memory
 from .costs import TrainingSpec
 from .errors import BudgetError, CheckpointError, HfsplitError, PlanError, UnsupportedModelError
+from .materialize import from_pretrained
 from .plan import Plan, Stage, StageMemory
 from .planner import make_plan
 
 __all__ = [
     "BudgetError", "CheckpointError", "HfsplitError", "Plan", "PlanError", "Stage", "StageMemory",
-    "TrainingSpec", "UnsupportedModelError", "make_plan", "parse_max_memory",
+    "TrainingSpec", "UnsupportedModelError", "from_pretrained", "make_plan", "parse_max_memory",
 ]

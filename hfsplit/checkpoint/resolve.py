@@ -56,16 +56,19 @@ def load_config(model: str | os.PathLike, *, revision: Optional[str] = None):
     from transformers import AutoConfig
 
     path = Path(model)
-    if path.is_file():
-        return _config_from_json(path)
-    if path.is_dir():
-        return _config_from_json(resolve_file(str(path), "config.json"))
     bundled = bundled_config_path(str(model))
-    if bundled is not None and revision is None:
+    if path.is_file():
+        config = _config_from_json(path)
+    elif path.is_dir():
+        config = _config_from_json(resolve_file(str(path), "config.json"))
+    elif bundled is not None and revision is None:
         # The bundled file is the public config.json itself; asking the hub again
         # would only add a network round trip (or retries, when offline).
-        return _config_from_json(bundled)
-    return _config_from_json(resolve_file(str(model), "config.json", revision=revision))
+        config = _config_from_json(bundled)
+    else:
+        config = _config_from_json(resolve_file(str(model), "config.json", revision=revision))
+    config._name_or_path = str(model)
+    return config
 
 
 def _config_from_json(path: Path):

@@ -1,0 +1,474 @@
+"""Lazy safetensors reader: index → shard → tensor, or one tensor-parallel slice of it.
+
+Only the shards that hold needed tensors are resolved (downloaded, for hub names) and
+opened; only the bytes of the tensors asked for are read.
+
+Headers are parsed and validated with `safetensors.safe_open` (its checks of offsets
+and file size are stricter than ours would be), but the bytes themselves are read with
+`os.preadv` straight into the destination tensor. Measured on a 64 MiB fp32 tensor:
+a 16 MiB column slice through `get_slice` raised peak RSS by ~84 MiB with the mmap
+backend (every page of the memory map is faulted in and stays mapped) and ~81 MiB with
+safetensors' pread backend (it reads the whole tensor), while preads of bounded row
+chunks cost the slice plus one chunk. Full reads into a fresh tensor likewise cost 1×
+instead of the mmap's 2× (mapped pages + copy).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+import torch
+
+from ..errors import CheckpointError, UnsupportedModelError
+from .resolve import resolve_file
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Bytes of file read per pread when a tensor is cast, sliced by columns, or sent to a
+# device: bounds the host RAM a read needs beyond its result.
+CHUNK_BYTES = 8 * 2**20
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
+                     ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+Device = Union[str, int, torch.device]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one checkpoint tensor lives: file, dtype, shape, absolute byte range."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+
+class CheckpointReader:
+    """Reads tensors (or TP slices) of a safetensors checkpoint by model parameter name.
+
+    Build it with `CheckpointReader.open(...)`, which validates everything needed before
+    returning. Names are the model's parameter names (`model.layers.0.mlp.up_proj.weight`);
+    checkpoint names differ only where transformers renames on load, or for tied weights.
+    """
+
+    def __init__(self, source: str, weight_map: dict[str, str], names: dict[str, str],
+                 revision: Optional[str] = None, layout_file: Optional[Path] = None):
+        self.source = source
+        self.revision = revision
+        self.layout_file = layout_file  # the index, or the single file: where tensor names come from
+        self._weight_map = weight_map  # checkpoint name → shard file name
+        self._names = names  # model name → checkpoint name
+        self._paths: dict[str, Path] = {}
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
+        self._fds: dict[Path, int] = {}
+
+    # ---- building -------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, name_or_path: Union[str, os.PathLike], *, needed: Optional[Iterable[str]] = None,
+             model: Optional[torch.nn.Module] = None, revision: Optional[str] = None) -> "CheckpointReader":
+        """Open a checkpoint and validate the tensors that will be read.
+
+        Args:
+            name_or_path: a local model folder or a hub name ("org/model").
+            needed: model parameter names that will be read; only their shards are resolved
+                and opened. None means every tensor (every parameter of `model`, when given).
+            model: the model (usually on the meta device) the tensors are for; gives the
+                checkpoint → parameter renames transformers applies, tied weights, and the
+                shapes and dtypes to check against.
+            revision: hub revision.
+
+        Raises:
+            CheckpointError: missing index/shard/tensor, a corrupt shard header, or a tensor
+                whose shape or kind of dtype disagrees with the model.
+        """
+        source = str(name_or_path)
+        layout_file, weight_map = _weight_map(source, revision)
+        names = parameter_to_checkpoint_names(weight_map, model)
+        reader = cls(source, weight_map, names, revision, layout_file)
+        wanted = set(needed) if needed is not None else (
+            set(names) | set(_persistent_state_names(model)) if model is not None else set(names))
+        reader._validate(wanted, model)
+        return reader
+
+    # ---- queries ----------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """Model parameter names this checkpoint provides (tied aliases included)."""
+        return sorted(self._names)
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's key for model parameter `name`."""
+        try:
+            return self._names[name]
+        except KeyError:
+            raise CheckpointError(f"{self._where()}: no tensor {name!r} in the checkpoint") from None
+
+    def shard_of(self, name: str) -> str:
+        """File name of the shard holding `name`."""
+        return self._weight_map[self.checkpoint_name(name)]
+
+    def shards_for(self, names: Iterable[str]) -> set[str]:
+        """File names of the shards holding `names`."""
+        return {self.shard_of(n) for n in names}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entry(name).dtype
+
+    def nbytes(self, name: str) -> int:
+        entry = self._entry(name)
+        return entry.stop - entry.start
+
+    # ---- reading ----------------------------------------------------------------------
+
+    def read(self, name: str, dtype: Optional[torch.dtype] = None, device: Device = "cpu") -> torch.Tensor:
+        """Tensor `name` as a fresh tensor of `dtype` (default: as stored) on `device`.
+
+        Host RAM beyond the result: at most one CHUNK_BYTES buffer (none for a CPU read in
+        the stored dtype, which lands directly in the result).
+        """
+        entry = self._entry(name)
+        out = torch.empty(entry.shape, dtype=dtype or entry.dtype, device=_device(device))
+        self._fill_rows(entry, out, name)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Copy tensor `name` into `out` (any device and floating dtype; shape must match)."""
+        entry = self._entry(name)
+        if tuple(out.shape) != entry.shape:
+            raise CheckpointError(
+                f"{entry.file}: tensor {self.checkpoint_name(name)!r} has shape {list(entry.shape)}, "
+                f"the destination {list(out.shape)}")
+        self._fill_rows(entry, out, name)
+        return out
+
+    def read_slice(self, name: str, dim: int, index: int, parts: int, dtype: Optional[torch.dtype] = None,
+                   device: Device = "cpu") -> torch.Tensor:
+        """Part `index` of `parts` equal parts of tensor `name` along `dim` (a TP shard).
+
+        dim=0 takes rows (contiguous bytes); dim>=1 takes columns, read in row chunks of at
+        most CHUNK_BYTES so host RAM stays at the slice plus one chunk.
+
+        Args:
+            name: model parameter name.
+            dim: dimension to split.
+            index: which part, 0-based.
+            parts: the number of parts (the TP degree); must divide `shape[dim]`.
+            dtype: result dtype (default: as stored).
+            device: result device.
+        """
+        entry = self._entry(name)
+        if not 0 <= dim < len(entry.shape):
+            raise ValueError(f"read_slice({name!r}): dim {dim} out of range for shape {list(entry.shape)}")
+        if not 0 <= index < parts:
+            raise ValueError(f"read_slice({name!r}): index {index} not in [0, {parts})")
+        size = entry.shape[dim]
+        if size % parts:
+            raise CheckpointError(
+                f"{entry.file}: tensor {self.checkpoint_name(name)!r} has {size} entries along dim {dim}, "
+                f"not divisible into {parts} tensor-parallel parts; choose a TP degree that divides {size}")
+        step = size // parts
+        shape = list(entry.shape)
+        shape[dim] = step
+        out = torch.empty(shape, dtype=dtype or entry.dtype, device=_device(device))
+        outer = math.prod(entry.shape[:dim])
+        inner = math.prod(entry.shape[dim + 1:])
+        if outer == 1:  # contiguous bytes: treat as rows of the slice
+            item = entry.dtype.itemsize
+            start = entry.start + index * step * inner * item
+            sub = TensorEntry(entry.file, entry.dtype, tuple(shape), start, start + step * inner * item)
+            self._fill_rows(sub, out, name)
+        else:
+            self._fill_columns(entry, out.view(outer, step, inner), index * step, step, size, inner)
+        return out
+
+    def close(self) -> None:
+        """Close the open shard files."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _where(self) -> str:
+        if self.layout_file is not None:
+            return str(self.layout_file)
+        return self.source if self.revision is None else f"{self.source}@{self.revision}"
+
+    def _validate(self, wanted: set[str], model: Optional[torch.nn.Module]) -> None:
+        """Raise CheckpointError for the first problem among the `wanted` tensors."""
+        missing = sorted(n for n in wanted if n not in self._names)
+        if missing:
+            what = f"{type(model).__name__} needs" if model is not None else "was asked for"
+            shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise CheckpointError(
+                f"{self._where()}: the checkpoint lacks tensor(s) {shown} that {what}; "
+                "is the checkpoint complete and of the same architecture as config.json?")
+        for shard in sorted(self.shards_for(wanted)):
+            try:
+                self._header(shard)
+            except CheckpointError as exc:
+                held = sorted(n for n in wanted if self.shard_of(n) == shard)
+                more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+                raise CheckpointError(f"{exc}; it holds needed tensor(s) {', '.join(map(repr, held[:3]))}{more}") from exc
+        params = _meta_state(model) if model is not None else {}
+        for name in sorted(wanted):
+            entry = self._entry(name)
+            ref = params.get(name)
+            if ref is None:
+                continue
+            where = f"{entry.file}: tensor {self.checkpoint_name(name)!r}"
+            if entry.shape != tuple(ref.shape):
+                raise CheckpointError(
+                    f"{where} has shape {list(entry.shape)} but the config gives {name!r} shape "
+                    f"{list(ref.shape)}; the checkpoint and config.json disagree")
+            if ref.is_floating_point() != entry.dtype.is_floating_point:
+                raise CheckpointError(
+                    f"{where} has dtype {entry.dtype} but {name!r} is {ref.dtype}; "
+                    "a floating-point parameter cannot be loaded from an integer tensor (or the reverse)")
+
+    def _path(self, shard: str) -> Path:
+        if shard not in self._paths:
+            self._paths[shard] = resolve_file(self.source, shard, revision=self.revision)
+        return self._paths[shard]
+
+    def _header(self, shard: str) -> dict[str, TensorEntry]:
+        if shard not in self._headers:
+            self._headers[shard] = _read_header(self._path(shard))
+        return self._headers[shard]
+
+    def _entry(self, name: str) -> TensorEntry:
+        key = self.checkpoint_name(name)
+        shard = self._weight_map[key]
+        header = self._header(shard)
+        if key not in header:
+            raise CheckpointError(
+                f"{self._path(shard)}: the index places tensor {key!r} in this shard but the shard lacks it; "
+                "the index and shards are out of step (re-download or re-save the checkpoint)")
+        return header[key]
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def _fill_rows(self, entry: TensorEntry, out: torch.Tensor, name: str) -> None:
+        """Copy the contiguous bytes of `entry` into `out`, CHUNK_BYTES at a time when casting."""
+        if not out.is_contiguous():
+            raise ValueError("read_into needs a contiguous destination tensor")
+        fd = self._fd(entry.file)
+        if out.device.type == "cpu" and out.dtype == entry.dtype and out.is_contiguous():
+            _pread_into(fd, _bytes_of(out), entry.start, entry.file)
+            return
+        item = entry.dtype.itemsize
+        flat = out.view(-1)
+        per_chunk = max(CHUNK_BYTES // item, 1)
+        buffer = torch.empty(min(per_chunk, max(flat.numel(), 1)), dtype=entry.dtype)
+        for first in range(0, flat.numel(), per_chunk):
+            count = min(per_chunk, flat.numel() - first)
+            part = buffer[:count]
+            _pread_into(fd, _bytes_of(part), entry.start + first * item, entry.file)
+            flat[first:first + count].copy_(part)
+
+    def _fill_columns(self, entry: TensorEntry, out: torch.Tensor, first: int, step: int, size: int,
+                      inner: int) -> None:
+        """Fill `out` (outer, step, inner) from columns [first, first+step) of entry viewed (outer, size, inner)."""
+        fd = self._fd(entry.file)
+        row_bytes = size * inner * entry.dtype.itemsize
+        rows_per_chunk = max(CHUNK_BYTES // row_bytes, 1)
+        outer = out.shape[0]
+        buffer = torch.empty(min(rows_per_chunk, outer) * size * inner, dtype=entry.dtype)
+        for row in range(0, outer, rows_per_chunk):
+            count = min(rows_per_chunk, outer - row)
+            part = buffer[:count * size * inner]
+            _pread_into(fd, _bytes_of(part), entry.start + row * row_bytes, entry.file)
+            out[row:row + count].copy_(part.view(count, size, inner)[:, first:first + step])
+
+
+# ---- checkpoint layout ------------------------------------------------------------------
+
+
+def _weight_map(source: str, revision: Optional[str]) -> tuple[Path, dict[str, str]]:
+    """(index or single file, checkpoint tensor name → shard file name)."""
+    index_path = _optional_file(source, INDEX_FILE, revision)
+    if index_path is not None:
+        try:
+            data = json.loads(index_path.read_text())
+            weight_map = data["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: not a readable safetensors index ({exc})") from exc
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: 'weight_map' is empty or not a mapping")
+        return index_path, dict(weight_map)
+    single = _optional_file(source, SINGLE_FILE, revision)
+    if single is None:
+        raise CheckpointError(
+            f"{source}: neither {INDEX_FILE} nor {SINGLE_FILE} found; hfsplit reads safetensors checkpoints "
+            "(convert .bin weights with `save_pretrained(..., safe_serialization=True)`)")
+    return single, {key: SINGLE_FILE for key in _read_header(single)}
+
+
+def _optional_file(source: str, filename: str, revision: Optional[str]) -> Optional[Path]:
+    path = Path(source)
+    if path.is_dir():
+        candidate = path / filename
+        return candidate if candidate.is_file() else None
+    try:
+        return resolve_file(source, filename, revision=revision)
+    except CheckpointError:
+        return None
+
+
+def _read_header(path: Path) -> dict[str, TensorEntry]:
+    """Tensor entries of one safetensors file; CheckpointError names the file when it is corrupt."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: shard file not found; the index names it but it is missing "
+                              "(incomplete download or copy?)")
+    try:
+        # safe_open checks the header against the file (offsets, sizes, dtypes); we keep
+        # no handle, so no memory map stays open.
+        with safe_open(str(path), framework="pt") as handle:
+            names = list(handle.keys())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({exc}); re-download or re-save this shard") from exc
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    base = 8 + length
+    out = {}
+    for name in names:
+        info = header[name]
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which hfsplit cannot read")
+        start, stop = info["data_offsets"]
+        out[name] = TensorEntry(path, _DTYPES[info["dtype"]], tuple(info["shape"]), base + start, base + stop)
+    return out
+
+
+# ---- names ------------------------------------------------------------------------------
+
+
+def parameter_to_checkpoint_names(weight_map: dict[str, str], model: Optional[torch.nn.Module] = None
+                                  ) -> dict[str, str]:
+    """Model parameter name → checkpoint name.
+
+    Applies the renames transformers applies on load for the model's class (none for
+    dense Llama/Qwen2/Mistral), and maps tied weights absent from the checkpoint
+    (`lm_head.weight`) to their source (`model.embed_tokens.weight`).
+
+    Raises:
+        UnsupportedModelError: a tensor needs merging or splitting on load (MoE experts...).
+    """
+    if model is None:
+        names = {key: key for key in weight_map}
+    else:
+        renamings, converters = _conversions(model)
+        state = _meta_state(model) if renamings or converters else {}
+        names = {_renamed(key, model, renamings, converters, state): key for key in weight_map}
+    for target, source in _tied_pairs(model).items():
+        if target not in names and source in names:
+            names[target] = names[source]
+    return names
+
+
+def _renamed(key: str, model: torch.nn.Module, renamings: list, converters: list,
+             state: dict[str, torch.Tensor]) -> str:
+    if not renamings and not converters:
+        return key
+    from transformers.core_model_loading import rename_source_key
+
+    renamed, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+    if converter is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: checkpoint tensor {key!r} is converted on load ({converter!r}: merged or split "
+            "with others); hfsplit's lazy reader only handles renames; load this model with transformers")
+    return renamed
+
+
+def _conversions(model: torch.nn.Module) -> tuple[list, list]:
+    """transformers' (renamings, converters) for the model class; empty when the API is absent."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        transforms = get_model_conversion_mapping(model)
+    except (ImportError, AttributeError, TypeError):  # a transformers without this API renames nothing
+        return [], []
+    return ([t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if isinstance(t, WeightConverter)])
+
+
+def _tied_pairs(model: Optional[torch.nn.Module]) -> dict[str, str]:
+    """Tied weights {target: source}; without a model, the usual lm_head ← embed_tokens."""
+    if model is None:
+        return {"lm_head.weight": "model.embed_tokens.weight"}
+    pairs = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(pairs, dict):
+        return dict(pairs)
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        return {"lm_head.weight": "model.embed_tokens.weight"}
+    return {}
+
+
+def _meta_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by name (tied duplicates included)."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _persistent_state_names(model: torch.nn.Module) -> list[str]:
+    return list(_meta_state(model))
+
+
+# ---- bytes ------------------------------------------------------------------------------
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(fd, [buffer[done:]], offset + done)
+        if got == 0:
+            raise CheckpointError(f"{path}: file ends early at byte {offset + done}; the shard is truncated")
+        done += got
+
+
+def _device(device: Device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, int) or (isinstance(device, str) and device.isdigit()):
+        return torch.device(int(device))
+    return torch.device(device)

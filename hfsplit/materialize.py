@@ -1,0 +1,307 @@
+"""Materialise a planned model: meta-device skeleton → real weights, block by block.
+
+The single-process path places whole blocks on local devices, like a transformers
+`device_map`, reading each block's tensors straight onto its device. Host RAM peaks at
+what is planned on the CPU plus one read chunk, never the whole checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Mapping, Optional, Union
+
+import torch
+
+from .budget import BudgetSpec, local_max_memory
+from .checkpoint.reader import CheckpointReader
+from .checkpoint.resolve import load_config, resolve_file
+from .errors import CheckpointError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+# Architectures tested end to end; others load when their config declares a pipeline plan.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Fewer blocks than this load too fast for a progress bar to help.
+_PROGRESS_MIN_BLOCKS = 8
+
+DeviceMap = Mapping[str, Union[int, str, torch.device]]
+
+
+def from_pretrained(
+    name_or_path: Union[str, os.PathLike],
+    max_memory: BudgetSpec = None,
+    *,
+    dtype: Union[torch.dtype, str, None] = None,
+    plan=None,
+    training: str = "inference",
+    attn_implementation: Optional[str] = None,
+    revision: Optional[str] = None,
+    **planner_options,
+):
+    """Load a causal LM split over the local devices, reading only what each device needs.
+
+    Args:
+        name_or_path: a local model folder or a hub name ("org/model").
+        max_memory: per-device budget (see `hfsplit.budget.parse_max_memory`); default: what
+            the local devices have free.
+        dtype: weights dtype (torch dtype or name); default "auto" like transformers: the
+            config's dtype, else the checkpoint's.
+        plan: a `Plan` (tp=1) or an accelerate-style device map `{"model.layers.3": 0, ...}`;
+            default: `make_plan(..., tp=1)`.
+        training: "inference", "lora" or "full": what the plan budgets memory for.
+        attn_implementation: passed to the model ("sdpa", "eager", ...).
+        revision: hub revision.
+        planner_options: further `make_plan` options (seq_len etc. go in `spec`).
+
+    Returns:
+        The model with real weights, `hf_device_map` and `hfsplit_plan` set, in eval mode.
+
+    Raises:
+        UnsupportedModelError: the architecture cannot be split.
+        CheckpointError: the checkpoint is missing tensors or disagrees with its config.
+        PlanError: nothing fits the budget.
+    """
+    source = str(name_or_path)
+    config = load_config(source, revision=revision)
+    check_supported(config)
+    wanted = resolve_dtype(dtype, config)
+    model = meta_model(config, dtype=wanted, attn_implementation=attn_implementation)
+    reader = CheckpointReader.open(source, model=model, revision=revision)  # validates every tensor first
+    if wanted is None:
+        stored = checkpoint_float_dtype(reader, model)
+        if stored is not None and stored != model.dtype:
+            # Rebuilt rather than cast: buffers transformers keeps in fp32 (rotary inv_freq) stay fp32.
+            model = meta_model(config, dtype=stored, attn_implementation=attn_implementation)
+    if plan is None:
+        plan = plan_for(config, source, max_memory, training=training, dtype=model.dtype, **planner_options)
+    device_map = device_map_of(plan)
+    check_device_map(model, device_map)
+    with reader:
+        materialize_blocks(model, reader, device_map)
+    tie_on_same_device(model, device_map, training=training)
+    restore_nonpersistent_buffers(model, device_map)
+    check_no_meta(model)
+    model = dispatch(model, device_map)
+    model.hf_device_map = dict(device_map)
+    model.hfsplit_plan = plan if not isinstance(plan, Mapping) else None
+    load_generation_config(model, source, revision)
+    model.eval()
+    return model
+
+
+# ---- steps ------------------------------------------------------------------------------
+
+
+def check_supported(config) -> None:
+    """Raise UnsupportedModelError unless the config is a decoder-only LM hfsplit can split."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(_unsupported(config, "encoder-decoder models are not split"))
+    if config.model_type in SUPPORTED_MODEL_TYPES:
+        return
+    if getattr(config, "base_model_pp_plan", None):
+        from transformers import AutoModelForCausalLM
+
+        if type(config) in AutoModelForCausalLM._model_mapping:
+            return
+    raise UnsupportedModelError(_unsupported(config, "its config declares no `base_model_pp_plan`"))
+
+
+def _unsupported(config, why: str) -> str:
+    return (f"model_type {config.model_type!r} ({', '.join(getattr(config, 'architectures', None) or [])}): {why}; "
+            f"hfsplit supports {', '.join(SUPPORTED_MODEL_TYPES)} and decoder-only transformers models whose "
+            "config has `base_model_pp_plan`")
+
+
+def resolve_dtype(dtype: Union[torch.dtype, str, None], config) -> Optional[torch.dtype]:
+    """The torch dtype to build the model in; None means "as the checkpoint stores it"."""
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None)
+        if dtype is None:
+            return None
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype {dtype!r}: use a torch dtype or its name, e.g. 'bfloat16'")
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+def meta_model(config, *, dtype: Optional[torch.dtype], attn_implementation: Optional[str] = None):
+    """The model of `config` on the meta device: shapes and names, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype or torch.get_default_dtype()}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def checkpoint_float_dtype(reader: CheckpointReader, model: torch.nn.Module) -> Optional[torch.dtype]:
+    """The stored dtype of the model's first floating parameter (transformers' dtype="auto" fallback)."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point():
+            return reader.dtype(name)
+    return None
+
+
+def plan_for(config, source: str, max_memory: BudgetSpec, *, training: str, dtype: torch.dtype, **options):
+    """The planner's single-process (tp=1) plan for this model and budget."""
+    from .costs import TrainingSpec
+    from .planner import make_plan
+
+    spec = options.pop("spec", None) or TrainingSpec(method=training, dtype=str(dtype).removeprefix("torch."))
+    budget = max_memory if max_memory is not None else local_max_memory()
+    if not isinstance(config.name_or_path, str) or not config.name_or_path:
+        config.name_or_path = source
+    return make_plan(config, budget, spec=spec, tp=1, **options)
+
+
+def device_map_of(plan) -> dict[str, Union[int, str]]:
+    """The `{module prefix: device}` map of a Plan, or the map itself when one was given."""
+    if isinstance(plan, Mapping):
+        return dict(plan)
+    return plan.device_map()
+
+
+def check_device_map(model: torch.nn.Module, device_map: DeviceMap) -> None:
+    """Every parameter and buffer falls under exactly one device-map prefix."""
+    for prefix in device_map:
+        try:
+            model.get_submodule(prefix)
+        except AttributeError:
+            raise ValueError(f"device map names {prefix!r}, which {type(model).__name__} lacks") from None
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + [n for n, _ in model.named_buffers()]
+    orphans = [n for n in names if block_of(n, device_map) is None]
+    if orphans:
+        raise ValueError(f"device map places no block holding {orphans[:5]}; add their module prefixes")
+
+
+def block_of(name: str, device_map: DeviceMap) -> Optional[str]:
+    """The device-map prefix that owns tensor `name` (longest match)."""
+    best = None
+    for prefix in device_map:
+        if prefix == "" or name == prefix or name.startswith(prefix + "."):
+            if best is None or len(prefix) > len(best):
+                best = prefix
+    return best
+
+
+def materialize_blocks(model: torch.nn.Module, reader: CheckpointReader, device_map: DeviceMap) -> None:
+    """Give each block real storage on its device and read its tensors into it, in map order."""
+    blocks = list(device_map.items())
+    retied = set(_tied_on_same_device(model, device_map))  # re-tied afterwards: no need to read them
+    for prefix, device in _progress(blocks, desc="hfsplit: loading blocks"):
+        module = model.get_submodule(prefix)
+        target = torch_device(device)
+        module.to_empty(device=target, recurse=True)
+        persistent = module.state_dict(prefix=f"{prefix}." if prefix else "", keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in persistent.items():
+                # nested blocks load their own tensors
+                if name not in retied and block_of(name, device_map) == prefix:
+                    reader.read_into(name, tensor.data)
+
+
+def tie_on_same_device(model: torch.nn.Module, device_map: DeviceMap, *, training: str = "inference") -> None:
+    """Re-tie weights that `to_empty` separated, where both ends live on one device.
+
+    Tied weights on different devices keep one copy each (both read from the same
+    checkpoint tensor): a forward works, but full fine-tuning would update them apart.
+    """
+    same = _tied_on_same_device(model, device_map)
+    for target, source in same.items():
+        owner, leaf = _split(model, target)
+        setattr(owner, leaf, model.get_parameter(source))
+    apart = set(getattr(model, "all_tied_weights_keys", None) or {}) - set(same)
+    if apart and training == "full":
+        logger.warning("%s tied to the embeddings but planned on another device; full fine-tuning will "
+                       "update the two copies separately", ", ".join(sorted(apart)))
+
+
+def _tied_on_same_device(model: torch.nn.Module, device_map: DeviceMap) -> dict[str, str]:
+    """Tied weights {target: source} whose two ends the map places on one device."""
+    pairs = getattr(model, "all_tied_weights_keys", None) or {}
+    return {target: source for target, source in pairs.items()
+            if torch_device(device_map[block_of(target, device_map)])
+            == torch_device(device_map[block_of(source, device_map)])}
+
+
+def restore_nonpersistent_buffers(model: torch.nn.Module, device_map: DeviceMap) -> None:
+    """Recompute buffers no checkpoint holds (rotary `inv_freq`), on their block's device.
+
+    Meta initialisation left them empty; transformers recomputes them with the model's
+    `_init_weights`, which for a rotary embedding recomputes inv_freq from the config.
+    """
+    init = getattr(model, "_init_weights", None)
+    for module_name, module in model.named_modules():
+        own = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
+        if not own:
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            raise UnsupportedModelError(
+                f"{module_name} ({type(module).__name__}) has non-persistent buffers and parameters; "
+                "hfsplit cannot recompute its buffers without re-initialising the parameters")
+        if init is None:
+            raise UnsupportedModelError(f"{type(model).__name__} has no _init_weights to recompute {module_name} buffers")
+        with torch.no_grad():
+            init(module)
+
+
+def check_no_meta(model: torch.nn.Module) -> None:
+    """Fail loudly if a tensor was left on the meta device (it would fail later, obscurely)."""
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise CheckpointError(f"tensors left without values after loading: {left[:5]}")
+
+
+def dispatch(model: torch.nn.Module, device_map: DeviceMap):
+    """Attach accelerate's hooks to move activations between devices (nothing to do on one device)."""
+    devices = {torch_device(d) for d in device_map.values()}
+    if len(devices) == 1:
+        return model
+    from accelerate import dispatch_model
+
+    return dispatch_model(model, device_map=dict(device_map))
+
+
+def load_generation_config(model, source: str, revision: Optional[str]) -> None:
+    """Use the checkpoint's generation_config.json, as transformers' from_pretrained does."""
+    from transformers import GenerationConfig
+
+    try:
+        path = resolve_file(source, "generation_config.json", revision=revision)
+    except CheckpointError:
+        return
+    model.generation_config = GenerationConfig.from_pretrained(str(path.parent))
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def tensor_names_of(model: torch.nn.Module, prefixes) -> set[str]:
+    """Checkpoint-backed tensor names (parameters, persistent buffers) under module `prefixes`."""
+    prefixes = list(prefixes)
+    return {n for n in model.state_dict(keep_vars=True)
+            if any(n == p or n.startswith(p + ".") for p in prefixes)}
+
+
+def torch_device(device: Union[int, str, torch.device]) -> torch.device:
+    """Accelerate's device notation (0, "cpu", "cuda:1") as a torch.device."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, int) or (isinstance(device, str) and device.isdigit()):
+        return torch.device(int(device))
+    return torch.device(device)
+
+
+def _split(model: torch.nn.Module, name: str):
+    module_name, _, leaf = name.rpartition(".")
+    return model.get_submodule(module_name), leaf
+
+
+def _progress(items, *, desc: str):
+    from tqdm.auto import tqdm
+
+    disable = len(items) < _PROGRESS_MIN_BLOCKS or not sys.stderr.isatty()
+    return tqdm(items, desc=desc, unit="block", disable=disable)

@@ -1,0 +1,118 @@
+"""Planner speed, and our split next to accelerate's `infer_auto_device_map` on the same budgets.
+
+    python scripts/bench_planner.py
+
+Prints markdown tables (pasted into the README). Both splits are judged by the same
+cost model: weights, LoRA state and the activations a training step really keeps.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hfsplit import TrainingSpec, make_plan
+from hfsplit.budget import format_bytes, parse_max_memory
+from hfsplit.checkpoint import load_config
+from hfsplit.costs import model_costs
+
+GiB = 2**30
+
+
+def llama_405b_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+
+
+def planning_times() -> list[tuple[str, str, float, str]]:
+    cases = [
+        ("Llama-3.1-70B (80 layers)", load_config("meta-llama/Llama-3.1-70B"), "8x80GiB"),
+        ("Llama-3.1-405B shape (126 layers)", llama_405b_config(), "16x80GiB"),
+    ]
+    rows = []
+    for name, config, budget in cases:
+        spec = TrainingSpec(method="lora", seq_len=2048)
+        start = time.perf_counter()
+        plan = make_plan(config, budget, spec=spec)
+        rows.append((name, budget, time.perf_counter() - start, f"pp={plan.pp} tp={plan.tp} dp={plan.dp}"))
+    return rows
+
+
+def accelerate_split(config, budgets: dict[str, int]) -> dict[str, list[int]]:
+    """Layers per device from accelerate's balanced `infer_auto_device_map` on the meta model."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    block = type(model.model.layers[0]).__name__
+    max_memory = {int(k): v for k, v in budgets.items()}
+    balanced = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=[block], dtype=torch.bfloat16)
+    device_map = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=[block],
+                                       dtype=torch.bfloat16)
+    layers: dict[str, list[int]] = {k: [] for k in budgets}
+    for module, device in device_map.items():
+        if module.startswith("model.layers."):
+            layers[str(device)].append(int(module.split(".")[2]))
+    return layers
+
+
+def device_bytes(costs, layers: list[int], *, first: bool, last: bool, in_flight: int) -> tuple[int, int]:
+    """(weight bytes, step bytes) of a device holding `layers` under our cost model."""
+    weights = len(layers) * costs.block.param_bytes + first * costs.embed.param_bytes + last * costs.head.param_bytes
+    state = len(layers) * costs.block.state_bytes + first * costs.embed.state_bytes + last * costs.head.state_bytes
+    acts = in_flight * (len(layers) * costs.block.activation_bytes + first * costs.embed.activation_bytes
+                        + last * costs.head.activation_bytes)
+    return weights, state + acts + costs.spec.reserve_bytes
+
+
+def split_row(model: str, budget: str, label: str, counts, weights, steps, budgets) -> str:
+    devices = list(budgets)
+    mean = sum(weights) / len(weights)
+    fits = [step <= budgets[d] for step, d in zip(steps, devices)]
+    return (f"| {model} | {budget} | {label} | {'/'.join(map(str, counts))} | "
+            + " / ".join(f"{format_bytes(w)} ({100 * w / budgets[d]:.0f}%)" for w, d in zip(weights, devices))
+            + f" | {max(weights) / mean:.2f} | "
+            + " / ".join(f"{format_bytes(x)}{'' if f else ' ✗'}" for x, f in zip(steps, fits))
+            + f" | {'yes' if all(fits) else 'no'} |")
+
+
+def comparison(model: str, budget: str) -> list[str]:
+    config = load_config(model)
+    budgets = parse_max_memory(budget)
+    spec = TrainingSpec(method="lora", seq_len=2048)
+    costs = model_costs(config, spec, tp=1)
+    devices = list(budgets)
+    theirs = accelerate_split(config, budgets)
+    # accelerate's device_map runs one device at a time: one micro-batch in flight.
+    measured = [device_bytes(costs, theirs[d], first=i == 0, last=i == len(devices) - 1, in_flight=1)
+                for i, d in enumerate(devices)]
+    rows = [split_row(model, budget, "accelerate balanced", [len(theirs[d]) for d in devices],
+                      [w for w, _ in measured], [t for _, t in measured], budgets)]
+    ours = make_plan(config, budgets, spec=spec, tp=1, pp=len(budgets))
+    stage_of = {s.devices[0][0]: s for s in ours.stages}
+    rows.append(split_row(model, budget, f"hfsplit {ours.schedule} m={ours.micro_batches}",
+                          [stage_of[d].num_layers for d in devices], [stage_of[d].memory.weights for d in devices],
+                          [stage_of[d].memory.total for d in devices], budgets))
+    return rows
+
+
+def main() -> None:
+    print("| model | budget | planning time | plan |\n|---|---|---|---|")
+    for name, budget, seconds, shape in planning_times():
+        print(f"| {name} | {budget} | {seconds * 1e3:.0f} ms | {shape} |")
+    print()
+    print("| model | budget | split | layers per device | weights per device (of budget) | max/mean weights "
+          "| LoRA step bytes per device (seq 2048) | fits |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, budget in (("Qwen/Qwen2.5-14B", "24GiB,12GiB,12GiB"), ("meta-llama/Llama-3.1-8B", "16GiB,12GiB"),
+                          ("meta-llama/Llama-3.1-70B", "4x48GiB")):
+        for row in comparison(model, budget):
+            print(row)
+
+
+if __name__ == "__main__":
+    main()
