@@ -91,7 +91,7 @@ def make_plan(
     checkpointing = [False, True] if activation_checkpointing == "auto" else [bool(activation_checkpointing)]
     if spec.method == "inference":
         checkpointing = [False]
-    _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp)
+    _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=micro_batches, schedule=schedule)
     if world_size is not None and world_size > len(budgets):
         raise PlanError(f"{world_size} ranks but max_memory names {len(budgets)} devices; give one budget per rank "
                         f'(e.g. "{world_size}x{format_bytes(min(budgets.values())).replace(" ", "")}")')
@@ -121,6 +121,8 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
                 if d < 1 or t * p * d > n or (world_size and t * p * d != world_size):
                     continue
                 m = _micro_batches(micro_batches, global_batch, spec, p, d)
+                if p > 1 and m < p and schedule != "GPipe":
+                    continue  # torch's 1F1B-family schedules need at least one micro-batch per stage
                 for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m,
                                                  schedule=schedule, name=name, config=config):
                     rate = d * m * spec.micro_batch_size / candidate.step_time_s
@@ -330,7 +332,7 @@ def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpe
         raise PlanError("seq_len and micro_batch_size must be at least 1")
 
 
-def _check_degrees(config, devices: int, *, tp, pp, dp) -> None:
+def _check_degrees(config, devices: int, *, tp, pp, dp, micro_batches=None, schedule="1F1B") -> None:
     if tp is not None:
         valid = valid_tp_degrees(config, max(tp, 1))
         if tp not in valid:
@@ -342,6 +344,9 @@ def _check_degrees(config, devices: int, *, tp, pp, dp) -> None:
     if needed > devices:
         raise PlanError(f"tp={tp or 1} × pp={pp or 1} × dp={dp or 1} needs {needed} devices but the budget names "
                         f"{devices}; add devices to max_memory or lower the degrees")
+    if pp is not None and pp > 1 and micro_batches is not None and micro_batches < pp and schedule != "GPipe":
+        raise PlanError(f"micro_batches={micro_batches} < pp={pp}: schedule {schedule} needs at least one micro-batch "
+                        f"per stage; raise --micro-batches to at least {pp} or use --schedule GPipe")
     if pp is not None and pp > config.num_hidden_layers:
         raise PlanError(f"pp={pp} is more pipeline stages than the model's {config.num_hidden_layers} layers")
 

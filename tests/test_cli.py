@@ -99,3 +99,9 @@ def test_console_script_runs():
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "no split fits" in out.stderr
+
+
+def test_fewer_micro_batches_than_stages_is_refused_with_the_fix():
+    with pytest.raises(PlanError, match="raise --micro-batches to at least 2"):
+        make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=2, micro_batches=1)
+    assert make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=2, micro_batches=1, schedule="GPipe").pp == 2
