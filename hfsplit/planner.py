@@ -116,7 +116,7 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
         for p in [pp] if pp else range(1, n // t + 1):
             if p > costs.num_layers:
                 break
-            replicas = [dp] if dp else [n // (t * p)]
+            replicas = [dp] if dp else [(world_size or n) // (t * p)]
             for d in replicas:
                 if d < 1 or t * p * d > n or (world_size and t * p * d != world_size):
                     continue

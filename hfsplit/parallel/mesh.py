@@ -1,0 +1,181 @@
+"""Process layout: a rank's place in the (dp, pp, tp) grid, its device, and its groups.
+
+Ranks are laid out row-major over ``(dp, pp, tp)``: neighbours in a TP group are
+adjacent ranks (on one machine under torchrun), pipeline neighbours are ``tp`` apart.
+Every check that can fail runs here, before any weight is read, so a bad launch
+fails with a PlanError on every rank instead of hanging in a collective.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PlanError
+from ..plan import Plan
+
+# Schedules whose stages sit on ranks in a V (rank r holds stages r and 2p-1-r);
+# every other schedule places stage i on rank i % pp.
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where one global rank sits in the plan's grid."""
+
+    rank: int
+    dp: int
+    pp: int
+    tp: int
+
+
+def coordinates_of_rank(plan: Plan, *, rank: int) -> Coordinates:
+    """The (dp, pp, tp) coordinates of global `rank` under `plan` (row-major over dp, pp, tp)."""
+    dp, rest = divmod(rank, plan.pp * plan.tp)
+    pp, tp = divmod(rest, plan.tp)
+    return Coordinates(rank=rank, dp=dp, pp=pp, tp=tp)
+
+
+def schedule_pp_rank(*, schedule: str, pp: int, index: int) -> int:
+    """The pipeline rank torch's `schedule` expects stage `index` on: looped (i % pp) or V-shaped."""
+    lap, offset = divmod(index, pp)
+    if schedule in V_SCHEDULES and lap % 2 == 1:
+        return pp - 1 - offset
+    return offset
+
+
+def stage_to_pp_rank(plan: Plan) -> dict[int, int]:
+    """Pipeline rank holding each stage index, as the plan says."""
+    return {s.index: s.pp_rank for s in plan.stages}
+
+
+def stage_indices_of_pp_rank(plan: Plan, *, pp_rank: int) -> tuple[int, ...]:
+    """The stage indices pipeline rank `pp_rank` runs, in pipeline order."""
+    return tuple(i for i, r in sorted(stage_to_pp_rank(plan).items()) if r == pp_rank)
+
+
+def check_plan_for_world(plan: Plan, *, world_size: int) -> None:
+    """Raise PlanError when `plan` cannot run on `world_size` ranks (before any weight is read)."""
+    if world_size != plan.world_size:
+        raise PlanError(
+            f"the plan needs pp={plan.pp} × tp={plan.tp} × dp={plan.dp} = {plan.world_size} processes but "
+            f"{world_size} were launched; launch with --nproc_per_node {plan.world_size} (or plan for {world_size} devices)"
+        )
+    expected = plan.pp * plan.virtual_stages
+    if len(plan.stages) != expected:
+        raise PlanError(
+            f"the plan has {len(plan.stages)} stages but pp={plan.pp} × virtual_stages={plan.virtual_stages} "
+            f"= {expected} slots; make the stage count equal pp × virtual_stages"
+        )
+    if plan.virtual_stages > 1 and plan.schedule in ("GPipe", "1F1B"):
+        raise PlanError(
+            f"schedule {plan.schedule} runs one stage per rank but the plan has {plan.virtual_stages} per rank; "
+            "use Interleaved1F1B / ZBVZeroBubble or virtual_stages=1"
+        )
+    for s in plan.stages:
+        want = schedule_pp_rank(schedule=plan.schedule, pp=plan.pp, index=s.index)
+        if s.pp_rank != want:
+            raise PlanError(
+                f"stage {s.index} is planned on pipeline rank {s.pp_rank} but schedule {plan.schedule} "
+                f"runs it on rank {want}; re-plan (the planner's pp_rank must follow the schedule's layout)"
+            )
+    layers = [i for s in sorted(plan.stages, key=lambda s: s.index) for i in range(*s.layers)]
+    if layers != list(range(plan.num_layers)):
+        raise PlanError(
+            f"the plan's stages cover layers {layers}, not 0..{plan.num_layers - 1} in order; re-plan the model"
+        )
+
+
+def device_of_rank(*, local_rank: int) -> torch.device:
+    """The one place choosing a rank's device: its local GPU when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """The process-group backend for `device`: nccl on CUDA, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass
+class ParallelContext:
+    """What a rank knows about the launch: its coordinates, device, mesh and groups.
+
+    Args:
+        plan: the plan being run.
+        coords: this rank's (dp, pp, tp) coordinates.
+        device: this rank's device.
+        mesh: DeviceMesh of shape (dp, pp, tp) with dims named "dp", "pp", "tp".
+        tied_group: group of the first and last stage's ranks sharing this rank's (dp, tp) when
+            embeddings are tied and those stages sit on different ranks, else None.
+    """
+
+    plan: Plan
+    coords: Coordinates
+    device: torch.device
+    mesh: object
+    tied_group: Optional[object] = None
+
+    @property
+    def pp_group(self):
+        return self.mesh["pp"].get_group()
+
+    @property
+    def tp_mesh(self):
+        return self.mesh["tp"]
+
+    @property
+    def dp_group(self):
+        return self.mesh["dp"].get_group()
+
+    def global_rank(self, *, pp: int) -> int:
+        """The global rank at pipeline position `pp` with this rank's dp and tp."""
+        return (self.coords.dp * self.plan.pp + pp) * self.plan.tp + self.coords.tp
+
+
+def init_parallel(plan: Plan, *, timeout_s: float = 600.0) -> ParallelContext:
+    """Join (or reuse) the default process group from the launcher's environment and build the mesh.
+
+    Raises:
+        PlanError: the launched world size does not match the plan.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Checked before init so that a wrong launch never reaches a collective.
+    check_plan_for_world(plan, world_size=world_size)
+    device = device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s))
+    mesh = init_device_mesh(device.type, (plan.dp, plan.pp, plan.tp), mesh_dim_names=("dp", "pp", "tp"))
+    coords = coordinates_of_rank(plan, rank=dist.get_rank())
+    return ParallelContext(plan=plan, coords=coords, device=device, mesh=mesh, tied_group=tied_group(plan, coords=coords))
+
+
+def tied_group(plan: Plan, *, coords: Coordinates):
+    """The group summing tied-embedding gradients between the first and last stage's ranks.
+
+    Every rank takes part in creating every group (new_group is collective), so this is
+    called on all ranks in the same order.
+    """
+    if not plan.tied_embeddings:
+        return None
+    mapping = stage_to_pp_rank(plan)
+    first, last = mapping[0], mapping[len(plan.stages) - 1]
+    if first == last:
+        return None
+    mine = None
+    for dp in range(plan.dp):
+        for tp in range(plan.tp):
+            ranks = [(dp * plan.pp + p) * plan.tp + tp for p in (first, last)]
+            group = dist.new_group(ranks)
+            if coords.dp == dp and coords.tp == tp and coords.pp in (first, last):
+                mine = group
+    return mine

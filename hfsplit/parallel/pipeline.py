@@ -1,0 +1,50 @@
+"""The pipeline: torch.distributed.pipelining stages and the schedule the plan names."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import PlanError
+
+# Schedules running one stage per rank vs. several (interleaved / V-shaped).
+SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
+MULTI_STAGE = {
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+    "LoopedBFS": "ScheduleLoopedBFS",
+}
+
+
+def schedule_class(name: str):
+    """The torch.distributed.pipelining schedule class called `name` in a Plan."""
+    import torch.distributed.pipelining as pipelining
+
+    table = {**SINGLE_STAGE, **MULTI_STAGE}
+    if name not in table:
+        raise PlanError(f"schedule {name!r} is unknown; choose one of {sorted(table)}")
+    return getattr(pipelining, table[name])
+
+
+def pipeline_stages(modules: Sequence[nn.Module], *, indices: Sequence[int], num_stages: int,
+                    device: torch.device, group) -> list:
+    """PipelineStage wrappers of this rank's stage modules (cheap: the modules are shared)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, indices)]
+
+
+def build_schedule(name: str, stages: list, *, micro_batches: int, loss_fn: Optional[Callable]):
+    """The schedule `name` over `stages` (a list even for single-stage schedules).
+
+    `loss_fn=None` gives a forward-only schedule whose `step` returns the last stage's outputs.
+    """
+    cls = schedule_class(name)
+    if name in SINGLE_STAGE:
+        if len(stages) != 1:
+            raise PlanError(f"schedule {name} runs one stage per rank, this rank has {len(stages)}")
+        return cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
+    return cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn)

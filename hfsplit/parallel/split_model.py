@@ -1,0 +1,308 @@
+"""SplitModel: this rank's part of a pipeline × tensor-parallel split model.
+
+Every rank runs the same program (SPMD) and passes the same batch to `forward`,
+`generate` and `step`; the pipeline decides who uses it (the first stage reads the
+ids, the last stage the labels).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import PlanError
+from ..plan import Plan
+from .mesh import ParallelContext, init_parallel, stage_indices_of_pp_rank, stage_to_pp_rank
+from .pipeline import build_schedule, pipeline_stages
+from .stage import StageModule, load_stage_weights, meta_model
+from .tensor import apply_tp, local_tensor
+from .weights import open_reader
+
+
+class SplitModel(nn.Module):
+    """This rank's stages of a split causal LM, run as a pipeline.
+
+    Args:
+        plan: the plan being run.
+        config: the model's transformers config.
+        ctx: this rank's parallel context (coordinates, device, mesh).
+        stages: this rank's stage modules, in pipeline order.
+        stage_indices: their indices in the pipeline.
+    """
+
+    def __init__(self, *, plan: Plan, config, ctx: ParallelContext, stages: list[StageModule],
+                 stage_indices: tuple[int, ...]):
+        super().__init__()
+        self.plan = plan
+        self.config = config
+        self.ctx = ctx
+        self.stages = nn.ModuleList(stages)
+        self.stage_indices = stage_indices
+        self._schedules: dict[tuple, object] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.plan.stages)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_indices
+
+    @property
+    def last_pp_rank(self) -> int:
+        return stage_to_pp_rank(self.plan)[self.num_stages - 1]
+
+    def weight_bytes(self) -> int:
+        """Bytes of parameters this rank holds (its TP shards only), to compare with the plan's estimate."""
+        return sum(local_tensor(p.data).nbytes for p in self.parameters())
+
+    # --- inference -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, *, broadcast: bool = False) -> Optional[torch.Tensor]:
+        """Logits `(batch, seq, vocab)` on the last stage's ranks (every rank with `broadcast=True`), else None."""
+        input_ids = input_ids.to(self.device)
+        if len(self.stages) == 1:
+            schedule = self._schedule(tuple(input_ids.shape), loss_fn=None, name="GPipe")
+            logits = schedule.step(*((input_ids,) if self.has_first else ()))
+        else:
+            logits = self._relay_forward(input_ids)
+        if not broadcast:
+            return logits if self.has_last else None
+        return self._broadcast_logits(logits, shape=(*input_ids.shape, self.config.vocab_size))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int) -> torch.Tensor:
+        """Greedy continuation of a batch of equal-length prompts (as `generate(do_sample=False)`), on every rank.
+
+        No KV cache: each step reruns a fixed-length buffer (prompt + max_new_tokens, right
+        padded). Causal attention keeps the pad from touching earlier positions, and the
+        fixed shape lets every step reuse one pipeline schedule.
+        """
+        batch, prompt_len = input_ids.shape
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        eos = eos_token_ids(self.config)
+        buffer = torch.full((batch, prompt_len + max_new_tokens), pad, dtype=input_ids.dtype, device=self.device)
+        buffer[:, :prompt_len] = input_ids.to(self.device)
+        unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
+        end = prompt_len
+        for end in range(prompt_len, prompt_len + max_new_tokens):
+            logits = self.forward(buffer, broadcast=True)
+            token = logits[:, end - 1].argmax(-1)
+            buffer[:, end] = torch.where(unfinished, token, torch.full_like(token, pad))
+            unfinished &= ~torch.isin(token, eos)
+            if not unfinished.any():
+                return buffer[:, : end + 1]
+        return buffer
+
+    # --- training ----------------------------------------------------------------------------
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: Callable, *,
+             sync: bool = True) -> Optional[torch.Tensor]:
+        """One schedule step (forward + backward over all micro-batches); the mean micro-batch loss on the last stage.
+
+        Gradients accumulate into `.grad` (divided by the micro-batch count, as the schedule
+        scales the loss). With `sync=True` tied-embedding and data-parallel gradients are
+        reduced afterwards; pass False when accumulating several steps and call `sync_grads()` once.
+        """
+        input_ids = input_ids.to(self.device)
+        schedule = self._schedule(tuple(input_ids.shape), loss_fn=loss_fn)
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.has_first else ()
+        target = labels.to(self.device) if self.has_last else None
+        schedule.step(*args, target=target, losses=losses)
+        if sync:
+            self.sync_grads()
+        return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last else None
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """Sum tied-embedding gradients between the first and last stage; average over data-parallel replicas."""
+        for p in self.parameters():
+            place_grad_like_param(p)
+        if self.plan.tied_embeddings:
+            self._sum_tied_grads()
+        if self.plan.dp > 1:
+            for p in self.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(local_tensor(p.grad), group=self.ctx.dp_group)
+                    p.grad.div_(self.plan.dp)
+
+    def _sum_tied_grads(self) -> None:
+        ends = [p for p in (self._embed_weight(), self._head_weight()) if p is not None and p.grad is not None]
+        if len(ends) == 2 and ends[0] is ends[1]:  # one stage holds both ends: one shared matrix
+            return
+        if self.ctx.tied_group is None:
+            if len(ends) == 2:  # both ends on this rank (V schedules): add locally
+                total = ends[0].grad + ends[1].grad
+                ends[0].grad.copy_(total)
+                ends[1].grad.copy_(total)
+            return
+        for p in ends:
+            dist.all_reduce(local_tensor(p.grad), group=self.ctx.tied_group)
+
+    def _embed_weight(self) -> Optional[nn.Parameter]:
+        for s in self.stages:
+            if s.body.embed_tokens is not None:
+                return s.body.embed_tokens.weight
+        return None
+
+    def _head_weight(self) -> Optional[nn.Parameter]:
+        for s in self.stages:
+            if s.lm_head is not None:
+                return s.lm_head.weight
+        return None
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _relay_forward(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """Forward through the stages in order, passing hidden states rank to rank (no micro-batches).
+
+        Used for inference when a rank holds several stages: torch's interleaved and V
+        schedules contain backward actions and cannot run forward-only.
+        """
+        owner = stage_to_pp_rank(self.plan)
+        mine = dict(zip(self.stage_indices, self.stages))
+        hidden_shape = (*input_ids.shape, self.config.hidden_size)
+        x = input_ids
+        for index in range(self.num_stages):
+            if index not in mine:
+                continue
+            if index > 0 and owner[index - 1] != self.ctx.coords.pp:
+                x = torch.empty(hidden_shape, dtype=self._dtype(), device=self.device)
+                dist.recv(x, src=self.ctx.global_rank(pp=owner[index - 1]), group=self.ctx.pp_group)
+            x = mine[index](x)
+            if index + 1 < self.num_stages and owner[index + 1] != self.ctx.coords.pp:
+                dist.send(x.contiguous(), dst=self.ctx.global_rank(pp=owner[index + 1]), group=self.ctx.pp_group)
+        return x if self.has_last else None
+
+    def _schedule(self, shape: tuple, *, loss_fn: Optional[Callable], name: Optional[str] = None):
+        """A schedule for inputs of `shape` (cached: pipeline buffers are sized per shape)."""
+        name = name or self.plan.schedule
+        key = (shape, loss_fn, name)
+        if key not in self._schedules:
+            micro = micro_batches_for(batch=shape[0], planned=self.plan.micro_batches)
+            stages = pipeline_stages(list(self.stages), indices=self.stage_indices, num_stages=self.num_stages,
+                                     device=self.device, group=self.ctx.pp_group)
+            self._schedules[key] = build_schedule(name, stages, micro_batches=micro, loss_fn=loss_fn)
+        return self._schedules[key]
+
+    def _broadcast_logits(self, logits: Optional[torch.Tensor], *, shape: tuple) -> torch.Tensor:
+        if self.plan.pp == 1:
+            return logits
+        if logits is None:
+            logits = torch.empty(shape, dtype=self._dtype(), device=self.device)
+        dist.broadcast(logits, src=self.ctx.global_rank(pp=self.last_pp_rank), group=self.ctx.pp_group)
+        return logits
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+
+def place_grad_like_param(p: nn.Parameter) -> None:
+    """Give a DTensor parameter's gradient the parameter's placement.
+
+    The vocabulary-sharded embedding's gradient comes back Replicate (full size on every
+    TP rank); resharding it (a local slice, no communication) makes the tied all-reduce
+    and the optimizer see matching shards.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+        p.grad = p.grad.redistribute(placements=p.placements)
+
+
+def micro_batches_for(*, batch: int, planned: int) -> int:
+    """Micro-batches for a batch of `batch` sequences: the planned count, or its largest divisor of the batch."""
+    if batch % planned == 0:
+        return planned
+    return max(d for d in range(1, min(batch, planned) + 1) if batch % d == 0)
+
+
+def eos_token_ids(config) -> torch.Tensor:
+    """The config's end-of-sequence token ids as a tensor (it may hold one id or a list)."""
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return torch.tensor([], dtype=torch.long)
+    return torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos], dtype=torch.long)
+
+
+def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, config=None,
+                      dtype: Optional[torch.dtype] = None) -> SplitModel:
+    """This rank's SplitModel: stage modules on meta, TP applied, then only this rank's bytes read."""
+    from ..checkpoint import load_config
+
+    config = config if config is not None else load_config(name_or_path)
+    if bool(getattr(config, "tie_word_embeddings", False)) != plan.tied_embeddings:
+        raise PlanError(
+            f"{name_or_path}: config tie_word_embeddings={config.tie_word_embeddings} but the plan says "
+            f"tied_embeddings={plan.tied_embeddings}; re-plan for this checkpoint"
+        )
+    dtype = dtype or getattr(torch, plan.spec.dtype)
+    indices = stage_indices_of_pp_rank(plan, pp_rank=ctx.coords.pp)
+    by_index = {s.index: s for s in plan.stages}
+    modules = []
+    for index in indices:
+        module = StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings)
+        if plan.tp > 1:
+            apply_tp(module, tp_mesh=ctx.tp_mesh, body_name=module._body_name)
+        modules.append(module)
+    needed = [name for m in modules for name, _ in m.named_parameters()]
+    reader = open_reader(name_or_path, needed=needed, model=meta_model(config))
+    for module in modules:
+        load_stage_weights(module, reader=reader, device=ctx.device, dtype=dtype, tp_rank=ctx.coords.tp,
+                           tp_size=plan.tp)
+    return SplitModel(plan=plan, config=config, ctx=ctx, stages=modules, stage_indices=indices)
+
+
+def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
+                          dtype: Optional[torch.dtype] = None, **plan_options) -> SplitModel:
+    """Load `name_or_path` split over the ranks of a distributed launch (torchrun / accelerate launch).
+
+    Rank 0 plans (unless `plan` is given) and shares the plan, so every rank runs the same
+    one; a plan that does not match the launch fails on every rank before any weight is read.
+
+    Args:
+        name_or_path: hub name or local folder.
+        max_memory: per-device budget for the planner (ignored when `plan` is given).
+        plan: a ready Plan to run instead of planning.
+        dtype: override the plan's dtype for the weights.
+        **plan_options: passed to `hfsplit.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
+    """
+    from .mesh import backend_for, device_of_rank
+
+    device = device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device))
+    if plan is None:
+        plan = shared_plan(name_or_path, max_memory, **plan_options)
+    ctx = init_parallel(plan)
+    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype)
+
+
+def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:
+    """The plan made on rank 0 and broadcast; a planning error is raised on every rank (no hang)."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            from ..planner import make_plan
+
+            box[0] = ("ok", make_plan(name_or_path, max_memory, **plan_options).to_json())
+        except Exception as exc:  # re-raised on every rank below, so no rank waits forever
+            box[0] = ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    status, payload = box[0]
+    if status == "error":
+        raise PlanError(f"planning failed on rank 0: {payload}")
+    return Plan.from_json(payload)

@@ -1,0 +1,150 @@
+"""A pipeline stage built from the model's own modules, following `base_model_pp_plan`.
+
+The whole model is built on the meta device (no memory), the stage keeps only its
+blocks (embeddings on the first stage, final norm + lm_head on the last), and only
+then are this rank's parameters materialised from the checkpoint. Parameter names
+equal checkpoint keys ("model.layers.7.mlp.up_proj.weight"), so loading, saving and
+comparing against transformers need no renaming.
+
+Each stage recomputes the position ids, rotary embeddings and causal mask itself:
+only hidden states travel between stages.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from ..plan import Stage
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: `forward(input_ids or hidden_states) -> hidden_states or logits`.
+
+    Args:
+        config: the transformers config of the model.
+        stage: the plan's stage (layer range, embed / head flags).
+        tied: lm_head shares the embedding matrix (a last stage without the embeddings keeps its own copy).
+    """
+
+    def __init__(self, *, config, stage: Stage, tied: bool):
+        super().__init__()
+        self.config = config
+        self.stage_index = stage.index
+        self.has_embed = stage.has_embed
+        self.has_head = stage.has_head
+        full = meta_model(config)
+        base = getattr(full, full.base_model_prefix)
+        check_pp_plan(base)
+        # A plain container named like the base model keeps parameter names equal to checkpoint keys.
+        body = nn.Module()
+        body.embed_tokens = base.embed_tokens if stage.has_embed else None
+        body.layers = nn.ModuleDict({str(i): base.layers[i] for i in range(*stage.layers)})
+        body.norm = base.norm if stage.has_head else None
+        setattr(self, full.base_model_prefix, body)
+        self._body_name = full.base_model_prefix
+        self.lm_head = full.lm_head if stage.has_head else None
+        # A stage holding both ends keeps one shared matrix; a last stage without the
+        # embeddings holds its own copy, whose gradient is summed with the first stage's.
+        self.shares_embedding = tied and stage.has_embed and stage.has_head
+        if self.lm_head is not None and tied and not self.shares_embedding:
+            self.lm_head.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
+        self.rotary_emb = base.rotary_emb  # rebuilt on the real device by `materialize_buffers`
+
+    @property
+    def body(self) -> nn.Module:
+        return getattr(self, self._body_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.body.embed_tokens is not None:
+            x = self.body.embed_tokens(x)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        masks = causal_masks(self.config, hidden=x, position_ids=positions)
+        rotary = self.rotary_emb(x, position_ids=positions)
+        for name, layer in self.body.layers.items():
+            x = layer(x, attention_mask=masks[layer_attention_type(self.config, int(name))],
+                      position_embeddings=rotary, position_ids=positions)
+        if self.body.norm is not None:
+            x = self.lm_head(self.body.norm(x))
+        return x
+
+
+def meta_model(config) -> nn.Module:
+    """The full causal LM of `config` on the meta device (no memory allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_pp_plan(base: nn.Module) -> None:
+    """Raise UnsupportedModelError unless the model declares the embed → layers → norm pipeline plan."""
+    pp_plan = getattr(base.config, "base_model_pp_plan", None) or getattr(base, "_pp_plan", None)
+    if not pp_plan or list(pp_plan) != ["embed_tokens", "layers", "norm"]:
+        raise UnsupportedModelError(
+            f"{type(base).__name__}: hfsplit splits models whose base_model_pp_plan is embed_tokens → layers → norm "
+            f"(found {list(pp_plan) if pp_plan else None}); use the single-process path for this model"
+        )
+
+
+def layer_attention_type(config, index: int) -> str:
+    """"full_attention" or "sliding_attention" for layer `index`, as the model's own forward picks it."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Attention masks by attention type, always real tensors.
+
+    `allow_is_causal_skip=False`: with eager attention a None mask means non-causal.
+    """
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                  position_ids=position_ids, allow_is_causal_skip=False)
+    masks = {"full_attention": create_causal_mask(**kwargs)}
+    if getattr(config, "sliding_window", None):
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+    return masks
+
+
+def materialize_buffers(module: StageModule, *, device: torch.device) -> None:
+    """Rebuild the rotary embedding (non-persistent buffers, absent from checkpoints) on `device`."""
+    with torch.device(device):
+        module.rotary_emb = type(module.rotary_emb)(config=module.config)
+
+
+def load_stage_weights(module: StageModule, *, reader, device: torch.device, dtype: Optional[torch.dtype] = None,
+                       tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Replace every meta parameter of `module` with this rank's bytes read from `reader`.
+
+    Parameters that TP turned into DTensors are read as this rank's slice only. A tied
+    lm_head reads the embedding matrix (the reader maps the name).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    for key, param in list(module.named_parameters()):
+        if isinstance(param, DTensor):
+            shards = [p.dim for p in param.placements if isinstance(p, Shard)]
+            if shards:
+                local = reader.read_slice(key, shards[0], tp_rank, tp_size, dtype=dtype, device=device)
+            else:
+                local = reader.read(key, dtype=dtype, device=device)
+            value = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+        else:
+            value = reader.read(key, dtype=dtype, device=device)
+        set_parameter(module, key, nn.Parameter(value, requires_grad=param.requires_grad))
+    if module.shares_embedding:  # named_parameters listed the shared matrix once, under the embedding
+        module.lm_head.weight = module.body.embed_tokens.weight
+    materialize_buffers(module, device=device)
+
+
+def set_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:
+    """Assign `value` to the dotted parameter `name` of `module`."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    setattr(owner, leaf, value)

@@ -1,0 +1,83 @@
+"""Tensor parallelism inside a stage, from the model's own `base_model_tp_plan`.
+
+Implementation: torch DTensor `parallelize_module` (ColwiseParallel / RowwiseParallel),
+applied to the stage while it is still on the meta device; each parameter is then
+materialised as `DTensor.from_local(this rank's slice)`, so a rank never reads another
+rank's slice. Activations between modules are plain tensors (the styles' default
+`use_local_output=True`), so the pipeline only ever sees ordinary tensors.
+
+Beyond the block plan: the input embedding is sharded over the vocabulary
+(RowwiseParallel on nn.Embedding: masked lookup + all-reduce) and lm_head over the
+vocabulary with its output gathered (the model's own `colwise_gather_output`), so
+both ends of a tied pair hold matching `Shard(0)` pieces.
+
+Attention needs no per-rank head counts: transformers 5 attention reshapes with
+`view(*shape, -1, head_dim)` and uses `num_key_value_groups` (heads / kv heads, the
+same on every rank since both divide by the TP degree); q/k/v rows are head-major,
+so an even row split hands each rank whole query heads and their own KV heads.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+
+
+def block_styles(config) -> dict[str, object]:
+    """ParallelStyles of one stage keyed by module path pattern, from `config.base_model_tp_plan`."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    tp_plan = getattr(config, "base_model_tp_plan", None)
+    if not tp_plan:
+        raise UnsupportedModelError(f"{type(config).__name__} declares no base_model_tp_plan; use tp=1")
+    styles = {}
+    for pattern, kind in tp_plan.items():
+        if kind == "colwise":
+            styles[pattern] = ColwiseParallel()
+        elif kind == "rowwise":
+            styles[pattern] = RowwiseParallel()
+        else:
+            raise UnsupportedModelError(
+                f"{type(config).__name__}: tensor-parallel style {kind!r} of {pattern} is not supported yet; use tp=1"
+            )
+    styles["embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+    return styles
+
+
+def apply_tp(module: nn.Module, *, tp_mesh, body_name: str) -> nn.Module:
+    """Shard `module` (a StageModule, still on meta) over `tp_mesh` per the model's TP plan."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    body = getattr(module, body_name)
+    plan = {}
+    for pattern, style in block_styles(module.config).items():
+        # Skip patterns this stage has nothing for (parallelize_module warns on unmatched ones).
+        if pattern == "embed_tokens" and body.embed_tokens is None:
+            continue
+        if pattern.startswith("layers.") and len(body.layers) == 0:
+            continue
+        plan[f"{body_name}.{pattern}"] = style
+    if module.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(module, tp_mesh, plan)
+    if module.shares_embedding:
+        # parallelize_module replaced each module's parameter separately; both are Shard(0) over the vocabulary.
+        module.lm_head.weight = body.embed_tokens.weight
+    return module
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` gathered to its full shape when it is a DTensor; unchanged otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local piece of a DTensor (a plain tensor passes through), for in-place collectives."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t

@@ -1,0 +1,146 @@
+"""LoRA adapters on stage modules (after tensor parallelism), with initial values that do
+not depend on how the model is split.
+
+peft builds the adapters (`inject_adapter_in_model`) on the rank's local pieces of the
+sharded layers, so their shapes follow the base layer's sharding:
+- colwise layer (q/k/v, gate/up): A is whole (replicated), B holds this rank's output rows;
+- rowwise layer (o, down): A holds this rank's input columns, B is whole.
+Two small autograd functions make the adapter branch exact under TP (as Megatron's
+copy-to / reduce-from tensor-parallel region): after a colwise A the gradient is summed
+over the TP group; after a rowwise A the partial activations are summed in forward.
+
+A matrices are drawn from a generator keyed by (seed, checkpoint name) at full size and
+sliced, so the unsplit model and every split start from the same adapters.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+import zlib
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import HfsplitError
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LAYER_NAME = re.compile(r"(model\.layers\.\d+\..*)$")
+_IN_PLAN = re.compile(r"layers\.\d+\.(.*)$")
+
+
+def lora_config(*, r: int, alpha: int, dropout: float, targets: Optional[Sequence[str]]):
+    """The peft LoraConfig hfsplit trains with (the same for split and unsplit models)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets or DEFAULT_TARGETS),
+                      bias="none", task_type="CAUSAL_LM")
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward (the downstream gradient is already whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: int = 0, tp_size: int = 1,
+             tp_plan: Optional[dict] = None) -> nn.Module:
+    """Inject LoRA adapters into `module`, freeze everything else, seed the adapters.
+
+    Args:
+        module: a stage module (TP already applied) or a whole unsplit model.
+        config: from `lora_config`.
+        seed: keys the A matrices' values.
+        tp_group, tp_rank, tp_size, tp_plan: the TP group and the model's `base_model_tp_plan` when sharded.
+
+    Raises:
+        HfsplitError: a target names no module of the model.
+    """
+    from peft import inject_adapter_in_model
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in module.named_modules()}
+    missing = sorted(set(config.target_modules) - names)
+    if missing:
+        raise HfsplitError(f"LoRA target(s) {', '.join(missing)} name no module of the model; "
+                           f"linear layers here: {', '.join(sorted(n for n in names if n.endswith('proj')))}")
+    for p in module.parameters():
+        p.requires_grad_(False)
+    inject_adapter_in_model(config, module)
+    for name, sub in _lora_layers(module):
+        style = _tp_style(name, tp_plan) if tp_size > 1 else None
+        a, b = sub.lora_A["default"], sub.lora_B["default"]
+        if style == "colwise":
+            b.weight._hfsplit_tp_dim = 0
+            a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumGradOverTP.apply(out, g))
+        elif style == "rowwise":
+            a.weight._hfsplit_tp_dim = 1
+            a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumOverTP.apply(out, g))
+    seed_lora_weights(module, seed=seed, tp_rank=tp_rank, tp_size=tp_size)
+    return module
+
+
+def seed_lora_weights(module: nn.Module, *, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Draw every LoRA A from a generator keyed by (seed, checkpoint name); B starts at zero, as in peft."""
+    for name, sub in _lora_layers(module):
+        match = _LAYER_NAME.search(name)
+        key = match.group(1) if match else name
+        a = sub.lora_A["default"].weight
+        dim = getattr(a, "_hfsplit_tp_dim", None)
+        shape = list(a.shape)
+        if dim is not None:
+            shape[dim] *= tp_size
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+        bound = 1 / math.sqrt(shape[1])  # kaiming-uniform(a=√5), peft's default for A
+        full = (torch.rand(shape, generator=generator, dtype=torch.float32) * 2 - 1) * bound
+        if dim is not None:
+            full = full.chunk(tp_size, dim=dim)[tp_rank]
+        with torch.no_grad():
+            a.copy_(full.to(device=a.device, dtype=a.dtype))
+            sub.lora_B["default"].weight.zero_()
+
+
+def tp_shard_dim(param: torch.Tensor) -> Optional[int]:
+    """The dim along which a plain (non-DTensor) adapter parameter is split over the TP group, if any."""
+    return getattr(param, "_hfsplit_tp_dim", None)
+
+
+def _lora_layers(module: nn.Module):
+    for name, sub in module.named_modules():
+        if hasattr(sub, "lora_A") and "default" in getattr(sub, "lora_A", {}):
+            yield name, sub
+
+
+def _tp_style(name: str, tp_plan: Optional[dict]) -> Optional[str]:
+    match = _IN_PLAN.search(name)
+    if not match or not tp_plan:
+        return None
+    for pattern, style in tp_plan.items():
+        if fnmatch.fnmatchcase(f"layers.*.{match.group(1)}", pattern) or \
+                fnmatch.fnmatchcase(f"layers.0.{match.group(1)}", pattern):
+            return style
+    return None

@@ -1,0 +1,131 @@
+"""Fine-tuning options: one dataclass, settable from a YAML recipe and overridden by flags."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..errors import HfsplitError
+
+
+@dataclass
+class FinetuneOptions:
+    """Everything `recipes/finetune.py` can be told. Each field is also a `--flag`.
+
+    Args:
+        model: hub name or local folder; None writes and uses the built-in tiny model.
+        max_memory: per-rank budget ("2x8GiB"); None gives each rank an equal share of free host memory
+            (CPU) or each GPU's free memory.
+        dataset: local file (json/jsonl/csv/parquet/txt) or hub name; None uses the bundled tiny alpaca set.
+        dataset_format: text | instruction | chat; None detects it from the columns.
+        tokenizer: tokenizer name or folder; None uses the model's own, else hfsplit's tiny tokenizer.
+        method: full | lora (the built-in default is full fine-tuning: a random-init tiny model has nothing for adapters to adapt).
+        lora_r, lora_alpha, lora_dropout: LoRA hyper-parameters.
+        lora_targets: module names LoRA wraps; None wraps every attention and MLP projection.
+        seq_len: tokens per sequence.
+        micro_batch_size: sequences per micro-batch.
+        micro_batches: micro-batches per optimizer step (gradient accumulation).
+        schedule: 1F1B | GPipe | Interleaved1F1B | ZBVZeroBubble.
+        activation_checkpointing: recompute block activations in backward.
+        dtype: bfloat16 (mixed precision on GPU) or float32 (default on CPU).
+        tp, pp: force tensor-parallel degree / pipeline depth instead of letting the planner choose.
+        learning_rate, warmup_steps, weight_decay, max_grad_norm: optimisation.
+        max_steps: optimizer steps; epochs sets it from the dataset size when given instead.
+        seed: seeds weights of new adapters, data order and dropout.
+        eval_every: evaluate on held-out rows every N steps (0: never).
+        output_dir: where metrics, checkpoints and the final model go.
+        save_every: save a checkpoint every N steps (0: only at the end).
+        log_every: print and log metrics every N steps.
+    """
+
+    model: Optional[str] = None
+    max_memory: Optional[str] = None
+    dataset: Optional[str] = None
+    dataset_format: Optional[str] = None
+    tokenizer: Optional[str] = None
+    method: str = "full"
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: Optional[list[str]] = None
+    seq_len: int = 128
+    micro_batch_size: int = 2
+    micro_batches: int = 4
+    schedule: str = "1F1B"
+    activation_checkpointing: bool = False
+    dtype: Optional[str] = None
+    tp: Optional[int] = None
+    pp: Optional[int] = None
+    learning_rate: float = 2e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_steps: int = 200
+    epochs: Optional[int] = None
+    seed: int = 0
+    eval_every: int = 0
+    output_dir: str = "runs/tiny"
+    save_every: int = 0
+    log_every: int = 1
+    config: Optional[str] = field(default=None, metadata={"help": "YAML recipe file; flags override it"})
+
+    def validate(self) -> None:
+        if self.method not in ("lora", "full"):
+            raise HfsplitError(f"--method {self.method!r}: choose lora or full")
+        for name in ("seq_len", "micro_batch_size", "micro_batches", "max_steps"):
+            if getattr(self, name) < 1:
+                raise HfsplitError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Pipelined fine-tuning of a split Hugging Face model")
+    for f in dataclasses.fields(FinetuneOptions):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool",):
+            parser.add_argument(flag, type=_bool, default=None)
+        elif f.name == "lora_targets":
+            parser.add_argument(flag, type=lambda s: [t.strip() for t in s.split(",") if t.strip()], default=None)
+        else:
+            parser.add_argument(flag, type=_type_of(f), default=None)
+    return parser
+
+
+def _type_of(f):
+    text = str(f.type)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "on", "yes"):
+        return True
+    if text.lower() in ("0", "false", "off", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not on/off")
+
+
+def parse_options(argv: Optional[Sequence[str]] = None) -> FinetuneOptions:
+    """Options from a YAML recipe (`--config`) overridden by command-line flags."""
+    import yaml
+
+    args = {k: v for k, v in vars(_parser().parse_args(argv)).items() if v is not None}
+    values: dict = {}
+    if "config" in args:
+        path = Path(args["config"])
+        if not path.is_file():
+            raise HfsplitError(f"--config {path}: file not found")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        known = {f.name for f in dataclasses.fields(FinetuneOptions)}
+        unknown = sorted(set(k.replace("-", "_") for k in loaded) - known)
+        if unknown:
+            raise HfsplitError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
+    values.update(args)
+    options = FinetuneOptions(**values)
+    options.validate()
+    return options

@@ -1,0 +1,146 @@
+"""Saving a split model in the formats everyone loads, atomically.
+
+Full fine-tuning: a Hugging Face model folder (sharded safetensors + index, config,
+generation config, tokenizer). Each pipeline stage writes its own shard; tensor-parallel
+pieces are gathered tensor by tensor within the stage's TP group, so no rank ever holds
+the whole model. LoRA: a peft adapter folder (adapter_config.json, adapter_model.safetensors).
+
+Writes go into `<dir>.tmp-<step>` and are renamed into place only after every rank has
+finished, so a crash mid-save leaves the previous checkpoint as it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import HfsplitError
+
+_ADAPTER_NAME = re.compile(r"\.default(?=\.)")
+
+
+def writable_dir(path: str | os.PathLike) -> Path:
+    """`path` created if needed; a clear error when it cannot be written."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".hfsplit-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise HfsplitError(f"output dir {path} is not writable ({exc.strerror}); pass --output-dir to a folder you can write") from exc
+    return path
+
+
+def full_state_of_stage(model, module) -> dict[str, torch.Tensor]:
+    """Checkpoint-named CPU tensors of one stage module, TP pieces joined (collective over the TP group)."""
+    from ..parallel.tensor import full_tensor
+
+    state = {}
+    for name, param in module.named_parameters():
+        if ".lora_" in name:
+            continue
+        if model.plan.tied_embeddings and name == "lm_head.weight":
+            continue  # stored once, as the embedding
+        state[name.replace(".base_layer.", ".")] = full_tensor(param.detach()).cpu().contiguous()
+    return state
+
+
+def lora_state_of_stage(model, module) -> dict[str, torch.Tensor]:
+    """peft-named adapter tensors of one stage (`base_model.model.<name>` without the adapter name),
+    TP pieces joined (collective over the TP group)."""
+    from .lora import tp_shard_dim
+
+    state = {}
+    for name, p in module.named_parameters():
+        if ".lora_" not in name:
+            continue
+        value = p.detach().contiguous()
+        dim = tp_shard_dim(p)
+        if dim is not None:
+            pieces = [torch.empty_like(value) for _ in range(model.plan.tp)]
+            dist.all_gather(pieces, value, group=model.ctx.tp_mesh.get_group())
+            value = torch.cat(pieces, dim=dim)
+        state["base_model.model." + _ADAPTER_NAME.sub("", name)] = value.cpu()
+    return state
+
+
+def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_config=None, tokenizer=None,
+                     base_model: Optional[str] = None) -> Path:
+    """Save `model` (a SplitModel, on every rank) into `folder` atomically; the final path."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    coords = model.ctx.coords
+    writer = coords.tp == 0 and coords.dp == 0
+    if method == "full":
+        pieces = {}
+        for index, module in zip(model.stage_indices, model.stages):
+            pieces[index] = full_state_of_stage(model, module)  # collective: every TP rank takes part
+        if writer:
+            total = len(model.plan.stages)
+            for index, state in pieces.items():
+                save_file(state, str(tmp / _shard_name(index, total)), metadata={"format": "pt"})
+        names = {index: sorted(state) for index, state in pieces.items()} if writer else {}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, names)
+        if rank == 0:
+            _write_index(tmp, gathered, total=len(model.plan.stages))
+            model.config.save_pretrained(tmp)
+            _write_generation_config(tmp, base_model)
+    else:
+        adapters = {}
+        for module in model.stages:
+            adapters.update(lora_state_of_stage(model, module))
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, adapters if writer else {})
+        if rank == 0:
+            merged = {k: v for part in gathered for k, v in part.items()}
+            save_file(merged, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            lora_config.base_model_name_or_path = base_model
+            lora_config.save_pretrained(tmp)
+    if rank == 0 and tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    dist.barrier()
+    if rank == 0:
+        old = folder.with_name(folder.name + ".old")
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        if old.exists():
+            shutil.rmtree(old)
+    dist.barrier()
+    return folder
+
+
+def _shard_name(index: int, total: int) -> str:
+    return f"model-{index + 1:05d}-of-{total:05d}.safetensors"
+
+
+def _write_index(folder: Path, gathered: list[dict], *, total: int) -> None:
+    weight_map = {}
+    for names_by_stage in gathered:
+        for index, names in names_by_stage.items():
+            for name in names:
+                weight_map[name] = _shard_name(int(index), total)
+    size = sum((folder / f).stat().st_size for f in set(weight_map.values()))
+    index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _write_generation_config(folder: Path, base_model: Optional[str]) -> None:
+    if base_model and (Path(base_model) / "generation_config.json").is_file():
+        shutil.copyfile(Path(base_model) / "generation_config.json", folder / "generation_config.json")

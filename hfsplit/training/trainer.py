@@ -1,0 +1,343 @@
+"""The fine-tuning loop over a split model: one readable loop, top to bottom.
+
+Every rank runs this same loop (SPMD). Each step: the pipeline schedule runs forward
+and backward over the micro-batches, gradients are clipped by their global norm across
+pipeline and tensor groups, each rank's optimizer steps over its own parameters.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import HfsplitError
+from .options import FinetuneOptions
+
+TINY_MODEL = dict(arch="llama", num_layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=256,
+                  max_positions=1024)
+
+
+@dataclass
+class TrainResult:
+    """What a run reports at the end (on every rank)."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    bubble_measured: float = 0.0
+    bubble_theory: float = 0.0
+    skipped_steps: list[int] = field(default_factory=list)
+    peak_memory_bytes: list[int] = field(default_factory=list)
+    saved_to: str = ""
+
+
+def causal_lm_loss(vocab_size: int):
+    """transformers' own causal-LM loss (shift, ignore -100, mean over a micro-batch's tokens)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return ForCausalLMLoss(logits, labels, vocab_size)
+
+    return loss_fn
+
+
+def default_model_path(output_dir: str) -> str:
+    """The built-in tiny model, written once next to the run's output (rank 0 writes, others wait)."""
+    from ..checkpoint.synthetic import write_tiny_checkpoint
+
+    folder = Path(output_dir).parent / "tiny-llama"
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not (folder / "config.json").is_file():
+        spec = dict(TINY_MODEL)
+        arch = spec.pop("arch")
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        write_tiny_checkpoint(tmp, arch, sharded=True, **spec)
+        os.replace(tmp, folder)
+    if dist.is_initialized():
+        dist.barrier()
+    return str(folder)
+
+
+def default_max_memory(world_size: int) -> str:
+    """An equal share of what this host's devices have free, one budget per rank."""
+    from ..budget import local_max_memory
+
+    free = local_max_memory()
+    per_rank = min(free.values()) // (1 if "cpu" not in free else world_size)
+    return f"{world_size}x{per_rank}B"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: the accelerator's allocator peak, else the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class StageTimer:
+    """Seconds this rank spends computing inside the pipeline stages (forward and backward chunks)."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self._wrapped: set[int] = set()
+
+    def watch(self, schedule) -> None:
+        stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage")]
+        for stage in stages:
+            if id(stage) in self._wrapped:
+                continue
+            self._wrapped.add(id(stage))
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - start
+
+        return run
+
+
+def global_grad_norm(model, params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients of the split model, each parameter counted once.
+
+    TP-sharded parameters contribute their local piece from every TP rank; replicated ones
+    (norms) only from TP rank 0; a tied lm_head copy only from the first stage; replicas
+    hold equal gradients after averaging and are divided out.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    from .lora import tp_shard_dim
+
+    plan, coords = model.plan, model.ctx.coords
+    total = torch.zeros((), dtype=torch.float64, device=model.device)
+    # A tied lm_head copy holds the same (summed) gradient as the embedding: count the embedding only.
+    head = model._head_weight() if plan.tied_embeddings else None
+    for p in params:
+        if p.grad is None or p is head:
+            continue
+        grad = p.grad
+        sharded = (isinstance(grad, DTensor) and any(isinstance(x, Shard) for x in grad.placements)) or \
+            tp_shard_dim(p) is not None
+        if isinstance(grad, DTensor):
+            grad = grad.to_local()
+        if sharded or coords.tp == 0:
+            total += grad.double().pow(2).sum()
+    dist.all_reduce(total)
+    return (total / plan.dp).sqrt()
+
+
+def clip_(params: list[torch.nn.Parameter], *, norm: torch.Tensor, max_norm: float) -> None:
+    if max_norm and max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(float(scale))
+
+
+def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = True) -> TrainResult:
+    """Run the fine-tune `options` describe on this rank; return the run's figures.
+
+    Args:
+        options: the recipe options.
+        model: a ready SplitModel (tests); built from `options` otherwise.
+        rows: ready TokenRows (tests); loaded from `options.dataset` otherwise.
+        progress: show the progress bar on the rank that holds the loss.
+    """
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_schedule_with_warmup
+
+    from ..costs import TrainingSpec
+    from ..parallel.split_model import split_from_pretrained
+    from .data import MicroBatches, bundled_dataset_path, load_token_rows, tiny_tokenizer
+    from .lora import add_lora, lora_config
+    from .save import save_split_model, writable_dir
+
+    from accelerate import PartialState
+
+    # accelerate owns the launch: it joins the process group (gloo on CPU ranks, nccl on GPUs).
+    PartialState(cpu=not torch.cuda.is_available())
+    writable_dir(options.output_dir)  # fail before any weight is read
+    torch.manual_seed(options.seed)
+    model_path = options.model
+    if model is None:
+        model_path = options.model or default_model_path(options.output_dir)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        dtype = options.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+        spec = TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
+                            dtype=dtype, lora_r=options.lora_r,
+                            lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
+                            activation_checkpointing=options.activation_checkpointing, reserve_bytes=0)
+        # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
+        pp = options.pp or (world if options.model is None and options.tp is None else None)
+        model = split_from_pretrained(
+            model_path, options.max_memory or default_max_memory(world), spec=spec,
+            micro_batches=options.micro_batches, schedule=options.schedule, tp=options.tp, pp=pp,
+            world_size=world, activation_checkpointing=options.activation_checkpointing,
+        )
+    plan = model.plan
+    holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
+    if dist.get_rank() == 0:
+        print(plan.table(), flush=True)
+    config = None
+    if options.method == "lora":
+        config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
+                             targets=options.lora_targets)
+        tp_group = model.ctx.tp_mesh.get_group() if plan.tp > 1 else None
+        for stage in model.stages:
+            add_lora(stage, config, seed=options.seed, tp_group=tp_group, tp_rank=model.ctx.coords.tp,
+                     tp_size=plan.tp, tp_plan=getattr(model.config, "base_model_tp_plan", None))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, options.max_steps)
+
+    tokenizer = None
+    if rows is None:
+        tokenizer = tokenizer_for(options, model_path=model_path)
+        source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
+        rows = load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
+    m, dp = plan.micro_batches, plan.dp
+    batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=m * dp,
+                           seed=options.seed)
+    loss_fn = causal_lm_loss(model.config.vocab_size)
+    metrics = _MetricsLog(options.output_dir, enabled=dist.get_rank() == 0)
+    timer = StageTimer()
+    result = TrainResult(bubble_theory=plan.bubble_fraction)
+    per_replica = m * options.micro_batch_size
+    bar = tqdm(total=options.max_steps, disable=not (progress and holds_loss), desc="fine-tune", dynamic_ncols=True)
+    busy_total = wall_total = 0.0
+    for step in range(1, options.max_steps + 1):
+        batch = next(batches)
+        mine = slice(model.ctx.coords.dp * per_replica, (model.ctx.coords.dp + 1) * per_replica)
+        busy_before = timer.busy_s
+        start = time.perf_counter()
+        loss = model.step(batch["input_ids"][mine], batch["labels"][mine], loss_fn)
+        for schedule in model._schedules.values():
+            timer.watch(schedule)
+        loss = _shared_loss(model, loss)
+        norm = global_grad_norm(model, params)
+        if not (math.isfinite(loss) and math.isfinite(float(norm))):
+            result.skipped_steps.append(step)
+            optimizer.zero_grad(set_to_none=True)
+            metrics.write({"step": step, "skipped": True, "loss": loss, "grad_norm": float(norm)})
+            continue
+        clip_(params, norm=norm, max_norm=options.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        if step > 1:  # the first step builds the schedule and warms up
+            busy_total += timer.busy_s - busy_before
+            wall_total += elapsed
+        result.losses.append(loss)
+        result.step_times_s.append(elapsed)
+        tokens = per_replica * dp * options.seq_len
+        peaks = _gather_ints(peak_memory_bytes(model.device))
+        record = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": float(norm),
+                  "tokens_per_s": tokens / elapsed, "peak_memory_bytes": peaks}
+        metrics.write(record)
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{tokens / elapsed:.0f}",
+                        peak_mib="/".join(str(p >> 20) for p in peaks))
+        bar.update(1)
+        result.peak_memory_bytes = peaks
+        if options.save_every and step % options.save_every == 0 and step < options.max_steps:
+            save_split_model(model, Path(options.output_dir) / f"checkpoint-{step}", method=options.method,
+                             lora_config=config, tokenizer=tokenizer, base_model=model_path)
+    bar.close()
+    final = Path(options.output_dir) / ("adapter" if options.method == "lora" else "model")
+    save_split_model(model, final, method=options.method, lora_config=config, tokenizer=tokenizer,
+                     base_model=model_path)
+    result.saved_to = str(final)
+    busy = _gather_floats(busy_total)
+    result.bubble_measured = 1 - (sum(busy) / len(busy)) / wall_total if wall_total else 0.0
+    timed = result.step_times_s[1:] or result.step_times_s
+    result.tokens_per_s = per_replica * dp * options.seq_len / (sum(timed) / len(timed)) if timed else 0.0
+    metrics.close()
+    if dist.get_rank() == 0:
+        print(f"done: {len(result.losses)} steps, final loss {result.losses[-1] if result.losses else float('nan'):.4f}, "
+              f"{result.tokens_per_s:.0f} tokens/s, bubble measured {100 * result.bubble_measured:.1f}% "
+              f"(theory {100 * result.bubble_theory:.1f}%), skipped steps {result.skipped_steps or 'none'}", flush=True)
+    return result
+
+
+def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
+    """The tokenizer named by --tokenizer, else the model's own, else hfsplit's tiny one."""
+    from .data import tiny_tokenizer
+
+    name = options.tokenizer or model_path
+    if name is None:
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise HfsplitError(f"{name}: no tokenizer found ({exc}); pass --tokenizer NAME_OR_FOLDER") from exc
+
+
+def _shared_loss(model, loss: Optional[torch.Tensor]) -> float:
+    """The step's loss on every rank (sent from the last stage of replica 0)."""
+    value = torch.zeros((), dtype=torch.float64, device=model.device)
+    if model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0:
+        value += loss.double()
+    dist.all_reduce(value)
+    return float(value)
+
+
+def _gather_ints(value: int) -> list[int]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, int(value))
+    return out
+
+
+def _gather_floats(value: float) -> list[float]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, float(value))
+    return out
+
+
+class _MetricsLog:
+    """Metrics to `metrics.jsonl` and accelerate's TensorBoard tracker, from rank 0."""
+
+    def __init__(self, output_dir: str, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.file = None
+        self.writer = None
+        if not enabled:
+            return
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.file = open(out / "metrics.jsonl", "w")
+        try:
+            from accelerate.tracking import TensorBoardTracker
+
+            self.writer = TensorBoardTracker("hfsplit", str(out / "tensorboard"))
+            self.writer.start()
+        except Exception:  # tensorboard missing: the JSONL file still has everything
+            self.writer = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            self.writer.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.writer is not None:
+            self.writer.finish()

@@ -1,0 +1,38 @@
+"""Pipelined fine-tuning of a Hugging Face causal LM split across the launched ranks.
+
+    accelerate launch --config_file recipes/accelerate_cpu.yaml recipes/finetune.py          # built-in default
+    accelerate launch --num_processes 4 recipes/finetune.py --model NAME --dataset FILE --max-memory 4x24GiB
+    torchrun --nproc_per_node 2 recipes/finetune.py --config recipes/tiny/lora.yaml
+
+Every option is a flag and a key of the YAML recipe (`--config`); flags win.
+"""
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from hfsplit.errors import HfsplitError
+    from hfsplit.training.options import parse_options
+    from hfsplit.training.trainer import train
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        options = parse_options(argv)
+        train(options)
+        return 0
+    except HfsplitError as exc:
+        print(f"finetune: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Training throughput: pipeline schedules vs one process vs sequential model parallelism.
+
+    python scripts/bench_train.py            # ~3 minutes on 2 CPU cores
+    python scripts/bench_train.py --steps 6  # quicker
+
+Every run trains the same model on the same global batch (micro-batch size × micro-batches)
+with one thread per rank, launched by torchrun exactly as users launch the recipe:
+- one process holding the whole model (pp=1, gradient accumulation over the same micro-batches);
+- pp=2 with 1F1B, GPipe, interleaved 1F1B and ZBV zero-bubble, m=8;
+- sequential model parallelism on the same two ranks, as `device_map` training runs it: the
+  whole batch as ONE micro-batch, so one stage works while the other waits.
+Prints a markdown table of tokens/s (steady state, first step excluded), ratios, and the
+measured bubble next to `(p-1)/(m+p-1)`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(model: Path, out: Path, *, ranks: int, steps: int, **options) -> dict:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+           str(free_port()), str(ROOT / "recipes/finetune.py"), "--model", str(model), "--output-dir", str(out),
+           "--max-steps", str(steps), "--dtype", "float32", "--seq-len", "256", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in records[1:] if "tokens_per_s" in r]
+    bubble = re.search(r"bubble measured ([\d.]+)% \(theory ([\d.]+)%\)", proc.stdout)
+    return {"tokens_per_s": sum(rates) / len(rates), "bubble": float(bubble.group(1)) if bubble else float("nan"),
+            "theory": float(bubble.group(2)) if bubble else float("nan")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_train_"))
+    model = write_tiny_checkpoint(tmp / "model", "llama", num_layers=8, hidden=256, heads=8, kv_heads=4,
+                                  intermediate=768, vocab=256, max_positions=512)
+    common = dict(method="full", micro_batch_size=2, max_memory="2x8GiB")
+    cases = [
+        ("one process, whole model", 1, dict(pp=1, micro_batches=8, max_memory="8GiB")),
+        ("pp=2 1F1B m=8", 2, dict(pp=2, micro_batches=8, schedule="1F1B")),
+        ("pp=2 GPipe m=8", 2, dict(pp=2, micro_batches=8, schedule="GPipe")),
+        ("pp=2 Interleaved1F1B m=8", 2, dict(pp=2, micro_batches=8, schedule="Interleaved1F1B")),
+        ("pp=2 ZBVZeroBubble m=8", 2, dict(pp=2, micro_batches=8, schedule="ZBVZeroBubble")),
+        ("sequential model parallel (device_map style)", 2, dict(pp=2, micro_batches=1, micro_batch_size=16, schedule="GPipe")),
+    ]
+    results = {}
+    for name, ranks, opts in cases:
+        options = {**common, **opts}
+        results[name] = run(model, tmp / re.sub(r"\W+", "-", name), ranks=ranks, steps=args.steps, **options)
+        print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
+    base = results["one process, whole model"]["tokens_per_s"]
+    seq = results["sequential model parallel (device_map style)"]["tokens_per_s"]
+    print("| run | tokens/s | vs one process | vs sequential | bubble measured | bubble (p-1)/(m+p-1) |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}× | {r['tokens_per_s'] / seq:.2f}× "
+              f"| {r['bubble']:.1f}% | {r['theory']:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The split model against unsplit transformers: logits, gradients, greedy generation.
+
+Each launch runs every check for one split, so the matrix (architectures × splits ×
+schedules × tied) costs a handful of process launches.
+"""
+import pytest
+
+from hfsplit.checkpoint import load_config
+
+pytestmark = pytest.mark.slow
+
+SPLITS = {
+    # name: (arch, tied, ranks, split options)
+    "llama-pp2-gpipe-uneven": ("llama", False, 2, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
+    "mistral-tp2": ("mistral", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    "qwen2-tied-pp2xtp2-1f1b-uneven": ("qwen2", True, 4, dict(tp=2, pp=2, layers=[(0, 3), (3, 4)], schedule="1F1B")),
+    "mistral-pp2-interleaved1f1b": ("mistral", False, 2,
+                                    dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)], schedule="Interleaved1F1B")),
+    "llama-tied-pp2-zbv": ("llama", True, 2,
+                           dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)], schedule="ZBVZeroBubble")),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_split_matches_transformers(name, launch, tiny_checkpoint):
+    arch, tied, ranks, split = SPLITS[name]
+    checkpoint = str(tiny_checkpoint(arch, tied=tied))
+    results = launch("tests.parallel.cases:split_matches_transformers", world_size=ranks,
+                     kwargs=dict(checkpoint=checkpoint, **split))
+
+    for r in results:
+        assert r["logits_diff"] <= 1e-5
+        assert r["generate_equal"], r["generated"]
+        bad = {n: d for n, d in r["grad_rel_diff"].items() if d > 1e-5}
+        assert not bad, bad
+    assert any("loss_diff" in r and r["loss_diff"] <= 1e-5 for r in results)
+    assert_every_parameter_once(results, checkpoint=checkpoint, tp=split["tp"], tied=tied)
+
+
+def assert_every_parameter_once(results: list, *, checkpoint: str, tp: int, tied: bool) -> None:
+    """Across the ranks each parameter is held exactly once per TP rank, sharded ones as 1/tp of their elements."""
+    from transformers import AutoModelForCausalLM
+
+    held: dict[str, list] = {}
+    for r in results:
+        for name, (local, full) in r["numels"].items():
+            held.setdefault(name, []).append((local, full))
+    for name, pieces in held.items():
+        assert len(pieces) == tp, (name, pieces)
+        local, full = pieces[0]
+        assert local in (full, full // tp), (name, pieces)
+        assert sum(p[0] for p in pieces) in (full, full * tp), (name, pieces)
+    config = load_config(checkpoint)
+    import torch
+
+    with torch.device("meta"):
+        names = {n for n, _ in AutoModelForCausalLM.from_config(config).named_parameters()}
+    if tied:  # a last stage without the embeddings keeps its own copy of the shared matrix
+        assert set(held) - names <= {"lm_head.weight"}
+        names |= set(held)
+    assert set(held) == names
+
+
+@pytest.mark.parametrize("arch, tied, split", [
+    ("llama", False, dict(pp=2, tp=1, schedule="1F1B")),
+    ("qwen2", True, dict(pp=1, tp=2, schedule="GPipe")),
+])
+def test_split_from_pretrained_holds_the_planned_bytes(arch, tied, split, launch, tiny_checkpoint):
+    checkpoint = str(tiny_checkpoint(arch, tied=tied))
+    results = launch("tests.parallel.cases:planned_split_runs", world_size=2,
+                     kwargs=dict(checkpoint=checkpoint, max_memory="2x2GiB", **split))
+    assert [r["stage_indices"] for r in results] == ([(0,), (1,)] if split["pp"] == 2 else [(0,), (0,)])
+    for r in results:
+        assert r["logits_diff"] <= 1e-5
+        assert r["weight_bytes"] == r["planned_weight_bytes"]
+
+
+@pytest.mark.parametrize("pp, layers, message", [
+    (4, [(0, 1), (1, 2), (2, 3), (3, 4)], "needs pp=4 × tp=1 × dp=1 = 4 processes but 2 were launched"),
+    (2, [(0, 1), (1, 2), (2, 4)], "3 stages but pp=2 × virtual_stages=1 = 2 slots"),
+])
+def test_plan_not_matching_the_launch_fails_on_every_rank(pp, layers, message, launch, tiny_checkpoint):
+    results = launch("tests.parallel.cases:bad_plan_error", world_size=2,
+                     kwargs=dict(checkpoint=str(tiny_checkpoint("llama")), pp=pp, layers=layers), timeout_s=60)
+    assert all(message in r for r in results), results

@@ -1,0 +1,112 @@
+"""Split fine-tuning equals single-process training of the unsplit transformers model, step by step."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfsplit.training.data import MicroBatches, bundled_dataset_path, load_token_rows
+from hfsplit.training.lora import lora_config, seed_lora_weights
+from hfsplit.training.options import FinetuneOptions
+from hfsplit.training.trainer import causal_lm_loss, tokenizer_for
+from tests.parallel.launcher import free_port, launch
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 20
+
+
+def reference_training(options: FinetuneOptions):
+    """(per-step losses, trained model) of plain transformers (+ peft) training."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+
+    torch.manual_seed(options.seed)
+    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
+    if options.method == "lora":
+        model = get_peft_model(model, lora_config(r=options.lora_r, alpha=options.lora_alpha,
+                                                  dropout=options.lora_dropout, targets=options.lora_targets))
+        seed_lora_weights(model, seed=options.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, options.max_steps)
+    tokenizer = tokenizer_for(options, model_path=options.model)
+    rows = load_token_rows(str(bundled_dataset_path("tiny_alpaca.jsonl")), tokenizer, seq_len=options.seq_len)
+    batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=options.micro_batches,
+                           seed=options.seed)
+    loss_fn = causal_lm_loss(model.config.vocab_size)
+    losses = []
+    for _ in range(options.max_steps):
+        batch = next(batches)
+        ids = batch["input_ids"].split(options.micro_batch_size)
+        labels = batch["labels"].split(options.micro_batch_size)
+        step_losses = []
+        for x, y in zip(ids, labels):
+            loss = loss_fn(model(input_ids=x).logits, y)
+            (loss / options.micro_batches).backward()
+            step_losses.append(loss.detach())
+        losses.append(float(torch.stack(step_losses).mean()))
+        torch.nn.utils.clip_grad_norm_(params, options.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return losses, model
+
+
+def saved_model(folder: Path, options: FinetuneOptions):
+    """What users load from the run's output with plain transformers / peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if options.method == "lora":
+        base = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
+        return PeftModel.from_pretrained(base, folder / "adapter")
+    return AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+
+
+def run_options(checkpoint, tmp_path, method: str, **extra) -> dict:
+    return dict(model=str(checkpoint), method=method, seq_len=64, micro_batch_size=2, micro_batches=4,
+                max_steps=STEPS, learning_rate=3e-3 if method == "lora" else 1e-3, warmup_steps=3,
+                max_grad_norm=0.5, output_dir=str(tmp_path / f"{method}-{extra}"), dtype="float32", **extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, split, arch", [
+    (2, dict(pp=2, max_memory="2x1GiB"), "llama"),
+    (2, dict(tp=2, pp=1, max_memory="2x1GiB"), "qwen2"),
+    (4, dict(tp=2, pp=2, max_memory="4x1GiB"), "mistral"),
+])
+def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path, world, split, arch):
+    checkpoint = tiny_checkpoint(arch)
+    runs = [run_options(checkpoint, tmp_path, method, **split) for method in ("lora", "full")]
+    results = launch("tests.training.cases:finetune_losses", world_size=world, kwargs={"runs": runs}, timeout_s=300)
+    probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    for run, split_losses in zip(runs, results[0]):
+        options = FinetuneOptions(**run)
+        expected, trained = reference_training(options)
+        assert len(split_losses) == STEPS
+        assert split_losses == pytest.approx(expected, rel=1e-4), run["method"]
+        # the saved output loads with plain transformers / peft and computes what training ended with
+        loaded = saved_model(Path(run["output_dir"]), options)
+        with torch.no_grad():
+            diff = (loaded(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max()
+        assert diff < 1e-4, run["method"]
+    assert results[0] == results[-1]  # every rank reports the same losses
+
+
+@pytest.mark.slow
+def test_readme_default_command_runs_under_accelerate_launch_and_loss_falls(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate_cpu.yaml"),
+           "--main_process_port", str(free_port()), str(ROOT / "recipes/finetune.py"), "--output-dir", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r and not r.get("skipped")]
+    assert len(losses) == FinetuneOptions().max_steps
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert "bubble measured" in proc.stdout and "pp=2" in proc.stdout
+    assert (out / "tensorboard").is_dir()
