@@ -54,6 +54,10 @@ def from_pretrained(
         revision: hub revision.
         planner_options: further `make_plan` options (seq_len etc. go in `spec`).
 
+    Under a distributed launch (WORLD_SIZE > 1: torchrun, accelerate launch) this returns this
+    rank's `hfsplit.parallel.SplitModel` instead: the plan spans all ranks, each rank reads and
+    holds only its stage's (and TP slice's) bytes.
+
     Returns:
         The model with real weights, `hf_device_map` and `hfsplit_plan` set, in eval mode.
 
@@ -62,6 +66,14 @@ def from_pretrained(
         CheckpointError: the checkpoint is missing tensors or disagrees with its config.
         PlanError: nothing fits the budget.
     """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from .parallel.split_model import split_from_pretrained
+
+        if isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype)
+        return split_from_pretrained(str(name_or_path), max_memory, plan=plan,
+                                     dtype=dtype if isinstance(dtype, torch.dtype) else None,
+                                     world_size=int(os.environ["WORLD_SIZE"]), **planner_options)
     source = str(name_or_path)
     config = load_config(source, revision=revision)
     check_supported(config)

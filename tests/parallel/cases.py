@@ -100,12 +100,13 @@ def bad_plan_error(*, checkpoint: str, pp: int, layers: list, schedule: str = "1
 
 
 def planned_split_runs(*, checkpoint: str, max_memory: str, pp: int, tp: int, schedule: str) -> dict:
-    """`split_from_pretrained` through the real planner: the plan it ran and the logits error."""
+    """`hfsplit.from_pretrained` under a launch (it dispatches to the split model) through the real
+    planner: the plan it ran and the logits error."""
     from transformers import AutoModelForCausalLM
 
-    from hfsplit.parallel import split_from_pretrained
+    import hfsplit
 
-    model = split_from_pretrained(checkpoint, max_memory, spec=TrainingSpec(method="full", seq_len=8, dtype="float32"),
+    model = hfsplit.from_pretrained(checkpoint, max_memory, spec=TrainingSpec(method="full", seq_len=8, dtype="float32"),
                                   micro_batches=2, schedule=schedule, pp=pp, tp=tp, dp=1)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     ids = torch.randint(3, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
