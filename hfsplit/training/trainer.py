@@ -37,6 +37,7 @@ class TrainResult:
     skipped_steps: list[int] = field(default_factory=list)
     peak_memory_bytes: list[int] = field(default_factory=list)
     saved_to: str = ""
+    eval_losses: list[float] = field(default_factory=list)
 
 
 def causal_lm_loss(vocab_size: int):
@@ -200,7 +201,6 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
                      tp_size=plan.tp, tp_plan=getattr(model.config, "base_model_tp_plan", None))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, options.max_steps)
 
     tokenizer = None
     if rows is None:
@@ -208,16 +208,19 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
         source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
         rows = load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
     m, dp = plan.micro_batches, plan.dp
+    rows, held_out = split_eval_rows(rows, options)
     batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=m * dp,
                            seed=options.seed)
+    total_steps = total_steps_of(options, rows=len(rows), rows_per_step=m * dp * options.micro_batch_size)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
     loss_fn = causal_lm_loss(model.config.vocab_size)
     metrics = _MetricsLog(options.output_dir, enabled=dist.get_rank() == 0)
     timer = StageTimer()
     result = TrainResult(bubble_theory=plan.bubble_fraction)
     per_replica = m * options.micro_batch_size
-    bar = tqdm(total=options.max_steps, disable=not (progress and holds_loss), desc="fine-tune", dynamic_ncols=True)
+    bar = tqdm(total=total_steps, disable=not (progress and holds_loss), desc="fine-tune", dynamic_ncols=True)
     busy_total = wall_total = 0.0
-    for step in range(1, options.max_steps + 1):
+    for step in range(1, total_steps + 1):
         batch = next(batches)
         mine = slice(model.ctx.coords.dp * per_replica, (model.ctx.coords.dp + 1) * per_replica)
         busy_before = timer.busy_s
@@ -251,7 +254,13 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
                         peak_mib="/".join(str(p >> 20) for p in peaks))
         bar.update(1)
         result.peak_memory_bytes = peaks
-        if options.save_every and step % options.save_every == 0 and step < options.max_steps:
+        if options.eval_every and step % options.eval_every == 0:
+            record["eval_loss"] = eval_loss(model, held_out, loss_fn, micro_batch_size=options.micro_batch_size)
+            if holds_loss:
+                bar.write(f"step {step}: eval loss {record['eval_loss']:.4f}")
+            metrics.write({"step": step, "eval_loss": record["eval_loss"]})
+            result.eval_losses.append(record["eval_loss"])
+        if options.save_every and step % options.save_every == 0 and step < total_steps:
             save_split_model(model, Path(options.output_dir) / f"checkpoint-{step}", method=options.method,
                              lora_config=config, tokenizer=tokenizer, base_model=model_path)
     bar.close()
@@ -286,13 +295,50 @@ def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
         raise HfsplitError(f"{name}: no tokenizer found ({exc}); pass --tokenizer NAME_OR_FOLDER") from exc
 
 
-def _shared_loss(model, loss: Optional[torch.Tensor]) -> float:
-    """The step's loss on every rank (sent from the last stage of replica 0)."""
+def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -> int:
+    """Optimizer steps: `max_steps`, or `epochs` passes over the rows when given."""
+    if not options.epochs:
+        return options.max_steps
+    per_epoch = rows // rows_per_step
+    if per_epoch < 1:
+        raise HfsplitError(f"the dataset has {rows} rows, fewer than one step needs ({rows_per_step}); "
+                           "lower --micro-batches or --micro-batch-size, or add data")
+    return options.epochs * per_epoch
+
+
+def split_eval_rows(rows, options: FinetuneOptions):
+    """(training rows, held-out rows): with `eval_every`, 5% (at least one micro-batch) is held out."""
+    from .data import TokenRows
+
+    if not options.eval_every:
+        return rows, None
+    count = max(options.micro_batch_size * options.micro_batches, len(rows) // 20)
+    if count >= len(rows):
+        raise HfsplitError(f"the dataset has {len(rows)} rows: too few to hold out {count} for --eval-every")
+    train = TokenRows(rows.input_ids[count:], rows.labels[count:])
+    return train, TokenRows(rows.input_ids[:count], rows.labels[:count])
+
+
+@torch.no_grad()
+def eval_loss(model, rows, loss_fn, *, micro_batch_size: int) -> float:
+    """Mean loss over the held-out rows (forward only through the pipeline), on every rank."""
+    losses = []
+    size = micro_batch_size * model.plan.micro_batches  # the training step's shape: same micro-batch count
+    for start in range(0, len(rows) - size + 1, size):
+        logits = model.forward(rows.input_ids[start:start + size])
+        loss = loss_fn(logits, rows.labels[start:start + size].to(logits.device)) if logits is not None else None
+        losses.append(_shared_loss(model, loss, replicas=False))
+    return sum(losses) / len(losses)
+
+
+def _shared_loss(model, loss: Optional[torch.Tensor], *, replicas: bool = True) -> float:
+    """The loss on every rank: from the last stage, averaged over data-parallel replicas."""
     value = torch.zeros((), dtype=torch.float64, device=model.device)
-    if model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0:
+    counted = model.has_last and model.ctx.coords.tp == 0 and (replicas or model.ctx.coords.dp == 0)
+    if counted:
         value += loss.double()
     dist.all_reduce(value)
-    return float(value)
+    return float(value) / (model.plan.dp if replicas else 1)
 
 
 def _gather_ints(value: int) -> list[int]:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
 
 
-def reference_training(options: FinetuneOptions):
+def reference_training(options: FinetuneOptions, *, replicas: int = 1):
     """(per-step losses, trained model) of plain transformers (+ peft) training."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
@@ -34,7 +34,8 @@ def reference_training(options: FinetuneOptions):
     scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, options.max_steps)
     tokenizer = tokenizer_for(options, model_path=options.model)
     rows = load_token_rows(str(bundled_dataset_path("tiny_alpaca.jsonl")), tokenizer, seq_len=options.seq_len)
-    batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=options.micro_batches,
+    micro_batches = options.micro_batches * replicas  # data-parallel replicas split one global batch
+    batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=micro_batches,
                            seed=options.seed)
     loss_fn = causal_lm_loss(model.config.vocab_size)
     losses = []
@@ -45,7 +46,7 @@ def reference_training(options: FinetuneOptions):
         step_losses = []
         for x, y in zip(ids, labels):
             loss = loss_fn(model(input_ids=x).logits, y)
-            (loss / options.micro_batches).backward()
+            (loss / micro_batches).backward()
             step_losses.append(loss.detach())
         losses.append(float(torch.stack(step_losses).mean()))
         torch.nn.utils.clip_grad_norm_(params, options.max_grad_norm)
@@ -77,15 +78,19 @@ def run_options(checkpoint, tmp_path, method: str, **extra) -> dict:
     (2, dict(pp=2, max_memory="2x1GiB"), "llama"),
     (2, dict(tp=2, pp=1, max_memory="2x1GiB"), "qwen2"),
     (4, dict(tp=2, pp=2, max_memory="4x1GiB"), "mistral"),
+    (2, dict(tp=1, pp=1, max_memory="2x1GiB"), "llama"),  # two data-parallel replicas
 ])
 def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path, world, split, arch):
+    """pp=2, tp=2, pp=2×tp=2 and dp=2, LoRA and full: every step's loss equals the unsplit model's,
+    and the saved output loads with plain transformers / peft."""
     checkpoint = tiny_checkpoint(arch)
     runs = [run_options(checkpoint, tmp_path, method, **split) for method in ("lora", "full")]
     results = launch("tests.training.cases:finetune_losses", world_size=world, kwargs={"runs": runs}, timeout_s=300)
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     for run, split_losses in zip(runs, results[0]):
         options = FinetuneOptions(**run)
-        expected, trained = reference_training(options)
+        replicas = world // (split["tp"] if "tp" in split else 1) // split["pp"]
+        expected, trained = reference_training(options, replicas=replicas)
         assert len(split_losses) == STEPS
         assert split_losses == pytest.approx(expected, rel=1e-4), run["method"]
         # the saved output loads with plain transformers / peft and computes what training ended with
@@ -110,3 +115,18 @@ def test_readme_default_command_runs_under_accelerate_launch_and_loss_falls(tmp_
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert "bubble measured" in proc.stdout and "pp=2" in proc.stdout
     assert (out / "tensorboard").is_dir()
+
+
+@pytest.mark.slow
+def test_epochs_and_evaluation(tiny_checkpoint, tmp_path):
+    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "full", pp=2, max_memory="2x1GiB"),
+               epochs=1, eval_every=5)
+    (losses,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]},
+                       timeout_s=300)[0]
+    rows = len(load_token_rows(str(bundled_dataset_path("tiny_alpaca.jsonl")),
+                               tokenizer_for(FinetuneOptions(**run), model_path=run["model"]), seq_len=64))
+    held_out = max(2 * 4, rows // 20)
+    assert len(losses) == (rows - held_out) // (2 * 4)  # one pass over the training rows
+    records = [json.loads(x) for x in (Path(run["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(evals) == len(losses) // 5 and evals[-1] < evals[0]
