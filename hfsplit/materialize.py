@@ -212,7 +212,11 @@ def materialize_blocks(model: torch.nn.Module, reader: CheckpointReader, device_
             for name, tensor in persistent.items():
                 # nested blocks load their own tensors
                 if name not in retied and block_of(name, device_map) == prefix:
-                    reader.read_into(name, tensor.data)
+                    if target.type == "cpu" and reader.dtype(name) == tensor.dtype:
+                        # CPU weights in the stored dtype: a copy-on-write view of the file, no copy
+                        tensor.data = reader.mapped(name)
+                    else:
+                        reader.read_into(name, tensor.data)
 
 
 def tie_on_same_device(model: torch.nn.Module, device_map: DeviceMap, *, training: str = "inference") -> None:

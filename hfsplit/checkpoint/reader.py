@@ -74,6 +74,7 @@ class CheckpointReader:
         self._paths: dict[str, Path] = {}
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._fds: dict[Path, int] = {}
+        self._mapped_files: dict[str, object] = {}  # safe_open handles backing `mapped` views
 
     # ---- building -------------------------------------------------------------------
 
@@ -147,6 +148,21 @@ class CheckpointReader:
         out = torch.empty(entry.shape, dtype=dtype or entry.dtype, device=_device(device))
         self._fill_rows(entry, out, name)
         return out
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """Tensor `name` as a copy-on-write view of the memory-mapped file (CPU, stored dtype).
+
+        Nothing is copied: pages come from the page cache as they are touched, as
+        transformers' own CPU loading does. Writes stay private to this process.
+        """
+        from safetensors import safe_open
+
+        entry = self._entry(name)
+        path = str(entry.file)
+        handle = self._mapped_files.get(path)
+        if handle is None:
+            handle = self._mapped_files[path] = safe_open(path, framework="pt")
+        return handle.get_slice(self.checkpoint_name(name))[:]
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """Copy tensor `name` into `out` (any device and floating dtype; shape must match)."""
