@@ -37,7 +37,8 @@ class FinetuneOptions:
         eval_every: evaluate on held-out rows every N steps (0: never).
         output_dir: where metrics, checkpoints and the final model go.
         save_every: save a checkpoint every N steps (0: only at the end).
-        log_every: print and log metrics every N steps.
+        resume: "latest" (the newest checkpoint-N in output_dir) or a checkpoint folder: restores weights,
+            optimizer, scheduler, RNG and data position on every rank.
     """
 
     model: Optional[str] = None
@@ -68,7 +69,7 @@ class FinetuneOptions:
     eval_every: int = 0
     output_dir: str = "runs/tiny"
     save_every: int = 0
-    log_every: int = 1
+    resume: Optional[str] = None
     config: Optional[str] = field(default=None, metadata={"help": "YAML recipe file; flags override it"})
 
     def validate(self) -> None:

@@ -72,8 +72,11 @@ def lora_state_of_stage(model, module) -> dict[str, torch.Tensor]:
 
 
 def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_config=None, tokenizer=None,
-                     base_model: Optional[str] = None) -> Path:
-    """Save `model` (a SplitModel, on every rank) into `folder` atomically; the final path."""
+                     base_model: Optional[str] = None, extra=None) -> Path:
+    """Save `model` (a SplitModel, on every rank) into `folder` atomically; the final path.
+
+    `extra(tmp_folder)`, when given, runs on every rank before the rename (trainer state).
+    """
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -114,6 +117,9 @@ def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_conf
             lora_config.save_pretrained(tmp)
     if rank == 0 and tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    dist.barrier()  # the folder exists on every rank's view before extra writes into it
+    if extra is not None:
+        extra(tmp)
     dist.barrier()
     if rank == 0:
         old = folder.with_name(folder.name + ".old")

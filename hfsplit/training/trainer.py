@@ -6,6 +6,7 @@ pipeline and tensor groups, each rank's optimizer steps over its own parameters.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -163,6 +164,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     from ..parallel.split_model import split_from_pretrained
     from .data import MicroBatches, bundled_dataset_path, load_token_rows, tiny_tokenizer
     from .lora import add_lora, lora_config
+    from .resume import checkpoint_to_resume, read_trainer_state, write_trainer_state
     from .save import save_split_model, writable_dir
 
     from accelerate import PartialState
@@ -214,13 +216,20 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     total_steps = total_steps_of(options, rows=len(rows), rows_per_step=m * dp * options.micro_batch_size)
     scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
     loss_fn = causal_lm_loss(model.config.vocab_size)
-    metrics = _MetricsLog(options.output_dir, enabled=dist.get_rank() == 0)
+    metrics = _MetricsLog(options.output_dir, enabled=dist.get_rank() == 0, append=bool(options.resume))
     timer = StageTimer()
     result = TrainResult(bubble_theory=plan.bubble_fraction)
     per_replica = m * options.micro_batch_size
-    bar = tqdm(total=total_steps, disable=not (progress and holds_loss), desc="fine-tune", dynamic_ncols=True)
+    first = 1
+    if options.resume:
+        folder = checkpoint_to_resume(options.resume, options.output_dir)
+        first = read_trainer_state(folder, model=model, params=params, optimizer=optimizer, scheduler=scheduler,
+                                   batches=batches) + 1
+        if dist.get_rank() == 0:
+            print(f"resumed from {folder} at step {first - 1}", flush=True)
+    bar = tqdm(total=total_steps, initial=first - 1, disable=not (progress and holds_loss), desc="fine-tune", dynamic_ncols=True)
     busy_total = wall_total = 0.0
-    for step in range(1, total_steps + 1):
+    for step in range(first, total_steps + 1):
         batch = next(batches)
         mine = slice(model.ctx.coords.dp * per_replica, (model.ctx.coords.dp + 1) * per_replica)
         busy_before = timer.busy_s
@@ -240,7 +249,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
-        if step > 1:  # the first step builds the schedule and warms up
+        if step > first:  # the first step builds the schedule and warms up
             busy_total += timer.busy_s - busy_before
             wall_total += elapsed
         result.losses.append(loss)
@@ -261,8 +270,10 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
             metrics.write({"step": step, "eval_loss": record["eval_loss"]})
             result.eval_losses.append(record["eval_loss"])
         if options.save_every and step % options.save_every == 0 and step < total_steps:
+            state = functools.partial(write_trainer_state, model=model, params=params, optimizer=optimizer,
+                                      scheduler=scheduler, batches=batches, step=step)
             save_split_model(model, Path(options.output_dir) / f"checkpoint-{step}", method=options.method,
-                             lora_config=config, tokenizer=tokenizer, base_model=model_path)
+                             lora_config=config, tokenizer=tokenizer, base_model=model_path, extra=state)
     bar.close()
     final = Path(options.output_dir) / ("adapter" if options.method == "lora" else "model")
     save_split_model(model, final, method=options.method, lora_config=config, tokenizer=tokenizer,
@@ -356,7 +367,7 @@ def _gather_floats(value: float) -> list[float]:
 class _MetricsLog:
     """Metrics to `metrics.jsonl` and accelerate's TensorBoard tracker, from rank 0."""
 
-    def __init__(self, output_dir: str, *, enabled: bool) -> None:
+    def __init__(self, output_dir: str, *, enabled: bool, append: bool = False) -> None:
         self.enabled = enabled
         self.file = None
         self.writer = None
@@ -364,7 +375,7 @@ class _MetricsLog:
             return
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.file = open(out / "metrics.jsonl", "w")
+        self.file = open(out / "metrics.jsonl", "a" if append else "w")
         try:
             from accelerate.tracking import TensorBoardTracker
 

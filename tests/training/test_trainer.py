@@ -130,3 +130,33 @@ def test_epochs_and_evaluation(tiny_checkpoint, tmp_path):
     records = [json.loads(x) for x in (Path(run["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(evals) == len(losses) // 5 and evals[-1] < evals[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, split, method", [
+    (2, dict(pp=2, max_memory="2x1GiB"), "full"),
+    (2, dict(tp=2, pp=1, max_memory="2x1GiB"), "lora"),
+])
+def test_resume_gives_the_uninterrupted_loss_curve(tiny_checkpoint, tmp_path, world, split, method):
+    base = dict(run_options(tiny_checkpoint("llama"), tmp_path, method, **split), max_steps=12, save_every=6)
+    whole = dict(base, output_dir=str(tmp_path / "whole"))
+    interrupted = dict(base, output_dir=str(tmp_path / "resumed"))
+    first = launch("tests.training.cases:finetune_losses", world_size=world,
+                   kwargs={"runs": [whole, interrupted]}, timeout_s=300)[0]
+    assert (tmp_path / "resumed" / "checkpoint-6" / "trainer_state").is_dir()
+    # the latest checkpoint is step 6 (the final step saves the model, not a checkpoint): resume from it
+    (resumed,) = launch("tests.training.cases:finetune_losses", world_size=world,
+                        kwargs={"runs": [dict(interrupted, resume="latest")]}, timeout_s=300)[0]
+    assert resumed == pytest.approx(first[0][6:], rel=1e-6)
+    # the final save of a resumed run loads like any other
+    assert (tmp_path / "resumed" / ("adapter" if method == "lora" else "model")).is_dir()
+
+
+@pytest.mark.slow
+def test_resume_under_another_split_is_refused(tiny_checkpoint, tmp_path):
+    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "full", pp=2, max_memory="2x1GiB"),
+               max_steps=4, save_every=2, output_dir=str(tmp_path / "run"))
+    launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]}, timeout_s=300)
+    other = dict(run, pp=1, tp=2, resume="latest")
+    with pytest.raises(AssertionError, match="saved under another split"):
+        launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [other]}, timeout_s=300)
