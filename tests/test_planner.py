@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from hfsplit.costs import ModelCosts, PartCost, TrainingSpec
-from hfsplit.planner import Slot, _rank_fits, _rank_times, _slots, bubble_fraction, in_flight, split_layers
+from hfsplit.planner import _rank_fits, _rank_times, _slots, bubble_fraction, in_flight, split_layers
 
 
 def toy_costs(layers=8, *, block_state=10, block_act=2, embed_state=20, head_state=30, head_act=5, tied=False,

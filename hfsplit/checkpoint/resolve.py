@@ -53,7 +53,6 @@ def load_config(model: str | os.PathLike, *, revision: Optional[str] = None):
     Well-known hub names whose config.json hfsplit bundles (hfsplit/configs) need no
     network, so planning works offline for them.
     """
-    from transformers import AutoConfig
 
     path = Path(model)
     bundled = bundled_config_path(str(model))

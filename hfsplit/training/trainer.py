@@ -12,7 +12,7 @@ import math
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -162,7 +162,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
 
     from ..costs import TrainingSpec
     from ..parallel.split_model import split_from_pretrained
-    from .data import MicroBatches, bundled_dataset_path, load_token_rows, tiny_tokenizer
+    from .data import MicroBatches, bundled_dataset_path, load_token_rows
     from .lora import add_lora, lora_config
     from .resume import checkpoint_to_resume, read_trainer_state, write_trainer_state
     from .save import save_split_model, writable_dir
