@@ -42,13 +42,15 @@ def full_state_of_stage(model, module) -> dict[str, torch.Tensor]:
     """Checkpoint-named CPU tensors of one stage module, TP pieces joined (collective over the TP group)."""
     from ..parallel.tensor import full_tensor
 
+    # Saved in the run's dtype (bf16 runs keep fp32 master weights in memory, users expect bf16 files).
+    dtype = getattr(torch, model.plan.spec.dtype)
     state = {}
     for name, param in module.named_parameters():
         if ".lora_" in name:
             continue
         if model.plan.tied_embeddings and name == "lm_head.weight":
             continue  # stored once, as the embedding
-        state[name.replace(".base_layer.", ".")] = full_tensor(param.detach()).cpu().contiguous()
+        state[name.replace(".base_layer.", ".")] = full_tensor(param.detach()).to(dtype).cpu().contiguous()
     return state
 
 

@@ -76,6 +76,25 @@ def default_max_memory(world_size: int) -> str:
     return f"{world_size}x{per_rank}B"
 
 
+def weights_dtype(method: str, dtype: str) -> torch.dtype:
+    """Dtype the weights are held in: full fine-tuning in 16 bits keeps fp32 weights (the master copy,
+    AMP-style) and computes under autocast; LoRA keeps the frozen base in 16 bits (peft keeps adapters fp32)."""
+    if method == "full" and dtype in ("bfloat16", "float16"):
+        return torch.float32
+    return getattr(torch, dtype)
+
+
+def compute_precision(model):
+    """Autocast to the plan's 16-bit dtype where the weights are fp32 masters; a no-op otherwise."""
+    import contextlib
+
+    wanted = getattr(torch, model.plan.spec.dtype)
+    held = next(p.dtype for p in model.parameters())
+    if wanted in (torch.bfloat16, torch.float16) and held == torch.float32 and model.plan.spec.method == "full":
+        return torch.autocast(device_type=model.device.type, dtype=wanted)
+    return contextlib.nullcontext()
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this rank: the accelerator's allocator peak, else the process's peak RSS."""
     if device.type == "cuda":
@@ -188,6 +207,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
             model_path, options.max_memory or default_max_memory(world), spec=spec,
             micro_batches=options.micro_batches, schedule=options.schedule, tp=options.tp, pp=pp,
             world_size=world, activation_checkpointing=options.activation_checkpointing,
+            dtype=weights_dtype(options.method, dtype),
         )
     plan = model.plan
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
@@ -234,7 +254,8 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
         mine = slice(model.ctx.coords.dp * per_replica, (model.ctx.coords.dp + 1) * per_replica)
         busy_before = timer.busy_s
         start = time.perf_counter()
-        loss = model.step(batch["input_ids"][mine], batch["labels"][mine], loss_fn)
+        with compute_precision(model):
+            loss = model.step(batch["input_ids"][mine], batch["labels"][mine], loss_fn)
         for schedule in model._schedules.values():
             timer.watch(schedule)
         loss = _shared_loss(model, loss)
@@ -336,7 +357,8 @@ def eval_loss(model, rows, loss_fn, *, micro_batch_size: int) -> float:
     losses = []
     size = micro_batch_size * model.plan.micro_batches  # the training step's shape: same micro-batch count
     for start in range(0, len(rows) - size + 1, size):
-        logits = model.forward(rows.input_ids[start:start + size])
+        with compute_precision(model):
+            logits = model.forward(rows.input_ids[start:start + size])
         loss = loss_fn(logits, rows.labels[start:start + size].to(logits.device)) if logits is not None else None
         losses.append(_shared_loss(model, loss, replicas=False))
     return sum(losses) / len(losses)

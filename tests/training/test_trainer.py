@@ -160,3 +160,19 @@ def test_resume_under_another_split_is_refused(tiny_checkpoint, tmp_path):
     other = dict(run, pp=1, tp=2, resume="latest")
     with pytest.raises(AssertionError, match="saved under another split"):
         launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [other]}, timeout_s=300)
+
+
+@pytest.mark.slow
+def test_bf16_full_fine_tuning_tracks_fp32_training_and_saves_bf16(tiny_checkpoint, tmp_path):
+    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "full", pp=2, max_memory="2x1GiB"),
+               max_steps=10, dtype="bfloat16")
+    (losses,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]},
+                       timeout_s=300)[0]
+    expected, _ = reference_training(FinetuneOptions(**dict(run, dtype="float32")))
+    assert losses == pytest.approx(expected, rel=2e-2)  # bf16 compute, fp32 weights and optimizer
+    assert losses != pytest.approx(expected, rel=1e-6)  # autocast really computed in bf16
+    from safetensors import safe_open
+    saved = Path(run["output_dir"]) / "model"
+    shard = sorted(saved.glob("*.safetensors"))[0]
+    with safe_open(str(shard), framework="pt") as f:
+        assert f.get_tensor(next(iter(f.keys()))).dtype == torch.bfloat16
