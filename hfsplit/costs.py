@@ -299,7 +299,14 @@ def _lora_targets(layout: _Layout, spec: TrainingSpec) -> list[_Linear]:
     if spec.lora_targets is None:
         return list(layout.linears)
     # peft matches a target name against the end of the module path
-    return [lin for lin in layout.linears if any(lin.name == t or lin.name.endswith("." + t) for t in spec.lora_targets)]
+    def matches(lin: _Linear, target: str) -> bool:
+        return lin.name == target or lin.name.endswith("." + target)
+
+    missing = [t for t in spec.lora_targets if not any(matches(lin, t) for lin in layout.linears)]
+    if missing:
+        raise PlanError(f"LoRA target(s) {', '.join(missing)} name no module of the model; "
+                        f"linear layers here: {', '.join(sorted({lin.name.rsplit('.', 1)[-1] for lin in layout.linears}))}")
+    return [lin for lin in layout.linears if any(matches(lin, t) for t in spec.lora_targets)]
 
 
 def _lora_numel(layout: _Layout, spec: TrainingSpec, tp: int) -> int:

@@ -76,6 +76,16 @@ def default_max_memory(world_size: int) -> str:
     return f"{world_size}x{per_rank}B"
 
 
+def check_sequence_length(model_path: str, seq_len: int) -> None:
+    """A clear error, before any weight is read, for sequences longer than the model's positions."""
+    from ..checkpoint import load_config
+
+    limit = getattr(load_config(model_path), "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        raise HfsplitError(f"--seq-len {seq_len} is beyond {model_path}'s {limit} positions "
+                           f"(max_position_embeddings); use --seq-len {limit} or less")
+
+
 def weights_dtype(method: str, dtype: str) -> torch.dtype:
     """Dtype the weights are held in: full fine-tuning in 16 bits keeps fp32 weights (the master copy,
     AMP-style) and computes under autocast; LoRA keeps the frozen base in 16 bits (peft keeps adapters fp32)."""
@@ -195,6 +205,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     model_path = options.model
     if model is None:
         model_path = options.model or default_model_path(options.output_dir)
+        check_sequence_length(model_path, options.seq_len)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dtype = options.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
         spec = TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,

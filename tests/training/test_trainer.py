@@ -176,3 +176,23 @@ def test_bf16_full_fine_tuning_tracks_fp32_training_and_saves_bf16(tiny_checkpoi
     shard = sorted(saved.glob("*.safetensors"))[0]
     with safe_open(str(shard), framework="pt") as f:
         assert f.get_tensor(next(iter(f.keys()))).dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-len", "100000"], "beyond"),
+    (["--method", "lora", "--lora-targets", "qkv_fused"], "name no module"),
+    (["--output-dir", "/proc/hfsplit-cannot-write"], "not writable"),
+    (["--dataset", "missing.jsonl"], "missing.jsonl"),
+])
+def test_recipe_bad_input_is_one_clear_line_and_exit_code_2(tiny_checkpoint, tmp_path, flags, message):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    base = ["--model", str(tiny_checkpoint("llama")), "--max-memory", "1GiB", "--output-dir", str(tmp_path / "out"),
+            "--max-steps", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+           str(ROOT / "recipes/finetune.py"), *base, *flags]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("finetune: ")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "model").exists()  # nothing half-written
