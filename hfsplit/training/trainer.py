@@ -316,6 +316,8 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     timed = result.step_times_s[1:] or result.step_times_s
     result.tokens_per_s = per_replica * dp * options.seq_len / (sum(timed) / len(timed)) if timed else 0.0
     metrics.close()
+    # Leave together: a rank tearing down gloo while a peer still talks to it can abort the peer.
+    dist.barrier()
     if dist.get_rank() == 0:
         print(f"done: {len(result.losses)} steps, final loss {result.losses[-1] if result.losses else float('nan'):.4f}, "
               f"{result.tokens_per_s:.0f} tokens/s, bubble measured {100 * result.bubble_measured:.1f}% "
