@@ -391,14 +391,15 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
         costs = model_costs(config, spec, tp=t)
         p = min(len(budgets) // t, costs.num_layers)
         m = _micro_batches(options["micro_batches"], options["global_batch"], spec, p, 1)
+        schedule = options["schedule"] if p > 1 else "1F1B"
+        v = _virtual_stages(schedule, p)
         for groups in itertools.islice(_device_orders(budgets, t=t, count=p), 24):
-            slots = _slots(groups, unlimited, options["device_speeds"], p=p, d=1, v=_virtual_stages(options["schedule"], p),
-                           m=m, schedule=options["schedule"] if p > 1 else "1F1B")
+            slots = _slots(groups, unlimited, options["device_speeds"], p=p, d=1, v=v, m=m, schedule=schedule)
             counts = split_layers(costs, slots)
             if counts is None:
                 continue
             slots = [replace(s, budget=min(budgets[x] for g in s.devices for x in g)) for s in slots]
-            plan = _plan(costs, slots, counts, name="", config=config, t=t, p=p, d=1, v=1, m=m, schedule="1F1B")
+            plan = _plan(costs, slots, counts, name="", config=config, t=t, p=p, d=1, v=v, m=m, schedule=schedule)
             over = max(s.memory.total / s.budget for s in plan.stages)
             if over < best_over:
                 best, best_over = plan, over
