@@ -2,7 +2,9 @@
 
 
 class HfsplitError(Exception):
-    """Base class for every error hfsplit raises on purpose."""
+    """Base class for every error hfsplit raises on purpose (the CLI and recipe exit with `exit_code`)."""
+
+    exit_code = 2
 
 
 class BudgetError(HfsplitError, ValueError):
@@ -19,3 +21,17 @@ class CheckpointError(HfsplitError):
 
 class UnsupportedModelError(HfsplitError):
     """A model architecture hfsplit cannot split."""
+
+
+class TrainingFault(HfsplitError):
+    """A run that started well and then failed: not bad input, so the recipe exits 3 instead of 2."""
+
+    exit_code = 3
+
+
+class NonFiniteError(TrainingFault):
+    """A non-finite loss or gradient under `--on-nonfinite stop`."""
+
+
+class PeerLostError(TrainingFault):
+    """Another rank died or stopped answering within `--peer-timeout`."""

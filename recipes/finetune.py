@@ -28,7 +28,7 @@ def main(argv=None) -> int:
         return 0
     except HfsplitError as exc:
         print(f"finetune: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return exc.exit_code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

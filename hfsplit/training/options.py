@@ -37,8 +37,14 @@ class FinetuneOptions:
         eval_every: evaluate on held-out rows every N steps (0: never).
         output_dir: where metrics, checkpoints and the final model go.
         save_every: save a checkpoint every N steps (0: only at the end).
+        save_total_limit: keep only the newest K checkpoints (0: keep all).
+        merge: LoRA runs also write `merged/`, the base model with the adapters folded in (a plain HF model folder).
         resume: "latest" (the newest checkpoint-N in output_dir) or a checkpoint folder: restores weights,
-            optimizer, scheduler, RNG and data position on every rank.
+            optimizer, scheduler, RNG and data position on every rank; under another split (budget,
+            rank count, pp/tp) the weights and optimizer state are resharded to it.
+        on_nonfinite: skip (drop the step, log it, go on) | stop (end the run with an error naming the step)
+            when the loss or the gradient norm is not finite.
+        peer_timeout: seconds a rank waits for a peer before it gives up with an error (a dead or hung rank).
     """
 
     model: Optional[str] = None
@@ -69,12 +75,22 @@ class FinetuneOptions:
     eval_every: int = 0
     output_dir: str = "runs/tiny"
     save_every: int = 0
+    save_total_limit: int = 0
+    merge: bool = False
     resume: Optional[str] = None
+    on_nonfinite: str = "skip"
+    peer_timeout: float = 600.0
     config: Optional[str] = field(default=None, metadata={"help": "YAML recipe file; flags override it"})
 
     def validate(self) -> None:
         if self.method not in ("lora", "full"):
             raise HfsplitError(f"--method {self.method!r}: choose lora or full")
+        if self.on_nonfinite not in ("skip", "stop"):
+            raise HfsplitError(f"--on-nonfinite {self.on_nonfinite!r}: choose skip or stop")
+        if self.merge and self.method != "lora":
+            raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
+        if self.peer_timeout <= 0:
+            raise HfsplitError(f"--peer-timeout must be a positive number of seconds (got {self.peer_timeout})")
         for name in ("seq_len", "micro_batch_size", "micro_batches", "max_steps"):
             if getattr(self, name) < 1:
                 raise HfsplitError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
@@ -85,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(FinetuneOptions):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool",):
-            parser.add_argument(flag, type=_bool, default=None)
+            parser.add_argument(flag, type=_bool, nargs="?", const=True, default=None)  # --merge or --merge off
         elif f.name == "lora_targets":
             parser.add_argument(flag, type=lambda s: [t.strip() for t in s.split(",") if t.strip()], default=None)
         else:

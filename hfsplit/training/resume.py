@@ -1,8 +1,11 @@
-"""Trainer state for exact resumption: each rank's trainable weights, optimizer, scheduler,
-data position and RNG, stored beside the HF-format checkpoint of the same step.
+"""Trainer state for exact resumption, under the same split or another one.
 
-States are per rank and tied to the split that wrote them: a resume under another plan
-is refused with a message saying what can be reused (the saved model or adapter).
+Trainable weights (the fp32 masters) and the AdamW moments go through
+torch.distributed.checkpoint (DCP), keyed by checkpoint names with tensor-parallel
+pieces described as DTensor shards. A run resumed under another split (another
+budget, rank count, pp or tp) therefore reads exactly the slices its own parameters
+need — weights and optimizer state alike. Step, scheduler, data position and RNG are
+small and go to one file per rank.
 """
 from __future__ import annotations
 
@@ -16,84 +19,174 @@ import torch.distributed as dist
 from ..errors import HfsplitError
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+STATE = "trainer_state"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     """The complete checkpoint of the highest step in `output_dir` (temporary folders are ignored)."""
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete `checkpoint-N` folders of `output_dir`, oldest step first."""
     found = [(int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*")
-             if (m := _CHECKPOINT.match(p.name)) and (p / "trainer_state").is_dir()]
-    return max(found)[1] if found else None
+             if (m := _CHECKPOINT.match(p.name)) and (p / STATE).is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def prune_checkpoints(output_dir: str | Path, *, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (rank 0 only); the folders removed."""
+    import shutil
+
+    if keep <= 0 or dist.get_rank() != 0:
+        return []
+    old = complete_checkpoints(output_dir)[:-keep]
+    for folder in old:
+        shutil.rmtree(folder)
+    return old
 
 
 def checkpoint_to_resume(resume: str, output_dir: str) -> Path:
     """The folder `--resume` names: "latest" (in the output dir) or a path."""
     folder = latest_checkpoint(output_dir) if resume == "latest" else Path(resume)
-    if folder is None or not (folder / "trainer_state").is_dir():
+    if folder is None or not (folder / STATE).is_dir():
         where = output_dir if resume == "latest" else resume
-        raise HfsplitError(f"--resume {resume}: no complete checkpoint (with trainer_state/) in {where}; "
+        raise HfsplitError(f"--resume {resume}: no complete checkpoint (with {STATE}/) in {where}; "
                            "train with --save-every N first, or name a checkpoint-N folder")
     return folder
 
 
 def write_trainer_state(folder: Path, *, model, params, optimizer, scheduler, batches, step: int) -> None:
-    """This rank's state into `folder/trainer_state/rank<r>.pt` (called inside the atomic save)."""
-    (folder / "trainer_state").mkdir(exist_ok=True)
-    state = {
+    """Every rank's state into `folder/trainer_state/` (collective; called inside the atomic save)."""
+    import torch.distributed.checkpoint as dcp
+
+    (folder / STATE).mkdir(exist_ok=True)
+    names = checkpoint_names(model, params)
+    tensors = {}
+    for p in params:
+        state = optimizer.state.get(p, {})
+        tensors[f"param/{names[p]}"] = _global(model, p.detach(), param=p)
+        for key in _MOMENTS:
+            if key in state:
+                tensors[f"{key}/{names[p]}"] = _global(model, state[key], param=p)
+        if "step" in state:
+            tensors[f"step/{names[p]}"] = state["step"].detach().reshape(()).float().cpu()
+    dcp.save(tensors, checkpoint_id=str(folder / STATE / "tensors"))
+    small = {
         "step": step,
         "plan": model.plan.to_json(indent=None),
-        "params": [_local(p.detach()).clone() for p in params],
-        "optimizer": _local_optimizer_state(optimizer.state_dict()),
         "scheduler": scheduler.state_dict(),
         "batches": batches.state_dict(),
+        "rows_per_step": batches.batch_size,
         "rng": torch.get_rng_state(),
     }
-    torch.save(state, folder / "trainer_state" / f"rank{dist.get_rank():05d}.pt")
+    torch.save(small, folder / STATE / f"rank{dist.get_rank():05d}.pt")
 
 
 def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, batches) -> int:
-    """Restore this rank's state from `folder`; the step it was saved at."""
-    path = folder / "trainer_state" / f"rank{dist.get_rank():05d}.pt"
-    if not path.is_file():
-        raise HfsplitError(f"{path}: missing; the checkpoint was written by fewer ranks than this launch has")
-    state = torch.load(path, map_location=model.device, weights_only=False)
-    if state["plan"] != model.plan.to_json(indent=None):
+    """Restore this rank's state from `folder` (collective), resharding it when the split changed;
+    the step it was saved at."""
+    import torch.distributed.checkpoint as dcp
+
+    small = _small_state(folder)
+    names = checkpoint_names(model, params)
+    saved = dcp.FileSystemReader(str(folder / STATE / "tensors")).read_metadata().state_dict_metadata
+    wanted = {f"param/{names[p]}" for p in params}
+    missing = sorted(wanted - set(saved))
+    if missing:
         raise HfsplitError(
-            f"{folder}: saved under another split (budget, rank count or schedule differ); its optimizer state "
-            f"cannot be resharded. Start a new run from its weights instead: --model {folder / 'model'} "
-            f"(full) or merge {folder / 'adapter'} (LoRA)")
+            f"{folder}: holds no trainer state for {len(missing)} of this run's trainable tensors (first: "
+            f"{missing[0].split('/', 1)[1]}); was it written with another --method or --lora-targets? "
+            "Resume with the options of the run that wrote it")
+    targets = {}
+    for p in params:
+        targets[f"param/{names[p]}"] = _global(model, torch.zeros_like(p.detach()), param=p)
+        for key in _MOMENTS:
+            if f"{key}/{names[p]}" in saved:
+                targets[f"{key}/{names[p]}"] = _global(model, torch.zeros_like(p.detach()), param=p)
+        if f"step/{names[p]}" in saved:
+            targets[f"step/{names[p]}"] = torch.zeros(())
+    dcp.load(targets, checkpoint_id=str(folder / STATE / "tensors"))
     with torch.no_grad():
-        for p, saved in zip(params, state["params"]):
-            _local(p).copy_(saved)
-    optimizer.load_state_dict(state["optimizer"])
-    _restore_dtensor_state(optimizer)
-    scheduler.load_state_dict(state["scheduler"])
-    batches.load_state_dict(state["batches"])
-    torch.set_rng_state(state["rng"].cpu())
-    return int(state["step"])
+        for p in params:
+            _local(p).copy_(_local(targets[f"param/{names[p]}"]))
+            if f"step/{names[p]}" not in targets:
+                continue
+            optimizer.state[p] = {"step": targets[f"step/{names[p]}"].clone()}
+            for key in _MOMENTS:
+                optimizer.state[p][key] = _like_param(p, _local(targets[f"{key}/{names[p]}"]))
+    scheduler.load_state_dict(small["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+    batches.load_state_dict(_data_position(small, batches, folder=folder))
+    torch.set_rng_state(small["rng"].cpu())
+    return int(small["step"])
+
+
+def checkpoint_names(model, params) -> dict[torch.nn.Parameter, str]:
+    """Each trainable parameter's checkpoint name, the same under every split: a tied lm_head copy
+    is named as the embedding it equals."""
+    names = {}
+    for stage in model.stages:
+        for name, p in stage.named_parameters():
+            names[p] = name
+            if stage.lm_head is not None and p is stage.lm_head.weight and model.plan.tied_embeddings:
+                names[p] = f"{stage._body_name}.embed_tokens.weight"
+    return {p: names[p] for p in params}
+
+
+def _small_state(folder: Path) -> dict:
+    """This rank's step/scheduler/data/RNG file, else rank 0's (a launch with more ranks than the writer)."""
+    mine = folder / STATE / f"rank{dist.get_rank():05d}.pt"
+    path = mine if mine.is_file() else folder / STATE / "rank00000.pt"
+    if not path.is_file():
+        raise HfsplitError(f"{path}: missing; the checkpoint {folder} is incomplete — resume from an earlier one")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _data_position(small: dict, batches, *, folder: Path) -> dict:
+    """The saved data position in this run's batch size (rows consumed are what carry over)."""
+    state = dict(small["batches"])
+    rows_now = batches.batch_size
+    rows_then = small["rows_per_step"]
+    if rows_now != rows_then:
+        consumed = state["step"] * rows_then
+        if consumed % rows_now:
+            raise HfsplitError(
+                f"{folder}: saved after {consumed} rows of epoch {state['epoch']}, not a whole number of this "
+                f"run's steps ({rows_now} rows each: micro-batches × micro-batch size × data-parallel replicas); "
+                f"keep the global batch at {rows_then} rows to resume here")
+        state["step"] = consumed // rows_now
+    return state
+
+
+def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter) -> torch.Tensor:
+    """`t` (`param` or a tensor shaped like it) as DCP should see it: DTensors as they are,
+    hand-sharded adapter pieces as the DTensor shards they are."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from .lora import tp_shard_dim
+
+    if isinstance(t, DTensor):
+        return t
+    dim = tp_shard_dim(param)
+    if dim is None or model.plan.tp == 1:
+        return t
+    return DTensor.from_local(t, model.ctx.tp_mesh, [Shard(dim)], run_check=False)
+
+
+def _like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """An optimizer moment laid out like its parameter (DTensor parameters keep DTensor moments)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False)
+    return local.clone()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _local_optimizer_state(state: dict) -> dict:
-    return {
-        "state": {k: {n: _local(v).clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
-                  for k, s in state["state"].items()},
-        "param_groups": state["param_groups"],
-    }
-
-
-def _restore_dtensor_state(optimizer) -> None:
-    """Moments saved as local pieces become DTensors again, laid out like their parameters."""
-    from torch.distributed.tensor import DTensor
-
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not isinstance(p, DTensor):
-                continue
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
-                    optimizer.state[p][key] = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)

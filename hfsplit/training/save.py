@@ -38,20 +38,46 @@ def writable_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-def full_state_of_stage(model, module) -> dict[str, torch.Tensor]:
-    """Checkpoint-named CPU tensors of one stage module, TP pieces joined (collective over the TP group)."""
+def full_state_of_stage(model, module, *, merge_lora: bool = False) -> dict[str, torch.Tensor]:
+    """Checkpoint-named CPU tensors of one stage module, TP pieces joined (collective over the TP group);
+    with `merge_lora`, LoRA layers' weights come out with their adapters folded in."""
     from ..parallel.tensor import full_tensor
 
     # Saved in the run's dtype (bf16 runs keep fp32 master weights in memory, users expect bf16 files).
     dtype = getattr(torch, model.plan.spec.dtype)
+    merged = merged_lora_weights(module) if merge_lora else {}
     state = {}
     for name, param in module.named_parameters():
         if ".lora_" in name:
             continue
         if model.plan.tied_embeddings and name == "lm_head.weight":
             continue  # stored once, as the embedding
-        state[name.replace(".base_layer.", ".")] = full_tensor(param.detach()).to(dtype).cpu().contiguous()
+        value = merged.get(name, param.detach())
+        state[name.replace(".base_layer.", ".")] = full_tensor(value).to(dtype).cpu().contiguous()
     return state
+
+
+def merged_lora_weights(module) -> dict[str, torch.Tensor]:
+    """`W + scaling · B @ A` for every LoRA layer of `module`, keyed by the base weight's parameter name.
+
+    Computed on this rank's pieces: a column-parallel layer holds rows of W and of B (A whole), a
+    row-parallel one columns of W and of A (B whole), so the local product is exactly the local piece.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from ..parallel.tensor import local_tensor
+
+    merged = {}
+    for prefix, sub in module.named_modules():
+        if not (hasattr(sub, "lora_A") and "default" in sub.lora_A):
+            continue
+        weight = sub.base_layer.weight.detach()
+        delta = sub.lora_B["default"].weight.detach().float() @ sub.lora_A["default"].weight.detach().float()
+        local = (local_tensor(weight).float() + delta * sub.scaling["default"]).to(weight.dtype)
+        if isinstance(weight, DTensor):
+            local = DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False)
+        merged[f"{prefix}.base_layer.weight"] = local
+    return merged
 
 
 def lora_state_of_stage(model, module) -> dict[str, torch.Tensor]:
@@ -74,10 +100,12 @@ def lora_state_of_stage(model, module) -> dict[str, torch.Tensor]:
 
 
 def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_config=None, tokenizer=None,
-                     base_model: Optional[str] = None, extra=None) -> Path:
+                     base_model: Optional[str] = None, extra=None, merge_lora: bool = False) -> Path:
     """Save `model` (a SplitModel, on every rank) into `folder` atomically; the final path.
 
-    `extra(tmp_folder)`, when given, runs on every rank before the rename (trainer state).
+    `method="full"` writes a Hugging Face model folder (with `merge_lora`, LoRA adapters folded into
+    the weights), `"lora"` a peft adapter folder. `extra(tmp_folder)`, when given, runs on every rank
+    before the rename (trainer state).
     """
     from safetensors.torch import save_file
 
@@ -94,7 +122,7 @@ def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_conf
     if method == "full":
         pieces = {}
         for index, module in zip(model.stage_indices, model.stages):
-            pieces[index] = full_state_of_stage(model, module)  # collective: every TP rank takes part
+            pieces[index] = full_state_of_stage(model, module, merge_lora=merge_lora)  # collective: every TP rank takes part
         if writer:
             total = len(model.plan.stages)
             for index, state in pieces.items():

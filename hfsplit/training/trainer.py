@@ -6,6 +6,7 @@ pipeline and tensor groups, each rank's optimizer steps over its own parameters.
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import math
@@ -19,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import HfsplitError
+from ..errors import HfsplitError, NonFiniteError, PeerLostError
 from .options import FinetuneOptions
 
 TINY_MODEL = dict(arch="llama", num_layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=256,
@@ -193,13 +194,14 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     from ..parallel.split_model import split_from_pretrained
     from .data import MicroBatches, bundled_dataset_path, load_token_rows
     from .lora import add_lora, lora_config
-    from .resume import checkpoint_to_resume, read_trainer_state, write_trainer_state
+    from .resume import checkpoint_to_resume, prune_checkpoints, read_trainer_state, write_trainer_state
     from .save import save_split_model, writable_dir
 
     from accelerate import PartialState
 
-    # accelerate owns the launch: it joins the process group (gloo on CPU ranks, nccl on GPUs).
-    PartialState(cpu=not torch.cuda.is_available())
+    # accelerate owns the launch: it joins the process group (gloo on CPU ranks, nccl on GPUs). The
+    # timeout bounds every wait on a peer, so a dead or hung rank ends the run instead of hanging it.
+    PartialState(cpu=not torch.cuda.is_available(), timeout=datetime.timedelta(seconds=options.peer_timeout))
     writable_dir(options.output_dir)  # fail before any weight is read
     torch.manual_seed(options.seed)
     model_path = options.model
@@ -260,69 +262,110 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
             print(f"resumed from {folder} at step {first - 1}", flush=True)
     bar = tqdm(total=total_steps, initial=first - 1, disable=not (progress and holds_loss), desc="fine-tune", dynamic_ncols=True)
     busy_total = wall_total = 0.0
-    for step in range(first, total_steps + 1):
-        batch = next(batches)
-        mine = slice(model.ctx.coords.dp * per_replica, (model.ctx.coords.dp + 1) * per_replica)
-        busy_before = timer.busy_s
-        start = time.perf_counter()
-        with compute_precision(model):
-            loss = model.step(batch["input_ids"][mine], batch["labels"][mine], loss_fn)
-        for schedule in model._schedules.values():
-            timer.watch(schedule)
-        loss = _shared_loss(model, loss)
-        norm = global_grad_norm(model, params)
-        if not (math.isfinite(loss) and math.isfinite(float(norm))):
-            result.skipped_steps.append(step)
+    step = first - 1
+    try:
+        for step in range(first, total_steps + 1):
+            batch = next(batches)
+            mine = slice(model.ctx.coords.dp * per_replica, (model.ctx.coords.dp + 1) * per_replica)
+            busy_before = timer.busy_s
+            start = time.perf_counter()
+            with compute_precision(model):
+                loss = model.step(batch["input_ids"][mine], batch["labels"][mine], loss_fn)
+            for schedule in model._schedules.values():
+                timer.watch(schedule)
+            loss = _shared_loss(model, loss)
+            norm = global_grad_norm(model, params)
+            if not (math.isfinite(loss) and math.isfinite(float(norm))):
+                metrics.write({"step": step, "skipped": True, "loss": loss, "grad_norm": float(norm)})
+                if options.on_nonfinite == "stop":
+                    raise NonFiniteError(
+                        f"step {step}: loss {loss} / gradient norm {float(norm)} is not finite; the weights are "
+                        f"those of step {step - 1}. Lower --learning-rate or --max-grad-norm, check the data, "
+                        "or pass --on-nonfinite skip to drop such steps")
+                result.skipped_steps.append(step)
+                optimizer.zero_grad(set_to_none=True)
+                if holds_loss:
+                    bar.write(f"step {step}: non-finite loss {loss} / gradient norm {float(norm)}; step skipped")
+                continue
+            clip_(params, norm=norm, max_norm=options.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            metrics.write({"step": step, "skipped": True, "loss": loss, "grad_norm": float(norm)})
-            continue
-        clip_(params, norm=norm, max_norm=options.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - start
-        if step > first:  # the first step builds the schedule and warms up
-            busy_total += timer.busy_s - busy_before
-            wall_total += elapsed
-        result.losses.append(loss)
-        result.step_times_s.append(elapsed)
-        tokens = per_replica * dp * options.seq_len
-        peaks = _gather_ints(peak_memory_bytes(model.device))
-        record = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": float(norm),
-                  "tokens_per_s": tokens / elapsed, "peak_memory_bytes": peaks}
-        metrics.write(record)
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{tokens / elapsed:.0f}",
-                        peak_mib="/".join(str(p >> 20) for p in peaks))
-        bar.update(1)
-        result.peak_memory_bytes = peaks
-        if options.eval_every and step % options.eval_every == 0:
-            record["eval_loss"] = eval_loss(model, held_out, loss_fn, micro_batch_size=options.micro_batch_size)
-            if holds_loss:
-                bar.write(f"step {step}: eval loss {record['eval_loss']:.4f}")
-            metrics.write({"step": step, "eval_loss": record["eval_loss"]})
-            result.eval_losses.append(record["eval_loss"])
-        if options.save_every and step % options.save_every == 0 and step < total_steps:
-            state = functools.partial(write_trainer_state, model=model, params=params, optimizer=optimizer,
-                                      scheduler=scheduler, batches=batches, step=step)
-            save_split_model(model, Path(options.output_dir) / f"checkpoint-{step}", method=options.method,
-                             lora_config=config, tokenizer=tokenizer, base_model=model_path, extra=state)
-    bar.close()
-    final = Path(options.output_dir) / ("adapter" if options.method == "lora" else "model")
-    save_split_model(model, final, method=options.method, lora_config=config, tokenizer=tokenizer,
-                     base_model=model_path)
-    result.saved_to = str(final)
-    busy = _gather_floats(busy_total)
-    result.bubble_measured = 1 - (sum(busy) / len(busy)) / wall_total if wall_total else 0.0
-    timed = result.step_times_s[1:] or result.step_times_s
-    result.tokens_per_s = per_replica * dp * options.seq_len / (sum(timed) / len(timed)) if timed else 0.0
-    metrics.close()
-    # Leave together: a rank tearing down gloo while a peer still talks to it can abort the peer.
-    dist.barrier()
+            elapsed = time.perf_counter() - start
+            if step > first:  # the first step builds the schedule and warms up
+                busy_total += timer.busy_s - busy_before
+                wall_total += elapsed
+            result.losses.append(loss)
+            result.step_times_s.append(elapsed)
+            tokens = per_replica * dp * options.seq_len
+            peaks = _gather_ints(peak_memory_bytes(model.device))
+            record = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": float(norm),
+                      "tokens_per_s": tokens / elapsed, "peak_memory_bytes": peaks}
+            metrics.write(record)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{tokens / elapsed:.0f}",
+                            peak_mib="/".join(str(p >> 20) for p in peaks))
+            bar.update(1)
+            result.peak_memory_bytes = peaks
+            if options.eval_every and step % options.eval_every == 0:
+                record["eval_loss"] = eval_loss(model, held_out, loss_fn, micro_batch_size=options.micro_batch_size)
+                if holds_loss:
+                    bar.write(f"step {step}: eval loss {record['eval_loss']:.4f}")
+                metrics.write({"step": step, "eval_loss": record["eval_loss"]})
+                result.eval_losses.append(record["eval_loss"])
+            if options.save_every and step % options.save_every == 0 and step < total_steps:
+                state = functools.partial(write_trainer_state, model=model, params=params, optimizer=optimizer,
+                                          scheduler=scheduler, batches=batches, step=step)
+                save_split_model(model, Path(options.output_dir) / f"checkpoint-{step}", method=options.method,
+                                 lora_config=config, tokenizer=tokenizer, base_model=model_path, extra=state)
+                prune_checkpoints(options.output_dir, keep=options.save_total_limit)
+        bar.close()
+        final = Path(options.output_dir) / ("adapter" if options.method == "lora" else "model")
+        save_split_model(model, final, method=options.method, lora_config=config, tokenizer=tokenizer,
+                         base_model=model_path)
+        result.saved_to = str(final)
+        if options.merge:
+            save_split_model(model, Path(options.output_dir) / "merged", method="full", tokenizer=tokenizer,
+                             base_model=model_path, merge_lora=True)
+        busy = _gather_floats(busy_total)
+        result.bubble_measured = 1 - (sum(busy) / len(busy)) / wall_total if wall_total else 0.0
+        timed = result.step_times_s[1:] or result.step_times_s
+        result.tokens_per_s = per_replica * dp * options.seq_len / (sum(timed) / len(timed)) if timed else 0.0
+        metrics.close()
+        # Leave together: a rank tearing down gloo while a peer still talks to it can abort the peer.
+        dist.barrier()
+    except RuntimeError as exc:  # torch.distributed errors (gloo, nccl, timeouts) are RuntimeErrors
+        if not is_peer_failure(exc):
+            raise
+        raise peer_lost_error(exc, step=step, output_dir=options.output_dir) from None
     if dist.get_rank() == 0:
         print(f"done: {len(result.losses)} steps, final loss {result.losses[-1] if result.losses else float('nan'):.4f}, "
               f"{result.tokens_per_s:.0f} tokens/s, bubble measured {100 * result.bubble_measured:.1f}% "
               f"(theory {100 * result.bubble_theory:.1f}%), skipped steps {result.skipped_steps or 'none'}", flush=True)
     return result
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` says another rank is gone or silent (as opposed to a bug on this rank)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(sign in text for sign in ("connection closed", "connection reset", "broken pipe", "timed out",
+                                         "timeout", "gloo", "nccl", "socket"))
+
+
+def peer_lost_error(exc: BaseException, *, step: int, output_dir: str) -> PeerLostError:
+    """The one-line error a surviving rank ends with, pointing at what is left to resume from."""
+    from .resume import latest_checkpoint
+
+    import re
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0]  # drop the "[gloo/.../pair.cc:537]" prefix
+    last = latest_checkpoint(output_dir)
+    resume = f"The last complete checkpoint is {last}; resume with --resume latest" if last else \
+        "No checkpoint was saved yet (use --save-every N)"
+    return PeerLostError(f"rank {dist.get_rank()} lost contact with another rank during step {step} ({reason[:160]}): "
+                         f"a rank died or hung (--peer-timeout bounds the wait). {resume}")
 
 
 def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
