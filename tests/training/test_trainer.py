@@ -84,7 +84,7 @@ def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path,
     """pp=2, tp=2, pp=2×tp=2 and dp=2, LoRA and full: every step's loss equals the unsplit model's,
     and the saved output loads with plain transformers / peft."""
     checkpoint = tiny_checkpoint(arch)
-    runs = [run_options(checkpoint, tmp_path, method, **split) for method in ("lora", "full")]
+    runs = [run_options(checkpoint, tmp_path, "lora", merge=True, **split), run_options(checkpoint, tmp_path, "full", **split)]
     results = launch("tests.training.cases:finetune_losses", world_size=world, kwargs={"runs": runs}, timeout_s=300)
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     for run, split_losses in zip(runs, results[0]):
@@ -98,6 +98,14 @@ def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path,
         with torch.no_grad():
             diff = (loaded(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max()
         assert diff < 1e-4, run["method"]
+        if run.get("merge"):  # --merge: the adapters folded into a plain transformers model
+            from transformers import AutoModelForCausalLM
+
+            merged = AutoModelForCausalLM.from_pretrained(Path(run["output_dir"]) / "merged", dtype=torch.float32)
+            base = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
+            with torch.no_grad():
+                assert (merged(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max() < 1e-4
+                assert (base(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max() > 1e-3
     assert results[0] == results[-1]  # every rank reports the same losses
 
 
@@ -153,12 +161,32 @@ def test_resume_gives_the_uninterrupted_loss_curve(tiny_checkpoint, tmp_path, wo
 
 
 @pytest.mark.slow
-def test_resume_under_another_split_is_refused(tiny_checkpoint, tmp_path):
-    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "full", pp=2, max_memory="2x1GiB"),
-               max_steps=4, save_every=2, output_dir=str(tmp_path / "run"))
+@pytest.mark.parametrize("method, before, after", [
+    ("full", (2, dict(pp=2, max_memory="2x1GiB")), (2, dict(pp=1, tp=2, max_memory="2x1GiB"))),
+    ("lora", (2, dict(pp=1, tp=2, max_memory="2x1GiB")), (1, dict(pp=1, tp=1, max_memory="1GiB"))),
+])
+def test_resume_under_another_split_reshards_weights_and_optimizer(tiny_checkpoint, tmp_path, method, before, after):
+    """pp=2 → tp=2 and tp=2 on two ranks → one rank: the resumed run continues the same loss curve."""
+    (world, split), (world_after, split_after) = before, after
+    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, method, **split), max_steps=10, save_every=5,
+               output_dir=str(tmp_path / "run"))
+    (whole,) = launch("tests.training.cases:finetune_losses", world_size=world, kwargs={"runs": [run]},
+                      timeout_s=300)[0]
+    moved = dict(run, **split_after, resume=str(tmp_path / "run" / "checkpoint-5"),
+                 output_dir=str(tmp_path / "moved"))
+    (resumed,) = launch("tests.training.cases:finetune_losses", world_size=world_after, kwargs={"runs": [moved]},
+                        timeout_s=300)[0]
+    assert resumed == pytest.approx(whole[5:], rel=1e-4)  # another split only reorders float sums
+
+
+@pytest.mark.slow
+def test_resume_with_another_method_is_refused_naming_the_tensor(tiny_checkpoint, tmp_path):
+    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "lora", pp=2, max_memory="2x1GiB"),
+               max_steps=2, save_every=1, output_dir=str(tmp_path / "run"))
     launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]}, timeout_s=300)
-    other = dict(run, pp=1, tp=2, resume="latest")
-    with pytest.raises(AssertionError, match="saved under another split"):
+    other = dict(run, method="full", resume="latest")
+    with pytest.raises(AssertionError, match=r"holds no trainer state for .* model\.\S+; was it written with "
+                                             r"another --method"):
         launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [other]}, timeout_s=300)
 
 
