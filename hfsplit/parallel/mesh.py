@@ -90,11 +90,26 @@ def check_plan_for_world(plan: Plan, *, world_size: int) -> None:
         )
 
 
-def device_of_rank(*, local_rank: int) -> torch.device:
-    """The one place choosing a rank's device: its local GPU when CUDA is present, else the CPU."""
-    if torch.cuda.is_available():
+def device_of_rank(*, local_rank: int, plan: Optional[Plan] = None, rank: int = 0) -> torch.device:
+    """The one place choosing a rank's device. With CUDA: the GPU `plan` put this rank's stage on (the
+    planner orders mismatched GPUs along the pipeline, so rank r need not run on GPU r), or before
+    there is a plan the launcher's local GPU; without CUDA: the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if plan is None:
         return torch.device(f"cuda:{local_rank}")
-    return torch.device("cpu")
+    index = gpu_index_of_rank(plan, rank=rank, local_rank=local_rank, gpus_per_host=torch.cuda.device_count())
+    return torch.device(f"cuda:{index}")
+
+
+def gpu_index_of_rank(plan: Plan, *, rank: int, local_rank: int, gpus_per_host: int) -> int:
+    """The local GPU index `plan` gives global `rank`: the device its stage was planned on for its
+    (dp, tp) place. Budget devices are numbered host after host, so device g is GPU g % gpus_per_host
+    of its host; a budget keyed by something else ("cpu") leaves the launcher's local rank."""
+    coords = coordinates_of_rank(plan, rank=rank)
+    stage = next(s for s in plan.stages if s.pp_rank == coords.pp)
+    index = stage.devices[coords.dp][coords.tp].rsplit(":", 1)[-1]
+    return int(index) % gpus_per_host if index.isdigit() else local_rank
 
 
 def backend_for(device: torch.device) -> str:
@@ -149,11 +164,13 @@ def init_parallel(plan: Plan, *, timeout_s: float = 600.0) -> ParallelContext:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Checked before init so that a wrong launch never reaches a collective.
     check_plan_for_world(plan, world_size=world_size)
-    device = device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device_of_rank(local_rank=local_rank)),
+                                timeout=timedelta(seconds=timeout_s))
+    device = device_of_rank(local_rank=local_rank, plan=plan, rank=dist.get_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s))
     mesh = init_device_mesh(device.type, (plan.dp, plan.pp, plan.tp), mesh_dim_names=("dp", "pp", "tp"))
     coords = coordinates_of_rank(plan, rank=dist.get_rank())
     return ParallelContext(plan=plan, coords=coords, device=device, mesh=mesh, tied_group=tied_group(plan, coords=coords))

@@ -26,3 +26,18 @@ def test_schedule_pp_rank_follows_torch_layout(schedule, ranks):
 @pytest.mark.parametrize("batch, planned, expected", [(8, 4, 4), (6, 4, 3), (1, 4, 1), (4, 8, 4)])
 def test_micro_batches_divide_the_batch(batch, planned, expected):
     assert micro_batches_for(batch=batch, planned=planned) == expected
+
+
+def test_each_rank_runs_on_the_gpu_its_stage_was_planned_for():
+    """Mismatched GPUs: the planner may put stage 0 on GPU 1; that rank must then use GPU 1, not GPU 0."""
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.parallel.mesh import gpu_index_of_rank
+    from hfsplit.planner import make_plan
+
+    plan = make_plan("Qwen/Qwen2.5-14B", "24GiB,12GiB,12GiB", spec=TrainingSpec(method="lora", seq_len=2048, lora_r=16))
+    planned = {s.pp_rank: int(s.devices[0][0]) for s in plan.stages}
+    chosen = {rank: gpu_index_of_rank(plan, rank=rank, local_rank=rank, gpus_per_host=3) for rank in range(3)}
+    assert chosen == planned and sorted(chosen.values()) == [0, 1, 2]
+    assert any(gpu != rank for rank, gpu in chosen.items())  # the plan did reorder the GPUs
+    # the same plan on three one-GPU hosts: each host's only GPU
+    assert {gpu_index_of_rank(plan, rank=r, local_rank=0, gpus_per_host=1) for r in range(3)} == {0}
