@@ -5,6 +5,8 @@
     torchrun --nproc_per_node 2 recipes/finetune.py --config recipes/tiny/lora.yaml
 
 Every option is a flag and a key of the YAML recipe (`--config`); flags win.
+Exit codes: 0 done; 2 bad input (one `finetune: ...` line naming it and the fix, nothing written);
+3 the run failed after it started (a rank died or hung, a non-finite step under --on-nonfinite stop).
 """
 import os
 import sys
