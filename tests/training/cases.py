@@ -7,3 +7,28 @@ def finetune_losses(runs: list[dict]) -> list[list[float]]:
     from hfsplit.training.trainer import train
 
     return [train(FinetuneOptions(**options), progress=False).losses for options in runs]
+
+
+def crash_mid_save(*, checkpoint: str, out: str) -> dict:
+    """Save checkpoint-1, crash (on every rank) inside checkpoint-2's save, then save checkpoint-2 again:
+    what the folder held after the crash."""
+    from pathlib import Path
+
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.parallel.split_model import split_from_pretrained
+    from hfsplit.training.save import save_split_model
+
+    model = split_from_pretrained(checkpoint, "2x2GiB", spec=TrainingSpec(method="full", seq_len=8, dtype="float32"),
+                                  micro_batches=2, pp=2, tp=1)
+    save_split_model(model, Path(out) / "checkpoint-1", method="full")
+
+    def disk_full(tmp):
+        raise OSError(28, "No space left on device", str(tmp))
+
+    try:
+        save_split_model(model, Path(out) / "checkpoint-2", method="full", extra=disk_full)
+    except OSError:
+        pass
+    after_crash = sorted(p.name for p in Path(out).iterdir())
+    save_split_model(model, Path(out) / "checkpoint-2", method="full")
+    return {"after_crash": after_crash, "after_retry": sorted(p.name for p in Path(out).iterdir())}

@@ -97,3 +97,17 @@ def test_non_finite_steps_are_skipped_or_stop_the_run_naming_the_step(tiny_check
     records = [json.loads(x) for x in (Path(run["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("skipped")] == [2, 3, 4]
     assert len(losses) == 1  # only step 1 updated the weights
+
+
+@pytest.mark.slow
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(tiny_checkpoint, tmp_path):
+    out = tmp_path / "run"
+    result = launch("tests.training.cases:crash_mid_save", world_size=2,
+                    kwargs={"checkpoint": str(tiny_checkpoint("llama")), "out": str(out)}, timeout_s=200)[0]
+    assert result["after_crash"] == ["checkpoint-1", "checkpoint-2.tmp"]  # no half-written checkpoint-2
+    assert result["after_retry"] == ["checkpoint-1", "checkpoint-2"]  # the retry clears the leftover
+    assert latest_checkpoint(out) is None  # a folder without trainer_state/ is never resumed from
+    from transformers import AutoModelForCausalLM
+
+    for name in ("checkpoint-1", "checkpoint-2"):
+        AutoModelForCausalLM.from_pretrained(out / name, dtype=torch.float32)
