@@ -106,10 +106,39 @@ class ModelCosts:
     spec: TrainingSpec = field(default_factory=TrainingSpec)
 
 
+# Architectures tested end to end; others load when their config declares a pipeline plan.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LORA_ADAPTER_DTYPE = torch.float32  # peft's autocast_adapter_dtype=True (its default) upcasts bf16/fp16 adapters
 _ADAMW_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 _MASTER_WEIGHT_BYTES = 4  # fp32 master copy under mixed precision
+
+
+def check_supported(config) -> None:
+    """Raise UnsupportedModelError unless the config is a decoder-only LM hfsplit can split.
+
+    Called before any cost is computed (and so before any weight is read): other models lack
+    the fields the cost model reads (`intermediate_size`, ...) and would fail obscurely.
+    """
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(_unsupported(config, "encoder-decoder models are not split"))
+    if config.model_type in SUPPORTED_MODEL_TYPES:
+        return
+    if getattr(config, "base_model_pp_plan", None):
+        from transformers import AutoModelForCausalLM
+
+        if type(config) in AutoModelForCausalLM._model_mapping:
+            return
+    raise UnsupportedModelError(_unsupported(config, "its config declares no `base_model_pp_plan`"))
+
+
+def _unsupported(config, why: str) -> str:
+    name = getattr(config, "_name_or_path", "") or ""
+    classes = ", ".join(getattr(config, "architectures", None) or [])
+    where = f"{name + ': ' if name else ''}model_type {config.model_type!r}{f' ({classes})' if classes else ''}"
+    return (f"{where}: {why}; "
+            f"hfsplit supports {', '.join(SUPPORTED_MODEL_TYPES)} and decoder-only transformers models whose "
+            "config has `base_model_pp_plan`; pick such a model, or load this one with transformers itself")
 
 
 def valid_tp_degrees(config, max_degree: int) -> list[int]:

@@ -16,12 +16,11 @@ import torch
 from .budget import BudgetSpec, local_max_memory
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.resolve import load_config, resolve_file
+from .costs import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401  (re-exported)
 from .errors import CheckpointError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-# Architectures tested end to end; others load when their config declares a pipeline plan.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # Fewer blocks than this load too fast for a progress bar to help.
 _PROGRESS_MIN_BLOCKS = 8
 
@@ -103,26 +102,6 @@ def from_pretrained(
 
 
 # ---- steps ------------------------------------------------------------------------------
-
-
-def check_supported(config) -> None:
-    """Raise UnsupportedModelError unless the config is a decoder-only LM hfsplit can split."""
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(_unsupported(config, "encoder-decoder models are not split"))
-    if config.model_type in SUPPORTED_MODEL_TYPES:
-        return
-    if getattr(config, "base_model_pp_plan", None):
-        from transformers import AutoModelForCausalLM
-
-        if type(config) in AutoModelForCausalLM._model_mapping:
-            return
-    raise UnsupportedModelError(_unsupported(config, "its config declares no `base_model_pp_plan`"))
-
-
-def _unsupported(config, why: str) -> str:
-    return (f"model_type {config.model_type!r} ({', '.join(getattr(config, 'architectures', None) or [])}): {why}; "
-            f"hfsplit supports {', '.join(SUPPORTED_MODEL_TYPES)} and decoder-only transformers models whose "
-            "config has `base_model_pp_plan`")
 
 
 def resolve_dtype(dtype: Union[torch.dtype, str, None], config) -> Optional[torch.dtype]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence, Union
 
 from .budget import BudgetSpec, format_bytes, parse_max_memory
-from .costs import ModelCosts, PartCost, TrainingSpec, model_costs, valid_tp_degrees
+from .costs import ModelCosts, PartCost, TrainingSpec, check_supported, model_costs, valid_tp_degrees
 from .errors import PlanError
 from .plan import SCHEDULES, Plan, Stage, StageMemory
 
@@ -83,9 +83,11 @@ def make_plan(
 
     config = load_config(model) if isinstance(model, (str, os.PathLike)) else model
     name = str(model) if isinstance(model, (str, os.PathLike)) else (config._name_or_path or config.model_type)
+    check_supported(config)
     spec = spec or TrainingSpec()
     budgets = parse_max_memory(max_memory)
     _check_options(schedule, micro_batches, global_batch, spec)
+    _check_world(world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule,
                    device_speeds=device_speeds or {}, tp=tp, pp=pp, dp=dp, world_size=world_size)
     checkpointing = [False, True] if activation_checkpointing == "auto" else [bool(activation_checkpointing)]
@@ -93,8 +95,9 @@ def make_plan(
         checkpointing = [False]
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=micro_batches, schedule=schedule)
     if world_size is not None and world_size > len(budgets):
-        raise PlanError(f"{world_size} ranks but max_memory names {len(budgets)} devices; give one budget per rank "
-                        f'(e.g. "{world_size}x{format_bytes(min(budgets.values())).replace(" ", "")}")')
+        each = format_bytes(min(budgets.values())).replace(" ", "")
+        raise PlanError(f"{world_size} processes were launched but max_memory names {len(budgets)} device(s); give "
+                        f'one budget per process (e.g. "{world_size}x{each}") or launch {len(budgets)}')
     for ac in checkpointing:
         found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
         if found is not None:
@@ -330,6 +333,24 @@ def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpe
         raise PlanError(f"global_batch={global_batch} is smaller than micro_batch_size={spec.micro_batch_size}")
     if spec.seq_len < 1 or spec.micro_batch_size < 1:
         raise PlanError("seq_len and micro_batch_size must be at least 1")
+
+
+def _check_world(world_size: Optional[int], *, tp, pp, dp) -> None:
+    """A launch of `world_size` processes must hold the forced degrees exactly (or a multiple of them)."""
+    if world_size is None:
+        return
+    forced = {name: value for name, value in (("tp", tp), ("pp", pp), ("dp", dp)) if value is not None}
+    for name, value in forced.items():
+        if value < 1:
+            raise PlanError(f"{name}={value}: a parallel degree must be at least 1; pass --{name} 1 or more")
+    needed = math.prod(forced.values())
+    if world_size % needed == 0 and (len(forced) < 3 or needed == world_size):
+        return
+    degrees = " × ".join(f"{name}={value}" for name, value in forced.items())
+    launched = f"{world_size} process{'' if world_size == 1 else 'es'} {'was' if world_size == 1 else 'were'} launched"
+    wanted = f"{needed}" if len(forced) == 3 or world_size < needed else f"a multiple of {needed}"
+    raise PlanError(f"{degrees} needs {wanted} processes but {launched}; launch {needed} "
+                    f"(torchrun --nproc_per_node {needed}) or change {', '.join('--' + n for n in forced)}")
 
 
 def _check_degrees(config, devices: int, *, tp, pp, dp, micro_batches=None, schedule="1F1B") -> None:

@@ -105,3 +105,27 @@ def test_fewer_micro_batches_than_stages_is_refused_with_the_fix():
     with pytest.raises(PlanError, match="raise --micro-batches to at least 2"):
         make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=2, micro_batches=1)
     assert make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=2, micro_batches=1, schedule="GPipe").pp == 2
+
+
+@pytest.mark.parametrize("degrees, world, message", [
+    (dict(pp=2), 1, r"pp=2 needs 2 processes but 1 process was launched; launch 2 \(torchrun --nproc_per_node 2\)"),
+    (dict(tp=2), 3, r"tp=2 needs a multiple of 2 processes but 3 processes were launched"),
+    (dict(tp=1, pp=1, dp=1), 2, r"tp=1 × pp=1 × dp=1 needs 1 processes but 2 processes were launched"),
+    (dict(pp=0), 1, r"pp=0: a parallel degree must be at least 1"),
+])
+def test_forced_degrees_the_launch_cannot_hold_are_refused_naming_the_launch(degrees, world, message):
+    with pytest.raises(PlanError, match=message):
+        make_plan("meta-llama/Llama-3.1-8B", "4x80GiB", world_size=world, **degrees)
+    with pytest.raises(PlanError, match="2 processes were launched but max_memory names 1 device"):
+        make_plan("meta-llama/Llama-3.1-8B", "80GiB", world_size=2)
+
+
+def test_unsupported_architecture_is_refused_before_planning(tmp_path):
+    from transformers import GPT2Config
+
+    from hfsplit import UnsupportedModelError
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2'.*base_model_pp_plan"):
+        make_plan(str(tmp_path), "1GiB")
+    assert main(["plan", str(tmp_path), "--max-memory", "1GiB"]) == 2

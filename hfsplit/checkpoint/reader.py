@@ -273,6 +273,11 @@ class CheckpointReader:
 
     def _path(self, shard: str) -> Path:
         if shard not in self._paths:
+            local = Path(self.source) / shard
+            if Path(self.source).is_dir() and not local.is_file():
+                raise CheckpointError(
+                    f"{local}: shard file not found, though {self._where()} names it (incomplete download or "
+                    "copy?); re-download or copy the whole checkpoint folder")
             self._paths[shard] = resolve_file(self.source, shard, revision=self.revision)
         return self._paths[shard]
 

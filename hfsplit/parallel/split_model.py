@@ -292,17 +292,31 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
 
 
 def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:
-    """The plan made on rank 0 and broadcast; a planning error is raised on every rank (no hang)."""
+    """The plan made on rank 0 and broadcast; a planning error is raised on every rank (no hang).
+
+    An hfsplit error (bad budget, nothing fits, unsupported model...) is raised on every rank
+    with its own type and message; rank 0 re-raises anything else as it came (a bug keeps its
+    traceback there).
+    """
+    from .. import errors
+
     box: list = [None]
+    failure: Optional[BaseException] = None
     if dist.get_rank() == 0:
         try:
             from ..planner import make_plan
 
             box[0] = ("ok", make_plan(name_or_path, max_memory, **plan_options).to_json())
-        except Exception as exc:  # re-raised on every rank below, so no rank waits forever
-            box[0] = ("error", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # raised on every rank below, so no rank waits forever
+            failure = exc
+            kind = type(exc).__name__ if isinstance(exc, errors.HfsplitError) else ""
+            box[0] = ("error", kind, str(exc) if kind else f"planning failed on rank 0: {type(exc).__name__}: {exc}")
     dist.broadcast_object_list(box, src=0)
-    status, payload = box[0]
-    if status == "error":
-        raise PlanError(f"planning failed on rank 0: {payload}")
-    return Plan.from_json(payload)
+    if box[0][0] == "error":
+        if failure is not None:
+            raise failure
+        _, kind, message = box[0]
+        error_type = getattr(errors, kind, None) if kind else None
+        raise (error_type if isinstance(error_type, type) and issubclass(error_type, errors.HfsplitError)
+               else PlanError)(message)
+    return Plan.from_json(box[0][1])

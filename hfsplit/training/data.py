@@ -98,7 +98,7 @@ def load_examples(source: str, *, split: str = "train", **load_kwargs: Any):
     builder, kwargs = builder_for(source)
     # An empty file fails deep inside the builders (StopIteration, "no columns"), so catch it first.
     if "data_files" in kwargs and is_blank_file(Path(kwargs["data_files"])):
-        raise DatasetError(f"dataset file {source!r} is empty")
+        raise DatasetError(f"dataset file {source!r} is empty; add examples to it or pass another dataset")
     try:
         dataset = datasets.load_dataset(builder, split=split, **kwargs, **load_kwargs)
     except datasets.exceptions.DatasetGenerationError as err:
@@ -106,10 +106,12 @@ def load_examples(source: str, *, split: str = "train", **load_kwargs: Any):
     except ValueError as err:
         # How `datasets` reports a split with zero rows, e.g. a JSON file holding `[]`.
         if "corresponds to no data" in str(err):
-            raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples") from err
+            raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples; add examples or pass "
+                               "another dataset") from err
         raise
     if len(dataset) == 0:
-        raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples")
+        raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples; add examples or pass "
+                           "another dataset")
     return dataset
 
 
