@@ -256,8 +256,10 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     first = 1
     if options.resume:
         folder = checkpoint_to_resume(options.resume, options.output_dir)
+        reading = time.perf_counter()
         first = read_trainer_state(folder, model=model, params=params, optimizer=optimizer, scheduler=scheduler,
                                    batches=batches) + 1
+        metrics.write({"step": first - 1, "resumed_from": str(folder), "resume_s": time.perf_counter() - reading})
         if dist.get_rank() == 0:
             print(f"resumed from {folder} at step {first - 1}", flush=True)
     bar = tqdm(total=total_steps, initial=first - 1, disable=not (progress and holds_loss), desc="fine-tune", dynamic_ncols=True)
@@ -315,9 +317,13 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
             if options.save_every and step % options.save_every == 0 and step < total_steps:
                 state = functools.partial(write_trainer_state, model=model, params=params, optimizer=optimizer,
                                           scheduler=scheduler, batches=batches, step=step)
-                save_split_model(model, Path(options.output_dir) / f"checkpoint-{step}", method=options.method,
-                                 lora_config=config, tokenizer=tokenizer, base_model=model_path, extra=state)
-                prune_checkpoints(options.output_dir, keep=options.save_total_limit)
+                saving = time.perf_counter()
+                folder = save_split_model(model, Path(options.output_dir) / f"checkpoint-{step}",
+                                          method=options.method, lora_config=config, tokenizer=tokenizer,
+                                          base_model=model_path, extra=state)
+                metrics.write({"step": step, "checkpoint": str(folder), "save_s": time.perf_counter() - saving,
+                               "removed": [str(p) for p in prune_checkpoints(options.output_dir,
+                                                                              keep=options.save_total_limit)]})
         bar.close()
         final = Path(options.output_dir) / ("adapter" if options.method == "lora" else "model")
         save_split_model(model, final, method=options.method, lora_config=config, tokenizer=tokenizer,
