@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfsplit.training.resume import latest_checkpoint
+from hfsplit.training.resume import complete_checkpoints, latest_checkpoint
 from tests.parallel.launcher import ROOT, free_port, launch
 from tests.training.test_trainer import run_options
 
@@ -55,7 +55,7 @@ def test_a_rank_killed_or_hung_mid_run_ends_the_others_with_a_clear_error_and_th
     procs = start_recipe_ranks(argv, world_size=2, logs=tmp_path)
     try:
         deadline = time.monotonic() + 240
-        while steps_logged(out) < 8:  # two checkpoints saved, then some steps into the third
+        while steps_logged(out) < 11:  # three checkpoints saved (3, 6, 9), then some steps into the fourth
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
                 (tmp_path / "rank0.log").read_text()[-3000:]
             time.sleep(0.2)
@@ -73,8 +73,9 @@ def test_a_rank_killed_or_hung_mid_run_ends_the_others_with_a_clear_error_and_th
     assert waited < (10 if fault == signal.SIGKILL else timeout + 30)
     last = latest_checkpoint(out)
     assert last is not None and last.name in errors[0] and "--resume latest" in errors[0]
-    # keep-last-K held: at most two complete checkpoints, and the newest loads with plain transformers
-    assert len(list(out.glob("checkpoint-*[0-9]"))) <= 2
+    # --save-total-limit 2 held: the two newest complete checkpoints, and the newest loads with plain transformers
+    kept = complete_checkpoints(out)
+    assert len(kept) == 2 and last == kept[-1] and not (out / "checkpoint-3").exists()
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(last, dtype=torch.float32)
