@@ -37,4 +37,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written and the process group is gone; leaving without C++ static teardown avoids a
+    # rare abort of a finished rank ("terminate called without an active exception") in gloo's threads.
+    os._exit(code)

@@ -283,6 +283,8 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
     from .mesh import backend_for, device_of_rank
 
     device = device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's plan broadcast needs one GPU per rank; the plan's GPU follows
     if not dist.is_initialized():
         dist.init_process_group(backend=backend_for(device))
     if plan is None:

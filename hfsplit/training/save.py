@@ -133,7 +133,7 @@ def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_conf
         if rank == 0:
             _write_index(tmp, gathered, total=len(model.plan.stages))
             model.config.save_pretrained(tmp)
-            _write_generation_config(tmp, base_model)
+            _write_generation_config(tmp, base_model, config=model.config)
     else:
         adapters = {}
         for module in model.stages:
@@ -177,6 +177,11 @@ def _write_index(folder: Path, gathered: list[dict], *, total: int) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _write_generation_config(folder: Path, base_model: Optional[str]) -> None:
+def _write_generation_config(folder: Path, base_model: Optional[str], *, config) -> None:
+    """The base model's generation config when it has one, else the one transformers derives from the config."""
     if base_model and (Path(base_model) / "generation_config.json").is_file():
         shutil.copyfile(Path(base_model) / "generation_config.json", folder / "generation_config.json")
+        return
+    from transformers import GenerationConfig
+
+    GenerationConfig.from_model_config(config).save_pretrained(folder)

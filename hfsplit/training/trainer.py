@@ -73,8 +73,9 @@ def default_max_memory(world_size: int) -> str:
     from ..budget import local_max_memory
 
     free = local_max_memory()
-    per_rank = min(free.values()) // (1 if "cpu" not in free else world_size)
-    return f"{world_size}x{per_rank}B"
+    # CPU ranks of this host share its memory (ranks on other hosts have their own).
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if "cpu" in free else 1
+    return f"{world_size}x{min(free.values()) // sharing}B"
 
 
 def check_sequence_length(model_path: str, seq_len: int) -> None:
@@ -191,7 +192,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     from transformers import get_cosine_schedule_with_warmup
 
     from ..costs import TrainingSpec
-    from ..parallel.split_model import split_from_pretrained
+    from ..parallel.split_model import shared_plan, split_from_pretrained
     from .data import MicroBatches, bundled_dataset_path, load_token_rows
     from .lora import add_lora, lora_config
     from .resume import checkpoint_to_resume, prune_checkpoints, read_trainer_state, write_trainer_state
@@ -204,6 +205,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     PartialState(cpu=not torch.cuda.is_available(), timeout=datetime.timedelta(seconds=options.peer_timeout))
     writable_dir(options.output_dir)  # fail before any weight is read
     torch.manual_seed(options.seed)
+    resume_from = checkpoint_to_resume(options.resume, options.output_dir) if options.resume else None
     model_path = options.model
     if model is None:
         model_path = options.model or default_model_path(options.output_dir)
@@ -216,12 +218,16 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
                             activation_checkpointing=options.activation_checkpointing, reserve_bytes=0)
         # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
         pp = options.pp or (world if options.model is None and options.tp is None else None)
-        model = split_from_pretrained(
-            model_path, options.max_memory or default_max_memory(world), spec=spec,
-            micro_batches=options.micro_batches, schedule=options.schedule, tp=options.tp, pp=pp,
-            world_size=world, activation_checkpointing=options.activation_checkpointing,
-            dtype=weights_dtype(options.method, dtype),
-        )
+        plan = shared_plan(model_path, options.max_memory or default_max_memory(world), spec=spec,
+                           micro_batches=options.micro_batches, schedule=options.schedule, tp=options.tp, pp=pp,
+                           world_size=world, activation_checkpointing=options.activation_checkpointing)
+    tokenizer = None
+    if rows is None:  # data problems surface before any weight is read
+        tokenizer = tokenizer_for(options, model_path=model_path)
+        source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
+        rows = load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
+    if model is None:
+        model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, dtype))
     plan = model.plan
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
     if dist.get_rank() == 0:
@@ -237,11 +243,6 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
 
-    tokenizer = None
-    if rows is None:
-        tokenizer = tokenizer_for(options, model_path=model_path)
-        source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
-        rows = load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
     m, dp = plan.micro_batches, plan.dp
     rows, held_out = split_eval_rows(rows, options)
     batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=m * dp,
@@ -254,8 +255,8 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     result = TrainResult(bubble_theory=plan.bubble_fraction)
     per_replica = m * options.micro_batch_size
     first = 1
-    if options.resume:
-        folder = checkpoint_to_resume(options.resume, options.output_dir)
+    if resume_from is not None:
+        folder = resume_from
         reading = time.perf_counter()
         first = read_trainer_state(folder, model=model, params=params, optimizer=optimizer, scheduler=scheduler,
                                    batches=batches) + 1

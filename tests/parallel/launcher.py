@@ -105,3 +105,6 @@ def _run_rank(target: str, tmp: Path) -> None:
 
 if __name__ == "__main__":
     _run_rank(sys.argv[1], Path(sys.argv[2]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as recipes/finetune.py: no C++ static teardown once the result is written

@@ -125,6 +125,10 @@ def test_readme_default_command_runs_under_accelerate_launch_and_loss_falls(tmp_
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert "bubble measured" in proc.stdout and "pp=2" in proc.stdout
     assert (out / "tensorboard").is_dir()
+    # a Hugging Face model folder: one shard per stage, index, config, generation config, tokenizer
+    saved = {p.name for p in (out / "model").iterdir()}
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+            "config.json", "generation_config.json", "tokenizer_config.json"} <= saved, saved
 
 
 @pytest.mark.slow
