@@ -100,23 +100,18 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
             f"{folder}: holds no trainer state for {len(missing)} of this run's trainable tensors (first: "
             f"{missing[0].split('/', 1)[1]}); was it written with another --method or --lora-targets? "
             "Resume with the options of the run that wrote it")
-    targets = {}
+    # DCP reads in place: straight into the parameters, and into fresh moments that become the optimizer state.
+    targets, moments = {}, {}
     for p in params:
-        targets[f"param/{names[p]}"] = _global(model, torch.zeros_like(p.detach()), param=p)
+        targets[f"param/{names[p]}"] = _global(model, p.detach(), param=p)
+        if f"step/{names[p]}" not in saved:
+            continue
+        moments[p] = {"step": torch.zeros(()), **{key: torch.zeros_like(p.detach()) for key in _MOMENTS}}
+        targets[f"step/{names[p]}"] = moments[p]["step"]
         for key in _MOMENTS:
-            if f"{key}/{names[p]}" in saved:
-                targets[f"{key}/{names[p]}"] = _global(model, torch.zeros_like(p.detach()), param=p)
-        if f"step/{names[p]}" in saved:
-            targets[f"step/{names[p]}"] = torch.zeros(())
+            targets[f"{key}/{names[p]}"] = _global(model, moments[p][key], param=p)
     dcp.load(targets, checkpoint_id=str(folder / STATE / "tensors"))
-    with torch.no_grad():
-        for p in params:
-            _local(p).copy_(_local(targets[f"param/{names[p]}"]))
-            if f"step/{names[p]}" not in targets:
-                continue
-            optimizer.state[p] = {"step": targets[f"step/{names[p]}"].clone()}
-            for key in _MOMENTS:
-                optimizer.state[p][key] = _like_param(p, _local(targets[f"{key}/{names[p]}"]))
+    optimizer.state.update(moments)
     scheduler.load_state_dict(small["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
@@ -175,15 +170,6 @@ def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter) -> torch.Tenso
     if dim is None or model.plan.tp == 1:
         return t
     return DTensor.from_local(t, model.ctx.tp_mesh, [Shard(dim)], run_check=False)
-
-
-def _like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """An optimizer moment laid out like its parameter (DTensor parameters keep DTensor moments)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(p, DTensor):
-        return DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False)
-    return local.clone()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
