@@ -73,6 +73,42 @@ def _wait_all(procs: list, *, tmp: Path, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def run_command(cmd: list[str], *, cwd, env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """`subprocess.run` for launchers (accelerate launch, torchrun): on a timeout the launcher and every
+    worker it started are killed, and the error shows its stderr."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree([proc])
+        out, err = proc.communicate()
+        raise LaunchError(f"{' '.join(map(str, cmd))} timed out after {timeout_s:.0f}s; stderr:\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_tree(procs) -> None:
+    """SIGKILL each process's group and all its descendants (torchrun starts each worker in its own session)."""
+    import psutil
+
+    for p in procs:
+        try:
+            workers = psutil.Process(p.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            workers = []
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for w in workers:
+            try:
+                w.kill()
+            except psutil.NoSuchProcess:
+                pass
+    for p in procs:
+        p.wait()
+
+
 def _kill(procs: list) -> None:
     for p in procs:
         if p.poll() is None:

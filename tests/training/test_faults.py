@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hfsplit.training.resume import complete_checkpoints, latest_checkpoint
-from tests.parallel.launcher import ROOT, free_port, launch
+from tests.parallel.launcher import ROOT, free_port, kill_tree, launch
 from tests.training.test_trainer import run_options
 
 
@@ -27,13 +27,6 @@ def start_recipe_ranks(argv: list[str], *, world_size: int, logs: Path) -> list[
         procs.append(subprocess.Popen([sys.executable, str(ROOT / "recipes/finetune.py"), *argv], cwd=ROOT, env=env,
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
-
-
-def kill_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def steps_logged(output_dir: Path) -> int:
@@ -64,7 +57,7 @@ def test_a_rank_killed_or_hung_mid_run_ends_the_others_with_a_clear_error_and_th
         code = procs[0].wait(timeout=timeout + 60)
         waited = time.monotonic() - killed_at
     finally:
-        kill_all(procs)
+        kill_tree(procs)
     log = (tmp_path / "rank0.log").read_text()
     errors = [line for line in log.splitlines() if line.startswith("finetune: ")]
     assert code == 3, log[-3000:]

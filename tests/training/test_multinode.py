@@ -6,7 +6,6 @@ processes, so the loss curve must be the same, and the model it saves must load 
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parallel.launcher import free_port
+from tests.parallel.launcher import free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "recipes/accelerate_cpu.yaml"
@@ -46,34 +45,12 @@ def wait_all(procs: dict[str, subprocess.Popen], *, logs: dict[str, Path], timeo
         if all(code == 0 for code in codes.values()):
             return
         if failed or time.monotonic() > deadline:
-            kill_all(procs.values())
+            kill_tree(procs.values())
             why = f"{', '.join(failed)} failed" if failed else f"timed out after {timeout_s:.0f}s"
             tails = "".join(f"\n--- {name} (exit {codes[name]}), stderr tail:\n"
                             f"{Path(f'{logs[name]}.err').read_text(errors='replace')[-3000:]}" for name in procs)
             raise AssertionError(f"{why}{tails}")
         time.sleep(0.1)
-
-
-def kill_all(procs) -> None:
-    """SIGKILL each launcher's process group and its workers (torchrun starts each worker in its own session)."""
-    import psutil
-
-    for p in procs:
-        try:
-            workers = psutil.Process(p.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            workers = []
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for w in workers:
-            try:
-                w.kill()
-            except psutil.NoSuchProcess:
-                pass
-    for p in procs:
-        p.wait()
 
 
 def losses_of(out: Path) -> list[float]:
@@ -102,7 +79,7 @@ def test_two_machines_give_the_one_machine_loss_curve(tiny_checkpoint, tmp_path)
                      "--main_process_ip", "127.0.0.1", "--main_process_port", port]
             procs[f"machine {r}"] = start(flags, finetune_args(model, two), log=logs[f"machine {r}"])
     except BaseException:
-        kill_all(procs.values())
+        kill_tree(procs.values())
         raise
     wait_all(procs, logs=logs)
 

@@ -2,7 +2,6 @@
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from hfsplit.training.data import MicroBatches, bundled_dataset_path, load_token
 from hfsplit.training.lora import lora_config, seed_lora_weights
 from hfsplit.training.options import FinetuneOptions
 from hfsplit.training.trainer import causal_lm_loss, tokenizer_for
-from tests.parallel.launcher import free_port, launch
+from tests.parallel.launcher import free_port, launch, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
@@ -117,7 +116,7 @@ def test_readme_default_command_runs_under_accelerate_launch_and_loss_falls(tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate_cpu.yaml"),
            "--main_process_port", str(free_port()), str(ROOT / "recipes/finetune.py"), "--output-dir", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_command(cmd, cwd=tmp_path, env=env, timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r and not r.get("skipped")]
@@ -234,7 +233,7 @@ def assert_recipe_refuses(tmp_path: Path, flags: list[str], words: list[str], *,
     base = ["--max-memory", "1GiB", "--output-dir", str(out), "--max-steps", "2"]  # flags given later win
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), str(ROOT / "recipes/finetune.py"), *base, *flags]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_command(cmd, cwd=tmp_path, env=env, timeout_s=300)
     assert proc.returncode != 0 and "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]  # the recipe exits 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("finetune: ")]
     # every rank that fails says why; ranks failing alike say the same line
