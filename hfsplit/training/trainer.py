@@ -191,8 +191,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
-    from ..costs import TrainingSpec
-    from ..parallel.split_model import shared_plan, split_from_pretrained
+    from ..parallel.split_model import split_from_pretrained
     from .data import MicroBatches, bundled_dataset_path, load_token_rows
     from .lora import add_lora, lora_config
     from .resume import checkpoint_to_resume, prune_checkpoints, read_trainer_state, write_trainer_state
@@ -209,25 +208,14 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     model_path = options.model
     if model is None:
         model_path = options.model or default_model_path(options.output_dir)
-        check_sequence_length(model_path, options.seq_len)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        dtype = options.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
-        spec = TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
-                            dtype=dtype, lora_r=options.lora_r,
-                            lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
-                            activation_checkpointing=options.activation_checkpointing, reserve_bytes=0)
-        # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
-        pp = options.pp or (world if options.model is None and options.tp is None else None)
-        plan = shared_plan(model_path, options.max_memory or default_max_memory(world), spec=spec,
-                           micro_batches=options.micro_batches, schedule=options.schedule, tp=options.tp, pp=pp,
-                           world_size=world, activation_checkpointing=options.activation_checkpointing)
+        plan = plan_of_run(options, model_path=model_path)
     tokenizer = None
     if rows is None:  # data problems surface before any weight is read
         tokenizer = tokenizer_for(options, model_path=model_path)
         source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
         rows = load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
     if model is None:
-        model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, dtype))
+        model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype))
     plan = model.plan
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
     if dist.get_rank() == 0:
@@ -373,6 +361,25 @@ def peer_lost_error(exc: BaseException, *, step: int, output_dir: str) -> PeerLo
         "No checkpoint was saved yet (use --save-every N)"
     return PeerLostError(f"rank {dist.get_rank()} lost contact with another rank during step {step} ({reason[:160]}): "
                          f"a rank died or hung (--peer-timeout bounds the wait). {resume}")
+
+
+def plan_of_run(options: FinetuneOptions, *, model_path: str):
+    """The run's Plan, made on rank 0 and shared with every rank, before any weight is read."""
+    from ..costs import TrainingSpec
+    from ..parallel.split_model import shared_plan
+
+    check_sequence_length(model_path, options.seq_len)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dtype = options.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    spec = TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
+                        dtype=dtype, lora_r=options.lora_r,
+                        lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
+                        activation_checkpointing=options.activation_checkpointing, reserve_bytes=0)
+    # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
+    pp = options.pp or (world if options.model is None and options.tp is None else None)
+    return shared_plan(model_path, options.max_memory or default_max_memory(world), spec=spec,
+                       micro_batches=options.micro_batches, schedule=options.schedule, tp=options.tp, pp=pp,
+                       world_size=world, activation_checkpointing=options.activation_checkpointing)
 
 
 def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
