@@ -115,7 +115,7 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
     scheduler.load_state_dict(small["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
-    batches.load_state_dict(_data_position(small, batches, folder=folder))
+    batches.load_state_dict(data_position_for(small, batches, folder=folder))
     torch.set_rng_state(small["rng"].cpu())
     return int(small["step"])
 
@@ -141,7 +141,7 @@ def _small_state(folder: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _data_position(small: dict, batches, *, folder: Path) -> dict:
+def data_position_for(small: dict, batches, *, folder: Path) -> dict:
     """The saved data position in this run's batch size (rows consumed are what carry over)."""
     state = dict(small["batches"])
     rows_now = batches.batch_size

@@ -330,3 +330,21 @@ def test_bundled_files_are_what_the_script_regenerates(tmp_path):
     for committed in [*BUNDLED_DIR.glob("tiny_*"), *TINY_TOKENIZER_DIR.iterdir()]:
         made = tmp_path / ("data" if committed.parent == BUNDLED_DIR else "tiny_tokenizer") / committed.name
         assert made.read_bytes() == committed.read_bytes(), committed.name
+
+
+def test_a_resume_with_another_global_batch_continues_from_the_same_row(tmp_path):
+    """Under another split the global batch may change: the rows consumed carry over, or a clear refusal."""
+    from hfsplit.training.resume import data_position_for
+
+    rows = TokenRows(input_ids=torch.arange(64).unsqueeze(1), labels=torch.arange(64).unsqueeze(1))
+    before = MicroBatches(rows, micro_batch_size=2, num_micro_batches=4, seed=3)
+    for _ in range(5):
+        next(before)  # 40 rows consumed
+    saved = {"batches": before.state_dict(), "rows_per_step": before.batch_size}
+    expected_next = next(before)["input_ids"]
+    after = MicroBatches(rows, micro_batch_size=2, num_micro_batches=5, seed=3)  # 10 rows a step
+    after.load_state_dict(data_position_for(saved, after, folder=tmp_path))
+    assert torch.equal(next(after)["input_ids"][:8], expected_next)
+    odd = MicroBatches(rows, micro_batch_size=2, num_micro_batches=6, seed=3)  # 12 rows: 40 is not a whole step
+    with pytest.raises(HfsplitError, match="keep the global batch at 8 rows"):
+        data_position_for(saved, odd, folder=tmp_path)
