@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 from typing import Optional
 
@@ -110,6 +111,16 @@ def gpu_index_of_rank(plan: Plan, *, rank: int, local_rank: int, gpus_per_host: 
     stage = next(s for s in plan.stages if s.pp_rank == coords.pp)
     index = stage.devices[coords.dp][coords.tp].rsplit(":", 1)[-1]
     return int(index) % gpus_per_host if index.isdigit() else local_rank
+
+
+def init_single_process_group(*, timeout_s: float = 600.0) -> None:
+    """A one-rank process group for a run started without a launcher (`python recipes/finetune.py`), so
+    the same SPMD code runs; a file store, so no port is needed."""
+    import tempfile
+
+    store = Path(tempfile.mkdtemp(prefix="hfsplit-pg-")) / "store"
+    dist.init_process_group(backend=backend_for(device_of_rank(local_rank=0)), init_method=f"file://{store}",
+                            rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
 
 
 def backend_for(device: torch.device) -> str:

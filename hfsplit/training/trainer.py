@@ -191,6 +191,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
+    from ..parallel.mesh import init_single_process_group
     from ..parallel.split_model import split_from_pretrained
     from .data import MicroBatches, bundled_dataset_path, load_token_rows
     from .lora import add_lora, lora_config
@@ -202,6 +203,8 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     # accelerate owns the launch: it joins the process group (gloo on CPU ranks, nccl on GPUs). The
     # timeout bounds every wait on a peer, so a dead or hung rank ends the run instead of hanging it.
     PartialState(cpu=not torch.cuda.is_available(), timeout=datetime.timedelta(seconds=options.peer_timeout))
+    if not dist.is_initialized():  # started without a launcher: one rank
+        init_single_process_group(timeout_s=options.peer_timeout)
     writable_dir(options.output_dir)  # fail before any weight is read
     torch.manual_seed(options.seed)
     resume_from = checkpoint_to_resume(options.resume, options.output_dir) if options.resume else None

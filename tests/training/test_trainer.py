@@ -131,6 +131,18 @@ def test_readme_default_command_runs_under_accelerate_launch_and_loss_falls(tmp_
 
 
 @pytest.mark.slow
+def test_the_recipe_runs_without_a_launcher_as_one_rank(tiny_checkpoint, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, str(ROOT / "recipes/finetune.py"), "--model", str(tiny_checkpoint("llama")),
+           "--max-memory", "1GiB", "--max-steps", "3", "--seq-len", "64", "--output-dir", str(tmp_path / "out")]
+    proc = run_command(cmd, cwd=tmp_path, env=env, timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 3 steps" in proc.stdout and (tmp_path / "out" / "model" / "config.json").is_file()
+
+
+@pytest.mark.slow
 def test_epochs_and_evaluation(tiny_checkpoint, tmp_path):
     run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "full", pp=2, max_memory="2x1GiB"),
                epochs=1, eval_every=5)
