@@ -106,8 +106,12 @@ class ModelCosts:
     spec: TrainingSpec = field(default_factory=TrainingSpec)
 
 
-# Architectures tested end to end; others load when their config declares a pipeline plan.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Architectures whose split is tested against transformers (logits, gradients, generation). Others are
+# refused: a model may do work in its own forward (Gemma's embedding scale, Granite's logit scaling) that
+# a stage built from its blocks would silently skip.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
+# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1.
+TP_STYLES = ("colwise", "rowwise")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LORA_ADAPTER_DTYPE = torch.float32  # peft's autocast_adapter_dtype=True (its default) upcasts bf16/fp16 adapters
 _ADAMW_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -122,14 +126,8 @@ def check_supported(config) -> None:
     """
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(_unsupported(config, "encoder-decoder models are not split"))
-    if config.model_type in SUPPORTED_MODEL_TYPES:
-        return
-    if getattr(config, "base_model_pp_plan", None):
-        from transformers import AutoModelForCausalLM
-
-        if type(config) in AutoModelForCausalLM._model_mapping:
-            return
-    raise UnsupportedModelError(_unsupported(config, "its config declares no `base_model_pp_plan`"))
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(_unsupported(config, "its split is not verified against transformers"))
 
 
 def _unsupported(config, why: str) -> str:
@@ -137,16 +135,39 @@ def _unsupported(config, why: str) -> str:
     classes = ", ".join(getattr(config, "architectures", None) or [])
     where = f"{name + ': ' if name else ''}model_type {config.model_type!r}{f' ({classes})' if classes else ''}"
     return (f"{where}: {why}; "
-            f"hfsplit supports {', '.join(SUPPORTED_MODEL_TYPES)} and decoder-only transformers models whose "
-            "config has `base_model_pp_plan`; pick such a model, or load this one with transformers itself")
+            f"hfsplit splits {', '.join(SUPPORTED_MODEL_TYPES)}; pick such a model, or load this one with "
+            "transformers itself")
+
+
+def tp_supported(config) -> bool:
+    """Whether hfsplit can shard `config`'s model: it has a TP plan made only of the styles it implements."""
+    styles = set((getattr(config, "base_model_tp_plan", None) or {}).values())
+    return bool(styles) and styles <= set(TP_STYLES)
 
 
 def valid_tp_degrees(config, max_degree: int) -> list[int]:
-    """TP degrees ≤ max_degree dividing attention heads, key-value heads and MLP width."""
+    """TP degrees ≤ max_degree dividing attention heads, key-value heads and MLP width (only 1 for a
+    model hfsplit cannot shard)."""
+    if not tp_supported(config):
+        return [1]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     widths = (heads, kv_heads, config.intermediate_size)
     return [t for t in range(1, max_degree + 1) if all(w % t == 0 for w in widths)]
+
+
+def tp_degree_error(config, tp: int) -> Optional[str]:
+    """Why tensor-parallel degree `tp` cannot shard `config`'s model (None when it can)."""
+    if tp > 1 and not tp_supported(config):
+        styles = sorted(set((getattr(config, "base_model_tp_plan", None) or {}).values()) - set(TP_STYLES))
+        return (f"tp={tp}: {config.model_type}'s tensor-parallel plan uses {', '.join(styles) or 'no styles'}, "
+                f"which hfsplit does not shard yet (it shards {', '.join(TP_STYLES)}); use tp=1")
+    valid = valid_tp_degrees(config, max(tp, 1))
+    if tp not in valid:
+        return (f"tp={tp} does not divide the model's attention heads ({config.num_attention_heads}), key-value heads "
+                f"({getattr(config, 'num_key_value_heads', None) or config.num_attention_heads}) and MLP width "
+                f"({config.intermediate_size}); valid degrees: {', '.join(map(str, valid))}")
+    return None
 
 
 def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
@@ -157,12 +178,9 @@ def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
         spec: what one step does.
         tp: tensor-parallel degree; must be one of `valid_tp_degrees(config, tp)`.
     """
-    if tp not in valid_tp_degrees(config, tp):
-        raise PlanError(
-            f"tp={tp} does not divide the attention heads ({config.num_attention_heads}), key-value heads "
-            f"and MLP width ({config.intermediate_size}) of {config.model_type}; "
-            f"use one of {valid_tp_degrees(config, max(tp, 1))}"
-        )
+    why = tp_degree_error(config, tp)
+    if why:
+        raise PlanError(why)
     if spec.method not in ("inference", "lora", "full"):
         raise PlanError(f"TrainingSpec.method {spec.method!r}: use 'inference', 'lora' or 'full'")
     _dtype(spec.dtype)  # fail early on an unknown dtype

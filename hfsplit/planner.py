@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence, Union
 
 from .budget import BudgetSpec, format_bytes, parse_max_memory
-from .costs import ModelCosts, PartCost, TrainingSpec, check_supported, model_costs, valid_tp_degrees
+from .costs import ModelCosts, PartCost, TrainingSpec, check_supported, model_costs, tp_degree_error, valid_tp_degrees
 from .errors import PlanError
 from .plan import SCHEDULES, Plan, Stage, StageMemory
 
@@ -354,13 +354,8 @@ def _check_world(world_size: Optional[int], *, tp, pp, dp) -> None:
 
 
 def _check_degrees(config, devices: int, *, tp, pp, dp, micro_batches=None, schedule="1F1B") -> None:
-    if tp is not None:
-        valid = valid_tp_degrees(config, max(tp, 1))
-        if tp not in valid:
-            raise PlanError(
-                f"tp={tp} does not divide the model's attention heads ({config.num_attention_heads}), key-value heads "
-                f"({getattr(config, 'num_key_value_heads', None) or config.num_attention_heads}) and MLP width "
-                f"({config.intermediate_size}); valid degrees: {', '.join(map(str, valid))}")
+    if tp is not None and (why := tp_degree_error(config, tp)):
+        raise PlanError(why)
     needed = (tp or 1) * (pp or 1) * (dp or 1)
     if needed > devices:
         raise PlanError(f"tp={tp or 1} × pp={pp or 1} × dp={dp or 1} needs {needed} devices but the budget names "

@@ -126,6 +126,6 @@ def test_unsupported_architecture_is_refused_before_planning(tmp_path):
     from hfsplit import UnsupportedModelError
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2'.*base_model_pp_plan"):
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2'.*not verified against transformers"):
         make_plan(str(tmp_path), "1GiB")
     assert main(["plan", str(tmp_path), "--max-memory", "1GiB"]) == 2

@@ -12,7 +12,6 @@ from hfsplit.checkpoint import load_config
 from hfsplit.costs import TrainingSpec, estimate_peak_bytes, model_costs, valid_tp_degrees
 
 CONFIGS = Path(__file__).resolve().parent.parent / "hfsplit" / "configs"
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def bundled(name: str):
@@ -93,7 +92,13 @@ def tiny_config(family: str):
         return LlamaConfig(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2, vocab_size=2000, **common)
     if family == "qwen2":
         return Qwen2Config(hidden_size=96, intermediate_size=256, num_attention_heads=6, num_key_value_heads=2, vocab_size=3000, tie_word_embeddings=True, **common)
-    return MistralConfig(hidden_size=128, intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, sliding_window=None, **common)
+    if family == "mistral":
+        return MistralConfig(hidden_size=128, intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, sliding_window=None, **common)
+    from transformers import AutoConfig
+
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    return AutoConfig.for_model(family, hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
+                                vocab_size=2000, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra, **common)
 
 
 class FrozenAwareMemTracker(MemTracker):
@@ -115,7 +120,9 @@ def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=8, target_modules=list(LORA_TARGETS)))
+        from hfsplit.training.lora import block_linear_names
+
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=block_linear_names(config)))
     ids = torch.randint(0, config.vocab_size, (1, seq_len))
     optimizer = None
     if method == "inference":
@@ -144,14 +151,14 @@ def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False
 
 def estimated_peak(config, method: str, seq_len: int, checkpointing: bool = False) -> int:
     spec = TrainingSpec(
-        method=method, seq_len=seq_len, dtype="float32", lora_r=8, lora_targets=LORA_TARGETS, activation_checkpointing=checkpointing
+        method=method, seq_len=seq_len, dtype="float32", lora_r=8, lora_targets=None, activation_checkpointing=checkpointing
     )
     return estimate_peak_bytes(model_costs(config, spec))
 
 
 @pytest.mark.parametrize("seq_len", [64, 256])
 @pytest.mark.parametrize("method", ["inference", "lora", "full"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2"])
 def test_estimated_peak_matches_a_real_step(family, method, seq_len):
     config = tiny_config(family)
     measured, estimated = measured_peak(config, method, seq_len), estimated_peak(config, method, seq_len)

@@ -106,7 +106,7 @@ def test_unsupported_architecture_is_refused_before_reading(tmp_path):
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)  # no weights at all
-    with pytest.raises(UnsupportedModelError, match=r"gpt2.*llama, qwen2, mistral.*base_model_pp_plan"):
+    with pytest.raises(UnsupportedModelError, match=r"gpt2.*not verified.*llama, qwen2, mistral, qwen3, phi3, olmo2"):
         from_pretrained(tmp_path, plan=cpu_device_map(1))
 
 

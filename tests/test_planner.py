@@ -4,7 +4,8 @@ import itertools
 import pytest
 
 from hfsplit.costs import ModelCosts, PartCost, TrainingSpec
-from hfsplit.planner import _rank_fits, _rank_times, _slots, bubble_fraction, in_flight, split_layers
+from hfsplit.errors import PlanError
+from hfsplit.planner import _rank_fits, _rank_times, _slots, bubble_fraction, in_flight, make_plan, split_layers
 
 
 def toy_costs(layers=8, *, block_state=10, block_act=2, embed_state=20, head_state=30, head_act=5, tied=False,
@@ -105,3 +106,12 @@ def test_tied_matrix_counted_once_on_a_single_stage():
     assert stage_memory(costs, slot, 2).weights == 2 * 10 + 25  # head (norm 5 + matrix 20); embed shares it
     first, last = make_slots([10_000, 10_000])
     assert stage_memory(costs, first, 1).weights + stage_memory(costs, last, 1).weights == 2 * 10 + 20 + 25
+
+
+def test_a_model_whose_tp_plan_hfsplit_cannot_shard_is_planned_at_tp_1():
+    from hfsplit.checkpoint.synthetic import tiny_config
+
+    config = tiny_config("phi3")  # fused qkv_proj: "colwise_gather_output", not sharded yet
+    assert make_plan(config, "2x1GiB", spec=TrainingSpec(method="full", seq_len=64, dtype="float32", reserve_bytes=0)).tp == 1
+    with pytest.raises(PlanError, match=r"tp=2.*colwise_gather_output.*use tp=1"):
+        make_plan(config, "2x1GiB", spec=TrainingSpec(method="full", seq_len=64, dtype="float32", reserve_bytes=0), tp=2)

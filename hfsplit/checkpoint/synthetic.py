@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-ARCHITECTURES = ("llama", "qwen2", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
 
 
 def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4, hidden: int = 64,
@@ -30,6 +30,8 @@ def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4,
     )
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    if arch == "qwen3":
+        kwargs["head_dim"] = hidden // heads  # Qwen3's default head_dim is a fixed 128
     kwargs.update(overrides)
     config = AutoConfig.for_model(arch, **kwargs)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]

@@ -227,7 +227,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     config = None
     if options.method == "lora":
         config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
-                             targets=options.lora_targets)
+                             targets=options.lora_targets, model_config=model.config)
         tp_group = model.ctx.tp_mesh.get_group() if plan.tp > 1 else None
         for stage in model.stages:
             add_lora(stage, config, seed=options.seed, tp_group=tp_group, tp_rank=model.ctx.coords.tp,

@@ -18,6 +18,12 @@ SPLITS = {
                                     dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)], schedule="Interleaved1F1B")),
     "llama-tied-pp2-zbv": ("llama", True, 2,
                            dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)], schedule="ZBVZeroBubble")),
+    # q/k norms, fused qkv and gate_up projections, post-norm blocks: pipeline splits (their TP plans use
+    # styles hfsplit does not shard yet, so the planner keeps them at tp=1)
+    "qwen3-pp2-1f1b": ("qwen3", False, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    "phi3-tied-pp2-gpipe-uneven": ("phi3", True, 2, dict(tp=1, pp=2, layers=[(0, 3), (3, 4)], schedule="GPipe")),
+    "olmo2-pp2-interleaved1f1b": ("olmo2", False, 2,
+                                  dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)], schedule="Interleaved1F1B")),
 }
 
 

@@ -28,7 +28,8 @@ def reference_training(options: FinetuneOptions, *, replicas: int = 1):
     model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
     if options.method == "lora":
         model = get_peft_model(model, lora_config(r=options.lora_r, alpha=options.lora_alpha,
-                                                  dropout=options.lora_dropout, targets=options.lora_targets))
+                                                  dropout=options.lora_dropout, targets=options.lora_targets,
+                                                  model_config=model.config))
         seed_lora_weights(model, seed=options.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
@@ -80,6 +81,7 @@ def run_options(checkpoint, tmp_path, method: str, **extra) -> dict:
     (2, dict(tp=2, pp=1, max_memory="2x1GiB"), "qwen2"),
     (4, dict(tp=2, pp=2, max_memory="4x1GiB"), "mistral"),
     (2, dict(tp=1, pp=1, max_memory="2x1GiB"), "llama"),  # two data-parallel replicas
+    (2, dict(pp=2, max_memory="2x1GiB"), "phi3"),  # fused qkv_proj / gate_up_proj as LoRA targets
 ])
 def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path, world, split, arch):
     """pp=2, tp=2, pp=2×tp=2 and dp=2, LoRA and full: every step's loss equals the unsplit model's,
