@@ -111,7 +111,7 @@ class ModelCosts:
 # a stage built from its blocks would silently skip.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
 # `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1.
-TP_STYLES = ("colwise", "rowwise")
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LORA_ADAPTER_DTYPE = torch.float32  # peft's autocast_adapter_dtype=True (its default) upcasts bf16/fp16 adapters
 _ADAMW_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32

@@ -18,7 +18,7 @@ from ..plan import Plan
 from .mesh import ParallelContext, init_parallel, stage_indices_of_pp_rank, stage_to_pp_rank
 from .pipeline import build_schedule, pipeline_stages
 from .stage import StageModule, load_stage_weights, meta_model
-from .tensor import apply_tp, local_tensor
+from .tensor import apply_tp, grad_summed_over_tp, local_tensor
 from .weights import open_reader
 
 
@@ -133,6 +133,12 @@ class SplitModel(nn.Module):
             place_grad_like_param(p)
         if self.plan.tied_embeddings:
             self._sum_tied_grads()
+        if self.plan.tp > 1:
+            for module in self.modules():  # the same order on every TP rank
+                if grad_summed_over_tp(module):
+                    for p in module.parameters():
+                        if p.grad is not None:
+                            dist.all_reduce(p.grad, group=self.ctx.tp_mesh.get_group())
         if self.plan.dp > 1:
             for p in self.parameters():
                 if p.grad is not None:

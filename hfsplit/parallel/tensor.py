@@ -21,7 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..costs import TP_STYLES
 from ..errors import UnsupportedModelError
+
+REPLICATED_SUMMED = TP_STYLES[2]  # "replicated_with_grad_allreduce"
 
 
 def block_styles(config) -> dict[str, object]:
@@ -38,12 +41,30 @@ def block_styles(config) -> dict[str, object]:
             styles[pattern] = ColwiseParallel()
         elif kind == "rowwise":
             styles[pattern] = RowwiseParallel()
+        elif kind == REPLICATED_SUMMED:
+            continue  # stays whole on every rank; `mark_grad_summed` sees to its gradient
         else:
             raise UnsupportedModelError(
                 f"{type(config).__name__}: tensor-parallel style {kind!r} of {pattern} is not supported yet; use tp=1"
             )
     styles["embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
     return styles
+
+
+def mark_grad_summed(body: nn.Module, config) -> None:
+    """Flag the replicated modules whose gradient is partial on each TP rank and must be summed over the
+    TP group (Qwen3's per-head q/k norms see only this rank's heads); `SplitModel.sync_grads` sums them."""
+    import fnmatch
+
+    patterns = [p for p, kind in (getattr(config, "base_model_tp_plan", None) or {}).items() if kind == REPLICATED_SUMMED]
+    for name, sub in body.named_modules():
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            sub._hfsplit_grad_summed_over_tp = True
+
+
+def grad_summed_over_tp(module: nn.Module) -> bool:
+    """Whether `module`'s parameter gradients are summed over the TP group (see `mark_grad_summed`)."""
+    return getattr(module, "_hfsplit_grad_summed_over_tp", False)
 
 
 def apply_tp(module: nn.Module, *, tp_mesh, body_name: str) -> nn.Module:
@@ -63,6 +84,7 @@ def apply_tp(module: nn.Module, *, tp_mesh, body_name: str) -> nn.Module:
     if module.lm_head is not None:
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     parallelize_module(module, tp_mesh, plan)
+    mark_grad_summed(body, module.config)
     if module.shares_embedding:
         # parallelize_module replaced each module's parameter separately; both are Shard(0) over the vocabulary.
         module.lm_head.weight = body.embed_tokens.weight

@@ -18,9 +18,11 @@ SPLITS = {
                                     dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)], schedule="Interleaved1F1B")),
     "llama-tied-pp2-zbv": ("llama", True, 2,
                            dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)], schedule="ZBVZeroBubble")),
-    # q/k norms, fused qkv and gate_up projections, post-norm blocks: pipeline splits (their TP plans use
-    # styles hfsplit does not shard yet, so the planner keeps them at tp=1)
+    # per-head q/k norms: replicated under TP, their gradients summed over the TP group
     "qwen3-pp2-1f1b": ("qwen3", False, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    "qwen3-tied-pp2xtp2-1f1b": ("qwen3", True, 4, dict(tp=2, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    # fused qkv and gate_up projections, post-norm blocks: pipeline splits (their TP plans use styles
+    # hfsplit does not shard yet, so the planner keeps them at tp=1)
     "phi3-tied-pp2-gpipe-uneven": ("phi3", True, 2, dict(tp=1, pp=2, layers=[(0, 3), (3, 4)], schedule="GPipe")),
     "olmo2-pp2-interleaved1f1b": ("olmo2", False, 2,
                                   dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)], schedule="Interleaved1F1B")),
