@@ -86,25 +86,29 @@ class SplitModel(nn.Module):
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int) -> torch.Tensor:
         """Greedy continuation of a batch of equal-length prompts (as `generate(do_sample=False)`), on every rank.
 
-        No KV cache: each step reruns a fixed-length buffer (prompt + max_new_tokens, right
-        padded). Causal attention keeps the pad from touching earlier positions, and the
-        fixed shape lets every step reuse one pipeline schedule.
+        Each stage keeps a KV cache of its own layers: the prompt goes through once, then one
+        token per step travels the pipeline. Finished rows continue with the pad token, as in
+        transformers; the loop ends when every row has produced an end-of-sequence token.
         """
-        batch, prompt_len = input_ids.shape
+        from transformers import DynamicCache
+
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         eos = eos_token_ids(self.config)
-        buffer = torch.full((batch, prompt_len + max_new_tokens), pad, dtype=input_ids.dtype, device=self.device)
-        buffer[:, :prompt_len] = input_ids.to(self.device)
-        unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
-        end = prompt_len
-        for end in range(prompt_len, prompt_len + max_new_tokens):
-            logits = self.forward(buffer, broadcast=True)
-            token = logits[:, end - 1].argmax(-1)
-            buffer[:, end] = torch.where(unfinished, token, torch.full_like(token, pad))
+        caches = [DynamicCache(config=self.config) for _ in self.stages]
+        out = input_ids.to(self.device)
+        step_ids = out
+        unfinished = torch.ones(out.shape[0], dtype=torch.bool, device=self.device)
+        for _ in range(max_new_tokens):
+            logits = self._relay_forward(step_ids, caches=caches)
+            logits = self._broadcast_logits(logits, shape=(*step_ids.shape, self.config.vocab_size))
+            token = logits[:, -1].argmax(-1)
+            token = torch.where(unfinished, token, torch.full_like(token, pad))
+            out = torch.cat([out, token[:, None]], dim=1)
             unfinished &= ~torch.isin(token, eos)
             if not unfinished.any():
-                return buffer[:, : end + 1]
-        return buffer
+                break
+            step_ids = token[:, None]
+        return out
 
     # --- training ----------------------------------------------------------------------------
 
@@ -172,14 +176,16 @@ class SplitModel(nn.Module):
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _relay_forward(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    def _relay_forward(self, input_ids: torch.Tensor, *, caches: Optional[list] = None) -> Optional[torch.Tensor]:
         """Forward through the stages in order, passing hidden states rank to rank (no micro-batches).
 
-        Used for inference when a rank holds several stages: torch's interleaved and V
-        schedules contain backward actions and cannot run forward-only.
+        Used for inference when a rank holds several stages (torch's interleaved and V
+        schedules contain backward actions and cannot run forward-only) and for generation,
+        where `caches` holds one KV cache per stage of this rank.
         """
         owner = stage_to_pp_rank(self.plan)
         mine = dict(zip(self.stage_indices, self.stages))
+        cache_of = dict(zip(self.stage_indices, caches or [None] * len(self.stages)))
         hidden_shape = (*input_ids.shape, self.config.hidden_size)
         x = input_ids
         for index in range(self.num_stages):
@@ -188,7 +194,7 @@ class SplitModel(nn.Module):
             if index > 0 and owner[index - 1] != self.ctx.coords.pp:
                 x = torch.empty(hidden_shape, dtype=self._dtype(), device=self.device)
                 dist.recv(x, src=self.ctx.global_rank(pp=owner[index - 1]), group=self.ctx.pp_group)
-            x = mine[index](x)
+            x = mine[index](x, cache=cache_of[index])
             if index + 1 < self.num_stages and owner[index + 1] != self.ctx.coords.pp:
                 dist.send(x.contiguous(), dst=self.ctx.global_rank(pp=owner[index + 1]), group=self.ctx.pp_group)
         return x if self.has_last else None

@@ -57,15 +57,19 @@ class StageModule(nn.Module):
     def body(self) -> nn.Module:
         return getattr(self, self._body_name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        """`cache` (a transformers Cache of this stage's layers, for generation) continues after the
+        positions it holds; without it the sequence starts at position 0."""
         if self.body.embed_tokens is not None:
             x = self.body.embed_tokens(x)
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        masks = causal_masks(self.config, hidden=x, position_ids=positions)
+        layers = [int(name) for name in self.body.layers]
+        past = cache.get_seq_length(layers[0]) if cache is not None and layers else 0
+        positions = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
+        masks = causal_masks(self.config, hidden=x, position_ids=positions, cache=cache, layers=layers)
         rotary = self.rotary_emb(x, position_ids=positions)
         for name, layer in self.body.layers.items():
             x = layer(x, attention_mask=masks[layer_attention_type(self.config, int(name))],
-                      position_embeddings=rotary, position_ids=positions)
+                      position_embeddings=rotary, position_ids=positions, cache=cache, use_cache=cache is not None)
         if self.body.norm is not None:
             x = self.lm_head(self.body.norm(x))
         return x
@@ -97,18 +101,24 @@ def layer_attention_type(config, index: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
 
 
-def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Attention masks by attention type, always real tensors.
+def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, cache=None,
+                 layers: tuple[int, ...] | list[int] = ()) -> dict[str, torch.Tensor]:
+    """Attention masks by attention type, always real tensors; with `cache`, over the cached positions
+    too (sized from the first of this stage's `layers` of each type: a stage's cache holds only its own).
 
     `allow_is_causal_skip=False`: with eager attention a None mask means non-causal.
     """
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, cache=None,
+    def first_layer(kind: str):
+        return next((i for i in layers if layer_attention_type(config, i) == kind), None) if cache is not None else None
+
+    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, cache=cache,
                   position_ids=position_ids, allow_is_causal_skip=False)
-    masks = {"full_attention": create_causal_mask(**kwargs)}
+    masks = {"full_attention": create_causal_mask(**kwargs, layer_idx=first_layer("full_attention"))}
     if getattr(config, "sliding_window", None):
-        masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        masks["sliding_attention"] = create_sliding_window_causal_mask(
+            **kwargs, layer_idx=first_layer("sliding_attention"))
     return masks
 
 

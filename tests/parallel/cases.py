@@ -39,7 +39,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def split_matches_transformers(*, checkpoint: str, tp: int, pp: int, layers: list, schedule: str,
-                               micro_batches: int = 2, new_tokens: int = 4) -> dict:
+                               micro_batches: int = 2, new_tokens: int = 8) -> dict:
     """Logits, one step's gradients and greedy generation of the split model against transformers."""
     from transformers import AutoModelForCausalLM
 
