@@ -1,10 +1,10 @@
-"""Benchmark: per-rank peak memory of a pp=2 split vs one process, and forward latency.
+"""Benchmark: per-rank peak memory of a pp=2 split vs one process, forward latency and greedy generation.
 
 Writes a random Llama checkpoint (a few hundred MB; `--small`: a few MB), then
   1. one process: transformers `from_pretrained` + forward,
   2. two CPU ranks under torchrun: `split_from_pretrained(..., pp=2)` + forward through the pipeline,
-and prints per-process peak RSS (after imports, after load, after forward) and the median
-forward latency.
+and prints per-process peak RSS (after imports, after load, after forward), the median forward
+latency, and the time per generated token (16-token prompts, 32 new tokens, KV cache on both sides).
 
     python scripts/bench_split.py --small
 """
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 32
 
 
 def import_everything() -> None:
@@ -78,8 +79,12 @@ def single_process(checkpoint: str, *, batch: int, seq: int, repeats: int) -> di
     ids = torch.randint(3, model.config.vocab_size, (batch, seq))
     with torch.no_grad():
         latency = median_latency_s(lambda: model(ids), repeats=repeats)
+    prompt = ids[:, :16]
+    generated = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=torch.ones_like(prompt))
+    per_token = median_latency_s(lambda: model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                        attention_mask=torch.ones_like(prompt)), repeats=repeats)
     return {"rank": "single", "imported_mib": imported, "loaded_mib": loaded, "forward_mib": peak_rss_mib(),
-            "latency_s": latency}
+            "latency_s": latency, "token_s": per_token / (generated.shape[1] - 16)}
 
 
 def split_worker(checkpoint: str, *, batch: int, seq: int, repeats: int) -> None:
@@ -98,8 +103,11 @@ def split_worker(checkpoint: str, *, batch: int, seq: int, repeats: int) -> None
     loaded = peak_rss_mib()
     ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     latency = median_latency_s(lambda: model(ids, broadcast=True), repeats=repeats)
+    prompt = ids[:, :16]
+    generated = model.generate(prompt, max_new_tokens=NEW_TOKENS)
+    per_token = median_latency_s(lambda: model.generate(prompt, max_new_tokens=NEW_TOKENS), repeats=repeats)
     row = {"rank": dist.get_rank(), "imported_mib": imported, "loaded_mib": loaded, "forward_mib": peak_rss_mib(),
-           "latency_s": latency}
+           "latency_s": latency, "token_s": per_token / (generated.shape[1] - 16)}
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
@@ -166,10 +174,11 @@ def main() -> None:
         rows = [run_single(str(folder), batch=args.batch, seq=args.seq, repeats=args.repeats)]
         rows += run_split(str(folder), batch=args.batch, seq=args.seq, repeats=args.repeats)
     print("peak RSS above the RSS after imports (Linux ru_maxrss, /proc/self/statm)")
-    print(f"{'process':>8}  {'imports MiB':>11}  {'+load MiB':>9}  {'+forward MiB':>12}  {'forward ms':>10}")
+    print(f"{'process':>8}  {'imports MiB':>11}  {'+load MiB':>9}  {'+forward MiB':>12}  {'forward ms':>10}  "
+          f"{'generate ms/token':>17}")
     for r in rows:
         print(f"{r['rank']!s:>8}  {r['imported_mib']:11.0f}  {r['loaded_mib'] - r['imported_mib']:9.0f}  "
-              f"{r['forward_mib'] - r['imported_mib']:12.0f}  {1e3 * r['latency_s']:10.1f}")
+              f"{r['forward_mib'] - r['imported_mib']:12.0f}  {1e3 * r['latency_s']:10.1f}  {1e3 * r['token_s']:17.1f}")
 
 
 if __name__ == "__main__":

@@ -303,7 +303,7 @@ def unsupported_architecture(tiny_checkpoint, tmp_path):
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256).save_pretrained(tmp_path / "gpt2")  # no weights
-    return ["--model", str(tmp_path / "gpt2")], [str(tmp_path / "gpt2"), "'gpt2'", "base_model_pp_plan", "llama"]
+    return ["--model", str(tmp_path / "gpt2")], [str(tmp_path / "gpt2"), "'gpt2'", "not verified against transformers", "llama"]
 
 
 def dataset_without_columns(tiny_checkpoint, tmp_path):
