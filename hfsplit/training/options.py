@@ -39,7 +39,7 @@ class FinetuneOptions:
         save_every: save a checkpoint every N steps (0: only at the end).
         save_total_limit: keep only the newest K checkpoints (0: keep all).
         merge: LoRA runs also write `merged/`, the base model with the adapters folded in (a plain HF model folder).
-        resume: "latest" (the newest checkpoint-N in output_dir) or a checkpoint folder: restores weights,
+        resume: "latest" (the newest checkpoint-N in output_dir; a bare `--resume`) or a checkpoint folder: restores weights,
             optimizer, scheduler, RNG and data position on every rank; under another split (budget,
             rank count, pp/tp) the weights and optimizer state are resharded to it.
         on_nonfinite: skip (drop the step, log it, go on) | stop (end the run with an error naming the step)
@@ -102,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool",):
             parser.add_argument(flag, type=_bool, nargs="?", const=True, default=None)  # --merge or --merge off
+        elif f.name == "resume":  # a bare --resume means the latest checkpoint
+            parser.add_argument(flag, type=str, nargs="?", const="latest", default=None)
         elif f.name == "lora_targets":
             parser.add_argument(flag, type=lambda s: [t.strip() for t in s.split(",") if t.strip()], default=None)
         else:
