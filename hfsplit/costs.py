@@ -110,8 +110,10 @@ class ModelCosts:
 # refused: a model may do work in its own forward (Gemma's embedding scale, Granite's logit scaling) that
 # a stage built from its blocks would silently skip.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
-# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1.
-TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1. The last kind
+# stays whole on every rank, its gradient summed over the TP group.
+REPLICATED_SUMMED = "replicated_with_grad_allreduce"
+TP_STYLES = ("colwise", "rowwise", REPLICATED_SUMMED)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LORA_ADAPTER_DTYPE = torch.float32  # peft's autocast_adapter_dtype=True (its default) upcasts bf16/fp16 adapters
 _ADAMW_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -229,6 +231,14 @@ def estimate_peak_bytes(costs: ModelCosts) -> int:
 # --- internals -------------------------------------------------------------------------------
 
 _CONFIGS: dict[str, object] = {}
+
+
+def block_linear_names(config) -> list[str]:
+    """The linear layers of one decoder block ("q_proj" … "down_proj", Phi-3's fused "qkv_proj" and
+    "gate_up_proj"): LoRA's default targets, which the cost model counts when none are given."""
+    key = _config_key(config)
+    _CONFIGS.setdefault(key, config)
+    return sorted({lin.name.rsplit(".", 1)[-1] for lin in _layout(key).linears})
 
 
 def _config_key(config) -> str:

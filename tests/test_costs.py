@@ -120,7 +120,7 @@ def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 
-        from hfsplit.training.lora import block_linear_names
+        from hfsplit.costs import block_linear_names
 
         model = get_peft_model(model, LoraConfig(r=8, target_modules=block_linear_names(config)))
     ids = torch.randint(0, config.vocab_size, (1, seq_len))

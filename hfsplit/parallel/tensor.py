@@ -21,10 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..costs import TP_STYLES
+from ..costs import REPLICATED_SUMMED
 from ..errors import UnsupportedModelError
-
-REPLICATED_SUMMED = TP_STYLES[2]  # "replicated_with_grad_allreduce"
 
 
 def block_styles(config) -> dict[str, object]:

@@ -35,23 +35,11 @@ def lora_config(*, r: int, alpha: int, dropout: float, targets: Optional[Sequenc
     `targets`, every linear projection of a decoder block of `model_config`'s model."""
     from peft import LoraConfig
 
+    from ..costs import block_linear_names
+
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                       target_modules=list(targets or block_linear_names(model_config)),
                       bias="none", task_type="CAUSAL_LM")
-
-
-def block_linear_names(model_config) -> list[str]:
-    """The linear layers of one decoder block ("q_proj" … "down_proj", Phi-3's fused "qkv_proj" and
-    "gate_up_proj"): the default LoRA targets, the same the planner counts."""
-    import copy
-
-    from ..parallel.stage import meta_model
-
-    one_block = copy.deepcopy(model_config)
-    one_block.num_hidden_layers = 1
-    model = meta_model(one_block)
-    block = getattr(model, model.base_model_prefix).layers[0]
-    return sorted({name.rsplit(".", 1)[-1] for name, m in block.named_modules() if isinstance(m, nn.Linear)})
 
 
 class _SumGradOverTP(torch.autograd.Function):

@@ -76,7 +76,6 @@ def write_trainer_state(folder: Path, *, model, params, optimizer, scheduler, ba
     dcp.save(tensors, checkpoint_id=str(folder / STATE / "tensors"))
     small = {
         "step": step,
-        "plan": model.plan.to_json(indent=None),
         "scheduler": scheduler.state_dict(),
         "batches": batches.state_dict(),
         "rows_per_step": batches.batch_size,
@@ -170,9 +169,3 @@ def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter) -> torch.Tenso
     if dim is None or model.plan.tp == 1:
         return t
     return DTensor.from_local(t, model.ctx.tp_mesh, [Shard(dim)], run_check=False)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
