@@ -94,7 +94,7 @@ def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: in
     for p in module.parameters():
         p.requires_grad_(False)
     inject_adapter_in_model(config, module)
-    for name, sub in _lora_layers(module):
+    for name, sub in lora_layers(module):
         style = _tp_style(name, tp_plan) if tp_size > 1 else None
         a, b = sub.lora_A["default"], sub.lora_B["default"]
         if style == "colwise":
@@ -109,7 +109,7 @@ def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: in
 
 def seed_lora_weights(module: nn.Module, *, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
     """Draw every LoRA A from a generator keyed by (seed, checkpoint name); B starts at zero, as in peft."""
-    for name, sub in _lora_layers(module):
+    for name, sub in lora_layers(module):
         match = _LAYER_NAME.search(name)
         key = match.group(1) if match else name
         a = sub.lora_A["default"].weight
@@ -132,7 +132,8 @@ def tp_shard_dim(param: torch.Tensor) -> Optional[int]:
     return getattr(param, "_hfsplit_tp_dim", None)
 
 
-def _lora_layers(module: nn.Module):
+def lora_layers(module: nn.Module):
+    """(name, layer) of every peft LoRA layer in `module` (the adapter named "default")."""
     for name, sub in module.named_modules():
         if hasattr(sub, "lora_A") and "default" in getattr(sub, "lora_A", {}):
             yield name, sub

@@ -66,11 +66,10 @@ def merged_lora_weights(module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     from ..parallel.tensor import local_tensor
+    from .lora import lora_layers
 
     merged = {}
-    for prefix, sub in module.named_modules():
-        if not (hasattr(sub, "lora_A") and "default" in sub.lora_A):
-            continue
+    for prefix, sub in lora_layers(module):
         weight = sub.base_layer.weight.detach()
         delta = sub.lora_B["default"].weight.detach().float() @ sub.lora_A["default"].weight.detach().float()
         local = (local_tensor(weight).float() + delta * sub.scaling["default"]).to(weight.dtype)
