@@ -113,14 +113,28 @@ def gpu_index_of_rank(plan: Plan, *, rank: int, local_rank: int, gpus_per_host: 
     return int(index) % gpus_per_host if index.isdigit() else local_rank
 
 
-def init_single_process_group(*, timeout_s: float = 600.0) -> None:
-    """A one-rank process group for a run started without a launcher (`python recipes/finetune.py`), so
-    the same SPMD code runs; a file store, so no port is needed."""
+def init_distributed(*, timeout_s: float = 600.0) -> None:
+    """Join the launch's default process group, once: the one way into torch.distributed.
+
+    nccl on GPUs (each rank on its launcher-given GPU first), gloo otherwise; `timeout_s` bounds
+    every wait on a peer, so a dead or hung rank ends the run instead of hanging it. Started
+    without a launcher (no WORLD_SIZE), a one-rank group on a file store, so the same SPMD code
+    runs and no port is needed. Does nothing when a group already exists.
+    """
+    if dist.is_initialized():
+        return
+    device = device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's first collective needs one GPU per rank
+    timeout = timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend_for(device), timeout=timeout)
+        return
     import tempfile
 
     store = Path(tempfile.mkdtemp(prefix="hfsplit-pg-")) / "store"
-    dist.init_process_group(backend=backend_for(device_of_rank(local_rank=0)), init_method=f"file://{store}",
-                            rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=backend_for(device), init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=timeout)
 
 
 def backend_for(device: torch.device) -> str:
@@ -176,9 +190,7 @@ def init_parallel(plan: Plan, *, timeout_s: float = 600.0) -> ParallelContext:
     # Checked before init so that a wrong launch never reaches a collective.
     check_plan_for_world(plan, world_size=world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(device_of_rank(local_rank=local_rank)),
-                                timeout=timedelta(seconds=timeout_s))
+    init_distributed(timeout_s=timeout_s)
     device = device_of_rank(local_rank=local_rank, plan=plan, rank=dist.get_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)

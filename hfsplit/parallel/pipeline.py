@@ -1,6 +1,7 @@
 """The pipeline: torch.distributed.pipelining stages and the schedule the plan names."""
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -48,3 +49,31 @@ def build_schedule(name: str, stages: list, *, micro_batches: int, loss_fn: Opti
             raise PlanError(f"schedule {name} runs one stage per rank, this rank has {len(stages)}")
         return cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
     return cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn)
+
+
+class StageTimer:
+    """Seconds this rank spends computing inside its pipeline stages (forward and backward chunks).
+
+    `watch` wraps a PipelineStage's chunk methods before a schedule runs it; the schedule's
+    waits on peers fall outside them, so busy time over wall time is the measured non-bubble share.
+    """
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+
+    def watch(self, stages: list) -> list:
+        for stage in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+        return stages
+
+    def _timed(self, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - start
+
+        return run

@@ -16,9 +16,9 @@ from torch import nn
 from ..errors import PlanError
 from ..plan import Plan
 from .mesh import ParallelContext, init_parallel, stage_indices_of_pp_rank, stage_to_pp_rank
-from .pipeline import build_schedule, pipeline_stages
+from .pipeline import StageTimer, build_schedule, pipeline_stages
 from .stage import StageModule, load_stage_weights, meta_model
-from .tensor import apply_tp, grad_summed_over_tp, local_tensor
+from .tensor import apply_tp, grad_summed_over_tp, local_tensor, tp_shard_dim
 from .weights import open_reader
 
 
@@ -42,6 +42,7 @@ class SplitModel(nn.Module):
         self.stages = nn.ModuleList(stages)
         self.stage_indices = stage_indices
         self._schedules: dict[tuple, object] = {}
+        self._timer = StageTimer()
 
     @property
     def device(self) -> torch.device:
@@ -149,6 +150,43 @@ class SplitModel(nn.Module):
                     dist.all_reduce(local_tensor(p.grad), group=self.ctx.dp_group)
                     p.grad.div_(self.plan.dp)
 
+    def busy_seconds(self) -> float:
+        """Seconds this rank has spent computing inside its pipeline stages so far (waits excluded)."""
+        return self._timer.busy_s
+
+    @torch.no_grad()
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """L2 norm of the gradients of `params` over the whole split model (collective), each counted once.
+
+        TP-sharded parameters contribute their local piece from every TP rank; replicated ones
+        (norms) only from TP rank 0; a tied lm_head copy only from the first stage; replicas
+        hold equal gradients after averaging and are divided out.
+        """
+        from torch.distributed.tensor import DTensor, Shard
+
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        # A tied lm_head copy holds the same (summed) gradient as the embedding: count the embedding only.
+        head = self._head_weight() if self.plan.tied_embeddings else None
+        for p in params:
+            if p.grad is None or p is head:
+                continue
+            grad = p.grad
+            sharded = (isinstance(grad, DTensor) and any(isinstance(x, Shard) for x in grad.placements)) or \
+                tp_shard_dim(p) is not None
+            if sharded or self.ctx.coords.tp == 0:
+                total += local_tensor(grad).double().pow(2).sum()
+        dist.all_reduce(total)
+        return (total / self.plan.dp).sqrt()
+
+    def reduce_loss(self, loss: Optional[torch.Tensor], *, replicas: bool = True) -> float:
+        """The last stage's loss on every rank (collective): averaged over data-parallel replicas, or,
+        with `replicas=False`, the one of replica 0 (every replica saw the same rows)."""
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.has_last and self.ctx.coords.tp == 0 and (replicas or self.ctx.coords.dp == 0):
+            value += loss.double()
+        dist.all_reduce(value)
+        return float(value) / (self.plan.dp if replicas else 1)
+
     def _sum_tied_grads(self) -> None:
         ends = [p for p in (self._embed_weight(), self._head_weight()) if p is not None and p.grad is not None]
         if len(ends) == 2 and ends[0] is ends[1]:  # one stage holds both ends: one shared matrix
@@ -207,7 +245,7 @@ class SplitModel(nn.Module):
             micro = micro_batches_for(batch=shape[0], planned=self.plan.micro_batches)
             stages = pipeline_stages(list(self.stages), indices=self.stage_indices, num_stages=self.num_stages,
                                      device=self.device, group=self.ctx.pp_group)
-            self._schedules[key] = build_schedule(name, stages, micro_batches=micro, loss_fn=loss_fn)
+            self._schedules[key] = build_schedule(name, self._timer.watch(stages), micro_batches=micro, loss_fn=loss_fn)
         return self._schedules[key]
 
     def _broadcast_logits(self, logits: Optional[torch.Tensor], *, shape: tuple) -> torch.Tensor:
@@ -268,7 +306,7 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     for index in indices:
         module = StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings)
         if plan.tp > 1:
-            apply_tp(module, tp_mesh=ctx.tp_mesh, body_name=module._body_name)
+            apply_tp(module, tp_mesh=ctx.tp_mesh, body_name=module.body_name)
         modules.append(module)
     needed = [name for m in modules for name, _ in m.named_parameters()]
     reader = open_reader(name_or_path, needed=needed, model=meta_model(config))
@@ -292,13 +330,9 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         dtype: override the plan's dtype for the weights.
         **plan_options: passed to `hfsplit.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
-    from .mesh import backend_for, device_of_rank
+    from .mesh import init_distributed
 
-    device = device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL's plan broadcast needs one GPU per rank; the plan's GPU follows
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(device))
+    init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
     if plan is None:
         plan = shared_plan(name_or_path, max_memory, **plan_options)
     ctx = init_parallel(plan)

@@ -44,7 +44,7 @@ class StageModule(nn.Module):
         body.layers = nn.ModuleDict({str(i): base.layers[i] for i in range(*stage.layers)})
         body.norm = base.norm if stage.has_head else None
         setattr(self, full.base_model_prefix, body)
-        self._body_name = full.base_model_prefix
+        self.body_name = full.base_model_prefix  # the base model's attribute name ("model"): checkpoint keys start with it
         self.lm_head = full.lm_head if stage.has_head else None
         # A stage holding both ends keeps one shared matrix; a last stage without the
         # embeddings holds its own copy, whose gradient is summed with the first stage's.
@@ -55,7 +55,7 @@ class StageModule(nn.Module):
 
     @property
     def body(self) -> nn.Module:
-        return getattr(self, self._body_name)
+        return getattr(self, self.body_name)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """`cache` (a transformers Cache of this stage's layers, for generation) continues after the

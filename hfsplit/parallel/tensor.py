@@ -18,8 +18,12 @@ so an even row split hands each rank whole query heads and their own KV heads.
 """
 from __future__ import annotations
 
+import weakref
+from typing import Optional
+
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..costs import REPLICATED_SUMMED
 from ..errors import UnsupportedModelError
@@ -57,12 +61,29 @@ def mark_grad_summed(body: nn.Module, config) -> None:
     patterns = [p for p, kind in (getattr(config, "base_model_tp_plan", None) or {}).items() if kind == REPLICATED_SUMMED]
     for name, sub in body.named_modules():
         if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            sub._hfsplit_grad_summed_over_tp = True
+            _GRAD_SUMMED.add(sub)
 
 
 def grad_summed_over_tp(module: nn.Module) -> bool:
     """Whether `module`'s parameter gradients are summed over the TP group (see `mark_grad_summed`)."""
-    return getattr(module, "_hfsplit_grad_summed_over_tp", False)
+    return module in _GRAD_SUMMED
+
+
+def mark_tp_sharded(param: torch.Tensor, *, dim: int) -> None:
+    """Record that `param`, a plain tensor (not a DTensor), holds this rank's piece of a tensor split
+    along `dim` over the TP group (LoRA adapters of sharded layers); see `tp_shard_dim`."""
+    _SHARD_DIM[param] = dim
+
+
+def tp_shard_dim(param: torch.Tensor) -> Optional[int]:
+    """The dim along which a plain (non-DTensor) parameter is split over the TP group, if any."""
+    return _SHARD_DIM.get(param)
+
+
+# The two public registries above, keyed by object identity (a tensor's == is elementwise);
+# entries go with their parameters and modules.
+_SHARD_DIM: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_GRAD_SUMMED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def apply_tp(module: nn.Module, *, tp_mesh, body_name: str) -> nn.Module:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import HfsplitError
+from ..parallel.tensor import mark_tp_sharded, tp_shard_dim
 
 _LAYER_NAME = re.compile(r"(model\.layers\.\d+\..*)$")
 _IN_PLAN = re.compile(r"layers\.\d+\.(.*)$")
@@ -98,10 +99,10 @@ def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: in
         style = _tp_style(name, tp_plan) if tp_size > 1 else None
         a, b = sub.lora_A["default"], sub.lora_B["default"]
         if style == "colwise":
-            b.weight._hfsplit_tp_dim = 0
+            mark_tp_sharded(b.weight, dim=0)
             a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumGradOverTP.apply(out, g))
         elif style == "rowwise":
-            a.weight._hfsplit_tp_dim = 1
+            mark_tp_sharded(a.weight, dim=1)
             a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumOverTP.apply(out, g))
     seed_lora_weights(module, seed=seed, tp_rank=tp_rank, tp_size=tp_size)
     return module
@@ -113,7 +114,7 @@ def seed_lora_weights(module: nn.Module, *, seed: int, tp_rank: int = 0, tp_size
         match = _LAYER_NAME.search(name)
         key = match.group(1) if match else name
         a = sub.lora_A["default"].weight
-        dim = getattr(a, "_hfsplit_tp_dim", None)
+        dim = tp_shard_dim(a)
         shape = list(a.shape)
         if dim is not None:
             shape[dim] *= tp_size
@@ -125,11 +126,6 @@ def seed_lora_weights(module: nn.Module, *, seed: int, tp_rank: int = 0, tp_size
         with torch.no_grad():
             a.copy_(full.to(device=a.device, dtype=a.dtype))
             sub.lora_B["default"].weight.zero_()
-
-
-def tp_shard_dim(param: torch.Tensor) -> Optional[int]:
-    """The dim along which a plain (non-DTensor) adapter parameter is split over the TP group, if any."""
-    return getattr(param, "_hfsplit_tp_dim", None)
 
 
 def lora_layers(module: nn.Module):

@@ -127,7 +127,7 @@ def checkpoint_names(model, params) -> dict[torch.nn.Parameter, str]:
         for name, p in stage.named_parameters():
             names[p] = name
             if stage.lm_head is not None and p is stage.lm_head.weight and model.plan.tied_embeddings:
-                names[p] = f"{stage._body_name}.embed_tokens.weight"
+                names[p] = f"{stage.body_name}.embed_tokens.weight"
     return {p: names[p] for p in params}
 
 
@@ -161,7 +161,7 @@ def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter) -> torch.Tenso
     hand-sharded adapter pieces as the DTensor shards they are."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from .lora import tp_shard_dim
+    from ..parallel.tensor import tp_shard_dim
 
     if isinstance(t, DTensor):
         return t

@@ -82,7 +82,7 @@ def merged_lora_weights(module) -> dict[str, torch.Tensor]:
 def lora_state_of_stage(model, module) -> dict[str, torch.Tensor]:
     """peft-named adapter tensors of one stage (`base_model.model.<name>` without the adapter name),
     TP pieces joined (collective over the TP group)."""
-    from .lora import tp_shard_dim
+    from ..parallel.tensor import tp_shard_dim
 
     state = {}
     for name, p in module.named_parameters():

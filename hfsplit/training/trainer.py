@@ -6,41 +6,25 @@ pipeline and tensor groups, each rank's optimizer steps over its own parameters.
 """
 from __future__ import annotations
 
-import datetime
-import functools
-import json
-import math
 import os
 import re
-import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import HfsplitError, NonFiniteError, PeerLostError
+from .checkpointer import Checkpointer, TrainState
+from .metrics import Metrics, StepOutcome, TrainResult, summary_line
 from .options import FinetuneOptions
+
+__all__ = ["Run", "TrainResult", "build_run", "train", "train_step"]
 
 TINY_MODEL = dict(arch="llama", num_layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=256,
                   max_positions=1024)
-
-
-@dataclass
-class TrainResult:
-    """What a run reports at the end (on every rank)."""
-
-    losses: list[float] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
-    tokens_per_s: float = 0.0
-    bubble_measured: float = 0.0
-    bubble_theory: float = 0.0
-    skipped_steps: list[int] = field(default_factory=list)
-    peak_memory_bytes: list[int] = field(default_factory=list)
-    saved_to: str = ""
-    eval_losses: list[float] = field(default_factory=list)
 
 
 def causal_lm_loss(vocab_size: int):
@@ -108,70 +92,6 @@ def compute_precision(model):
     return contextlib.nullcontext()
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank: the accelerator's allocator peak, else the process's peak RSS."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class StageTimer:
-    """Seconds this rank spends computing inside the pipeline stages (forward and backward chunks)."""
-
-    def __init__(self) -> None:
-        self.busy_s = 0.0
-        self._wrapped: set[int] = set()
-
-    def watch(self, schedule) -> None:
-        stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage")]
-        for stage in stages:
-            if id(stage) in self._wrapped:
-                continue
-            self._wrapped.add(id(stage))
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                if hasattr(stage, name):
-                    setattr(stage, name, self._timed(getattr(stage, name)))
-
-    def _timed(self, fn):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.busy_s += time.perf_counter() - start
-
-        return run
-
-
-def global_grad_norm(model, params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """L2 norm of all gradients of the split model, each parameter counted once.
-
-    TP-sharded parameters contribute their local piece from every TP rank; replicated ones
-    (norms) only from TP rank 0; a tied lm_head copy only from the first stage; replicas
-    hold equal gradients after averaging and are divided out.
-    """
-    from torch.distributed.tensor import DTensor, Shard
-
-    from .lora import tp_shard_dim
-
-    plan, coords = model.plan, model.ctx.coords
-    total = torch.zeros((), dtype=torch.float64, device=model.device)
-    # A tied lm_head copy holds the same (summed) gradient as the embedding: count the embedding only.
-    head = model._head_weight() if plan.tied_embeddings else None
-    for p in params:
-        if p.grad is None or p is head:
-            continue
-        grad = p.grad
-        sharded = (isinstance(grad, DTensor) and any(isinstance(x, Shard) for x in grad.placements)) or \
-            tp_shard_dim(p) is not None
-        if isinstance(grad, DTensor):
-            grad = grad.to_local()
-        if sharded or coords.tp == 0:
-            total += grad.double().pow(2).sum()
-    dist.all_reduce(total)
-    return (total / plan.dp).sqrt()
-
-
 def clip_(params: list[torch.nn.Parameter], *, norm: torch.Tensor, max_norm: float) -> None:
     if max_norm and max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -180,156 +100,56 @@ def clip_(params: list[torch.nn.Parameter], *, norm: torch.Tensor, max_norm: flo
                 p.grad.mul_(float(scale))
 
 
-def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = True) -> TrainResult:
+@dataclass
+class Run:
+    """Everything one fine-tuning run works with, built by `build_run` (the same fields on every rank)."""
+
+    options: FinetuneOptions
+    model: object  # SplitModel
+    model_path: str
+    tokenizer: object
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    batches: object  # MicroBatches over the training rows
+    held_out: object  # TokenRows for --eval-every, else None
+    loss_fn: Callable
+    total_steps: int
+    metrics: Metrics
+    checkpointer: Checkpointer
+    lora_config: object = None
+    first_step: int = 1
+
+    @property
+    def rows_per_replica(self) -> int:
+        """Rows of one optimizer step that this rank's data-parallel replica trains on."""
+        return self.model.plan.micro_batches * self.options.micro_batch_size
+
+
+def train(options: FinetuneOptions, *, progress: bool = True) -> TrainResult:
     """Run the fine-tune `options` describe on this rank; return the run's figures.
 
     Args:
         options: the recipe options.
-        model: a ready SplitModel (tests); built from `options` otherwise.
-        rows: ready TokenRows (tests); loaded from `options.dataset` otherwise.
         progress: show the progress bar on the rank that holds the loss.
     """
-    from tqdm.auto import tqdm
-    from transformers import get_cosine_schedule_with_warmup
-
-    from ..parallel.mesh import init_single_process_group
-    from ..parallel.split_model import split_from_pretrained
-    from .data import MicroBatches, bundled_dataset_path, load_token_rows
-    from .lora import add_lora, lora_config
-    from .resume import checkpoint_to_resume, prune_checkpoints, read_trainer_state, write_trainer_state
-    from .save import save_split_model, writable_dir
-
-    from accelerate import PartialState
-
-    # accelerate owns the launch: it joins the process group (gloo on CPU ranks, nccl on GPUs). The
-    # timeout bounds every wait on a peer, so a dead or hung rank ends the run instead of hanging it.
-    PartialState(cpu=not torch.cuda.is_available(), timeout=datetime.timedelta(seconds=options.peer_timeout))
-    if not dist.is_initialized():  # started without a launcher: one rank
-        init_single_process_group(timeout_s=options.peer_timeout)
-    writable_dir(options.output_dir)  # fail before any weight is read
-    torch.manual_seed(options.seed)
-    resume_from = checkpoint_to_resume(options.resume, options.output_dir) if options.resume else None
-    model_path = options.model
-    if model is None:
-        model_path = options.model or default_model_path(options.output_dir)
-        plan = plan_of_run(options, model_path=model_path)
-    tokenizer = None
-    if rows is None:  # data problems surface before any weight is read
-        tokenizer = tokenizer_for(options, model_path=model_path)
-        source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
-        rows = load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
-    if model is None:
-        model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype))
-    plan = model.plan
-    holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
-    if dist.get_rank() == 0:
-        print(plan.table(), flush=True)
-    config = None
-    if options.method == "lora":
-        config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
-                             targets=options.lora_targets, model_config=model.config)
-        tp_group = model.ctx.tp_mesh.get_group() if plan.tp > 1 else None
-        for stage in model.stages:
-            add_lora(stage, config, seed=options.seed, tp_group=tp_group, tp_rank=model.ctx.coords.tp,
-                     tp_size=plan.tp, tp_plan=getattr(model.config, "base_model_tp_plan", None))
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
-
-    m, dp = plan.micro_batches, plan.dp
-    rows, held_out = split_eval_rows(rows, options)
-    batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=m * dp,
-                           seed=options.seed)
-    total_steps = total_steps_of(options, rows=len(rows), rows_per_step=m * dp * options.micro_batch_size)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
-    loss_fn = causal_lm_loss(model.config.vocab_size)
-    metrics = _MetricsLog(options.output_dir, enabled=dist.get_rank() == 0, append=bool(options.resume))
-    timer = StageTimer()
-    result = TrainResult(bubble_theory=plan.bubble_fraction)
-    per_replica = m * options.micro_batch_size
-    first = 1
-    if resume_from is not None:
-        folder = resume_from
-        reading = time.perf_counter()
-        first = read_trainer_state(folder, model=model, params=params, optimizer=optimizer, scheduler=scheduler,
-                                   batches=batches) + 1
-        metrics.write({"step": first - 1, "resumed_from": str(folder), "resume_s": time.perf_counter() - reading})
-        if dist.get_rank() == 0:
-            print(f"resumed from {folder} at step {first - 1}", flush=True)
-    bar = tqdm(total=total_steps, initial=first - 1, disable=not (progress and holds_loss), desc="fine-tune", dynamic_ncols=True)
-    busy_total = wall_total = 0.0
-    step = first - 1
+    run = build_run(options, progress=progress)
+    step = run.first_step - 1
     try:
-        for step in range(first, total_steps + 1):
-            batch = next(batches)
-            mine = slice(model.ctx.coords.dp * per_replica, (model.ctx.coords.dp + 1) * per_replica)
-            busy_before = timer.busy_s
-            start = time.perf_counter()
-            with compute_precision(model):
-                loss = model.step(batch["input_ids"][mine], batch["labels"][mine], loss_fn)
-            for schedule in model._schedules.values():
-                timer.watch(schedule)
-            loss = _shared_loss(model, loss)
-            norm = global_grad_norm(model, params)
-            if not (math.isfinite(loss) and math.isfinite(float(norm))):
-                metrics.write({"step": step, "skipped": True, "loss": loss, "grad_norm": float(norm)})
-                if options.on_nonfinite == "stop":
-                    raise NonFiniteError(
-                        f"step {step}: loss {loss} / gradient norm {float(norm)} is not finite; the weights are "
-                        f"those of step {step - 1}. Lower --learning-rate or --max-grad-norm, check the data, "
-                        "or pass --on-nonfinite skip to drop such steps")
-                result.skipped_steps.append(step)
-                optimizer.zero_grad(set_to_none=True)
-                if holds_loss:
-                    bar.write(f"step {step}: non-finite loss {loss} / gradient norm {float(norm)}; step skipped")
+        for step in range(run.first_step, run.total_steps + 1):
+            outcome = train_step(run, next(run.batches))
+            if not outcome.finite:
+                skip_or_stop(run, step, outcome)
                 continue
-            clip_(params, norm=norm, max_norm=options.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            elapsed = time.perf_counter() - start
-            if step > first:  # the first step builds the schedule and warms up
-                busy_total += timer.busy_s - busy_before
-                wall_total += elapsed
-            result.losses.append(loss)
-            result.step_times_s.append(elapsed)
-            tokens = per_replica * dp * options.seq_len
-            peaks = _gather_ints(peak_memory_bytes(model.device))
-            record = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": float(norm),
-                      "tokens_per_s": tokens / elapsed, "peak_memory_bytes": peaks}
-            metrics.write(record)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{tokens / elapsed:.0f}",
-                            peak_mib="/".join(str(p >> 20) for p in peaks))
-            bar.update(1)
-            result.peak_memory_bytes = peaks
+            run.metrics.stepped(step, outcome, lr=run.scheduler.get_last_lr()[0], device=run.model.device)
             if options.eval_every and step % options.eval_every == 0:
-                record["eval_loss"] = eval_loss(model, held_out, loss_fn, micro_batch_size=options.micro_batch_size)
-                if holds_loss:
-                    bar.write(f"step {step}: eval loss {record['eval_loss']:.4f}")
-                metrics.write({"step": step, "eval_loss": record["eval_loss"]})
-                result.eval_losses.append(record["eval_loss"])
-            if options.save_every and step % options.save_every == 0 and step < total_steps:
-                state = functools.partial(write_trainer_state, model=model, params=params, optimizer=optimizer,
-                                          scheduler=scheduler, batches=batches, step=step)
-                saving = time.perf_counter()
-                folder = save_split_model(model, Path(options.output_dir) / f"checkpoint-{step}",
-                                          method=options.method, lora_config=config, tokenizer=tokenizer,
-                                          base_model=model_path, extra=state)
-                metrics.write({"step": step, "checkpoint": str(folder), "save_s": time.perf_counter() - saving,
-                               "removed": [str(p) for p in prune_checkpoints(options.output_dir,
-                                                                              keep=options.save_total_limit)]})
-        bar.close()
-        final = Path(options.output_dir) / ("adapter" if options.method == "lora" else "model")
-        save_split_model(model, final, method=options.method, lora_config=config, tokenizer=tokenizer,
-                         base_model=model_path)
-        result.saved_to = str(final)
-        if options.merge:
-            save_split_model(model, Path(options.output_dir) / "merged", method="full", tokenizer=tokenizer,
-                             base_model=model_path, merge_lora=True)
-        busy = _gather_floats(busy_total)
-        result.bubble_measured = 1 - (sum(busy) / len(busy)) / wall_total if wall_total else 0.0
-        timed = result.step_times_s[1:] or result.step_times_s
-        result.tokens_per_s = per_replica * dp * options.seq_len / (sum(timed) / len(timed)) if timed else 0.0
-        metrics.close()
+                run.metrics.evaluated(step, eval_loss(run.model, run.held_out, run.loss_fn,
+                                                      micro_batch_size=options.micro_batch_size))
+            run.checkpointer.after_step(step, total_steps=run.total_steps)
+        run.metrics.close_bar()
+        saved = run.checkpointer.final()
+        result = run.metrics.finish()
+        result.saved_to = str(saved)
         # Leave together: a rank tearing down gloo while a peer still talks to it can abort the peer.
         dist.barrier()
     except RuntimeError as exc:  # torch.distributed errors (gloo, nccl, timeouts) are RuntimeErrors
@@ -337,10 +157,127 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
             raise
         raise peer_lost_error(exc, step=step, output_dir=options.output_dir) from None
     if dist.get_rank() == 0:
-        print(f"done: {len(result.losses)} steps, final loss {result.losses[-1] if result.losses else float('nan'):.4f}, "
-              f"{result.tokens_per_s:.0f} tokens/s, bubble measured {100 * result.bubble_measured:.1f}% "
-              f"(theory {100 * result.bubble_theory:.1f}%), skipped steps {result.skipped_steps or 'none'}", flush=True)
+        print(summary_line(result), flush=True)
     return result
+
+
+def train_step(run: Run, batch: dict) -> StepOutcome:
+    """One optimizer step over `batch` (the global batch; this replica takes its rows): forward and
+    backward through the pipeline, global-norm clipping, AdamW and the schedule. A step whose loss or
+    gradient norm is not finite changes no weight (its gradients are dropped)."""
+    model = run.model
+    mine = slice(model.ctx.coords.dp * run.rows_per_replica, (model.ctx.coords.dp + 1) * run.rows_per_replica)
+    busy = model.busy_seconds()
+    start = time.perf_counter()
+    with compute_precision(model):
+        loss = model.step(batch["input_ids"][mine], batch["labels"][mine], run.loss_fn)
+    loss = model.reduce_loss(loss)
+    norm = model.grad_norm(run.params)
+    outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0)
+    if outcome.finite:
+        clip_(run.params, norm=norm, max_norm=run.options.max_grad_norm)
+        run.optimizer.step()
+        run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    outcome.seconds = time.perf_counter() - start
+    outcome.busy_s = model.busy_seconds() - busy
+    return outcome
+
+
+def skip_or_stop(run: Run, step: int, outcome: StepOutcome) -> None:
+    """--on-nonfinite: log the non-finite step, then end the run (stop) or go on without it (skip)."""
+    run.metrics.nonfinite(step, outcome)
+    if run.options.on_nonfinite == "stop":
+        raise NonFiniteError(
+            f"step {step}: loss {outcome.loss} / gradient norm {outcome.grad_norm} is not finite; the weights are "
+            f"those of step {step - 1}. Lower --learning-rate or --max-grad-norm, check the data, "
+            "or pass --on-nonfinite skip to drop such steps")
+    run.metrics.skipped(step, outcome)
+
+
+def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
+    """Join the launch, plan, read the data, load this rank's part of the model, add adapters, and set up
+    optimizer, schedule, metrics and checkpoints; resume when asked. Every input problem surfaces
+    before any weight is read."""
+    from ..parallel.split_model import split_from_pretrained
+
+    model_path = prepare(options)
+    plan = plan_of_run(options, model_path=model_path)
+    tokenizer, rows = load_rows(options, model_path=model_path)
+    model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype))
+    if dist.get_rank() == 0:
+        print(plan.table(), flush=True)
+    config = add_adapters(model, options) if options.method == "lora" else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
+    run = Run(options=options, model=model, model_path=model_path, tokenizer=tokenizer, params=params,
+              optimizer=optimizer, lora_config=config, loss_fn=causal_lm_loss(model.config.vocab_size),
+              **data_of_run(options, rows, plan=plan, optimizer=optimizer))
+    holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
+    run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
+                          tokens_per_step=run.rows_per_replica * plan.dp * options.seq_len,
+                          show_bar=progress and holds_loss, append=bool(options.resume))
+    run.checkpointer = Checkpointer(
+        model=model, state=TrainState(params=params, optimizer=optimizer, scheduler=run.scheduler,
+                                      batches=run.batches),
+        output_dir=options.output_dir, method=options.method, base_model=model_path, lora_config=config,
+        tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
+        metrics=run.metrics)
+    run.first_step = run.checkpointer.resume(options.resume)
+    run.metrics.begin(run.first_step)
+    return run
+
+
+def prepare(options: FinetuneOptions) -> str:
+    """The model's path, once the process group is joined and the output and resume folders are checked."""
+    from ..parallel.mesh import init_distributed
+    from .resume import checkpoint_to_resume
+    from .save import writable_dir
+
+    init_distributed(timeout_s=options.peer_timeout)
+    writable_dir(options.output_dir)
+    torch.manual_seed(options.seed)
+    if options.resume:
+        checkpoint_to_resume(options.resume, options.output_dir)  # a missing checkpoint fails here
+    return options.model or default_model_path(options.output_dir)
+
+
+def load_rows(options: FinetuneOptions, *, model_path: str):
+    """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default)."""
+    from .data import bundled_dataset_path, load_token_rows
+
+    tokenizer = tokenizer_for(options, model_path=model_path)
+    source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
+    return tokenizer, load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
+
+
+def add_adapters(model, options: FinetuneOptions):
+    """LoRA adapters on every stage of `model` (after TP, so they follow its sharding); the peft config."""
+    from .lora import add_lora, lora_config
+
+    config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
+                         targets=options.lora_targets, model_config=model.config)
+    tp_group = model.ctx.tp_mesh.get_group() if model.plan.tp > 1 else None
+    for stage in model.stages:
+        add_lora(stage, config, seed=options.seed, tp_group=tp_group, tp_rank=model.ctx.coords.tp,
+                 tp_size=model.plan.tp, tp_plan=getattr(model.config, "base_model_tp_plan", None))
+    return config
+
+
+def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
+    """The run's batches, held-out rows, step count and LR schedule (Run fields)."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    from .data import MicroBatches
+
+    rows, held_out = split_eval_rows(rows, options)
+    per_step = plan.micro_batches * plan.dp
+    batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=per_step,
+                           seed=options.seed)
+    total_steps = total_steps_of(options, rows=len(rows), rows_per_step=per_step * options.micro_batch_size)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
+    return dict(batches=batches, held_out=held_out, total_steps=total_steps, scheduler=scheduler,
+                metrics=None, checkpointer=None)
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -431,63 +368,5 @@ def eval_loss(model, rows, loss_fn, *, micro_batch_size: int) -> float:
         with compute_precision(model):
             logits = model.forward(rows.input_ids[start:start + size])
         loss = loss_fn(logits, rows.labels[start:start + size].to(logits.device)) if logits is not None else None
-        losses.append(_shared_loss(model, loss, replicas=False))
+        losses.append(model.reduce_loss(loss, replicas=False))
     return sum(losses) / len(losses)
-
-
-def _shared_loss(model, loss: Optional[torch.Tensor], *, replicas: bool = True) -> float:
-    """The loss on every rank: from the last stage, averaged over data-parallel replicas."""
-    value = torch.zeros((), dtype=torch.float64, device=model.device)
-    counted = model.has_last and model.ctx.coords.tp == 0 and (replicas or model.ctx.coords.dp == 0)
-    if counted:
-        value += loss.double()
-    dist.all_reduce(value)
-    return float(value) / (model.plan.dp if replicas else 1)
-
-
-def _gather_ints(value: int) -> list[int]:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, int(value))
-    return out
-
-
-def _gather_floats(value: float) -> list[float]:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, float(value))
-    return out
-
-
-class _MetricsLog:
-    """Metrics to `metrics.jsonl` and accelerate's TensorBoard tracker, from rank 0."""
-
-    def __init__(self, output_dir: str, *, enabled: bool, append: bool = False) -> None:
-        self.enabled = enabled
-        self.file = None
-        self.writer = None
-        if not enabled:
-            return
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        self.file = open(out / "metrics.jsonl", "a" if append else "w")
-        try:
-            from accelerate.tracking import TensorBoardTracker
-
-            self.writer = TensorBoardTracker("hfsplit", str(out / "tensorboard"))
-            self.writer.start()
-        except Exception:  # tensorboard missing: the JSONL file still has everything
-            self.writer = None
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.writer is not None:
-            scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-            self.writer.log(scalars, step=record["step"])
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-        if self.writer is not None:
-            self.writer.finish()

@@ -1,0 +1,191 @@
+"""What a run reports: the progress bar, `metrics.jsonl`, TensorBoard and the measured bubble.
+
+The trainer hands each event to one `Metrics` object; only rank 0 writes files and only
+the rank that holds the loss shows the bar, but every rank calls every method (some
+figures, such as peak memory and busy time, are gathered from all ranks).
+"""
+from __future__ import annotations
+
+import json
+import resource
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TrainResult:
+    """What a run reports at the end (on every rank)."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    bubble_measured: float = 0.0
+    bubble_theory: float = 0.0
+    skipped_steps: list[int] = field(default_factory=list)
+    peak_memory_bytes: list[int] = field(default_factory=list)
+    saved_to: str = ""
+    eval_losses: list[float] = field(default_factory=list)
+
+
+@dataclass
+class StepOutcome:
+    """One optimizer step as `train_step` saw it."""
+
+    loss: float
+    grad_norm: float
+    seconds: float
+    busy_s: float  # of `seconds`, the time this rank spent computing inside its pipeline stages
+
+    @property
+    def finite(self) -> bool:
+        import math
+
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: the accelerator's allocator peak, else the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Metrics:
+    """A run's figures as they come: bar, JSONL + TensorBoard (rank 0), and the `TrainResult`.
+
+    Args:
+        output_dir: where `metrics.jsonl` and `tensorboard/` go.
+        total_steps, first_step: the bar's length and starting point (a resumed run starts later).
+        tokens_per_step: tokens of one optimizer step over all replicas (for tokens/s).
+        bubble_theory: the plan's bubble fraction, reported beside the measured one.
+        show_bar: whether this rank shows the progress bar.
+        append: append to an existing `metrics.jsonl` (a resumed run).
+    """
+
+    def __init__(self, output_dir: str, *, total_steps: int, tokens_per_step: int, bubble_theory: float,
+                 show_bar: bool, append: bool = False) -> None:
+        self.log = MetricsLog(output_dir, enabled=dist.get_rank() == 0, append=append)
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.show_bar = show_bar
+        self.result = TrainResult(bubble_theory=bubble_theory)
+        self.bar = None
+        self.first_step = 1
+        self._busy_total = self._wall_total = 0.0
+
+    def begin(self, first_step: int) -> None:
+        """Show the bar from `first_step` (after a resume, the step after the checkpoint's)."""
+        from tqdm.auto import tqdm
+
+        self.first_step = first_step
+        self.bar = tqdm(total=self.total_steps, initial=first_step - 1, disable=not self.show_bar,
+                        desc="fine-tune", dynamic_ncols=True)
+
+    def resumed(self, step: int, *, folder: Path, seconds: float) -> None:
+        self.log.write({"step": step, "resumed_from": str(folder), "resume_s": seconds})
+        if dist.get_rank() == 0:
+            print(f"resumed from {folder} at step {step}", flush=True)
+
+    def nonfinite(self, step: int, outcome: StepOutcome) -> None:
+        self.log.write({"step": step, "skipped": True, "loss": outcome.loss, "grad_norm": outcome.grad_norm})
+
+    def skipped(self, step: int, outcome: StepOutcome) -> None:
+        self.result.skipped_steps.append(step)
+        self.note(f"step {step}: non-finite loss {outcome.loss} / gradient norm {outcome.grad_norm}; step skipped")
+
+    def stepped(self, step: int, outcome: StepOutcome, *, lr: float, device: torch.device) -> None:
+        """Record a completed step (collective: peak memory is gathered from every rank)."""
+        if step > self.first_step:  # the first step builds the schedule and warms up
+            self._busy_total += outcome.busy_s
+            self._wall_total += outcome.seconds
+        self.result.losses.append(outcome.loss)
+        self.result.step_times_s.append(outcome.seconds)
+        rate = self.tokens_per_step / outcome.seconds
+        peaks = gather(int(peak_memory_bytes(device)))
+        self.log.write({"step": step, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm,
+                        "tokens_per_s": rate, "peak_memory_bytes": peaks})
+        self.bar.set_postfix(loss=f"{outcome.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}",
+                             peak_mib="/".join(str(p >> 20) for p in peaks))
+        self.bar.update(1)
+        self.result.peak_memory_bytes = peaks
+
+    def evaluated(self, step: int, loss: float) -> None:
+        self.note(f"step {step}: eval loss {loss:.4f}")
+        self.log.write({"step": step, "eval_loss": loss})
+        self.result.eval_losses.append(loss)
+
+    def saved(self, step: int, *, folder: Path, seconds: float, removed: list[Path]) -> None:
+        self.log.write({"step": step, "checkpoint": str(folder), "save_s": seconds,
+                        "removed": [str(p) for p in removed]})
+
+    def note(self, text: str) -> None:
+        """A line under the bar, on the rank that shows it."""
+        if self.show_bar:
+            self.bar.write(text)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def finish(self) -> TrainResult:
+        """The run's result, with the measured bubble and tokens/s (collective); closes the log."""
+        result = self.result
+        busy = gather(float(self._busy_total))
+        result.bubble_measured = 1 - (sum(busy) / len(busy)) / self._wall_total if self._wall_total else 0.0
+        timed = result.step_times_s[1:] or result.step_times_s
+        result.tokens_per_s = self.tokens_per_step / (sum(timed) / len(timed)) if timed else 0.0
+        self.log.close()
+        return result
+
+
+def summary_line(result: TrainResult) -> str:
+    final = result.losses[-1] if result.losses else float("nan")
+    return (f"done: {len(result.losses)} steps, final loss {final:.4f}, {result.tokens_per_s:.0f} tokens/s, "
+            f"bubble measured {100 * result.bubble_measured:.1f}% (theory {100 * result.bubble_theory:.1f}%), "
+            f"skipped steps {result.skipped_steps or 'none'}")
+
+
+def gather(value):
+    """`value` of every rank, in rank order."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+class MetricsLog:
+    """Metrics to `metrics.jsonl` and accelerate's TensorBoard tracker, from rank 0."""
+
+    def __init__(self, output_dir: str, *, enabled: bool, append: bool = False) -> None:
+        self.enabled = enabled
+        self.file = None
+        self.writer = None
+        if not enabled:
+            return
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.file = open(out / "metrics.jsonl", "a" if append else "w")
+        try:
+            from accelerate.tracking import TensorBoardTracker
+
+            self.writer = TensorBoardTracker("hfsplit", str(out / "tensorboard"))
+            self.writer.start()
+        except Exception:  # tensorboard missing: the JSONL file still has everything
+            self.writer = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            self.writer.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.writer is not None:
+            self.writer.finish()
