@@ -5,27 +5,35 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .costs import DEFAULT_RESERVE_BYTES, TrainingSpec
 from .errors import HfsplitError
+from .plan import DEFAULT_RESERVE_BYTES, TrainingSpec
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
+    from .training.options import FinetuneOptions
+
+    recipe = FinetuneOptions()  # `hfsplit plan` and the recipe share their defaults
     p = sub.add_parser("plan", help="plan a split of MODEL over a memory budget (reads config.json only)")
-    p.add_argument("model", help="hub name (org/name), local folder, or config.json")
-    p.add_argument("--max-memory", required=True, help='per-device budget: "4x24GiB", "24GiB,12GiB,12GiB"')
+    p.add_argument("model", nargs="?", default=None,
+                   help="hub name (org/name), local folder, or config.json (default: the --config recipe's model)")
+    p.add_argument("--config", default=None,
+                   help="a fine-tuning recipe (YAML): plan exactly what it would run; flags given here override it")
+    p.add_argument("--max-memory", default=None, help='per-device budget: "4x24GiB", "24GiB,12GiB,12GiB"')
     method = p.add_mutually_exclusive_group()
-    method.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default method: LoRA, r=16)")
+    method.add_argument("--lora-r", type=int, default=None, help=f"LoRA rank (default method: LoRA, r={recipe.lora_r})")
     method.add_argument("--full", action="store_true", help="full fine-tuning with AdamW")
     method.add_argument("--inference", action="store_true", help="forward only")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: all projections)")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {recipe.seq_len})")
+    p.add_argument("--micro-batch-size", type=int, default=None, help=f"default {recipe.micro_batch_size}")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4 × stages)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (sets --micro-batches)")
-    p.add_argument("--schedule", default="1F1B", help="1F1B | GPipe | Interleaved1F1B | ZBVZeroBubble")
-    p.add_argument("--activation-checkpointing", choices=("on", "off", "auto"), default="auto")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
-    p.add_argument("--reserve", default=None, help=f"per-device reserve (default {DEFAULT_RESERVE_BYTES >> 30}GiB)")
+    p.add_argument("--schedule", default=None, help=f"1F1B | GPipe | Interleaved1F1B | ZBVZeroBubble "
+                                                    f"(default {recipe.schedule})")
+    p.add_argument("--activation-checkpointing", choices=("on", "off", "auto"), default=None, help="default auto")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default bfloat16)")
+    p.add_argument("--reserve", default=None, help=f"per-device reserve (default {DEFAULT_RESERVE_BYTES >> 30}GiB; "
+                                                   "0 with --config, as the recipe runs)")
     p.add_argument("--device-speeds", default=None, help="relative speeds, e.g. 1,1,0.5")
     p.add_argument("--tp", type=int, default=None, help="force the tensor-parallel degree")
     p.add_argument("--pp", type=int, default=None, help="force the pipeline depth")
@@ -36,30 +44,83 @@ def plan_parser(sub) -> argparse.ArgumentParser:
 
 def spec_from_args(args) -> TrainingSpec:
     from .budget import parse_size
+    from .training.options import FinetuneOptions
 
+    recipe = FinetuneOptions()
     method = "full" if args.full else "inference" if args.inference else "lora"
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
     reserve = parse_size(args.reserve, what="--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
-    return TrainingSpec(method=method, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                        dtype=args.dtype, lora_r=args.lora_r, lora_targets=targets, reserve_bytes=reserve)
+    return TrainingSpec(method=method, seq_len=_given(args.seq_len, recipe.seq_len),
+                        micro_batch_size=_given(args.micro_batch_size, recipe.micro_batch_size),
+                        dtype=args.dtype or "bfloat16", lora_r=_given(args.lora_r, recipe.lora_r),
+                        lora_targets=targets, reserve_bytes=reserve)
+
+
+def _given(value, default):
+    return default if value is None else value
+
+
+def plan_request(args) -> tuple[str, object, dict]:
+    """(model, budget, make_plan keyword arguments) of the flags alone, or of the --config recipe
+    (exactly as the trainer plans it) with the flags given here overriding it."""
+    from .budget import parse_max_memory
+
+    if args.config:
+        return recipe_request(args)
+    if args.model is None or args.max_memory is None:
+        raise HfsplitError("hfsplit plan needs MODEL and --max-memory, or --config RECIPE.yaml")
+    ac = {"on": True, "off": False, "auto": "auto", None: "auto"}[args.activation_checkpointing]
+    return args.model, parse_max_memory(args.max_memory), dict(
+        spec=spec_from_args(args), micro_batches=args.micro_batches, global_batch=args.global_batch,
+        schedule=args.schedule or "1F1B", activation_checkpointing=ac, tp=args.tp, pp=args.pp)
+
+
+def recipe_request(args) -> tuple[str, object, dict]:
+    from .budget import parse_max_memory
+    from .training.options import parse_options, plan_arguments
+
+    flags = {"--lora-r": args.lora_r, "--seq-len": args.seq_len, "--micro-batch-size": args.micro_batch_size,
+             "--micro-batches": args.micro_batches, "--schedule": args.schedule, "--dtype": args.dtype,
+             "--lora-targets": args.lora_targets, "--tp": args.tp, "--pp": args.pp, "--max-memory": args.max_memory,
+             "--model": args.model, "--activation-checkpointing": args.activation_checkpointing}
+    argv = ["--config", args.config] + [x for k, v in flags.items() if v is not None for x in (k, str(v))]
+    argv += ["--method", "full"] if args.full else []
+    options = parse_options(argv)
+    if args.inference or args.global_batch or args.reserve:
+        raise HfsplitError("--inference, --global-batch and --reserve do not apply to a recipe (--config); "
+                           "set the recipe's own options instead")
+    if options.max_memory is None:
+        raise HfsplitError(f"{args.config} sets no max_memory (the run takes what its devices have free); "
+                           "pass --max-memory to plan it")
+    budgets = parse_max_memory(options.max_memory)
+    model = options.model or tiny_model_folder()
+    return model, budgets, plan_arguments(options, world_size=len(budgets))
+
+
+def tiny_model_folder() -> str:
+    """The recipe's built-in tiny model, written to a temporary folder (its config is all planning reads)."""
+    import tempfile
+
+    from .checkpoint.synthetic import write_tiny_checkpoint
+    from .training.trainer import TINY_MODEL
+
+    spec = dict(TINY_MODEL)
+    folder = f"{tempfile.mkdtemp(prefix='hfsplit-tiny-')}/tiny-llama"
+    write_tiny_checkpoint(folder, spec.pop("arch"), sharded=True, **spec)
+    return folder
 
 
 def run_plan(args) -> int:
-    from .budget import parse_max_memory
     from .charts import plan_memory_chart
     from .planner import make_plan
 
-    budgets = parse_max_memory(args.max_memory)
-    speeds = None
+    model, budgets, kwargs = plan_request(args)
     if args.device_speeds:
         values = [float(v) for v in args.device_speeds.split(",")]
         if len(values) != len(budgets):
             raise HfsplitError(f"--device-speeds has {len(values)} values for {len(budgets)} devices; give one each")
-        speeds = dict(zip(budgets, values))
-    ac = {"on": True, "off": False, "auto": "auto"}[args.activation_checkpointing]
-    plan = make_plan(args.model, budgets, spec=spec_from_args(args), micro_batches=args.micro_batches,
-                     global_batch=args.global_batch, schedule=args.schedule, activation_checkpointing=ac,
-                     device_speeds=speeds, tp=args.tp, pp=args.pp)
+        kwargs["device_speeds"] = dict(zip(budgets, values))
+    plan = make_plan(model, budgets, **kwargs)
     print(plan.to_json() if args.json else plan.table())
     if args.png:
         print(f"memory chart: {plan_memory_chart(plan, args.png)}", file=sys.stderr)
@@ -75,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_plan(args)
     except HfsplitError as exc:
         print(f"hfsplit {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import fnmatch
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 import torch.utils._pytree as pytree
@@ -21,36 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import PlanError, UnsupportedModelError
-
-Method = Literal["inference", "lora", "full"]
-
-DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context + allocator fragmentation + comm buffers
-
-
-@dataclass(frozen=True)
-class TrainingSpec:
-    """What a step does; the planner's costs depend on it.
-
-    Args:
-        method: "inference" (forward only), "lora" (frozen base + adapters) or "full" (AdamW on all).
-        seq_len: tokens per sequence.
-        micro_batch_size: sequences per micro-batch.
-        dtype: dtype of the weights and activations ("bfloat16", "float16", "float32").
-        lora_r: LoRA rank.
-        lora_targets: module names LoRA wraps; None means every attention and MLP projection.
-        activation_checkpointing: recompute each block's activations in backward.
-        reserve_bytes: fixed per-device reserve (context, fragmentation, comm buffers).
-    """
-
-    method: Method = "lora"
-    seq_len: int = 2048
-    micro_batch_size: int = 1
-    dtype: str = "bfloat16"
-    lora_r: int = 16
-    lora_targets: Optional[tuple[str, ...]] = None
-    activation_checkpointing: bool = False
-    reserve_bytes: int = DEFAULT_RESERVE_BYTES
-
+from .plan import DEFAULT_RESERVE_BYTES, Method, TrainingSpec  # noqa: F401 (re-exported: TrainingSpec lives with the Plan)
 
 @dataclass(frozen=True)
 class PartCost:

@@ -7,12 +7,40 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Optional
+from typing import Literal, Optional
 
 from .budget import format_bytes
-from .costs import TrainingSpec
 
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")
+
+Method = Literal["inference", "lora", "full"]
+
+DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context + allocator fragmentation + comm buffers
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What a step does; the planner's costs depend on it.
+
+    Args:
+        method: "inference" (forward only), "lora" (frozen base + adapters) or "full" (AdamW on all).
+        seq_len: tokens per sequence.
+        micro_batch_size: sequences per micro-batch.
+        dtype: dtype of the weights and activations ("bfloat16", "float16", "float32").
+        lora_r: LoRA rank.
+        lora_targets: module names LoRA wraps; None means every attention and MLP projection.
+        activation_checkpointing: recompute each block's activations in backward.
+        reserve_bytes: fixed per-device reserve (context, fragmentation, comm buffers).
+    """
+
+    method: Method = "lora"
+    seq_len: int = 2048
+    micro_batch_size: int = 1
+    dtype: str = "bfloat16"
+    lora_r: int = 16
+    lora_targets: Optional[tuple[str, ...]] = None
+    activation_checkpointing: bool = False
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES
 
 
 @dataclass(frozen=True)

@@ -129,3 +129,49 @@ def test_unsupported_architecture_is_refused_before_planning(tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2'.*not verified against transformers"):
         make_plan(str(tmp_path), "1GiB")
     assert main(["plan", str(tmp_path), "--max-memory", "1GiB"]) == 2
+
+
+def test_plan_config_plans_what_the_recipe_runs_and_flags_override_it(tiny_checkpoint, tmp_path, capsys):
+    model = tiny_checkpoint("llama")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {model}\nmethod: lora\nlora_r: 4\nseq_len: 64\nmicro_batches: 6\n"
+                      "max_memory: 2x1GiB\npp: 2\nschedule: GPipe\nlearning_rate: 0.01\n")
+    assert main(["plan", "--config", str(recipe), "--json"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    # The recipe's own values; a recipe's budget is the devices' free memory, so no reserve on top.
+    assert (plan.spec.method, plan.spec.lora_r, plan.spec.seq_len, plan.micro_batches, plan.schedule) == \
+        ("lora", 4, 64, 6, "GPipe")
+    assert plan.spec.reserve_bytes == 0 and plan.spec.dtype == "float32"
+    assert (plan.pp, plan.tp * plan.dp) == (2, 1)  # a launch of as many ranks as the budget has devices
+    assert main(["plan", "--config", str(recipe), "--json", "--seq-len", "32", "--pp", "1", "--full"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert (plan.spec.method, plan.spec.seq_len, plan.pp, plan.dp) == ("full", 32, 1, 2)
+
+
+def test_plan_and_the_recipe_share_their_defaults(capsys):
+    from hfsplit.training.options import FinetuneOptions
+
+    assert main(["plan", "Qwen/Qwen2.5-0.5B", "--max-memory", "2x8GiB", "--json"]) == 0
+    spec = Plan.from_json(capsys.readouterr().out).spec
+    recipe = FinetuneOptions()
+    assert (spec.lora_r, spec.seq_len, spec.micro_batch_size) == (recipe.lora_r, recipe.seq_len, recipe.micro_batch_size)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "Qwen/Qwen2.5-0.5B"], "needs MODEL and --max-memory, or --config"),
+    (["plan", "--config", "missing.yaml"], "--config missing.yaml: file not found"),
+])
+def test_plan_without_a_budget_or_recipe_says_what_to_pass(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_run_time_error_keeps_its_own_exit_code(monkeypatch, capsys):
+    from hfsplit import cli
+    from hfsplit.errors import TrainingFault
+
+    def fails(args):
+        raise TrainingFault("it broke")
+
+    monkeypatch.setattr(cli, "run_plan", fails)
+    assert cli.main(["plan", "Qwen/Qwen2.5-0.5B", "--max-memory", "2x8GiB"]) == 3

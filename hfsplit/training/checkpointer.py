@@ -29,7 +29,7 @@ class Checkpointer:
         method: full | lora (what the final folder holds).
         base_model: the model trained from (recorded in adapter configs).
         lora_config, tokenizer: saved with each checkpoint.
-        save_every: save `checkpoint-N` every N steps (0: only the final save).
+        save_every: save `checkpoint-N` every N steps (None: only the final save).
         keep: keep only the newest K checkpoints (0: all).
         merge: also write `merged/` with the adapters folded in.
         metrics: told of each save (a `Metrics`).
@@ -42,7 +42,7 @@ class Checkpointer:
     base_model: Optional[str] = None
     lora_config: object = None
     tokenizer: object = None
-    save_every: int = 0
+    save_every: Optional[int] = None
     keep: int = 0
     merge: bool = False
     metrics: object = None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -34,9 +35,9 @@ class FinetuneOptions:
         learning_rate, warmup_steps, weight_decay, max_grad_norm: optimisation.
         max_steps: optimizer steps; epochs sets it from the dataset size when given instead.
         seed: seeds weights of new adapters, data order and dropout.
-        eval_every: evaluate on held-out rows every N steps (0: never).
+        eval_every: evaluate on held-out rows every N steps (unset: never).
         output_dir: where metrics, checkpoints and the final model go.
-        save_every: save a checkpoint every N steps (0: only at the end).
+        save_every: save a checkpoint every N steps (unset: only at the end).
         save_total_limit: keep only the newest K checkpoints (0: keep all).
         merge: LoRA runs also write `merged/`, the base model with the adapters folded in (a plain HF model folder).
         resume: "latest" (the newest checkpoint-N in output_dir; a bare `--resume`) or a checkpoint folder: restores weights,
@@ -72,9 +73,9 @@ class FinetuneOptions:
     max_steps: int = 200
     epochs: Optional[int] = None
     seed: int = 0
-    eval_every: int = 0
+    eval_every: Optional[int] = None
     output_dir: str = "runs/tiny"
-    save_every: int = 0
+    save_every: Optional[int] = None
     save_total_limit: int = 0
     merge: bool = False
     resume: Optional[str] = None
@@ -91,9 +92,56 @@ class FinetuneOptions:
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
         if self.peer_timeout <= 0:
             raise HfsplitError(f"--peer-timeout must be a positive number of seconds (got {self.peer_timeout})")
-        for name in ("seq_len", "micro_batch_size", "micro_batches", "max_steps"):
+        for name in ("seq_len", "micro_batch_size", "micro_batches", "max_steps", "lora_r"):
             if getattr(self, name) < 1:
-                raise HfsplitError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+                raise HfsplitError(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)})")
+        for name in ("warmup_steps", "weight_decay", "max_grad_norm", "lora_alpha", "save_total_limit", "seed"):
+            _check_number(self, name, low=0)
+        _check_number(self, "learning_rate", low=0, above=True)
+        _check_number(self, "lora_dropout", low=0, high=1)
+        for name in ("eval_every", "save_every", "epochs", "tp", "pp"):  # unset: off (or the planner's choice)
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise HfsplitError(f"--{_flag(name)} must be at least 1, or left out (got {getattr(self, name)})")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check_number(options, name: str, *, low: float, high: float = math.inf, above: bool = False) -> None:
+    """One line naming the option when its value is not a finite number in [low, high] (> low with `above`)."""
+    value = getattr(options, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HfsplitError(f"--{_flag(name)} must be a number (got {value!r})")
+    if math.isfinite(value) and (value > low if above else value >= low) and value <= high:
+        return
+    bound = f"above {low:g}" if above else f"at least {low:g}"
+    if high < math.inf:
+        bound += f" and at most {high:g}"
+    raise HfsplitError(f"--{_flag(name)} must be a finite number {bound} (got {value})")
+
+
+def training_spec(options: FinetuneOptions):
+    """The one options → TrainingSpec function: what a step of this recipe does, for the planner."""
+    import torch
+
+    from ..plan import TrainingSpec
+
+    dtype = options.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    # No reserve: the default budget is what the devices have free, measured when the run starts.
+    return TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
+                        dtype=dtype, lora_r=options.lora_r,
+                        lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
+                        activation_checkpointing=options.activation_checkpointing, reserve_bytes=0)
+
+
+def plan_arguments(options: FinetuneOptions, *, world_size: int) -> dict:
+    """Keyword arguments of `make_plan` (besides model and budget) for the run `options` describe on
+    `world_size` ranks: the trainer and `hfsplit plan --config` both plan with exactly these."""
+    # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
+    pp = options.pp or (world_size if options.model is None and options.tp is None else None)
+    return dict(spec=training_spec(options), micro_batches=options.micro_batches, schedule=options.schedule,
+                tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,6 +168,18 @@ def _type_of(f):
     return str
 
 
+def _from_yaml(name: str, value):
+    """A recipe value as its field's type: YAML 1.1 reads `1e-4` (no dot) as a string."""
+    field_ = next(f for f in dataclasses.fields(FinetuneOptions) if f.name == name)
+    convert = _type_of(field_)
+    if isinstance(value, str) and convert in (int, float):
+        try:
+            return convert(value)
+        except ValueError:
+            raise HfsplitError(f"{name}: {value!r} is not a number") from None
+    return value
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "on", "yes"):
         return True
@@ -143,7 +203,7 @@ def parse_options(argv: Optional[Sequence[str]] = None) -> FinetuneOptions:
         unknown = sorted(set(k.replace("-", "_") for k in loaded) - known)
         if unknown:
             raise HfsplitError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
+        values.update({k.replace("-", "_"): _from_yaml(k.replace("-", "_"), v) for k, v in loaded.items()})
     values.update(args)
     options = FinetuneOptions(**values)
     options.validate()

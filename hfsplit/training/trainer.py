@@ -303,21 +303,13 @@ def peer_lost_error(exc: BaseException, *, step: int, output_dir: str) -> PeerLo
 
 def plan_of_run(options: FinetuneOptions, *, model_path: str):
     """The run's Plan, made on rank 0 and shared with every rank, before any weight is read."""
-    from ..costs import TrainingSpec
     from ..parallel.split_model import shared_plan
+    from .options import plan_arguments
 
     check_sequence_length(model_path, options.seq_len)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dtype = options.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
-    spec = TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
-                        dtype=dtype, lora_r=options.lora_r,
-                        lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
-                        activation_checkpointing=options.activation_checkpointing, reserve_bytes=0)
-    # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
-    pp = options.pp or (world if options.model is None and options.tp is None else None)
-    return shared_plan(model_path, options.max_memory or default_max_memory(world), spec=spec,
-                       micro_batches=options.micro_batches, schedule=options.schedule, tp=options.tp, pp=pp,
-                       world_size=world, activation_checkpointing=options.activation_checkpointing)
+    return shared_plan(model_path, options.max_memory or default_max_memory(world),
+                       **plan_arguments(options, world_size=world))
 
 
 def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):

@@ -27,6 +27,14 @@ def test_bare_flags_mean_the_obvious():
     (["--peer-timeout", "0"], "positive number of seconds"),
     (["--method", "qlora"], "choose lora or full"),
     (["--max-steps", "0"], "--max-steps must be at least 1"),
+    (["--lora-r", "0"], "--lora-r must be at least 1"),
+    (["--learning-rate", "-1"], "--learning-rate must be a finite number above 0"),
+    (["--learning-rate", "nan"], "--learning-rate must be a finite number above 0"),
+    (["--learning-rate", "inf"], "--learning-rate must be a finite number above 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be a finite number at least 0"),
+    (["--eval-every", "0"], "--eval-every must be at least 1"),
+    (["--save-every", "-2"], "--save-every must be at least 1"),
+    (["--lora-dropout", "1.5"], "--lora-dropout must be a finite number at least 0 and at most 1"),
 ])
 def test_bad_options_are_refused_by_name(argv, message):
     with pytest.raises(HfsplitError, match=message):
@@ -38,3 +46,29 @@ def test_an_unknown_yaml_key_is_named(tmp_path):
     recipe.write_text("learning_rat: 1e-4\n")
     with pytest.raises(HfsplitError, match=r"unknown option\(s\) learning_rat"):
         parse_options(["--config", str(recipe)])
+
+
+def test_warmup_zero_and_unset_intervals_are_valid():
+    options = parse_options(["--warmup-steps", "0"])
+    assert (options.warmup_steps, options.eval_every, options.save_every) == (0, None, None)
+
+
+def test_a_yaml_number_without_a_dot_is_a_number(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 1e-4\n")  # YAML 1.1 reads this as a string
+    assert parse_options(["--config", str(recipe)]).learning_rate == 1e-4
+
+
+@pytest.mark.parametrize("argv, culprit", [
+    (["--lora-r", "0"], "--lora-r"), (["--learning-rate", "-1"], "--learning-rate"),
+    (["--warmup-steps", "-1"], "--warmup-steps"), (["--eval-every", "0"], "--eval-every"),
+])
+def test_the_recipe_refuses_bad_options_with_one_line_and_exit_2(argv, culprit, tmp_path, capsys):
+    import runpy
+    from pathlib import Path
+
+    main = runpy.run_path(str(Path(__file__).resolve().parents[2] / "recipes" / "finetune.py"))["main"]
+    assert main(argv + ["--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("finetune: " + culprit), err
+    assert not (tmp_path / "out").exists()  # refused before any work
