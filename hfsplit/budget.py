@@ -111,3 +111,15 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def torch_device(device):
+    """A device in accelerate's notation (0, "1", "cpu", "cuda:1") or a torch.device, as a torch.device:
+    the one device parser (budgets, device maps and the checkpoint reader all use it)."""
+    import torch
+
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, int) or (isinstance(device, str) and device.isdigit()):
+        return torch.device(int(device))
+    return torch.device(device)

@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from .budget import BudgetSpec, local_max_memory
+from .budget import BudgetSpec, local_max_memory, torch_device  # noqa: F401  (torch_device re-exported)
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.resolve import load_config, resolve_file
 from .costs import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401  (re-exported)
@@ -279,15 +279,6 @@ def tensor_names_of(model: torch.nn.Module, prefixes) -> set[str]:
     prefixes = list(prefixes)
     return {n for n in model.state_dict(keep_vars=True)
             if any(n == p or n.startswith(p + ".") for p in prefixes)}
-
-
-def torch_device(device: Union[int, str, torch.device]) -> torch.device:
-    """Accelerate's device notation (0, "cpu", "cuda:1") as a torch.device."""
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, int) or (isinstance(device, str) and device.isdigit()):
-        return torch.device(int(device))
-    return torch.device(device)
 
 
 def _split(model: torch.nn.Module, name: str):

@@ -2,7 +2,7 @@
 
 costs → solver → Plan. Costs come from `hfsplit.costs`; this module only searches.
 
-The layer split: DESIGN.md sketches a dynamic programme over contiguous layer ranges.
+The layer split is, in general, a dynamic programme over contiguous layer ranges.
 Because every decoder block of a model costs the same, a stage's time and memory
 depend only on how many blocks it holds, and the programme collapses to giving each
 stage a count. Handing out blocks one at a time to the stage whose time grows least

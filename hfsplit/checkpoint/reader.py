@@ -23,6 +23,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from ..budget import torch_device
 from ..errors import CheckpointError, UnsupportedModelError
 from .resolve import resolve_file
 
@@ -145,7 +146,7 @@ class CheckpointReader:
         the stored dtype, which lands directly in the result).
         """
         entry = self._entry(name)
-        out = torch.empty(entry.shape, dtype=dtype or entry.dtype, device=_device(device))
+        out = torch.empty(entry.shape, dtype=dtype or entry.dtype, device=torch_device(device))
         self._fill_rows(entry, out, name)
         return out
 
@@ -202,7 +203,7 @@ class CheckpointReader:
         step = size // parts
         shape = list(entry.shape)
         shape[dim] = step
-        out = torch.empty(shape, dtype=dtype or entry.dtype, device=_device(device))
+        out = torch.empty(shape, dtype=dtype or entry.dtype, device=torch_device(device))
         outer = math.prod(entry.shape[:dim])
         inner = math.prod(entry.shape[dim + 1:])
         if outer == 1:  # contiguous bytes: treat as rows of the slice
@@ -485,11 +486,3 @@ def _pread_into(fd: int, buffer: memoryview, offset: int, path: Path) -> None:
         if got == 0:
             raise CheckpointError(f"{path}: file ends early at byte {offset + done}; the shard is truncated")
         done += got
-
-
-def _device(device: Device) -> torch.device:
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, int) or (isinstance(device, str) and device.isdigit()):
-        return torch.device(int(device))
-    return torch.device(device)

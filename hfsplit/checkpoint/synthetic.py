@@ -62,11 +62,19 @@ def write_checkpoint(path: str | Path, config, *, seed: int = 0, max_shard_size:
     return path
 
 
+TINY_TOKENIZER_DIR = Path(__file__).parent / "tiny_tokenizer"
+
+
+def tiny_tokenizer():
+    """The tiny tokenizer shipped with hfsplit (vocab 256, ChatML chat template), loaded offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
+
+
 def write_tiny_checkpoint(path: str | Path, arch: str = "llama", *, tied: bool = False, sharded: bool = True,
                           seed: int = 0, **config_overrides) -> Path:
     """A tiny `arch` checkpoint in `path`; sharded into several safetensors files unless `sharded=False`."""
-    from ..training.data import tiny_tokenizer
-
     config = tiny_config(arch, tied=tied, **config_overrides)
     path = write_checkpoint(path, config, seed=seed, max_shard_size="60KB" if sharded else None)
     tokenizer = tiny_tokenizer()

@@ -18,11 +18,11 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from hfsplit.checkpoint.synthetic import TINY_TOKENIZER_DIR, tiny_tokenizer  # noqa: F401  (re-exported)
 from hfsplit.errors import HfsplitError
 
 IGNORE_INDEX = -100
-BUNDLED_DIR = Path(__file__).parent / "data"
-TINY_TOKENIZER_DIR = Path(__file__).parent / "tiny_tokenizer"
+BUNDLED_DIR = Path(__file__).parent / "bundled"
 
 BUILDER_BY_SUFFIX = {
     ".json": "json",
@@ -122,13 +122,6 @@ def bundled_dataset_path(name: str) -> Path:
         found = sorted(p.name for p in BUNDLED_DIR.iterdir() if p.suffix in BUILDER_BY_SUFFIX)
         raise DatasetError(f"no bundled dataset {name!r}; bundled: {found}")
     return path
-
-
-def tiny_tokenizer():
-    """The tiny tokenizer shipped with hfsplit (vocab 256, ChatML chat template), loaded offline."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -322,13 +322,12 @@ class FakeDataset:
 
 
 def test_bundled_files_are_what_the_script_regenerates(tmp_path):
-    import runpy
-
     from hfsplit.training.data import TINY_TOKENIZER_DIR
+    from hfsplit.training.make_tiny import main
 
-    runpy.run_path(str(BUNDLED_DIR / "make_tiny.py"))["main"]([str(tmp_path)])
+    main([str(tmp_path)])
     for committed in [*BUNDLED_DIR.glob("tiny_*"), *TINY_TOKENIZER_DIR.iterdir()]:
-        made = tmp_path / ("data" if committed.parent == BUNDLED_DIR else "tiny_tokenizer") / committed.name
+        made = tmp_path / ("bundled" if committed.parent == BUNDLED_DIR else "tiny_tokenizer") / committed.name
         assert made.read_bytes() == committed.read_bytes(), committed.name
 
 

@@ -1,7 +1,7 @@
 """Regenerate the bundled tiny datasets and the tiny tokenizer, deterministically.
 
-    .venv/bin/python hfsplit/training/data/make_tiny.py            # rewrite the committed files
-    .venv/bin/python hfsplit/training/data/make_tiny.py OUT_DIR    # write OUT_DIR/data and OUT_DIR/tiny_tokenizer
+    python -m hfsplit.training.make_tiny            # rewrite the committed files
+    python -m hfsplit.training.make_tiny OUT_DIR    # write OUT_DIR/bundled and OUT_DIR/tiny_tokenizer
 
 The tasks (arithmetic, reversing, capitalising, counting) are small enough for a tiny model to learn.
 """
@@ -12,9 +12,8 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from hfsplit.training.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT  # noqa: E402
+from ..checkpoint.synthetic import TINY_TOKENIZER_DIR
+from .data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, BUNDLED_DIR
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 256
@@ -155,10 +154,9 @@ def write_tokenizer(data: Path, out: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    here = Path(__file__).resolve().parent
-    data, tok = (here, here.parent / "tiny_tokenizer")
+    data, tok = BUNDLED_DIR, TINY_TOKENIZER_DIR
     if argv:
-        data, tok = Path(argv[0]) / "data", Path(argv[0]) / "tiny_tokenizer"
+        data, tok = Path(argv[0]) / "bundled", Path(argv[0]) / "tiny_tokenizer"
     write_data(data)
     write_tokenizer(data, tok)
     print(f"wrote {data} and {tok}")
