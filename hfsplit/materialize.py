@@ -66,24 +66,12 @@ def from_pretrained(
         PlanError: nothing fits the budget.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from .parallel.split_model import split_from_pretrained
-
-        if isinstance(dtype, str) and dtype != "auto":
-            dtype = getattr(torch, dtype)
-        return split_from_pretrained(str(name_or_path), max_memory, plan=plan,
-                                     dtype=dtype if isinstance(dtype, torch.dtype) else None,
-                                     world_size=int(os.environ["WORLD_SIZE"]), **planner_options)
+        return _split_across_ranks(str(name_or_path), max_memory, dtype=dtype, plan=plan, **planner_options)
     source = str(name_or_path)
     config = load_config(source, revision=revision)
     check_supported(config)
-    wanted = resolve_dtype(dtype, config)
-    model = meta_model(config, dtype=wanted, attn_implementation=attn_implementation)
-    reader = CheckpointReader.open(source, model=model, revision=revision)  # validates every tensor first
-    if wanted is None:
-        stored = checkpoint_float_dtype(reader, model)
-        if stored is not None and stored != model.dtype:
-            # Rebuilt rather than cast: buffers transformers keeps in fp32 (rotary inv_freq) stay fp32.
-            model = meta_model(config, dtype=stored, attn_implementation=attn_implementation)
+    model, reader = meta_model_and_reader(config, source, dtype=dtype, attn_implementation=attn_implementation,
+                                          revision=revision)
     if plan is None:
         plan = plan_for(config, source, max_memory, training=training, dtype=model.dtype, **planner_options)
     device_map = device_map_of(plan)
@@ -97,11 +85,34 @@ def from_pretrained(
     model.hf_device_map = dict(device_map)
     model.hfsplit_plan = plan if not isinstance(plan, Mapping) else None
     load_generation_config(model, source, revision)
-    model.eval()
-    return model
+    return model.eval()
+
+
+def _split_across_ranks(source: str, max_memory, *, dtype, plan, **planner_options):
+    """Under a distributed launch: this rank's SplitModel of the plan spanning all ranks."""
+    from .parallel.launch import split_from_pretrained
+
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    return split_from_pretrained(source, max_memory, plan=plan, dtype=dtype if isinstance(dtype, torch.dtype) else None,
+                                 world_size=int(os.environ["WORLD_SIZE"]), **planner_options)
 
 
 # ---- steps ------------------------------------------------------------------------------
+
+
+def meta_model_and_reader(config, source: str, *, dtype, attn_implementation, revision):
+    """(meta model in the dtype to load, open checkpoint reader): "auto"/None takes the config's dtype,
+    else the checkpoint's own floating dtype. The reader validates every tensor first."""
+    wanted = resolve_dtype(dtype, config)
+    model = meta_model(config, dtype=wanted, attn_implementation=attn_implementation)
+    reader = CheckpointReader.open(source, model=model, revision=revision)
+    if wanted is None:
+        stored = checkpoint_float_dtype(reader, model)
+        if stored is not None and stored != model.dtype:
+            # Rebuilt rather than cast: buffers transformers keeps in fp32 (rotary inv_freq) stay fp32.
+            model = meta_model(config, dtype=stored, attn_implementation=attn_implementation)
+    return model, reader
 
 
 def resolve_dtype(dtype: Union[torch.dtype, str, None], config) -> Optional[torch.dtype]:

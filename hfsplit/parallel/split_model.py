@@ -6,7 +6,6 @@ ids, the last stage the labels).
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 import torch
@@ -15,7 +14,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..plan import Plan
-from .mesh import ParallelContext, init_parallel, stage_indices_of_pp_rank, stage_to_pp_rank
+from .mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
 from .pipeline import StageTimer, build_schedule, pipeline_stages
 from .stage import StageModule, load_stage_weights, meta_model
 from .tensor import apply_tp, grad_summed_over_tp, local_tensor, tp_shard_dim
@@ -314,57 +313,3 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
         load_stage_weights(module, reader=reader, device=ctx.device, dtype=dtype, tp_rank=ctx.coords.tp,
                            tp_size=plan.tp)
     return SplitModel(plan=plan, config=config, ctx=ctx, stages=modules, stage_indices=indices)
-
-
-def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
-                          dtype: Optional[torch.dtype] = None, **plan_options) -> SplitModel:
-    """Load `name_or_path` split over the ranks of a distributed launch (torchrun / accelerate launch).
-
-    Rank 0 plans (unless `plan` is given) and shares the plan, so every rank runs the same
-    one; a plan that does not match the launch fails on every rank before any weight is read.
-
-    Args:
-        name_or_path: hub name or local folder.
-        max_memory: per-device budget for the planner (ignored when `plan` is given).
-        plan: a ready Plan to run instead of planning.
-        dtype: override the plan's dtype for the weights.
-        **plan_options: passed to `hfsplit.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
-    """
-    from .mesh import init_distributed
-
-    init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
-    if plan is None:
-        plan = shared_plan(name_or_path, max_memory, **plan_options)
-    ctx = init_parallel(plan)
-    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype)
-
-
-def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:
-    """The plan made on rank 0 and broadcast; a planning error is raised on every rank (no hang).
-
-    An hfsplit error (bad budget, nothing fits, unsupported model...) is raised on every rank
-    with its own type and message; rank 0 re-raises anything else as it came (a bug keeps its
-    traceback there).
-    """
-    from .. import errors
-
-    box: list = [None]
-    failure: Optional[BaseException] = None
-    if dist.get_rank() == 0:
-        try:
-            from ..planner import make_plan
-
-            box[0] = ("ok", make_plan(name_or_path, max_memory, **plan_options).to_json())
-        except Exception as exc:  # raised on every rank below, so no rank waits forever
-            failure = exc
-            kind = type(exc).__name__ if isinstance(exc, errors.HfsplitError) else ""
-            box[0] = ("error", kind, str(exc) if kind else f"planning failed on rank 0: {type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(box, src=0)
-    if box[0][0] == "error":
-        if failure is not None:
-            raise failure
-        _, kind, message = box[0]
-        error_type = getattr(errors, kind, None) if kind else None
-        raise (error_type if isinstance(error_type, type) and issubclass(error_type, errors.HfsplitError)
-               else PlanError)(message)
-    return Plan.from_json(box[0][1])

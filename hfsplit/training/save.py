@@ -106,8 +106,6 @@ def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_conf
     the weights), `"lora"` a peft adapter folder. `extra(tmp_folder)`, when given, runs on every rank
     before the rename (trainer state).
     """
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     rank = dist.get_rank()
@@ -116,34 +114,10 @@ def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_conf
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    coords = model.ctx.coords
-    writer = coords.tp == 0 and coords.dp == 0
     if method == "full":
-        pieces = {}
-        for index, module in zip(model.stage_indices, model.stages):
-            pieces[index] = full_state_of_stage(model, module, merge_lora=merge_lora)  # collective: every TP rank takes part
-        if writer:
-            total = len(model.plan.stages)
-            for index, state in pieces.items():
-                save_file(state, str(tmp / _shard_name(index, total)), metadata={"format": "pt"})
-        names = {index: sorted(state) for index, state in pieces.items()} if writer else {}
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, names)
-        if rank == 0:
-            _write_index(tmp, gathered, total=len(model.plan.stages))
-            model.config.save_pretrained(tmp)
-            _write_generation_config(tmp, base_model, config=model.config)
+        _write_full(model, tmp, merge_lora=merge_lora, base_model=base_model)
     else:
-        adapters = {}
-        for module in model.stages:
-            adapters.update(lora_state_of_stage(model, module))
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, adapters if writer else {})
-        if rank == 0:
-            merged = {k: v for part in gathered for k, v in part.items()}
-            save_file(merged, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-            lora_config.base_model_name_or_path = base_model
-            lora_config.save_pretrained(tmp)
+        _write_adapter(model, tmp, lora_config=lora_config, base_model=base_model)
     if rank == 0 and tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     dist.barrier()  # the folder exists on every rank's view before extra writes into it
@@ -159,6 +133,48 @@ def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_conf
             shutil.rmtree(old)
     dist.barrier()
     return folder
+
+
+def _writes(model) -> bool:
+    """Whether this rank writes its stages' tensors (one rank per stage: TP and DP rank 0)."""
+    return model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
+
+
+def _write_full(model, tmp: Path, *, merge_lora: bool, base_model: Optional[str]) -> None:
+    """A Hugging Face model folder in `tmp`: one safetensors shard per stage, the index, the configs (collective)."""
+    from safetensors.torch import save_file
+
+    pieces = {}
+    for index, module in zip(model.stage_indices, model.stages):
+        pieces[index] = full_state_of_stage(model, module, merge_lora=merge_lora)  # collective: every TP rank takes part
+    writer = _writes(model)
+    if writer:
+        total = len(model.plan.stages)
+        for index, state in pieces.items():
+            save_file(state, str(tmp / _shard_name(index, total)), metadata={"format": "pt"})
+    names = {index: sorted(state) for index, state in pieces.items()} if writer else {}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    if dist.get_rank() == 0:
+        _write_index(tmp, gathered, total=len(model.plan.stages))
+        model.config.save_pretrained(tmp)
+        _write_generation_config(tmp, base_model, config=model.config)
+
+
+def _write_adapter(model, tmp: Path, *, lora_config, base_model: Optional[str]) -> None:
+    """A peft adapter folder in `tmp`: every stage's adapters gathered to rank 0 (collective)."""
+    from safetensors.torch import save_file
+
+    adapters = {}
+    for module in model.stages:
+        adapters.update(lora_state_of_stage(model, module))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, adapters if _writes(model) else {})
+    if dist.get_rank() == 0:
+        merged = {k: v for part in gathered for k, v in part.items()}
+        save_file(merged, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        lora_config.base_model_name_or_path = base_model
+        lora_config.save_pretrained(tmp)
 
 
 def _shard_name(index: int, total: int) -> str:

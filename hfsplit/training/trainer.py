@@ -199,7 +199,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     """Join the launch, plan, read the data, load this rank's part of the model, add adapters, and set up
     optimizer, schedule, metrics and checkpoints; resume when asked. Every input problem surfaces
     before any weight is read."""
-    from ..parallel.split_model import split_from_pretrained
+    from ..parallel.launch import split_from_pretrained
 
     model_path = prepare(options)
     plan = plan_of_run(options, model_path=model_path)
@@ -303,7 +303,7 @@ def peer_lost_error(exc: BaseException, *, step: int, output_dir: str) -> PeerLo
 
 def plan_of_run(options: FinetuneOptions, *, model_path: str):
     """The run's Plan, made on rank 0 and shared with every rank, before any weight is read."""
-    from ..parallel.split_model import shared_plan
+    from ..parallel.launch import shared_plan
     from .options import plan_arguments
 
     check_sequence_length(model_path, options.seq_len)

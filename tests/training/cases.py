@@ -15,7 +15,7 @@ def crash_mid_save(*, checkpoint: str, out: str) -> dict:
     from pathlib import Path
 
     from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel.split_model import split_from_pretrained
+    from hfsplit.parallel.launch import split_from_pretrained
     from hfsplit.training.save import save_split_model
 
     model = split_from_pretrained(checkpoint, "2x2GiB", spec=TrainingSpec(method="full", seq_len=8, dtype="float32"),
