@@ -61,16 +61,18 @@ class Metrics:
         total_steps, first_step: the bar's length and starting point (a resumed run starts later).
         tokens_per_step: tokens of one optimizer step over all replicas (for tokens/s).
         bubble_theory: the plan's bubble fraction, reported beside the measured one.
-        show_bar: whether this rank shows the progress bar.
+        holds_loss: this rank holds the loss: it writes notes (eval loss, skipped steps) under the bar.
+        progress: it also shows the progress bar.
         append: append to an existing `metrics.jsonl` (a resumed run).
     """
 
     def __init__(self, output_dir: str, *, total_steps: int, tokens_per_step: int, bubble_theory: float,
-                 show_bar: bool, append: bool = False) -> None:
+                 holds_loss: bool, progress: bool = True, append: bool = False) -> None:
         self.log = MetricsLog(output_dir, enabled=dist.get_rank() == 0, append=append)
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
-        self.show_bar = show_bar
+        self.holds_loss = holds_loss
+        self.show_bar = progress and holds_loss
         self.result = TrainResult(bubble_theory=bubble_theory)
         self.bar = None
         self.first_step = 1
@@ -122,8 +124,8 @@ class Metrics:
                         "removed": [str(p) for p in removed]})
 
     def note(self, text: str) -> None:
-        """A line under the bar, on the rank that shows it."""
-        if self.show_bar:
+        """A line under the bar (or alone, without one), on the rank that holds the loss."""
+        if self.holds_loss:
             self.bar.write(text)
 
     def close_bar(self) -> None:

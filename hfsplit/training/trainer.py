@@ -216,7 +216,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
     run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
                           tokens_per_step=run.rows_per_replica * plan.dp * options.seq_len,
-                          show_bar=progress and holds_loss, append=bool(options.resume))
+                          holds_loss=holds_loss, progress=progress, append=bool(options.resume))
     run.checkpointer = Checkpointer(
         model=model, state=TrainState(params=params, optimizer=optimizer, scheduler=run.scheduler,
                                       batches=run.batches),
