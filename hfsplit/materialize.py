@@ -16,8 +16,8 @@ import torch
 from .budget import BudgetSpec, local_max_memory
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.resolve import load_config, resolve_file
-from .costs import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401  (re-exported)
 from .errors import CheckpointError, UnsupportedModelError
+from .models import SUPPORTED_MODEL_TYPES, check_causal_lm, check_supported, decoder_layout, meta_model  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def from_pretrained(
                                      world_size=int(os.environ["WORLD_SIZE"]), **planner_options)
     source = str(name_or_path)
     config = load_config(source, revision=revision)
-    check_supported(config)
+    check_causal_lm(config)  # whole blocks run inside the model's own forward: any causal LM loads right
     wanted = resolve_dtype(dtype, config)
     model = meta_model(config, dtype=wanted, attn_implementation=attn_implementation)
     reader = CheckpointReader.open(source, model=model, revision=revision)  # validates every tensor first
@@ -86,7 +86,7 @@ def from_pretrained(
             model = meta_model(config, dtype=stored, attn_implementation=attn_implementation)
     if plan is None:
         plan = plan_for(config, source, max_memory, training=training, dtype=model.dtype, **planner_options)
-    device_map = device_map_of(plan)
+    device_map = device_map_of(plan, model)
     check_device_map(model, device_map)
     with reader:
         materialize_blocks(model, reader, device_map)
@@ -117,17 +117,6 @@ def resolve_dtype(dtype: Union[torch.dtype, str, None], config) -> Optional[torc
     return dtype
 
 
-def meta_model(config, *, dtype: Optional[torch.dtype], attn_implementation: Optional[str] = None):
-    """The model of `config` on the meta device: shapes and names, no memory."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"dtype": dtype or torch.get_default_dtype()}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, **kwargs)
-
-
 def checkpoint_float_dtype(reader: CheckpointReader, model: torch.nn.Module) -> Optional[torch.dtype]:
     """The stored dtype of the model's first floating parameter (transformers' dtype="auto" fallback)."""
     for name, param in model.named_parameters():
@@ -145,14 +134,15 @@ def plan_for(config, source: str, max_memory: BudgetSpec, *, training: str, dtyp
     budget = max_memory if max_memory is not None else local_max_memory()
     if not isinstance(config.name_or_path, str) or not config.name_or_path:
         config.name_or_path = source
-    return make_plan(config, budget, spec=spec, tp=1, **options)
+    return make_plan(config, budget, spec=spec, tp=1, single_process=True, **options)
 
 
-def device_map_of(plan) -> dict[str, Union[int, str]]:
-    """The `{module prefix: device}` map of a Plan, or the map itself when one was given."""
+def device_map_of(plan, model: torch.nn.Module) -> dict[str, Union[int, str]]:
+    """The `{module prefix: device}` map of a Plan over `model`'s own modules, or the map itself when one
+    was given."""
     if isinstance(plan, Mapping):
         return dict(plan)
-    return plan.device_map()
+    return plan.device_map(decoder_layout(model))
 
 
 def check_device_map(model: torch.nn.Module, device_map: DeviceMap) -> None:
@@ -233,14 +223,18 @@ def restore_nonpersistent_buffers(model: torch.nn.Module, device_map: DeviceMap)
         own = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
         if not own:
             continue
-        if any(True for _ in module.parameters(recurse=False)):
-            raise UnsupportedModelError(
-                f"{module_name} ({type(module).__name__}) has non-persistent buffers and parameters; "
-                "hfsplit cannot recompute its buffers without re-initialising the parameters")
         if init is None:
             raise UnsupportedModelError(f"{type(model).__name__} has no _init_weights to recompute {module_name} buffers")
-        with torch.no_grad():
-            init(module)
+        # The module's own parameters (Gemma's scaled embedding keeps its weight beside `embed_scale`) already
+        # hold checkpoint bytes: `init` sees meta stand-ins, on which its writes do nothing.
+        loaded = dict(module._parameters)
+        module._parameters.update({k: torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                                   for k, p in loaded.items() if p is not None})
+        try:
+            with torch.no_grad():
+                init(module)
+        finally:
+            module._parameters.update(loaded)
 
 
 def check_no_meta(model: torch.nn.Module) -> None:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from ..models import check_pp_plan, check_supported, meta_model
 from ..plan import Stage
 
 
@@ -35,6 +35,7 @@ class StageModule(nn.Module):
         self.stage_index = stage.index
         self.has_embed = stage.has_embed
         self.has_head = stage.has_head
+        check_supported(config)  # a stage is built from the blocks alone: only declared families split right
         full = meta_model(config)
         base = getattr(full, full.base_model_prefix)
         check_pp_plan(base)
@@ -73,24 +74,6 @@ class StageModule(nn.Module):
         if self.body.norm is not None:
             x = self.lm_head(self.body.norm(x))
         return x
-
-
-def meta_model(config) -> nn.Module:
-    """The full causal LM of `config` on the meta device (no memory allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-def check_pp_plan(base: nn.Module) -> None:
-    """Raise UnsupportedModelError unless the model declares the embed → layers → norm pipeline plan."""
-    pp_plan = getattr(base.config, "base_model_pp_plan", None) or getattr(base, "_pp_plan", None)
-    if not pp_plan or list(pp_plan) != ["embed_tokens", "layers", "norm"]:
-        raise UnsupportedModelError(
-            f"{type(base).__name__}: hfsplit splits models whose base_model_pp_plan is embed_tokens → layers → norm "
-            f"(found {list(pp_plan) if pp_plan else None}); use the single-process path for this model"
-        )
 
 
 def layer_attention_type(config, index: int) -> str:

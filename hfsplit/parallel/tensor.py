@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..costs import REPLICATED_SUMMED
+from ..models import REPLICATED_SUMMED
 from ..errors import UnsupportedModelError
 
 
