@@ -447,6 +447,9 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     forward passes to the block (rotary embeddings, mask), captured by running it once."""
     config = _CONFIGS[key]
     model = meta_model(_one_layer_config(config, tp=tp), dtype=_dtype(spec.dtype))
+    if getattr(model.config, "_experts_implementation", None) == "grouped_mm" and spec.dtype != "bfloat16":
+        # torch's meta kernel of grouped_mm accepts only bf16 (the real CPU kernel takes fp32 too)
+        model.config._experts_implementation = "batched_mm"
     base = getattr(model, model.base_model_prefix)
     block = _parts(model)[1]
     if spec.method == "lora":

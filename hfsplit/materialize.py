@@ -16,7 +16,7 @@ import torch
 from .budget import BudgetSpec, local_max_memory
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.resolve import load_config, resolve_file
-from .errors import CheckpointError, UnsupportedModelError
+from .errors import CheckpointError, ConvertedOnLoadError, UnsupportedModelError
 from .models import SUPPORTED_MODEL_TYPES, check_causal_lm, check_supported, decoder_layout, meta_model  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,11 @@ def from_pretrained(
     check_causal_lm(config)  # whole blocks run inside the model's own forward: any causal LM loads right
     wanted = resolve_dtype(dtype, config)
     model = meta_model(config, dtype=wanted, attn_implementation=attn_implementation)
-    reader = CheckpointReader.open(source, model=model, revision=revision)  # validates every tensor first
+    try:
+        reader = CheckpointReader.open(source, model=model, revision=revision)  # validates every tensor first
+    except ConvertedOnLoadError:
+        return load_with_transformers(source, config, model, max_memory, plan=plan, training=training, dtype=wanted,
+                                      attn_implementation=attn_implementation, revision=revision, **planner_options)
     if wanted is None:
         stored = checkpoint_float_dtype(reader, model)
         if stored is not None and stored != model.dtype:
@@ -102,6 +106,25 @@ def from_pretrained(
 
 
 # ---- steps ------------------------------------------------------------------------------
+
+
+def load_with_transformers(source: str, config, model: torch.nn.Module, max_memory: BudgetSpec, *, plan, training: str,
+                           dtype: Optional[torch.dtype], attn_implementation: Optional[str], revision: Optional[str],
+                           **planner_options):
+    """Load a checkpoint whose tensors transformers merges on load (MoE experts stored one by one) with
+    transformers itself, onto hfsplit's planned whole-module placement: its loader does the merging."""
+    from transformers import AutoModelForCausalLM
+
+    if plan is None:
+        plan = plan_for(config, source, max_memory, training=training, dtype=model.dtype, **planner_options)
+    device_map = device_map_of(plan, model)
+    check_device_map(model, device_map)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation is not None else {}
+    loaded = AutoModelForCausalLM.from_pretrained(source, device_map=dict(device_map), dtype=dtype or "auto",
+                                                  revision=revision, **kwargs)
+    loaded.hf_device_map = dict(device_map)  # transformers sets it only for more than one device
+    loaded.hfsplit_plan = plan if not isinstance(plan, Mapping) else None
+    return loaded.eval()
 
 
 def resolve_dtype(dtype: Union[torch.dtype, str, None], config) -> Optional[torch.dtype]:
