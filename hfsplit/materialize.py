@@ -17,7 +17,9 @@ from .budget import BudgetSpec, local_max_memory
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.resolve import load_config, resolve_file
 from .errors import CheckpointError, ConvertedOnLoadError, UnsupportedModelError
-from .models import SUPPORTED_MODEL_TYPES, check_causal_lm, check_supported, decoder_layout, meta_model  # noqa: F401
+from .models import (  # noqa: F401  (SUPPORTED_MODEL_TYPES, check_supported re-exported)
+    SUPPORTED_MODEL_TYPES, check_causal_lm, check_supported, decoder_layout, meta_model, recompute_buffers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -241,23 +243,7 @@ def restore_nonpersistent_buffers(model: torch.nn.Module, device_map: DeviceMap)
     Meta initialisation left them empty; transformers recomputes them with the model's
     `_init_weights`, which for a rotary embedding recomputes inv_freq from the config.
     """
-    init = getattr(model, "_init_weights", None)
-    for module_name, module in model.named_modules():
-        own = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
-        if not own:
-            continue
-        if init is None:
-            raise UnsupportedModelError(f"{type(model).__name__} has no _init_weights to recompute {module_name} buffers")
-        # The module's own parameters (Gemma's scaled embedding keeps its weight beside `embed_scale`) already
-        # hold checkpoint bytes: `init` sees meta stand-ins, on which its writes do nothing.
-        loaded = dict(module._parameters)
-        module._parameters.update({k: torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-                                   for k, p in loaded.items() if p is not None})
-        try:
-            with torch.no_grad():
-                init(module)
-        finally:
-            module._parameters.update(loaded)
+    recompute_buffers(model, getattr(model, "_init_weights", None))
 
 
 def check_no_meta(model: torch.nn.Module) -> None:

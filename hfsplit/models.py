@@ -24,8 +24,66 @@ from torch import nn
 
 from .errors import UnsupportedModelError
 
-# Architectures whose distributed split is tested against transformers (logits, gradients, generation).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
+
+
+@dataclass(frozen=True)
+class Family:
+    """The work a family's model forward does outside its decoder blocks, which a pipeline stage built
+    from the blocks must redo: the first stage the input side, the last stage the output side.
+
+    Each field names the config attribute holding the factor (the work is skipped where it is None).
+    What lives inside modules needs no declaration: Gemma's embedding scale is its embedding module's
+    (`embed_scale`, restored with the other non-persistent buffers), attention soft-capping and Granite's
+    residual and attention multipliers are the blocks'.
+
+    Args:
+        embed_multiplier: the embeddings are multiplied by it (Granite `embedding_multiplier`).
+        logit_multiplier: the logits are multiplied by it (Cohere `logit_scale`).
+        logit_divisor: the logits are divided by it (Granite `logits_scaling`).
+        final_softcap: logits become cap · tanh(logits / cap) (Gemma 2 `final_logit_softcapping`).
+    """
+
+    embed_multiplier: Optional[str] = None
+    logit_multiplier: Optional[str] = None
+    logit_divisor: Optional[str] = None
+    final_softcap: Optional[str] = None
+
+    def input_side(self, config, hidden: torch.Tensor) -> torch.Tensor:
+        """The embeddings as the model's forward hands them to its first block."""
+        factor = _field(config, self.embed_multiplier)
+        return hidden if factor is None else hidden * factor
+
+    def output_side(self, config, logits: torch.Tensor) -> torch.Tensor:
+        """The logits as the model's forward returns them, from lm_head's output (in the model's order)."""
+        if (cap := _field(config, self.final_softcap)) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        if (factor := _field(config, self.logit_multiplier)) is not None:
+            logits = logits * factor
+        if (divisor := _field(config, self.logit_divisor)) is not None:
+            logits = logits / divisor
+        return logits
+
+
+def _field(config, name: Optional[str]):
+    return getattr(config, name, None) if name else None
+
+
+# Families whose distributed split is tested against transformers (logits, gradients, generation), and the
+# work each does outside its blocks. Adding one: its line here plus its equality test in tests/test_families.py.
+FAMILIES = {
+    "llama": Family(), "qwen2": Family(), "mistral": Family(), "qwen3": Family(), "phi3": Family(), "olmo2": Family(),
+    "gemma": Family(),  # embedding scale inside GemmaTextScaledWordEmbedding
+    "gemma2": Family(final_softcap="final_logit_softcapping"),
+    "granite": Family(embed_multiplier="embedding_multiplier", logit_divisor="logits_scaling"),
+    "cohere": Family(logit_multiplier="logit_scale"),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def family_of(config) -> Family:
+    """The declared family of `config` (UnsupportedModelError naming it when nobody declared it)."""
+    check_supported(config)
+    return FAMILIES[config.model_type]
 # `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1. The last kind
 # stays whole on every rank, its gradient summed over the TP group.
 REPLICATED_SUMMED = "replicated_with_grad_allreduce"
@@ -223,3 +281,30 @@ def block_linear_names(config) -> list[str]:
     """The linear layers of one decoder block ("q_proj" … "down_proj", Phi-3's fused "qkv_proj" and
     "gate_up_proj"): LoRA's default targets, which the cost model counts when none are given."""
     return sorted({lin.name.rsplit(".", 1)[-1] for lin in block_linears(config)})
+
+
+def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] = None) -> None:
+    """Recompute the non-persistent buffers no checkpoint holds (rotary `inv_freq`, Gemma's `embed_scale`)
+    with the model's own `_init_weights` (`init`), as transformers' loading does.
+
+    With `device`, only buffers still on the meta device are given storage there and recomputed. A module's
+    own parameters (Gemma's embedding weight beside `embed_scale`) already hold checkpoint bytes: `init`
+    sees meta stand-ins, on which its writes do nothing.
+    """
+    for module_name, module in root.named_modules():
+        own = [b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
+        if device is not None:
+            own = [b for b in own if module._buffers[b].is_meta]
+            module._buffers.update({b: torch.empty_like(module._buffers[b], device=device) for b in own})
+        if not own:
+            continue
+        if init is None:
+            raise UnsupportedModelError(f"{type(root).__name__} has no _init_weights to recompute {module_name} buffers")
+        loaded = dict(module._parameters)
+        module._parameters.update({k: nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                                   for k, p in loaded.items() if p is not None})
+        try:
+            with torch.no_grad():
+                init(module)
+        finally:
+            module._parameters.update(loaded)

@@ -1,0 +1,33 @@
+"""Families that do work outside their blocks (hfsplit.models.FAMILIES), split: logits, gradients and greedy
+generation equal to transformers. One launch per (family, split) checks all three."""
+import pytest
+
+from tests.parallel.test_split_model import assert_every_parameter_once
+
+pytestmark = pytest.mark.slow
+
+SPLITS = {
+    # final logit soft-capping on the last stage, alternating sliding window, embedding scale in the module
+    "gemma2-pp2-1f1b": ("gemma2", False, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    # embedding multiplier on the first stage, logits divisor on the last
+    "granite-pp2-gpipe": ("granite", False, 2, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
+    # logit scale, tied head on the last stage, parallel attention/MLP blocks
+    "cohere-tied-pp2-1f1b": ("cohere", True, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    # embedding scale under a vocabulary-sharded embedding
+    "gemma-tp2": ("gemma", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_family_split_matches_transformers(name, launch, tiny_checkpoint):
+    arch, tied, ranks, split = SPLITS[name]
+    checkpoint = str(tiny_checkpoint(arch, tied=tied))
+    results = launch("tests.parallel.cases:split_matches_transformers", world_size=ranks,
+                     kwargs=dict(checkpoint=checkpoint, **split))
+    for r in results:
+        assert r["logits_diff"] <= 1e-5
+        assert r["generate_equal"], r["generated"]
+        bad = {n: d for n, d in r["grad_rel_diff"].items() if d > 1e-5}
+        assert not bad, bad
+    assert any("loss_diff" in r and r["loss_diff"] <= 1e-5 for r in results)
+    assert_every_parameter_once(results, checkpoint=checkpoint, tp=split["tp"], tied=tied)
