@@ -35,6 +35,10 @@ def param_count(config, tp: int = 1) -> float:
         ("Qwen--Qwen2.5-14B", 14.77e9),
         ("Qwen--Qwen2.5-0.5B", 0.494e9),  # "0.49B" in the report; the hub page says 494M
         ("mistralai--Mistral-7B-v0.3", 7.25e9),
+        ("google--gemma-2-27b", 27.2e9),
+        ("google--gemma-3-27b-pt", 27.0e9),  # the text model; the hub's 27.4B adds the vision tower
+        ("mistralai--Mixtral-8x7B-v0.1", 46.7e9),  # every expert's weights
+        ("Qwen--Qwen3-30B-A3B", 30.5e9),
     ],
 )
 def test_published_parameter_counts(name, published):

@@ -74,3 +74,25 @@ def test_distributed_split_refuses_undeclared_families_by_name(arch):
                   memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)
     with pytest.raises(UnsupportedModelError, match=rf"model_type '{arch}'"):
         StageModule(config=config, stage=stage, tied=False)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "granite", "cohere"])
+def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
+    """The stage builder redoes what the family declares outside its blocks (fast, in-process; the
+    multi-process splits are in tests/parallel/test_families_split.py)."""
+    from hfsplit.checkpoint import load_config
+    from hfsplit.parallel.stage import load_stage_weights
+    from hfsplit.parallel.weights import open_reader
+
+    folder = str(tiny_checkpoint(arch, tied=arch == "cohere"))
+    config = load_config(folder)
+    stage = Stage(index=0, pp_rank=0, devices=(("cpu",),), layers=(0, config.num_hidden_layers), has_embed=True,
+                  has_head=True, memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)
+    module = StageModule(config=config, stage=stage, tied=config.tie_word_embeddings)
+    needed = [name for name, _ in module.named_parameters()]
+    with open_reader(folder, needed=needed, model=meta_model(config)) as reader:
+        load_stage_weights(module, reader=reader, device=torch.device("cpu"), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(3, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(module(ids), reference(ids).logits, rtol=0, atol=1e-5)
