@@ -13,6 +13,8 @@ SPLITS = {
     "granite-pp2-gpipe": ("granite", False, 2, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
     # logit scale, tied head on the last stage, parallel attention/MLP blocks
     "cohere-tied-pp2-1f1b": ("cohere", True, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    # soft-capping with heads sharded over TP ranks
+    "gemma2-tp2": ("gemma2", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
     # embedding scale under a vocabulary-sharded embedding
     "gemma-tp2": ("gemma", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
 }
