@@ -75,7 +75,13 @@ def from_pretrained(
         return split_from_pretrained(str(name_or_path), max_memory, plan=plan,
                                      dtype=dtype if isinstance(dtype, torch.dtype) else None,
                                      world_size=int(os.environ["WORLD_SIZE"]), **planner_options)
-    source = str(name_or_path)
+    return load_whole_blocks(str(name_or_path), max_memory, dtype=dtype, plan=plan, training=training,
+                             attn_implementation=attn_implementation, revision=revision, **planner_options)
+
+
+def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, training: str,
+                      attn_implementation: Optional[str], revision: Optional[str], **planner_options):
+    """The single-process `from_pretrained`: whole blocks placed by the plan, the model's own forward."""
     config = load_config(source, revision=revision)
     check_causal_lm(config)  # whole blocks run inside the model's own forward: any causal LM loads right
     wanted = resolve_dtype(dtype, config)

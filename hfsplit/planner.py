@@ -76,8 +76,7 @@ def make_plan(
         device_speeds: relative speed per device key (default 1 each).
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
         world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
-        single_process: plan for `hfsplit.from_pretrained` in one process (whole blocks inside the model's own
-            forward), which loads any causal LM; otherwise only the families hfsplit splits are planned.
+        single_process: plan for one process (the model's own forward; any causal LM), not the split.
 
     Raises:
         PlanError: nothing fits; the message says per stage what is needed against
