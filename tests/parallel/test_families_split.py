@@ -2,7 +2,7 @@
 generation equal to transformers. One launch per (family, split) checks all three."""
 import pytest
 
-from tests.parallel.test_split_model import assert_every_parameter_once
+from tests.parallel.test_split_model import check_split_matches_transformers
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +22,4 @@ SPLITS = {
 
 @pytest.mark.parametrize("name", list(SPLITS))
 def test_family_split_matches_transformers(name, launch, tiny_checkpoint):
-    arch, tied, ranks, split = SPLITS[name]
-    checkpoint = str(tiny_checkpoint(arch, tied=tied))
-    results = launch("tests.parallel.cases:split_matches_transformers", world_size=ranks,
-                     kwargs=dict(checkpoint=checkpoint, **split))
-    for r in results:
-        assert r["logits_diff"] <= 1e-5
-        assert r["generate_equal"], r["generated"]
-        bad = {n: d for n, d in r["grad_rel_diff"].items() if d > 1e-5}
-        assert not bad, bad
-    assert any("loss_diff" in r and r["loss_diff"] <= 1e-5 for r in results)
-    assert_every_parameter_once(results, checkpoint=checkpoint, tp=split["tp"], tied=tied)
+    check_split_matches_transformers(*SPLITS[name], launch=launch, tiny_checkpoint=tiny_checkpoint)
