@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import PlanError
 from .models import (  # noqa: F401  (re-exported: the planner's and older callers' names)
-    REPLICATED_SUMMED, SUPPORTED_MODEL_TYPES, TP_STYLES, BlockLinear, block_linear_names, block_linears,
+    FAMILIES, REPLICATED_SUMMED, SUPPORTED_MODEL_TYPES, TP_STYLES, BlockLinear, Family, block_linear_names, block_linears,
     check_causal_lm, check_supported, decoder_layout, meta_model, one_layer_config, tp_degree_error, tp_style_of,
     tp_supported, valid_tp_degrees,
 )
@@ -582,7 +582,8 @@ def _trace_ends(key: str, spec: TrainingSpec) -> _EndsTrace:
         with _LiveBytes() as live:
             x = torch.empty(shape, dtype=dtype, requires_grad=train)
             with torch.set_grad_enabled(train), saved.hooks():
-                logits = lm_head(norm(x))
+                # the family's logit scaling / soft-capping makes logits-sized temporaries of its own
+                logits = FAMILIES.get(config.model_type, Family()).output_side(config, lm_head(norm(x)))
                 if train:
                     loss = model.loss_function(logits=logits, labels=ids, vocab_size=config.vocab_size)
             head_fwd = live.peak

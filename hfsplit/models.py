@@ -56,7 +56,10 @@ class Family:
     def output_side(self, config, logits: torch.Tensor) -> torch.Tensor:
         """The logits as the model's forward returns them, from lm_head's output (in the model's order)."""
         if (cap := _field(config, self.final_softcap)) is not None:
-            logits = torch.tanh(logits / cap) * cap
+            # one step at a time, as the model does: each rebinding frees the previous logits-sized tensor
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
         if (factor := _field(config, self.logit_multiplier)) is not None:
             logits = logits * factor
         if (divisor := _field(config, self.logit_divisor)) is not None:
