@@ -9,7 +9,6 @@ The planner relies on exactly the public names below.
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -20,7 +19,12 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import PlanError, UnsupportedModelError
+from .errors import PlanError
+from .models import (  # noqa: F401  (re-exported: the planner's and older callers' names)
+    FAMILIES, REPLICATED_SUMMED, SUPPORTED_MODEL_TYPES, TP_STYLES, BlockLinear, Family, block_linear_names, block_linears,
+    check_causal_lm, check_supported, decoder_layout, meta_model, one_layer_config, tp_degree_error, tp_style_of,
+    tp_supported, valid_tp_degrees,
+)
 from .plan import DEFAULT_RESERVE_BYTES, Method, TrainingSpec  # noqa: F401 (re-exported: TrainingSpec lives with the Plan)
 
 @dataclass(frozen=True)
@@ -77,70 +81,10 @@ class ModelCosts:
     spec: TrainingSpec = field(default_factory=TrainingSpec)
 
 
-# Architectures whose split is tested against transformers (logits, gradients, generation). Others are
-# refused: a model may do work in its own forward (Gemma's embedding scale, Granite's logit scaling) that
-# a stage built from its blocks would silently skip.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
-# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1. The last kind
-# stays whole on every rank, its gradient summed over the TP group.
-REPLICATED_SUMMED = "replicated_with_grad_allreduce"
-TP_STYLES = ("colwise", "rowwise", REPLICATED_SUMMED)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LORA_ADAPTER_DTYPE = torch.float32  # peft's autocast_adapter_dtype=True (its default) upcasts bf16/fp16 adapters
 _ADAMW_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 _MASTER_WEIGHT_BYTES = 4  # fp32 master copy under mixed precision
-
-
-def check_supported(config) -> None:
-    """Raise UnsupportedModelError unless the config is a decoder-only LM hfsplit can split.
-
-    Called before any cost is computed (and so before any weight is read): other models lack
-    the fields the cost model reads (`intermediate_size`, ...) and would fail obscurely.
-    """
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(_unsupported(config, "encoder-decoder models are not split"))
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(_unsupported(config, "its split is not verified against transformers"))
-
-
-def _unsupported(config, why: str) -> str:
-    name = getattr(config, "_name_or_path", "") or ""
-    classes = ", ".join(getattr(config, "architectures", None) or [])
-    where = f"{name + ': ' if name else ''}model_type {config.model_type!r}{f' ({classes})' if classes else ''}"
-    return (f"{where}: {why}; "
-            f"hfsplit splits {', '.join(SUPPORTED_MODEL_TYPES)}; pick such a model, or load this one with "
-            "transformers itself")
-
-
-def tp_supported(config) -> bool:
-    """Whether hfsplit can shard `config`'s model: it has a TP plan made only of the styles it implements."""
-    styles = set((getattr(config, "base_model_tp_plan", None) or {}).values())
-    return bool(styles) and styles <= set(TP_STYLES)
-
-
-def valid_tp_degrees(config, max_degree: int) -> list[int]:
-    """TP degrees ≤ max_degree dividing attention heads, key-value heads and MLP width (only 1 for a
-    model hfsplit cannot shard)."""
-    if not tp_supported(config):
-        return [1]
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    widths = (heads, kv_heads, config.intermediate_size)
-    return [t for t in range(1, max_degree + 1) if all(w % t == 0 for w in widths)]
-
-
-def tp_degree_error(config, tp: int) -> Optional[str]:
-    """Why tensor-parallel degree `tp` cannot shard `config`'s model (None when it can)."""
-    if tp > 1 and not tp_supported(config):
-        styles = sorted(set((getattr(config, "base_model_tp_plan", None) or {}).values()) - set(TP_STYLES))
-        return (f"tp={tp}: {config.model_type}'s tensor-parallel plan uses {', '.join(styles) or 'no styles'}, "
-                f"which hfsplit does not shard yet (it shards {', '.join(TP_STYLES)}); use tp=1")
-    valid = valid_tp_degrees(config, max(tp, 1))
-    if tp not in valid:
-        return (f"tp={tp} does not divide the model's attention heads ({config.num_attention_heads}), key-value heads "
-                f"({getattr(config, 'num_key_value_heads', None) or config.num_attention_heads}) and MLP width "
-                f"({config.intermediate_size}); valid degrees: {', '.join(map(str, valid))}")
-    return None
 
 
 def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
@@ -204,14 +148,6 @@ def estimate_peak_bytes(costs: ModelCosts) -> int:
 _CONFIGS: dict[str, object] = {}
 
 
-def block_linear_names(config) -> list[str]:
-    """The linear layers of one decoder block ("q_proj" … "down_proj", Phi-3's fused "qkv_proj" and
-    "gate_up_proj"): LoRA's default targets, which the cost model counts when none are given."""
-    key = _config_key(config)
-    _CONFIGS.setdefault(key, config)
-    return sorted({lin.name.rsplit(".", 1)[-1] for lin in _layout(key).linears})
-
-
 def _config_key(config) -> str:
     return config.to_json_string(use_diff=False)
 
@@ -232,22 +168,14 @@ def _optimizer_step_bytes(costs: ModelCosts, optimizer_bytes: int) -> int:
 
 def _one_layer_config(config, *, tp: int = 1):
     """A copy of `config` with one decoder block whose heads and MLP width are those of one TP rank."""
-    cfg = config.__class__.from_dict(config.to_dict())
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    cfg.num_hidden_layers = 1
-    layer_types = getattr(cfg, "layer_types", None)
-    if isinstance(layer_types, (list, tuple)) and layer_types:
-        cfg.layer_types = list(layer_types[:1])
+    cfg = one_layer_config(config)
     if tp > 1:
+        heads = config.num_attention_heads
         cfg.num_attention_heads = heads // tp
-        cfg.num_key_value_heads = kv_heads // tp
+        cfg.num_key_value_heads = (getattr(config, "num_key_value_heads", None) or heads) // tp
         cfg.intermediate_size = config.intermediate_size // tp
-        cfg.head_dim = head_dim  # hidden_size // heads would change once heads are divided
-    if getattr(cfg, "_attn_implementation", None) is None:
-        cfg._attn_implementation = "sdpa"
-    return cfg
+        cfg.head_dim = _head_dim(config)  # hidden_size // heads would change once heads are divided
+    return cfg  # attention as transformers picks it by default (sdpa where the class supports it)
 
 
 @dataclass(frozen=True)
@@ -262,63 +190,59 @@ class _Linear:
 class _Layout:
     """Parameter counts of the real model class, read from a meta-device instance."""
 
-    embed_numel: int
+    embed_numel: int  # everything ahead of the blocks (GPT-2's positional embedding too)
     head_numel: int  # final norm + lm_head, the tied matrix included
-    norm_numel: int  # the final norm alone (replicated under TP)
+    norm_numel: int  # everything behind the blocks but lm_head (replicated under TP)
     block_numel_replicated: int  # block parameters not split by TP (norms, rowwise biases)
     block_numel_sharded: int  # block parameters split by TP (before division)
     linears: tuple[_Linear, ...]
     tied: bool
 
 
+def _shard(style: Optional[str]) -> Optional[str]:
+    if style and "colwise" in style:
+        return "col"
+    if style and "rowwise" in style:
+        return "row"
+    return None
+
+
+def _parts(model) -> tuple[list, torch.nn.Module, list, torch.nn.Module]:
+    """(modules ahead of the blocks, the first block, modules behind them, lm_head) of a causal LM."""
+    layout = decoder_layout(model)
+    before = [model.get_submodule(name) for name in layout.before]
+    after = [model.get_submodule(name) for name in layout.after]
+    return before, model.get_submodule(layout.layers)[0], after, model.get_output_embeddings()
+
+
+def _numel(modules) -> int:
+    return sum(p.numel() for m in modules for p in m.parameters())
+
+
 @functools.lru_cache(maxsize=32)
 def _layout(key: str) -> _Layout:
     config = _CONFIGS[key]
-    from transformers import AutoModelForCausalLM
-
-    # One block suffices: ModelCosts assumes all blocks alike, and 1 block builds ~80× faster than 80.
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_one_layer_config(config))
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm")):
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: hfsplit splits decoders laid out as embed_tokens, layers, norm "
-            "(Llama, Qwen2, Mistral and alike); this model is not"
-        )
-    embed, block = base.embed_tokens, base.layers[0]
-    lm_head = model.get_output_embeddings()
-    tied = lm_head.weight is embed.weight
-    tp_plan = getattr(config, "base_model_tp_plan", None) or {}
-
-    def shard_of(module_name: str) -> Optional[str]:
-        for pattern, style in tp_plan.items():
-            if fnmatch.fnmatchcase(f"layers.0.{module_name}", pattern):
-                if "colwise" in style:
-                    return "col"
-                if "rowwise" in style:
-                    return "row"
-        return None
-
+    model = meta_model(_one_layer_config(config))
+    before, block, after, lm_head = _parts(model)
+    tied = lm_head.weight is model.get_input_embeddings().weight
     replicated = sharded = 0
-    linears = []
     for name, module in block.named_modules():
-        shard = shard_of(name) if name else None
+        shard = _shard(tp_style_of(config, f"layers.0.{name}")) if name else None
         for pname, p in module.named_parameters(recurse=False):
             # A rowwise layer's bias is added after the all-reduce, so each rank holds it whole.
             if shard == "col" or (shard == "row" and pname == "weight"):
                 sharded += p.numel()
             else:
                 replicated += p.numel()
-        if isinstance(module, torch.nn.Linear):
-            linears.append(_Linear(name, module.in_features, module.out_features, shard))
-    head_numel = sum(p.numel() for p in base.norm.parameters()) + sum(p.numel() for p in lm_head.parameters())
+    linears = tuple(_Linear(lin.name, lin.in_features, lin.out_features, _shard(lin.tp_style))
+                    for lin in block_linears(config))
     return _Layout(
-        embed_numel=sum(p.numel() for p in embed.parameters()),
-        head_numel=head_numel,
-        norm_numel=sum(p.numel() for p in base.norm.parameters()),
+        embed_numel=_numel(before),
+        head_numel=_numel(after) + _numel([lm_head]),
+        norm_numel=_numel(after),
         block_numel_replicated=replicated,
         block_numel_sharded=sharded,
-        linears=tuple(linears),
+        linears=linears,
         tied=tied,
     )
 
@@ -492,34 +416,35 @@ class _Captured(Exception):
 def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     """A one-block model of the real class with fake (unallocated) weights, and the kwargs its model
     forward passes to the block (rotary embeddings, mask), captured by running it once."""
-    from transformers import AutoModelForCausalLM
-
     config = _CONFIGS[key]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_one_layer_config(config, tp=tp), dtype=_dtype(spec.dtype))
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    model = meta_model(_one_layer_config(config, tp=tp), dtype=_dtype(spec.dtype))
+    if getattr(model.config, "_experts_implementation", None) == "grouped_mm" and spec.dtype != "bfloat16":
+        # torch's meta kernel of grouped_mm accepts only bf16 (the real CPU kernel takes fp32 too)
+        model.config._experts_implementation = "batched_mm"
+    base = getattr(model, model.base_model_prefix)
+    block = _parts(model)[1]
     if spec.method == "lora":
         from peft import LoraConfig, inject_adapter_in_model
 
         targets = [lin.name.rsplit(".", 1)[-1] for lin in _lora_targets(_layout(key), spec)]
-        inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=targets), base.layers[0])
-        for name, module in base.layers[0].named_modules():
+        inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=targets), block)
+        for name, module in block.named_modules():
             if name.endswith(("lora_A", "lora_B")):
                 module.to(_LORA_ADAPTER_DTYPE)
     with mode:
         _to_fake(model)
-        kwargs, ids = _block_kwargs(base, spec)
-    return model, base, kwargs, ids
+        kwargs, ids = _block_kwargs(base, block, spec)
+    return model, block, kwargs, ids
 
 
-def _block_kwargs(base, spec: TrainingSpec):
+def _block_kwargs(base, block, spec: TrainingSpec):
     captured = {}
 
     def capture(module, args, kwargs):
         captured.update(kwargs)
         raise _Captured
 
-    handle = base.layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
     ids = torch.zeros(spec.micro_batch_size, spec.seq_len, dtype=torch.long)
     try:
         with torch.no_grad():
@@ -554,21 +479,25 @@ def _set_trainable(module: torch.nn.Module, spec: TrainingSpec) -> None:
         p.requires_grad_(spec.method == "full" or (spec.method == "lora" and "lora_" in name))
 
 
+def _hidden(output):
+    """A block's hidden states: some blocks (GPT-2's) return them first in a tuple."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 @functools.lru_cache(maxsize=256)
 def _trace_block(key: str, spec: TrainingSpec, tp: int) -> _BlockTrace:
     config = _CONFIGS[key]
     dtype = _dtype(spec.dtype)
     shape = (spec.micro_batch_size, spec.seq_len, config.hidden_size)
     mode = FakeTensorMode()
-    model, base, kwargs, _ = _fake_model(key, spec, tp, mode)
+    model, block, kwargs, _ = _fake_model(key, spec, tp, mode)
     with mode:
-        block = base.layers[0]
         _set_trainable(block, spec)
         params = list(block.parameters())
 
         with _LiveBytes() as live, torch.no_grad():
             x = torch.empty(shape, dtype=dtype)
-            y = block(x, **kwargs)
+            y = _hidden(block(x, **kwargs))
             del x, y
         inference_peak = live.peak
         if spec.method == "inference":
@@ -578,7 +507,7 @@ def _trace_block(key: str, spec: TrainingSpec, tp: int) -> _BlockTrace:
         with _LiveBytes() as live:
             x = torch.empty(shape, dtype=dtype, requires_grad=True)
             with saved.hooks():
-                y = block(x, **kwargs)
+                y = _hidden(block(x, **kwargs))
             fwd_peak = live.peak
             grad_out = torch.empty_like(y)
             live.reset_peak()
@@ -597,9 +526,10 @@ def _trace_ends(key: str, spec: TrainingSpec) -> _EndsTrace:
     dtype = _dtype(spec.dtype)
     shape = (spec.micro_batch_size, spec.seq_len, config.hidden_size)
     mode = FakeTensorMode()
-    model, base, _, ids = _fake_model(key, spec, 1, mode)
+    model, _, _, ids = _fake_model(key, spec, 1, mode)
     with mode:
-        embed, norm, lm_head = base.embed_tokens, base.norm, model.get_output_embeddings()
+        _, _, after, lm_head = _parts(model)
+        embed, norm = model.get_input_embeddings(), torch.nn.Sequential(*[m for m in after if _numel([m])])
         _set_trainable(model, spec)
         train = spec.method != "inference"
 
@@ -623,7 +553,8 @@ def _trace_ends(key: str, spec: TrainingSpec) -> _EndsTrace:
         with _LiveBytes() as live:
             x = torch.empty(shape, dtype=dtype, requires_grad=train)
             with torch.set_grad_enabled(train), saved.hooks():
-                logits = lm_head(norm(x))
+                # the family's logit scaling / soft-capping makes logits-sized temporaries of its own
+                logits = FAMILIES.get(config.model_type, Family()).output_side(config, lm_head(norm(x)))
                 if train:
                     loss = model.loss_function(logits=logits, labels=ids, vocab_size=config.vocab_size)
             head_fwd = live.peak

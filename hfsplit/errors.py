@@ -23,6 +23,11 @@ class UnsupportedModelError(HfsplitError):
     """A model architecture hfsplit cannot split."""
 
 
+class ConvertedOnLoadError(UnsupportedModelError):
+    """A checkpoint whose tensors transformers merges or splits on load (MoE experts): the lazy reader
+    cannot read them one by one, so single-process loading hands them to transformers itself."""
+
+
 class TrainingFault(HfsplitError):
     """A run that started well and then failed: not bad input, so the recipe exits 3 instead of 2."""
 

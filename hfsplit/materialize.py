@@ -16,8 +16,10 @@ import torch
 from .budget import BudgetSpec, local_max_memory, torch_device  # noqa: F401  (torch_device re-exported)
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.resolve import load_config, resolve_file
-from .costs import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401  (re-exported)
-from .errors import CheckpointError, UnsupportedModelError
+from .errors import CheckpointError, ConvertedOnLoadError, UnsupportedModelError
+from .models import (  # noqa: F401  (SUPPORTED_MODEL_TYPES, check_supported re-exported)
+    SUPPORTED_MODEL_TYPES, check_causal_lm, check_supported, decoder_layout, meta_model, recompute_buffers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +69,26 @@ def from_pretrained(
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _split_across_ranks(str(name_or_path), max_memory, dtype=dtype, plan=plan, **planner_options)
-    source = str(name_or_path)
+    return load_whole_blocks(str(name_or_path), max_memory, dtype=dtype, plan=plan, training=training,
+                             attn_implementation=attn_implementation, revision=revision, **planner_options)
+
+
+def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, training: str,
+                      attn_implementation: Optional[str], revision: Optional[str], **planner_options):
+    """The single-process `from_pretrained`: whole blocks placed by the plan, the model's own forward."""
     config = load_config(source, revision=revision)
-    check_supported(config)
-    model, reader = meta_model_and_reader(config, source, dtype=dtype, attn_implementation=attn_implementation,
-                                          revision=revision)
+    check_causal_lm(config)  # whole blocks run inside the model's own forward: any causal LM loads right
+    try:
+        model, reader = meta_model_and_reader(config, source, dtype=dtype, attn_implementation=attn_implementation,
+                                              revision=revision)
+    except ConvertedOnLoadError:
+        wanted = resolve_dtype(dtype, config)
+        model = meta_model(config, dtype=wanted, attn_implementation=attn_implementation)
+        return load_with_transformers(source, config, model, max_memory, plan=plan, training=training, dtype=wanted,
+                                      attn_implementation=attn_implementation, revision=revision, **planner_options)
     if plan is None:
         plan = plan_for(config, source, max_memory, training=training, dtype=model.dtype, **planner_options)
-    device_map = device_map_of(plan)
+    device_map = device_map_of(plan, model)
     check_device_map(model, device_map)
     with reader:
         materialize_blocks(model, reader, device_map)
@@ -115,6 +129,25 @@ def meta_model_and_reader(config, source: str, *, dtype, attn_implementation, re
     return model, reader
 
 
+def load_with_transformers(source: str, config, model: torch.nn.Module, max_memory: BudgetSpec, *, plan, training: str,
+                           dtype: Optional[torch.dtype], attn_implementation: Optional[str], revision: Optional[str],
+                           **planner_options):
+    """Load a checkpoint whose tensors transformers merges on load (MoE experts stored one by one) with
+    transformers itself, onto hfsplit's planned whole-module placement: its loader does the merging."""
+    from transformers import AutoModelForCausalLM
+
+    if plan is None:
+        plan = plan_for(config, source, max_memory, training=training, dtype=model.dtype, **planner_options)
+    device_map = device_map_of(plan, model)
+    check_device_map(model, device_map)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation is not None else {}
+    loaded = AutoModelForCausalLM.from_pretrained(source, device_map=dict(device_map), dtype=dtype or "auto",
+                                                  revision=revision, **kwargs)
+    loaded.hf_device_map = dict(device_map)  # transformers sets it only for more than one device
+    loaded.hfsplit_plan = plan if not isinstance(plan, Mapping) else None
+    return loaded.eval()
+
+
 def resolve_dtype(dtype: Union[torch.dtype, str, None], config) -> Optional[torch.dtype]:
     """The torch dtype to build the model in; None means "as the checkpoint stores it"."""
     if dtype is None or dtype == "auto":
@@ -126,17 +159,6 @@ def resolve_dtype(dtype: Union[torch.dtype, str, None], config) -> Optional[torc
             raise ValueError(f"dtype {dtype!r}: use a torch dtype or its name, e.g. 'bfloat16'")
         dtype = getattr(torch, dtype)
     return dtype
-
-
-def meta_model(config, *, dtype: Optional[torch.dtype], attn_implementation: Optional[str] = None):
-    """The model of `config` on the meta device: shapes and names, no memory."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"dtype": dtype or torch.get_default_dtype()}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def checkpoint_float_dtype(reader: CheckpointReader, model: torch.nn.Module) -> Optional[torch.dtype]:
@@ -156,14 +178,15 @@ def plan_for(config, source: str, max_memory: BudgetSpec, *, training: str, dtyp
     budget = max_memory if max_memory is not None else local_max_memory()
     if not isinstance(config.name_or_path, str) or not config.name_or_path:
         config.name_or_path = source
-    return make_plan(config, budget, spec=spec, tp=1, **options)
+    return make_plan(config, budget, spec=spec, tp=1, single_process=True, **options)
 
 
-def device_map_of(plan) -> dict[str, Union[int, str]]:
-    """The `{module prefix: device}` map of a Plan, or the map itself when one was given."""
+def device_map_of(plan, model: torch.nn.Module) -> dict[str, Union[int, str]]:
+    """The `{module prefix: device}` map of a Plan over `model`'s own modules, or the map itself when one
+    was given."""
     if isinstance(plan, Mapping):
         return dict(plan)
-    return plan.device_map()
+    return plan.device_map(decoder_layout(model))
 
 
 def check_device_map(model: torch.nn.Module, device_map: DeviceMap) -> None:
@@ -239,19 +262,7 @@ def restore_nonpersistent_buffers(model: torch.nn.Module, device_map: DeviceMap)
     Meta initialisation left them empty; transformers recomputes them with the model's
     `_init_weights`, which for a rotary embedding recomputes inv_freq from the config.
     """
-    init = getattr(model, "_init_weights", None)
-    for module_name, module in model.named_modules():
-        own = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
-        if not own:
-            continue
-        if any(True for _ in module.parameters(recurse=False)):
-            raise UnsupportedModelError(
-                f"{module_name} ({type(module).__name__}) has non-persistent buffers and parameters; "
-                "hfsplit cannot recompute its buffers without re-initialising the parameters")
-        if init is None:
-            raise UnsupportedModelError(f"{type(model).__name__} has no _init_weights to recompute {module_name} buffers")
-        with torch.no_grad():
-            init(module)
+    recompute_buffers(model, getattr(model, "_init_weights", None))
 
 
 def check_no_meta(model: torch.nn.Module) -> None:

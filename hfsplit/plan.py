@@ -156,25 +156,26 @@ class Plan:
         """The stages pipeline rank `pp_rank` runs (several under interleaved schedules)."""
         return tuple(s for s in self.stages if s.pp_rank == pp_rank)
 
-    def device_map(self) -> dict[str, str]:
+    def device_map(self, layout=None) -> dict[str, str]:
         """An accelerate/transformers `device_map` for single-process use (TP = 1, replica 0).
 
         Devices are strings accelerate accepts: "0", "1", ... become ints, "cpu" stays.
+        `layout` (an `hfsplit.models.DecoderLayout`) names the model's modules; by default those of
+        Llama-like models. What runs ahead of the blocks goes with the embeddings, the rest with the head.
         """
         if self.tp != 1:
             raise ValueError("device_map() describes single-process placement; this plan has tp > 1")
+        before, layers, after = (("model.embed_tokens",), "model.layers", ("model.norm", "model.rotary_emb", "lm_head"))
+        if layout is not None:
+            before, layers, after = layout.before, layout.layers, layout.after + layout.outside
         out: dict[str, object] = {}
         ordered = sorted(self.stages, key=lambda s: s.layers[0])
         for stage in ordered:
             device = _accelerate_device(stage.devices[0][0])
-            if stage.has_embed:
-                out["model.embed_tokens"] = device
+            out.update({name: device for name in before} if stage.has_embed else {})
             for layer in range(*stage.layers):
-                out[f"model.layers.{layer}"] = device
-            if stage.has_head:
-                out["model.norm"] = device
-                out["model.rotary_emb"] = device
-                out["lm_head"] = device
+                out[f"{layers}.{layer}"] = device
+            out.update({name: device for name in after} if stage.has_head else {})
         return out
 
     def table(self) -> str:

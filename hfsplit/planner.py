@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence, Union
 
 from .budget import BudgetSpec, format_bytes, parse_max_memory
-from .costs import ModelCosts, PartCost, TrainingSpec, check_supported, model_costs, tp_degree_error, valid_tp_degrees
+from .costs import ModelCosts, PartCost, TrainingSpec, model_costs
+from .models import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
 from .errors import PlanError
 from .plan import SCHEDULES, Plan, Stage, StageMemory
 
@@ -60,6 +61,7 @@ def make_plan(
     pp: Optional[int] = None,
     dp: Optional[int] = None,
     world_size: Optional[int] = None,
+    single_process: bool = False,
 ) -> Plan:
     """Plan the split of `model` over the devices of `max_memory`.
 
@@ -74,6 +76,7 @@ def make_plan(
         device_speeds: relative speed per device key (default 1 each).
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
         world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
+        single_process: plan for one process (the model's own forward; any causal LM), not the split.
 
     Raises:
         PlanError: nothing fits; the message says per stage what is needed against
@@ -83,7 +86,7 @@ def make_plan(
 
     config = load_config(model) if isinstance(model, (str, os.PathLike)) else model
     name = str(model) if isinstance(model, (str, os.PathLike)) else (config._name_or_path or config.model_type)
-    check_supported(config)
+    check_causal_lm(config) if single_process else check_supported(config)
     spec = spec or TrainingSpec()
     budgets = parse_max_memory(max_memory)
     _check_options(schedule, micro_batches, global_batch, spec)

@@ -35,6 +35,10 @@ def param_count(config, tp: int = 1) -> float:
         ("Qwen--Qwen2.5-14B", 14.77e9),
         ("Qwen--Qwen2.5-0.5B", 0.494e9),  # "0.49B" in the report; the hub page says 494M
         ("mistralai--Mistral-7B-v0.3", 7.25e9),
+        ("google--gemma-2-27b", 27.2e9),
+        ("google--gemma-3-27b-pt", 27.0e9),  # the text model; the hub's 27.4B adds the vision tower
+        ("mistralai--Mixtral-8x7B-v0.1", 46.7e9),  # every expert's weights
+        ("Qwen--Qwen3-30B-A3B", 30.5e9),
     ],
 )
 def test_published_parameter_counts(name, published):
@@ -96,7 +100,7 @@ def tiny_config(family: str):
         return MistralConfig(hidden_size=128, intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, sliding_window=None, **common)
     from transformers import AutoConfig
 
-    extra = {"head_dim": 16} if family == "qwen3" else {}
+    extra = {"head_dim": 16} if family in ("qwen3", "gemma", "gemma2") else {}  # their defaults are 128 / 256
     return AutoConfig.for_model(family, hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
                                 vocab_size=2000, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra, **common)
 
@@ -158,7 +162,8 @@ def estimated_peak(config, method: str, seq_len: int, checkpointing: bool = Fals
 
 @pytest.mark.parametrize("seq_len", [64, 256])
 @pytest.mark.parametrize("method", ["inference", "lora", "full"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2",
+                                    "gemma", "gemma2", "granite", "cohere"])
 def test_estimated_peak_matches_a_real_step(family, method, seq_len):
     config = tiny_config(family)
     measured, estimated = measured_peak(config, method, seq_len), estimated_peak(config, method, seq_len)

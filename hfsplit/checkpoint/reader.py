@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..budget import torch_device
-from ..errors import CheckpointError, UnsupportedModelError
+from ..errors import CheckpointError, ConvertedOnLoadError, UnsupportedModelError
 from .resolve import resolve_file
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -431,7 +431,7 @@ def _renamed(key: str, model: torch.nn.Module, renamings: list, converters: list
 
     renamed, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
     if converter is not None:
-        raise UnsupportedModelError(
+        raise ConvertedOnLoadError(
             f"{type(model).__name__}: checkpoint tensor {key!r} is converted on load ({converter!r}: merged or split "
             "with others); hfsplit's lazy reader only handles renames; load this model with transformers")
     return renamed

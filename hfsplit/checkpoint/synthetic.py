@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import Optional
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
+# Families doing work outside their blocks (hfsplit.models.FAMILIES), with non-default factors so that a
+# stage skipping that work shows in the logits.
+FAMILY_OVERRIDES = {
+    "gemma": {},
+    "gemma2": dict(final_logit_softcapping=3.0, attn_logit_softcapping=5.0, sliding_window=4, query_pre_attn_scalar=16),
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
+    "cohere": dict(logit_scale=0.25),
+}
 
 
 def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4, hidden: int = 64,
@@ -20,8 +28,8 @@ def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4,
     """A transformers config of `arch` with tiny dimensions (fp32)."""
     from transformers import AutoConfig
 
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"arch {arch!r}: choose one of {ARCHITECTURES}")
+    if arch not in ARCHITECTURES and arch not in FAMILY_OVERRIDES:
+        raise ValueError(f"arch {arch!r}: choose one of {ARCHITECTURES + tuple(FAMILY_OVERRIDES)}")
     kwargs = dict(
         hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
@@ -32,6 +40,7 @@ def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4,
         kwargs["sliding_window"] = None
     if arch == "qwen3":
         kwargs["head_dim"] = hidden // heads  # Qwen3's default head_dim is a fixed 128
+    kwargs.update(FAMILY_OVERRIDES.get(arch, {}), **({"head_dim": hidden // heads} if arch in FAMILY_OVERRIDES else {}))
     kwargs.update(overrides)
     config = AutoConfig.for_model(arch, **kwargs)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]

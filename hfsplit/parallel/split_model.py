@@ -13,10 +13,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import PlanError
+from ..models import meta_model
 from ..plan import Plan
 from .mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
 from .pipeline import StageTimer, build_schedule, pipeline_stages
-from .stage import StageModule, load_stage_weights, meta_model
+from .stage import StageModule, load_stage_weights
 from .tensor import apply_tp, grad_summed_over_tp, local_tensor, tp_shard_dim
 from .weights import open_reader
 

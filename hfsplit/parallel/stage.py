@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from ..models import check_pp_plan, family_of, meta_model, recompute_buffers
 from ..plan import Stage
 
 
@@ -35,7 +35,10 @@ class StageModule(nn.Module):
         self.stage_index = stage.index
         self.has_embed = stage.has_embed
         self.has_head = stage.has_head
+        # A stage is built from the blocks alone: only declared families, whose outside work it redoes, split right.
+        self.family = family_of(config)
         full = meta_model(config)
+        self._init_weights = full._init_weights  # recomputes buffers no checkpoint holds (`materialize_buffers`)
         base = getattr(full, full.base_model_prefix)
         check_pp_plan(base)
         # A plain container named like the base model keeps parameter names equal to checkpoint keys.
@@ -61,7 +64,7 @@ class StageModule(nn.Module):
         """`cache` (a transformers Cache of this stage's layers, for generation) continues after the
         positions it holds; without it the sequence starts at position 0."""
         if self.body.embed_tokens is not None:
-            x = self.body.embed_tokens(x)
+            x = self.family.input_side(self.config, self.body.embed_tokens(x))
         layers = [int(name) for name in self.body.layers]
         past = cache.get_seq_length(layers[0]) if cache is not None and layers else 0
         positions = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
@@ -71,26 +74,8 @@ class StageModule(nn.Module):
             x = layer(x, attention_mask=masks[layer_attention_type(self.config, int(name))],
                       position_embeddings=rotary, position_ids=positions, cache=cache, use_cache=cache is not None)
         if self.body.norm is not None:
-            x = self.lm_head(self.body.norm(x))
+            x = self.family.output_side(self.config, self.lm_head(self.body.norm(x)))
         return x
-
-
-def meta_model(config) -> nn.Module:
-    """The full causal LM of `config` on the meta device (no memory allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-def check_pp_plan(base: nn.Module) -> None:
-    """Raise UnsupportedModelError unless the model declares the embed → layers → norm pipeline plan."""
-    pp_plan = getattr(base.config, "base_model_pp_plan", None) or getattr(base, "_pp_plan", None)
-    if not pp_plan or list(pp_plan) != ["embed_tokens", "layers", "norm"]:
-        raise UnsupportedModelError(
-            f"{type(base).__name__}: hfsplit splits models whose base_model_pp_plan is embed_tokens → layers → norm "
-            f"(found {list(pp_plan) if pp_plan else None}); use the single-process path for this model"
-        )
 
 
 def layer_attention_type(config, index: int) -> str:
@@ -123,9 +108,10 @@ def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, ca
 
 
 def materialize_buffers(module: StageModule, *, device: torch.device) -> None:
-    """Rebuild the rotary embedding (non-persistent buffers, absent from checkpoints) on `device`."""
+    """Rebuild the rotary embedding and the other non-persistent buffers (absent from checkpoints) on `device`."""
     with torch.device(device):
         module.rotary_emb = type(module.rotary_emb)(config=module.config)
+    recompute_buffers(module, module._init_weights, device=device)
 
 
 def load_stage_weights(module: StageModule, *, reader, device: torch.device, dtype: Optional[torch.dtype] = None,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..costs import REPLICATED_SUMMED
+from ..models import REPLICATED_SUMMED
 from ..errors import UnsupportedModelError
 
 

@@ -36,7 +36,7 @@ def lora_config(*, r: int, alpha: int, dropout: float, targets: Optional[Sequenc
     `targets`, every linear projection of a decoder block of `model_config`'s model."""
     from peft import LoraConfig
 
-    from ..costs import block_linear_names
+    from ..models import block_linear_names
 
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                       target_modules=list(targets or block_linear_names(model_config)),

@@ -31,7 +31,11 @@ SPLITS = {
 
 @pytest.mark.parametrize("name", list(SPLITS))
 def test_split_matches_transformers(name, launch, tiny_checkpoint):
-    arch, tied, ranks, split = SPLITS[name]
+    check_split_matches_transformers(*SPLITS[name], launch=launch, tiny_checkpoint=tiny_checkpoint)
+
+
+def check_split_matches_transformers(arch: str, tied: bool, ranks: int, split: dict, *, launch, tiny_checkpoint) -> None:
+    """One launch of `ranks` processes checks logits, loss, gradients, generation and parameter placement."""
     checkpoint = str(tiny_checkpoint(arch, tied=tied))
     results = launch("tests.parallel.cases:split_matches_transformers", world_size=ranks,
                      kwargs=dict(checkpoint=checkpoint, **split))

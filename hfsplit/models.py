@@ -1,0 +1,313 @@
+"""What hfsplit knows about model families: which it splits, how they shard, how a model is laid out.
+
+One module holds this knowledge so that the planner, the cost model and the runtime
+(parallel/, training/) agree on it; the cost model and the runtime import it, never each other.
+
+Two levels of support:
+- single process (`hfsplit.from_pretrained` without a distributed launch): any decoder-only
+  causal LM transformers builds. Whole modules are placed and the model's own forward runs,
+  so nothing a family does outside its blocks can be skipped.
+- the distributed split (pipeline stages, tensor parallel): only `SUPPORTED_MODEL_TYPES`,
+  whose split is tested against transformers. A stage is built from the blocks alone, and a
+  model may do work in its own forward (Gemma's embedding scale, Granite's logit scaling)
+  that such a stage would silently skip, so every other type is refused by name.
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedModelError
+
+
+
+@dataclass(frozen=True)
+class Family:
+    """The work a family's model forward does outside its decoder blocks, which a pipeline stage built
+    from the blocks must redo: the first stage the input side, the last stage the output side.
+
+    Each field names the config attribute holding the factor (the work is skipped where it is None).
+    What lives inside modules needs no declaration: Gemma's embedding scale is its embedding module's
+    (`embed_scale`, restored with the other non-persistent buffers), attention soft-capping and Granite's
+    residual and attention multipliers are the blocks'.
+
+    Args:
+        embed_multiplier: the embeddings are multiplied by it (Granite `embedding_multiplier`).
+        logit_multiplier: the logits are multiplied by it (Cohere `logit_scale`).
+        logit_divisor: the logits are divided by it (Granite `logits_scaling`).
+        final_softcap: logits become cap · tanh(logits / cap) (Gemma 2 `final_logit_softcapping`).
+    """
+
+    embed_multiplier: Optional[str] = None
+    logit_multiplier: Optional[str] = None
+    logit_divisor: Optional[str] = None
+    final_softcap: Optional[str] = None
+
+    def input_side(self, config, hidden: torch.Tensor) -> torch.Tensor:
+        """The embeddings as the model's forward hands them to its first block."""
+        factor = _field(config, self.embed_multiplier)
+        return hidden if factor is None else hidden * factor
+
+    def output_side(self, config, logits: torch.Tensor) -> torch.Tensor:
+        """The logits as the model's forward returns them, from lm_head's output (in the model's order)."""
+        if (cap := _field(config, self.final_softcap)) is not None:
+            # one step at a time, as the model does: each rebinding frees the previous logits-sized tensor
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
+        if (factor := _field(config, self.logit_multiplier)) is not None:
+            logits = logits * factor
+        if (divisor := _field(config, self.logit_divisor)) is not None:
+            logits = logits / divisor
+        return logits
+
+
+def _field(config, name: Optional[str]):
+    return getattr(config, name, None) if name else None
+
+
+# Families whose distributed split is tested against transformers (logits, gradients, generation), and the
+# work each does outside its blocks. Adding one: its line here plus its equality test in tests/test_families.py.
+FAMILIES = {
+    "llama": Family(), "qwen2": Family(), "mistral": Family(), "qwen3": Family(), "phi3": Family(), "olmo2": Family(),
+    "gemma": Family(),  # embedding scale inside GemmaTextScaledWordEmbedding
+    "gemma2": Family(final_softcap="final_logit_softcapping"),
+    "granite": Family(embed_multiplier="embedding_multiplier", logit_divisor="logits_scaling"),
+    "cohere": Family(logit_multiplier="logit_scale"),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def family_of(config) -> Family:
+    """The declared family of `config` (UnsupportedModelError naming it when nobody declared it)."""
+    check_supported(config)
+    return FAMILIES[config.model_type]
+# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1. The last kind
+# stays whole on every rank, its gradient summed over the TP group.
+REPLICATED_SUMMED = "replicated_with_grad_allreduce"
+TP_STYLES = ("colwise", "rowwise", REPLICATED_SUMMED)
+# The pipeline plan a stage builder follows: embeddings → blocks → final norm.
+PP_PLAN = ["embed_tokens", "layers", "norm"]
+
+
+# --- which models -------------------------------------------------------------------------------
+
+
+def check_causal_lm(config) -> None:
+    """Raise UnsupportedModelError unless `config` is a decoder-only model (what single-process loading
+    needs: transformers' own forward does the rest)."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(_unsupported(config, "encoder-decoder models are not split"))
+
+
+def check_supported(config) -> None:
+    """Raise UnsupportedModelError unless the config is a decoder-only LM hfsplit can split across processes.
+
+    Called before any cost is computed (and so before any weight is read): other models lack
+    the fields the cost model reads (`intermediate_size`, ...) and would fail obscurely.
+    """
+    check_causal_lm(config)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(_unsupported(config, "its split is not verified against transformers"))
+
+
+def _unsupported(config, why: str) -> str:
+    name = getattr(config, "_name_or_path", "") or ""
+    classes = ", ".join(getattr(config, "architectures", None) or [])
+    where = f"{name + ': ' if name else ''}model_type {config.model_type!r}{f' ({classes})' if classes else ''}"
+    return (f"{where}: {why}; "
+            f"hfsplit splits {', '.join(SUPPORTED_MODEL_TYPES)}; pick such a model, load this one in a single "
+            "process (hfsplit.from_pretrained without a distributed launch), or with transformers itself")
+
+
+def check_pp_plan(base: nn.Module) -> None:
+    """Raise UnsupportedModelError unless the model declares the embed → layers → norm pipeline plan."""
+    pp_plan = getattr(base.config, "base_model_pp_plan", None) or getattr(base, "_pp_plan", None)
+    if not pp_plan or list(pp_plan) != PP_PLAN:
+        raise UnsupportedModelError(
+            f"{type(base).__name__}: hfsplit splits models whose base_model_pp_plan is embed_tokens → layers → norm "
+            f"(found {list(pp_plan) if pp_plan else None}); use the single-process path for this model"
+        )
+
+
+# --- tensor parallelism -------------------------------------------------------------------------
+
+
+def tp_plan_of(config) -> dict[str, str]:
+    """The model's `base_model_tp_plan` ({module pattern: style}), empty when it has none."""
+    return dict(getattr(config, "base_model_tp_plan", None) or {})
+
+
+def tp_supported(config) -> bool:
+    """Whether hfsplit can shard `config`'s model: it has a TP plan made only of the styles it implements."""
+    styles = set(tp_plan_of(config).values())
+    return bool(styles) and styles <= set(TP_STYLES)
+
+
+def tp_style_of(config, module_path: str) -> Optional[str]:
+    """The TP style the plan gives `module_path` ("layers.0.self_attn.q_proj"), None when unsharded."""
+    for pattern, style in tp_plan_of(config).items():
+        if fnmatch.fnmatchcase(module_path, pattern):
+            return style
+    return None
+
+
+def valid_tp_degrees(config, max_degree: int) -> list[int]:
+    """TP degrees ≤ max_degree dividing attention heads, key-value heads and MLP width (only 1 for a
+    model hfsplit cannot shard)."""
+    if not tp_supported(config):
+        return [1]
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    widths = (heads, kv_heads, config.intermediate_size)
+    return [t for t in range(1, max_degree + 1) if all(w % t == 0 for w in widths)]
+
+
+def tp_degree_error(config, tp: int) -> Optional[str]:
+    """Why tensor-parallel degree `tp` cannot shard `config`'s model (None when it can)."""
+    if tp > 1 and not tp_supported(config):
+        styles = sorted(set(tp_plan_of(config).values()) - set(TP_STYLES))
+        return (f"tp={tp}: {config.model_type}'s tensor-parallel plan uses {', '.join(styles) or 'no styles'}, "
+                f"which hfsplit does not shard yet (it shards {', '.join(TP_STYLES)}); use tp=1")
+    valid = valid_tp_degrees(config, max(tp, 1))
+    if tp not in valid:
+        return (f"tp={tp} does not divide the model's attention heads ({config.num_attention_heads}), key-value heads "
+                f"({getattr(config, 'num_key_value_heads', None) or config.num_attention_heads}) and MLP width "
+                f"({config.intermediate_size}); valid degrees: {', '.join(map(str, valid))}")
+    return None
+
+
+# --- building and reading the model's layout -------------------------------------------------------
+
+
+def meta_model(config, *, dtype: Optional[torch.dtype] = None, attn_implementation: Optional[str] = None) -> nn.Module:
+    """The causal LM of `config` on the meta device: shapes and names, no memory.
+
+    The one builder every part of hfsplit uses (the stage builder, the loader, the cost model).
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype or torch.get_default_dtype()}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def one_layer_config(config):
+    """A copy of `config` with one decoder block (all blocks alike; 1 block builds ~80× faster than 80)."""
+    cfg = config.__class__.from_dict(config.to_dict())
+    cfg.num_hidden_layers = 1
+    layer_types = getattr(cfg, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and layer_types:
+        cfg.layer_types = list(layer_types[:1])
+    return cfg
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """Where a causal LM keeps its parts, as module paths of the full model ("model.layers").
+
+    Args:
+        base: the decoder ("model", GPT-2's "transformer").
+        before: the decoder's children ahead of the blocks (embeddings, positional embeddings).
+        layers: the ModuleList of decoder blocks.
+        after: the decoder's children behind the blocks (final norm, rotary embedding).
+        outside: the model's children outside the decoder (lm_head).
+    """
+
+    base: str
+    before: tuple[str, ...]
+    layers: str
+    after: tuple[str, ...]
+    outside: tuple[str, ...]
+
+
+def decoder_layout(model: nn.Module) -> DecoderLayout:
+    """The layout of `model` (a transformers causal LM): its blocks are the decoder's ModuleList holding
+    `num_hidden_layers` modules; the decoder's other children go before or after them in registration
+    order, which is the order the model's forward runs them."""
+    prefix = model.base_model_prefix
+    base = getattr(model, prefix, None)
+    if not isinstance(base, nn.Module):
+        raise UnsupportedModelError(f"{type(model).__name__} has no decoder named {prefix!r}; load it with transformers")
+    children = list(base.named_children())
+    n = model.config.num_hidden_layers
+    at = next((i for i, (_, m) in enumerate(children) if isinstance(m, nn.ModuleList) and len(m) == n), None)
+    if at is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: found no list of its {n} decoder blocks under {prefix!r}; load it with transformers")
+    return DecoderLayout(
+        base=prefix,
+        before=tuple(f"{prefix}.{name}" for name, _ in children[:at]),
+        layers=f"{prefix}.{children[at][0]}",
+        after=tuple(f"{prefix}.{name}" for name, _ in children[at + 1:]),
+        outside=tuple(name for name, _ in model.named_children() if name != prefix),
+    )
+
+
+@dataclass(frozen=True)
+class BlockLinear:
+    """One nn.Linear of a decoder block."""
+
+    name: str  # relative to the block ("self_attn.q_proj")
+    in_features: int
+    out_features: int
+    tp_style: Optional[str]  # the TP plan's style for it, None when the plan leaves it whole
+
+
+def block_linears(config) -> tuple[BlockLinear, ...]:
+    """The linear layers of one decoder block of `config`'s model, read from the real class on meta."""
+    key = config.to_json_string(use_diff=False)
+    _CONFIGS.setdefault(key, config)
+    return _block_linears(key)
+
+
+_CONFIGS: dict[str, object] = {}  # lru_cache keys must be hashable; configs are not
+
+
+@functools.lru_cache(maxsize=32)
+def _block_linears(key: str) -> tuple[BlockLinear, ...]:
+    config = _CONFIGS[key]
+    model = meta_model(one_layer_config(config))
+    block = model.get_submodule(decoder_layout(model).layers)[0]
+    return tuple(BlockLinear(name, m.in_features, m.out_features, tp_style_of(config, f"layers.0.{name}"))
+                 for name, m in block.named_modules() if isinstance(m, nn.Linear))
+
+
+def block_linear_names(config) -> list[str]:
+    """The linear layers of one decoder block ("q_proj" … "down_proj", Phi-3's fused "qkv_proj" and
+    "gate_up_proj"): LoRA's default targets, which the cost model counts when none are given."""
+    return sorted({lin.name.rsplit(".", 1)[-1] for lin in block_linears(config)})
+
+
+def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] = None) -> None:
+    """Recompute the non-persistent buffers no checkpoint holds (rotary `inv_freq`, Gemma's `embed_scale`)
+    with the model's own `_init_weights` (`init`), as transformers' loading does.
+
+    With `device`, only buffers still on the meta device are given storage there and recomputed. A module's
+    own parameters (Gemma's embedding weight beside `embed_scale`) already hold checkpoint bytes: `init`
+    sees meta stand-ins, on which its writes do nothing.
+    """
+    for module_name, module in root.named_modules():
+        own = [b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
+        if device is not None:
+            own = [b for b in own if module._buffers[b].is_meta]
+            module._buffers.update({b: torch.empty_like(module._buffers[b], device=device) for b in own})
+        if not own:
+            continue
+        if init is None:
+            raise UnsupportedModelError(f"{type(root).__name__} has no _init_weights to recompute {module_name} buffers")
+        loaded = dict(module._parameters)
+        module._parameters.update({k: nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                                   for k, p in loaded.items() if p is not None})
+        try:
+            with torch.no_grad():
+                init(module)
+        finally:
+            module._parameters.update(loaded)

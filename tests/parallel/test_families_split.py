@@ -1,0 +1,25 @@
+"""Families that do work outside their blocks (hfsplit.models.FAMILIES), split: logits, gradients and greedy
+generation equal to transformers. One launch per (family, split) checks all three."""
+import pytest
+
+from tests.parallel.test_split_model import check_split_matches_transformers
+
+pytestmark = pytest.mark.slow
+
+SPLITS = {
+    # final logit soft-capping on the last stage, alternating sliding window, embedding scale in the module
+    "gemma2-pp2-1f1b": ("gemma2", False, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    # embedding multiplier on the first stage, logits divisor on the last
+    "granite-pp2-gpipe": ("granite", False, 2, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
+    # logit scale, tied head on the last stage, parallel attention/MLP blocks
+    "cohere-tied-pp2-1f1b": ("cohere", True, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    # soft-capping with heads sharded over TP ranks
+    "gemma2-tp2": ("gemma2", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # embedding scale under a vocabulary-sharded embedding
+    "gemma-tp2": ("gemma", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_family_split_matches_transformers(name, launch, tiny_checkpoint):
+    check_split_matches_transformers(*SPLITS[name], launch=launch, tiny_checkpoint=tiny_checkpoint)

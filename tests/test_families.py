@@ -1,0 +1,98 @@
+"""Families outside the distributed split: single-process `from_pretrained` equals transformers for any
+causal LM (the model's own forward runs over whole placed modules); the distributed split refuses them by name."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hfsplit.errors import UnsupportedModelError
+from hfsplit.materialize import from_pretrained
+from hfsplit.models import DecoderLayout, check_supported, decoder_layout, meta_model
+from hfsplit.parallel.stage import StageModule
+from hfsplit.plan import Stage, StageMemory
+
+VOCAB = 256
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)
+# What makes each family differ from Llama outside its blocks, with non-default values so a skipped step shows.
+FAMILIES = {
+    "gpt2": dict(vocab_size=VOCAB, n_layer=3, n_embd=32, n_head=2, n_positions=64, bos_token_id=1, eos_token_id=2),
+    "gemma": dict(TINY),  # embedding × sqrt(hidden)
+    "gemma2": dict(TINY, final_logit_softcapping=3.0, attn_logit_softcapping=5.0, sliding_window=4),
+    "gemma3_text": dict(TINY, sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        final_logit_softcapping=3.0),
+    "granite": dict(TINY, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=4.0),
+    "cohere": dict(TINY, logit_scale=0.25, tie_word_embeddings=True),
+    "cohere2": dict(TINY, logit_scale=0.25, sliding_window=4, tie_word_embeddings=True,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    # Experts stored one by one: transformers merges them on load, so hfsplit hands the load to it.
+    "mixtral": dict(TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen3_moe": dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+}
+# fp32 MoE blocks are traced with batched_mm (torch's meta grouped_mm takes bf16 only), which
+# materialises each token's expert weights: the tiny models' fp32 estimate is far above what runs.
+BUDGET = {"mixtral": "64GiB", "qwen3_moe": "64GiB"}
+
+
+def write_family(folder, arch: str):
+    config = AutoConfig.for_model(arch, **FAMILIES[arch])
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_single_process_equals_transformers(tmp_path, arch):
+    folder = write_family(tmp_path / arch, arch)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ours = from_pretrained(folder, max_memory={"cpu": BUDGET.get(arch, "3GiB")})  # planned by the planner, not a given map
+    layout = decoder_layout(ours)
+    assert set(ours.hf_device_map) == {*layout.before, *layout.after, *layout.outside,
+                                       *(f"{layout.layers}.{i}" for i in range(3))}
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+    greedy = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(ours.generate(ids, **greedy), reference.generate(ids, **greedy))
+
+
+def test_layout_of_a_model_without_pp_plan():
+    config = AutoConfig.for_model("gpt2", **FAMILIES["gpt2"])
+    assert decoder_layout(meta_model(config)) == DecoderLayout(
+        base="transformer", before=("transformer.wte", "transformer.wpe", "transformer.drop"), layers="transformer.h",
+        after=("transformer.ln_f",), outside=("lm_head",))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma3_text", "cohere2", "mixtral"])
+def test_distributed_split_refuses_undeclared_families_by_name(arch):
+    config = AutoConfig.for_model(arch, **FAMILIES[arch])
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{arch}'.*not verified against transformers"):
+        check_supported(config)
+    stage = Stage(index=0, pp_rank=0, devices=(("cpu",),), layers=(0, 3), has_embed=True, has_head=True,
+                  memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{arch}'"):
+        StageModule(config=config, stage=stage, tied=False)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "granite", "cohere"])
+def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
+    """The stage builder redoes what the family declares outside its blocks (fast, in-process; the
+    multi-process splits are in tests/parallel/test_families_split.py)."""
+    from hfsplit.checkpoint import load_config
+    from hfsplit.parallel.stage import load_stage_weights
+    from hfsplit.parallel.weights import open_reader
+
+    folder = str(tiny_checkpoint(arch, tied=arch == "cohere"))
+    config = load_config(folder)
+    stage = Stage(index=0, pp_rank=0, devices=(("cpu",),), layers=(0, config.num_hidden_layers), has_embed=True,
+                  has_head=True, memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)
+    module = StageModule(config=config, stage=stage, tied=config.tie_word_embeddings)
+    needed = [name for name, _ in module.named_parameters()]
+    with open_reader(folder, needed=needed, model=meta_model(config)) as reader:
+        load_stage_weights(module, reader=reader, device=torch.device("cpu"), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(3, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(module(ids), reference(ids).logits, rtol=0, atol=1e-5)
