@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .costs import DEFAULT_RESERVE_BYTES, TrainingSpec
+from .costs import TrainingSpec
 from .errors import HfsplitError
 
 
@@ -25,7 +25,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1F1B", help="1F1B | GPipe | Interleaved1F1B | ZBVZeroBubble")
     p.add_argument("--activation-checkpointing", choices=("on", "off", "auto"), default="auto")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
-    p.add_argument("--reserve", default=None, help=f"per-device reserve (default {DEFAULT_RESERVE_BYTES >> 30}GiB)")
+    p.add_argument("--reserve", default=None, help="per-device reserve overriding the measured one (0 on the CPU; on GPUs context + fragmentation + NCCL, see hfsplit/reserve.py)")
     p.add_argument("--device-speeds", default=None, help="relative speeds, e.g. 1,1,0.5")
     p.add_argument("--tp", type=int, default=None, help="force the tensor-parallel degree")
     p.add_argument("--pp", type=int, default=None, help="force the pipeline depth")
@@ -39,7 +39,7 @@ def spec_from_args(args) -> TrainingSpec:
 
     method = "full" if args.full else "inference" if args.inference else "lora"
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
-    reserve = parse_size(args.reserve, what="--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
+    reserve = parse_size(args.reserve, what="--reserve") if args.reserve else None
     return TrainingSpec(method=method, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                         dtype=args.dtype, lora_r=args.lora_r, lora_targets=targets, reserve_bytes=reserve)
 

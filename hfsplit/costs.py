@@ -24,8 +24,6 @@ from .errors import PlanError, UnsupportedModelError
 
 Method = Literal["inference", "lora", "full"]
 
-DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context + allocator fragmentation + comm buffers
-
 
 @dataclass(frozen=True)
 class TrainingSpec:
@@ -39,7 +37,8 @@ class TrainingSpec:
         lora_r: LoRA rank.
         lora_targets: module names LoRA wraps; None means every attention and MLP projection.
         activation_checkpointing: recompute each block's activations in backward.
-        reserve_bytes: fixed per-device reserve (context, fragmentation, comm buffers).
+        reserve_bytes: per-device reserve (context, fragmentation, comm buffers); None: measured for the
+            budget's devices by `make_plan` (see `hfsplit.reserve`: 0 on the CPU).
     """
 
     method: Method = "lora"
@@ -49,7 +48,7 @@ class TrainingSpec:
     lora_r: int = 16
     lora_targets: Optional[tuple[str, ...]] = None
     activation_checkpointing: bool = False
-    reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    reserve_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from .checkpoint.reader import CheckpointReader
 from .checkpoint.resolve import load_config, resolve_file
 from .costs import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401  (re-exported)
 from .errors import CheckpointError, UnsupportedModelError
+from .parallel.apply import apply_plan_to_model
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def from_pretrained(
     check_no_meta(model)
     model = dispatch(model, device_map)
     model.hf_device_map = dict(device_map)
-    model.hfsplit_plan = plan if not isinstance(plan, Mapping) else None
+    model.hfsplit_plan = apply_plan_to_model(model, plan if not isinstance(plan, Mapping) else None, training=training)
     load_generation_config(model, source, revision)
     model.eval()
     return model

@@ -23,6 +23,7 @@ from .budget import BudgetSpec, format_bytes, parse_max_memory
 from .costs import ModelCosts, PartCost, TrainingSpec, check_supported, model_costs, tp_degree_error, valid_tp_degrees
 from .errors import PlanError
 from .plan import SCHEDULES, Plan, Stage, StageMemory
+from .reserve import reserve_for
 
 # Effective dense throughput of a device of speed 1 and the TP link bandwidth. Only
 # ratios between plans matter for the choice; absolute step times are rough estimates.
@@ -86,6 +87,8 @@ def make_plan(
     check_supported(config)
     spec = spec or TrainingSpec()
     budgets = parse_max_memory(max_memory)
+    if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
+        spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
     _check_options(schedule, micro_batches, global_batch, spec)
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule,

@@ -7,6 +7,7 @@ ids, the last stage the labels).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -15,10 +16,11 @@ from torch import nn
 
 from ..errors import PlanError
 from ..plan import Plan
+from .apply import LoraSetup, apply_plan
 from .mesh import ParallelContext, init_parallel, stage_indices_of_pp_rank, stage_to_pp_rank
 from .pipeline import build_schedule, pipeline_stages
 from .stage import StageModule, load_stage_weights, meta_model
-from .tensor import apply_tp, grad_summed_over_tp, local_tensor
+from .tensor import grad_summed_over_tp, local_tensor
 from .weights import open_reader
 
 
@@ -251,8 +253,9 @@ def eos_token_ids(config) -> torch.Tensor:
 
 
 def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, config=None,
-                      dtype: Optional[torch.dtype] = None) -> SplitModel:
-    """This rank's SplitModel: stage modules on meta, TP applied, then only this rank's bytes read."""
+                      dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None) -> SplitModel:
+    """This rank's SplitModel: stage modules on meta, the plan applied (`apply_plan`: TP, activation
+    checkpointing, only this rank's bytes read, quantization, LoRA); `plan.applied` records the steps."""
     from ..checkpoint import load_config
 
     config = config if config is not None else load_config(name_or_path)
@@ -264,22 +267,23 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     dtype = dtype or getattr(torch, plan.spec.dtype)
     indices = stage_indices_of_pp_rank(plan, pp_rank=ctx.coords.pp)
     by_index = {s.index: s for s in plan.stages}
-    modules = []
-    for index in indices:
-        module = StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings)
-        if plan.tp > 1:
-            apply_tp(module, tp_mesh=ctx.tp_mesh, body_name=module._body_name)
-        modules.append(module)
-    needed = [name for m in modules for name, _ in m.named_parameters()]
-    reader = open_reader(name_or_path, needed=needed, model=meta_model(config))
-    for module in modules:
-        load_stage_weights(module, reader=reader, device=ctx.device, dtype=dtype, tp_rank=ctx.coords.tp,
-                           tp_size=plan.tp)
-    return SplitModel(plan=plan, config=config, ctx=ctx, stages=modules, stage_indices=indices)
+    modules = [StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings) for index in indices]
+
+    def load(stages) -> None:
+        needed = [name for m in stages for name, _ in m.named_parameters()]
+        reader = open_reader(name_or_path, needed=needed, model=meta_model(config))
+        for module in stages:
+            load_stage_weights(module, reader=reader, device=ctx.device, dtype=dtype, tp_rank=ctx.coords.tp,
+                               tp_size=plan.tp)
+
+    applied = apply_plan(modules, plan=plan, ctx=ctx, load=load, lora=lora)
+    return SplitModel(plan=replace(plan, applied=applied), config=config, ctx=ctx, stages=modules,
+                      stage_indices=indices)
 
 
 def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
-                          dtype: Optional[torch.dtype] = None, **plan_options) -> SplitModel:
+                          dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None,
+                          **plan_options) -> SplitModel:
     """Load `name_or_path` split over the ranks of a distributed launch (torchrun / accelerate launch).
 
     Rank 0 plans (unless `plan` is given) and shares the plan, so every rank runs the same
@@ -290,6 +294,7 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         max_memory: per-device budget for the planner (ignored when `plan` is given).
         plan: a ready Plan to run instead of planning.
         dtype: override the plan's dtype for the weights.
+        lora: the LoRA of a LoRA plan (default: the plan's rank and targets).
         **plan_options: passed to `hfsplit.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
     from .mesh import backend_for, device_of_rank
@@ -300,9 +305,12 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
     if not dist.is_initialized():
         dist.init_process_group(backend=backend_for(device))
     if plan is None:
+        spec = plan_options.get("spec")
+        if device.type == "cpu" and spec is not None and spec.reserve_bytes is None:
+            plan_options["spec"] = replace(spec, reserve_bytes=0)  # CPU ranks: "0", "1" budgets are not GPUs
         plan = shared_plan(name_or_path, max_memory, **plan_options)
     ctx = init_parallel(plan)
-    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype)
+    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, lora=lora)
 
 
 def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:

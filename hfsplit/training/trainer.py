@@ -195,7 +195,9 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     from ..parallel.mesh import init_single_process_group
     from ..parallel.split_model import split_from_pretrained
     from .data import MicroBatches, bundled_dataset_path, load_token_rows
-    from .lora import add_lora, lora_config
+    from ..checkpoint import load_config
+    from ..parallel.apply import LoraSetup
+    from .lora import lora_config
     from .resume import checkpoint_to_resume, prune_checkpoints, read_trainer_state, write_trainer_state
     from .save import save_split_model, writable_dir
 
@@ -218,20 +220,18 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
         tokenizer = tokenizer_for(options, model_path=model_path)
         source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
         rows = load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
-    if model is None:
-        model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype))
-    plan = model.plan
-    holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
-    if dist.get_rank() == 0:
-        print(plan.table(), flush=True)
     config = None
     if options.method == "lora":
         config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
-                             targets=options.lora_targets, model_config=model.config)
-        tp_group = model.ctx.tp_mesh.get_group() if plan.tp > 1 else None
-        for stage in model.stages:
-            add_lora(stage, config, seed=options.seed, tp_group=tp_group, tp_rank=model.ctx.coords.tp,
-                     tp_size=plan.tp, tp_plan=getattr(model.config, "base_model_tp_plan", None))
+                             targets=options.lora_targets,
+                             model_config=model.config if model is not None else load_config(model_path))
+    if model is None:  # a ready model (tests) was built with its LoRA already
+        model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
+                                      lora=LoraSetup(config, seed=options.seed) if config is not None else None)
+    plan = model.plan
+    holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
+    if dist.get_rank() == 0:
+        print(plan.table(), flush=True)  # its last lines say what the run applied to each stage
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
 
@@ -375,7 +375,8 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str):
     spec = TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
                         dtype=dtype, lora_r=options.lora_r,
                         lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
-                        activation_checkpointing=options.activation_checkpointing, reserve_bytes=0)
+                        activation_checkpointing=options.activation_checkpointing,
+                        reserve_bytes=None if torch.cuda.is_available() else 0)  # None: measured per GPU
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world if options.model is None and options.tp is None else None)
     return shared_plan(model_path, options.max_memory or default_max_memory(world), spec=spec,
