@@ -73,11 +73,14 @@ def _held_bytes(model, optimizer) -> int:
 
 def _locals(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors holding `t`'s bytes (a DTensor's local piece)."""
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return [x for name in names for x in _locals(getattr(t, name))]
+    if isinstance(t, DTensor):
+        return [t._local_tensor]
+    if is_traceable_wrapper_subclass(t):  # e.g. a functional collective's AsyncCollectiveTensor
+        inner = getattr(t, "elem", None)
+        return [inner] if isinstance(inner, torch.Tensor) else []
     return [t]
 
 
