@@ -38,7 +38,8 @@ def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_b
     torch.manual_seed(0)
     model = split_from_pretrained(checkpoint, "2x4GiB", spec=spec, micro_batches=micro_batches, tp=tp, pp=pp,
                                   dp=1, world_size=2, activation_checkpointing=ac)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=True)
+    # As the trainer builds it (foreach off on CPU: TP mixes DTensor and plain parameters).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     return model, optimizer
 
 
