@@ -23,17 +23,18 @@ CUDA_CONTEXT_BYTES = 512 << 20
 # NCCL keeps NCCL_BUFFSIZE (4 MiB) per channel and peer; a few channels to the pipeline and TP peers
 # come to ~100–300 MiB. gpu_check.py row "reserve: NCCL" is to replace this figure.
 NCCL_BUFFER_BYTES = 256 << 20
-# The caching allocator rounds blocks up and keeps freed blocks split; PyTorch's own guidance and
-# the OOM reports of others put "reserved but unallocated" at a few percent of the card.
-FRAGMENTATION_FRACTION = 0.03
+# The caching allocator rounds blocks up and keeps freed blocks split ("reserved but unallocated" in
+# OOM reports). A fixed figure, not a fraction of the budget: the planner's "N devices of X each"
+# suggestions search budgets under one reserve, and must stay true at the budget they name.
+# gpu_check.py row "reserve: fragmentation" is to replace it.
+FRAGMENTATION_BYTES = 256 << 20
 
 
-def device_reserve_bytes(device: str, budget: int, *, distributed: bool = True) -> int:
+def device_reserve_bytes(device: str, *, distributed: bool = True) -> int:
     """Bytes of `device` (a budget key: "cpu", "0", "cuda:1", "mps") the plan cannot use.
 
     Args:
         device: the device key as `parse_max_memory` returns it.
-        budget: the user's budget for that device (fragmentation grows with what is allocated).
         distributed: NCCL buffers exist (a multi-rank launch).
     """
     if device in ("cpu", "disk", "meta"):
@@ -42,7 +43,7 @@ def device_reserve_bytes(device: str, budget: int, *, distributed: bool = True) 
         return 0  # unified memory: as on the CPU, the process already holds its runtime
     context = cuda_context_bytes(_cuda_index(device))
     nccl = NCCL_BUFFER_BYTES if distributed else 0
-    return context + nccl + int(FRAGMENTATION_FRACTION * budget)
+    return context + nccl + FRAGMENTATION_BYTES
 
 
 def reserve_for(budgets: Mapping[str, int], *, distributed: bool = True) -> int:
@@ -51,7 +52,7 @@ def reserve_for(budgets: Mapping[str, int], *, distributed: bool = True) -> int:
     One figure per plan keeps the planner's per-stage arithmetic unchanged; on a mix of CPU and
     GPU budgets the CPU is charged the GPU's reserve (conservative).
     """
-    return max((device_reserve_bytes(d, b, distributed=distributed) for d, b in budgets.items()), default=0)
+    return max((device_reserve_bytes(d, distributed=distributed) for d in budgets), default=0)
 
 
 @functools.lru_cache(maxsize=None)
