@@ -23,7 +23,7 @@ def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
             ratio = r["measured"] / r["planned"]
             assert 0.85 <= ratio <= 1.15, f"rank {rank} checkpointing {ac}: measured/planned = {ratio:.3f}"
         planned_saving = off["planned"] - on["planned"]
-        assert planned_saving > 0.4 * off["planned"]  # a test where checkpointing matters
+        assert planned_saving > 0.25 * off["planned"]  # a test where checkpointing matters (the head weighs on the last stage)
         saved = off["measured"] - on["measured"]
         assert saved >= 0.7 * planned_saving, f"rank {rank}: saved {saved} of the planned {planned_saving}"
         if off["losses"][0] is not None:  # the rank that holds the loss
