@@ -59,7 +59,7 @@ def test_single_process_training_plan_turns_on_gradient_checkpointing(tiny_check
     for ac in (False, True):
         model = from_pretrained(folder, max_memory={"cpu": "8GiB"}, training="full", activation_checkpointing=ac,
                                 spec=TrainingSpec(**spec, activation_checkpointing=ac))
-        assert model.is_gradient_checkpointing == ac
+        assert model.is_activation_checkpointing == ac
         assert model.hfsplit_plan.applied == ((activation_checkpointing_label(),) if ac else ())
         model.train()
         ids = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -118,6 +118,6 @@ def apply_plan_to_model(model: nn.Module, plan: Optional[Plan], *, training: str
         return None
     applied = ()
     if training != "inference" and plan.spec.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         applied = (activation_checkpointing_label(),)
     return replace(plan, applied=applied)
