@@ -6,7 +6,7 @@ import sys
 from typing import Optional, Sequence
 
 from .errors import HfsplitError
-from .plan import DEFAULT_RESERVE_BYTES, TrainingSpec
+from .plan import TrainingSpec
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
@@ -32,8 +32,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                                                     f"(default {recipe.schedule})")
     p.add_argument("--activation-checkpointing", choices=("on", "off", "auto"), default=None, help="default auto")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default bfloat16)")
-    p.add_argument("--reserve", default=None, help=f"per-device reserve (default {DEFAULT_RESERVE_BYTES >> 30}GiB; "
-                                                   "0 with --config, as the recipe runs)")
+    p.add_argument("--reserve", default=None, help="per-device reserve overriding the measured one (0 on the CPU; "
+                                                   "on GPUs context + fragmentation + NCCL, see hfsplit/reserve.py)")
     p.add_argument("--device-speeds", default=None, help="relative speeds, e.g. 1,1,0.5")
     p.add_argument("--tp", type=int, default=None, help="force the tensor-parallel degree")
     p.add_argument("--pp", type=int, default=None, help="force the pipeline depth")
@@ -49,7 +49,7 @@ def spec_from_args(args) -> TrainingSpec:
     recipe = FinetuneOptions()
     method = "full" if args.full else "inference" if args.inference else "lora"
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
-    reserve = parse_size(args.reserve, what="--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
+    reserve = parse_size(args.reserve, what="--reserve") if args.reserve else None
     return TrainingSpec(method=method, seq_len=_given(args.seq_len, recipe.seq_len),
                         micro_batch_size=_given(args.micro_batch_size, recipe.micro_batch_size),
                         dtype=args.dtype or "bfloat16", lora_r=_given(args.lora_r, recipe.lora_r),

@@ -25,7 +25,7 @@ from .models import (  # noqa: F401  (re-exported: the planner's and older calle
     check_causal_lm, check_supported, decoder_layout, meta_model, one_layer_config, tp_degree_error, tp_style_of,
     tp_supported, valid_tp_degrees,
 )
-from .plan import DEFAULT_RESERVE_BYTES, Method, TrainingSpec  # noqa: F401 (re-exported: TrainingSpec lives with the Plan)
+from .plan import Method, TrainingSpec  # noqa: F401 (re-exported: TrainingSpec lives with the Plan)
 
 @dataclass(frozen=True)
 class PartCost:

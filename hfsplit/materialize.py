@@ -20,6 +20,7 @@ from .errors import CheckpointError, ConvertedOnLoadError, UnsupportedModelError
 from .models import (  # noqa: F401  (SUPPORTED_MODEL_TYPES, check_supported re-exported)
     SUPPORTED_MODEL_TYPES, check_causal_lm, check_supported, decoder_layout, meta_model, recompute_buffers,
 )
+from .parallel.apply import apply_plan_to_model
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
     check_no_meta(model)
     model = dispatch(model, device_map)
     model.hf_device_map = dict(device_map)
-    model.hfsplit_plan = plan if not isinstance(plan, Mapping) else None
+    model.hfsplit_plan = apply_plan_to_model(model, plan if not isinstance(plan, Mapping) else None, training=training)
     load_generation_config(model, source, revision)
     return model.eval()
 

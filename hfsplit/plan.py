@@ -15,7 +15,6 @@ SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")
 
 Method = Literal["inference", "lora", "full"]
 
-DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context + allocator fragmentation + comm buffers
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,8 @@ class TrainingSpec:
         lora_r: LoRA rank.
         lora_targets: module names LoRA wraps; None means every attention and MLP projection.
         activation_checkpointing: recompute each block's activations in backward.
-        reserve_bytes: fixed per-device reserve (context, fragmentation, comm buffers).
+        reserve_bytes: per-device reserve (context, fragmentation, comm buffers); None: measured for the
+            budget's devices by `make_plan` (see `hfsplit.reserve`: 0 on the CPU).
     """
 
     method: Method = "lora"
@@ -40,7 +40,7 @@ class TrainingSpec:
     lora_r: int = 16
     lora_targets: Optional[tuple[str, ...]] = None
     activation_checkpointing: bool = False
-    reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    reserve_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ class Plan:
         step_time_s: estimated time of one optimizer step.
         bubble_fraction: the schedule's idle fraction, `(p-1)/(m+p-1)` for 1F1B.
         tied_embeddings: lm_head shares the embedding matrix.
+        applied: what the run applied to its stages (`apply_plan`'s labels; empty until a run builds them).
     """
 
     model: str
@@ -125,6 +126,18 @@ class Plan:
     bubble_fraction: float
     tied_embeddings: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    applied: tuple[str, ...] = field(default_factory=tuple)
+
+    def steps(self) -> tuple[str, ...]:
+        """What `hfsplit.parallel.apply.apply_plan` applies to each stage for this plan, in order."""
+        out = []
+        if self.tp > 1:
+            out.append(tp_label(self.tp))
+        if self.spec.activation_checkpointing and self.spec.method != "inference":
+            out.append(activation_checkpointing_label())
+        if self.spec.method == "lora":
+            out.append(lora_label(self.spec.lora_r))
+        return tuple(out)
 
     @property
     def world_size(self) -> int:
@@ -149,6 +162,7 @@ class Plan:
             for s in data["stages"]
         )
         data["notes"] = tuple(data.get("notes", ()))
+        data["applied"] = tuple(data.get("applied", ()))
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -207,10 +221,24 @@ class Plan:
             f"\nestimated step: {self.step_time_s * 1e3:.1f} ms, bubble {100 * self.bubble_fraction:.1f}%"
         )
         notes = "".join(f"\nnote: {n}" for n in self.notes)
-        return head + "\n".join(lines) + tail + notes
+        steps = " → ".join(self.applied or self.steps()) or "nothing (plain stages)"
+        runs = f"\n{'applied' if self.applied else 'applies'} per stage: {steps}"
+        return head + "\n".join(lines) + tail + runs + notes
 
     def __str__(self) -> str:
         return self.table()
+
+
+def tp_label(tp: int) -> str:
+    return f"tensor parallel tp={tp}"
+
+
+def activation_checkpointing_label() -> str:
+    return "activation checkpointing per block (non-reentrant)"
+
+
+def lora_label(r: int) -> str:
+    return f"LoRA r={r}"
 
 
 def _tuple_or_none(value):

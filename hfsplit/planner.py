@@ -24,6 +24,7 @@ from .costs import ModelCosts, PartCost, TrainingSpec, model_costs
 from .models import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
 from .errors import PlanError
 from .plan import SCHEDULES, Plan, Stage, StageMemory
+from .reserve import reserve_for
 
 # Effective dense throughput of a device of speed 1 and the TP link bandwidth. Only
 # ratios between plans matter for the choice; absolute step times are rough estimates.
@@ -89,6 +90,8 @@ def make_plan(
     check_causal_lm(config) if single_process else check_supported(config)
     spec = spec or TrainingSpec()
     budgets = parse_max_memory(max_memory)
+    if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
+        spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
     _check_options(schedule, micro_batches, global_batch, spec)
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule,
@@ -97,10 +100,7 @@ def make_plan(
     if spec.method == "inference":
         checkpointing = [False]
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=micro_batches, schedule=schedule)
-    if world_size is not None and world_size > len(budgets):
-        each = format_bytes(min(budgets.values())).replace(" ", "")
-        raise PlanError(f"{world_size} processes were launched but max_memory names {len(budgets)} device(s); give "
-                        f'one budget per process (e.g. "{world_size}x{each}") or launch {len(budgets)}')
+    _check_budget_count(world_size, budgets)
     for ac in checkpointing:
         found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
         if found is not None:
@@ -336,6 +336,13 @@ def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpe
         raise PlanError(f"global_batch={global_batch} is smaller than micro_batch_size={spec.micro_batch_size}")
     if spec.seq_len < 1 or spec.micro_batch_size < 1:
         raise PlanError("seq_len and micro_batch_size must be at least 1")
+
+
+def _check_budget_count(world_size: Optional[int], budgets: dict[str, int]) -> None:
+    if world_size is not None and world_size > len(budgets):
+        each = format_bytes(min(budgets.values())).replace(" ", "")
+        raise PlanError(f"{world_size} processes were launched but max_memory names {len(budgets)} device(s); give "
+                        f'one budget per process (e.g. "{world_size}x{each}") or launch {len(budgets)}')
 
 
 def _check_world(world_size: Optional[int], *, tp, pp, dp) -> None:

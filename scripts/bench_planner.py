@@ -15,6 +15,7 @@ from hfsplit import TrainingSpec, make_plan
 from hfsplit.budget import format_bytes, parse_max_memory
 from hfsplit.checkpoint import load_config
 from hfsplit.costs import model_costs
+from hfsplit.reserve import reserve_for
 
 GiB = 2**30
 
@@ -88,7 +89,8 @@ def split_row(model: str, budget: str, label: str, counts, weights, steps, budge
 def comparison(model: str, budget: str) -> list[str]:
     config = load_config(model)
     budgets = parse_max_memory(budget)
-    spec = TrainingSpec(method="lora", seq_len=2048)
+    # Both splits are charged the reserve the planner measures for these (GPU) budgets.
+    spec = TrainingSpec(method="lora", seq_len=2048, reserve_bytes=reserve_for(budgets))
     costs = model_costs(config, spec, tp=1)
     devices = list(budgets)
     theirs = accelerate_split(config, budgets)

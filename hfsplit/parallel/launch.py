@@ -5,6 +5,7 @@ never imports the planner; this module calls the planner only when no plan is gi
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -13,11 +14,13 @@ import torch.distributed as dist
 from ..errors import PlanError
 from ..plan import Plan
 from .mesh import init_parallel
+from .apply import LoraSetup
 from .split_model import SplitModel, build_split_model
 
 
 def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
-                          dtype: Optional[torch.dtype] = None, **plan_options) -> SplitModel:
+                          dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None,
+                          **plan_options) -> SplitModel:
     """Load `name_or_path` split over the ranks of a distributed launch (torchrun / accelerate launch).
 
     Rank 0 plans (unless `plan` is given) and shares the plan, so every rank runs the same
@@ -28,15 +31,19 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         max_memory: per-device budget for the planner (ignored when `plan` is given).
         plan: a ready Plan to run instead of planning.
         dtype: override the plan's dtype for the weights.
+        lora: the LoRA of a LoRA plan (default: the plan's rank and targets).
         **plan_options: passed to `hfsplit.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
     from .mesh import init_distributed
 
     init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
     if plan is None:
+        spec = plan_options.get("spec")
+        if not torch.cuda.is_available() and spec is not None and spec.reserve_bytes is None:
+            plan_options["spec"] = replace(spec, reserve_bytes=0)  # CPU ranks: "0", "1" budgets are not GPUs
         plan = shared_plan(name_or_path, max_memory, **plan_options)
     ctx = init_parallel(plan)
-    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype)
+    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, lora=lora)
 
 
 def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:

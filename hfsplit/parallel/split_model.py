@@ -6,6 +6,7 @@ ids, the last stage the labels).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -15,10 +16,11 @@ from torch import nn
 from ..errors import PlanError
 from ..models import meta_model
 from ..plan import Plan
+from .apply import LoraSetup, apply_plan
 from .mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
 from .pipeline import StageTimer, build_schedule, pipeline_stages
 from .stage import StageModule, load_stage_weights
-from .tensor import apply_tp, grad_summed_over_tp, local_tensor, tp_shard_dim
+from .tensor import grad_summed_over_tp, local_tensor, tp_shard_dim
 from .weights import open_reader
 
 
@@ -289,8 +291,9 @@ def eos_token_ids(config) -> torch.Tensor:
 
 
 def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, config=None,
-                      dtype: Optional[torch.dtype] = None) -> SplitModel:
-    """This rank's SplitModel: stage modules on meta, TP applied, then only this rank's bytes read."""
+                      dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None) -> SplitModel:
+    """This rank's SplitModel: stage modules on meta, the plan applied (`apply_plan`: TP, activation
+    checkpointing, only this rank's bytes read, quantization, LoRA); `plan.applied` records the steps."""
     from ..checkpoint import load_config
 
     config = config if config is not None else load_config(name_or_path)
@@ -302,15 +305,16 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     dtype = dtype or getattr(torch, plan.spec.dtype)
     indices = stage_indices_of_pp_rank(plan, pp_rank=ctx.coords.pp)
     by_index = {s.index: s for s in plan.stages}
-    modules = []
-    for index in indices:
-        module = StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings)
-        if plan.tp > 1:
-            apply_tp(module, tp_mesh=ctx.tp_mesh, body_name=module.body_name)
-        modules.append(module)
-    needed = [name for m in modules for name, _ in m.named_parameters()]
-    reader = open_reader(name_or_path, needed=needed, model=meta_model(config))
-    for module in modules:
-        load_stage_weights(module, reader=reader, device=ctx.device, dtype=dtype, tp_rank=ctx.coords.tp,
-                           tp_size=plan.tp)
-    return SplitModel(plan=plan, config=config, ctx=ctx, stages=modules, stage_indices=indices)
+    modules = [StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings) for index in indices]
+
+    def load(stages) -> None:
+        needed = [name for m in stages for name, _ in m.named_parameters()]
+        reader = open_reader(name_or_path, needed=needed, model=meta_model(config))
+        for module in stages:
+            load_stage_weights(module, reader=reader, device=ctx.device, dtype=dtype, tp_rank=ctx.coords.tp,
+                               tp_size=plan.tp)
+
+    applied = apply_plan(modules, plan=plan, ctx=ctx, load=load, lora=lora)
+    return SplitModel(plan=replace(plan, applied=applied), config=config, ctx=ctx, stages=modules,
+                      stage_indices=indices)
+

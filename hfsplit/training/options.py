@@ -128,11 +128,12 @@ def training_spec(options: FinetuneOptions):
     from ..plan import TrainingSpec
 
     dtype = options.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
-    # No reserve: the default budget is what the devices have free, measured when the run starts.
+    # CPU ranks: no reserve; GPUs: None, measured per device by the planner (hfsplit/reserve.py).
     return TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
                         dtype=dtype, lora_r=options.lora_r,
                         lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
-                        activation_checkpointing=options.activation_checkpointing, reserve_bytes=0)
+                        activation_checkpointing=options.activation_checkpointing,
+                        reserve_bytes=None if torch.cuda.is_available() else 0)
 
 
 def plan_arguments(options: FinetuneOptions, *, world_size: int) -> dict:

@@ -199,15 +199,18 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     """Join the launch, plan, read the data, load this rank's part of the model, add adapters, and set up
     optimizer, schedule, metrics and checkpoints; resume when asked. Every input problem surfaces
     before any weight is read."""
+    from ..parallel.apply import LoraSetup
     from ..parallel.launch import split_from_pretrained
 
     model_path = prepare(options)
     plan = plan_of_run(options, model_path=model_path)
     tokenizer, rows = load_rows(options, model_path=model_path)
-    model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype))
+    config = lora_of_run(options, model_path=model_path)
+    model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
+                                  lora=LoraSetup(config, seed=options.seed) if config is not None else None)
+    plan = model.plan
     if dist.get_rank() == 0:
-        print(plan.table(), flush=True)
-    config = add_adapters(model, options) if options.method == "lora" else None
+        print(plan.table(), flush=True)  # its last lines say what the run applied to each stage
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
     run = Run(options=options, model=model, model_path=model_path, tokenizer=tokenizer, params=params,
@@ -251,17 +254,16 @@ def load_rows(options: FinetuneOptions, *, model_path: str):
     return tokenizer, load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
 
 
-def add_adapters(model, options: FinetuneOptions):
-    """LoRA adapters on every stage of `model` (after TP, so they follow its sharding); the peft config."""
-    from .lora import add_lora, lora_config
+def lora_of_run(options: FinetuneOptions, *, model_path: str):
+    """The run's peft LoraConfig (None unless --method lora): `apply_plan` adds it after TP, so the
+    adapters follow the base layers' sharding."""
+    from ..checkpoint import load_config
+    from .lora import lora_config
 
-    config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
-                         targets=options.lora_targets, model_config=model.config)
-    tp_group = model.ctx.tp_mesh.get_group() if model.plan.tp > 1 else None
-    for stage in model.stages:
-        add_lora(stage, config, seed=options.seed, tp_group=tp_group, tp_rank=model.ctx.coords.tp,
-                 tp_size=model.plan.tp, tp_plan=getattr(model.config, "base_model_tp_plan", None))
-    return config
+    if options.method != "lora":
+        return None
+    return lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
+                       targets=options.lora_targets, model_config=load_config(model_path))
 
 
 def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:

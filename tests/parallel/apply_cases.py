@@ -1,0 +1,122 @@
+"""Rank-side checks that the run keeps the plan (started by tests/parallel/launcher.py)."""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, seq_len: int, micro_batch_size: int,
+                           micro_batches: int, steps: int) -> dict:
+    """For activation checkpointing off, then on: the plan's figure for this rank's stage, the peak MemTracker
+    measures over one steady-state training step, the loss curve and what the run applied."""
+    out = {}
+    for ac in (False, True):
+        model, optimizer = _built(checkpoint, method=method, tp=tp, pp=pp, seq_len=seq_len, ac=ac,
+                                  micro_batch_size=micro_batch_size, micro_batches=micro_batches)
+        ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches, seq_len),
+                            generator=torch.Generator().manual_seed(0))
+        losses, peak = _train(model, optimizer, ids, steps=steps)
+        stage = model.plan.stages[model.stage_indices[0]]
+        out[ac] = {"planned": stage.memory.total, "planned_activations": stage.memory.activations,
+                   "measured": peak, "losses": losses, "applied": model.plan.applied, "steps": model.plan.steps(),
+                   "checkpointed_blocks": sum(getattr(b, "gradient_checkpointing", False)
+                                              for s in model.stages for b in s.body.layers.values())}
+        del model, optimizer
+    return out
+
+
+def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_batches):
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.parallel.split_model import split_from_pretrained
+
+    spec = TrainingSpec(method=method, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype="float32",
+                        lora_r=8, activation_checkpointing=ac)
+    torch.manual_seed(0)
+    model = split_from_pretrained(checkpoint, "2x4GiB", spec=spec, micro_batches=micro_batches, tp=tp, pp=pp,
+                                  dp=1, world_size=2, activation_checkpointing=ac)
+    # As the trainer builds it (foreach off on CPU: TP mixes DTensor and plain parameters).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return model, optimizer
+
+
+def _train(model, optimizer, ids, *, steps: int):
+    """`steps` optimizer steps; the peak over the second (AdamW state exists, as the plan assumes): the
+    bytes held when it starts (weights, AdamW state) plus the peak of the storages it creates."""
+    from hfsplit.training.trainer import causal_lm_loss
+
+    loss_fn = causal_lm_loss(model.config.vocab_size)
+    losses, peak = [], 0
+    for step in range(steps):
+        held = _held_bytes(model, optimizer)
+        with LiveStorages() if step == 1 else contextlib.nullcontext() as live:
+            loss = model.step(ids, ids, loss_fn)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if live is not None:
+            peak = held + live.peak
+        losses.append(None if loss is None else float(loss))
+    return losses, peak
+
+
+def _held_bytes(model, optimizer) -> int:
+    tensors = list(model.parameters()) + [t for state in optimizer.state.values() for t in state.values()
+                                          if isinstance(t, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        for local in _locals(t):
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _locals(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `t`'s bytes (a DTensor's local piece)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if isinstance(t, DTensor):
+        return [t._local_tensor]
+    if is_traceable_wrapper_subclass(t):  # e.g. a functional collective's AsyncCollectiveTensor
+        inner = getattr(t, "elem", None)
+        return [inner] if isinstance(inner, torch.Tensor) else []
+    return [t]
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the real storages created while the mode is on and still alive, and their peak.
+
+    A DTensor's op runs its local op outside this mode, so its result is counted through its local
+    piece. Views and in-place results share an input's storage and count nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {local.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) for local in _locals(t)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                for local in _locals(t):
+                    storage = local.untyped_storage()
+                    if storage.data_ptr() not in inputs and storage.nbytes():
+                        self._track(storage)
+        return out
+
+    def _track(self, storage) -> None:
+        key = id(storage)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, storage.nbytes())
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
