@@ -39,3 +39,44 @@ def smollm2_pp2_generates_and_learns(*, checkpoint: str, out: str, steps: int) -
     result = train(options, model=model, rows=rows, progress=False)
     return {"generate_equal": torch.equal(got, want), "answer": answer, "layers": [s.layers for s in model.plan.stages],
             "eval_before": before, "eval_after": result.eval_losses[-1], "losses": result.losses}
+
+
+def smollm2_step_memory_against_plan(*, checkpoint: str, out: str, method: str, seq_len: int, micro_batch_size: int,
+                                     micro_batches: int) -> dict:
+    """One rank, fp32: the bytes one real training step holds at its peak (weights, optimizer state, and the
+    tensors alive during the step as counted by costs' dispatch-mode counter) against the plan's stage total."""
+    import torch.distributed as dist
+
+    from hfsplit.costs import _LiveBytes
+    from hfsplit.training.data import TokenRows
+    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.trainer import plan_of_run, train
+
+    dist.init_process_group("gloo")
+    options = FinetuneOptions(model=checkpoint, method=method, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                              micro_batches=micro_batches, max_steps=2, pp=1, tp=1, dtype="float32", warmup_steps=0,
+                              output_dir=out)
+    model = _split_model(checkpoint, plan_of_run(options, model_path=checkpoint))
+    peaks, step = [], model.step
+
+    def counted_step(*args, **kwargs):
+        with _LiveBytes() as live:
+            result = step(*args, **kwargs)
+        peaks.append(live.peak)
+        return result
+
+    model.step = counted_step
+    ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches * 2, seq_len),
+                        generator=torch.Generator().manual_seed(0))
+    train(options, model=model, rows=TokenRows(ids, ids.clone()), progress=False)
+    params = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in model.parameters()}.values())
+    # The plan counts gradients inside its figure; here they are created during the step, so in the live peak.
+    optimizer_bytes = sum(p.numel() * 8 for p in model.parameters() if p.requires_grad)  # AdamW's two fp32 moments
+    return {"measured": params + optimizer_bytes + peaks[-1], "plan": model.plan.stages[0].memory.total,
+            "step_peak": peaks[-1], "plan_activations": model.plan.stages[0].memory.activations}
+
+
+def _split_model(checkpoint: str, plan):
+    from hfsplit.parallel.split_model import split_from_pretrained
+
+    return split_from_pretrained(checkpoint, plan=plan, dtype=torch.float32)
