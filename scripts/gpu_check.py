@@ -116,21 +116,27 @@ def _baseline(device: str) -> int:
 
 def _hfsplit_run(job: dict, *, dtype: str) -> dict:
     from hfsplit.checkpoint import load_config
+    from hfsplit.training.data import MicroBatches
     from hfsplit.training.options import FinetuneOptions
-    from hfsplit.training.trainer import plan_of_run, train
+    from hfsplit.training.metrics import peak_memory_bytes
+    from hfsplit.training.trainer import build_run, train_step
 
     options = FinetuneOptions(model=job["checkpoint"], method=job["method"], activation_checkpointing=job["ckpt"],
                               seq_len=job["seq_len"], micro_batch_size=job["micro_batch_size"],
                               micro_batches=job["micro_batches"], max_steps=job["steps"], dtype=dtype, pp=1, tp=1,
                               warmup_steps=0,
                               output_dir=str(Path(job["out"]) / f"{job['method']}-{job['ckpt']}"))
-    rows = _rows(job, load_config(job["checkpoint"]).vocab_size)
     base = _baseline(job["device"])
-    result = train(options, rows=rows, progress=False)
-    plan = plan_of_run(options, model_path=job["checkpoint"])
-    peak = result.peak_memory_bytes[0] - (base if job["device"] == "cpu" else 0)
-    return {"method": job["method"], "ckpt": job["ckpt"], "peak": peak, "plan": plan.stages[0].memory.total,
-            "tokens_per_s": result.tokens_per_s}
+    run = build_run(options, progress=False)
+    # The same random rows as the plain loop, so both runs see identical shapes and tokens.
+    run.batches = MicroBatches(_rows(job, load_config(job["checkpoint"]).vocab_size),
+                               micro_batch_size=job["micro_batch_size"], num_micro_batches=job["micro_batches"], seed=0)
+    seconds = [train_step(run, next(run.batches)).seconds for _ in range(job["steps"])]
+    timed = seconds[1:] or seconds  # the first step builds the schedule
+    peak = peak_memory_bytes(run.model.device) - (base if job["device"] == "cpu" else 0)
+    tokens = job["micro_batch_size"] * job["micro_batches"] * job["seq_len"]
+    return {"method": job["method"], "ckpt": job["ckpt"], "peak": peak, "plan": run.model.plan.stages[0].memory.total,
+            "tokens_per_s": tokens * len(timed) / sum(timed)}
 
 
 def _plain_run(job: dict, *, dtype: str) -> dict:
