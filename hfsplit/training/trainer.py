@@ -194,9 +194,10 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
 
     from ..parallel.mesh import init_single_process_group
     from ..parallel.split_model import split_from_pretrained
+    from . import elastic
     from .data import MicroBatches, bundled_dataset_path, load_token_rows
     from .lora import add_lora, lora_config
-    from .resume import checkpoint_to_resume, prune_checkpoints, read_trainer_state, write_trainer_state
+    from .resume import prune_checkpoints, read_trainer_state, write_trainer_state
     from .save import save_split_model, writable_dir
 
     from accelerate import PartialState
@@ -206,13 +207,16 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     PartialState(cpu=not torch.cuda.is_available(), timeout=datetime.timedelta(seconds=options.peer_timeout))
     if not dist.is_initialized():  # started without a launcher: one rank
         init_single_process_group(timeout_s=options.peer_timeout)
+    started = time.time()
     writable_dir(options.output_dir)  # fail before any weight is read
     torch.manual_seed(options.seed)
-    resume_from = checkpoint_to_resume(options.resume, options.output_dir) if options.resume else None
+    launch = elastic.LaunchState.decide(options.resume, options.output_dir)  # after a torchrun restart: latest
+    resume_from = launch.resume_from
     model_path = options.model
     if model is None:
         model_path = options.model or default_model_path(options.output_dir)
-        plan = plan_of_run(options, model_path=model_path)
+        # A resumed run keeps its global batch: the planner sets micro-batches for the dp it finds now.
+        plan = plan_of_run(options, model_path=model_path, global_batch=launch.rows_per_step)
     tokenizer = None
     if rows is None:  # data problems surface before any weight is read
         tokenizer = tokenizer_for(options, model_path=model_path)
@@ -242,7 +246,10 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     total_steps = total_steps_of(options, rows=len(rows), rows_per_step=m * dp * options.micro_batch_size)
     scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
     loss_fn = causal_lm_loss(model.config.vocab_size)
-    metrics = _MetricsLog(options.output_dir, enabled=dist.get_rank() == 0, append=bool(options.resume))
+    elastic.check_global_batch(plan, rows_then=launch.rows_per_step,
+                               micro_batch_size=options.micro_batch_size)
+    metrics = _MetricsLog(options.output_dir, enabled=dist.get_rank() == 0, append=launch.append)
+    stopper = elastic.StopAtBoundary()
     timer = StageTimer()
     result = TrainResult(bubble_theory=plan.bubble_fraction)
     per_replica = m * options.micro_batch_size
@@ -255,6 +262,13 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
         metrics.write({"step": first - 1, "resumed_from": str(folder), "resume_s": time.perf_counter() - reading})
         if dist.get_rank() == 0:
             print(f"resumed from {folder} at step {first - 1}", flush=True)
+    restarted = elastic.restart_record(launch, plan, step=first - 1, started=started)
+    if restarted:
+        metrics.write(restarted)
+        if dist.get_rank() == 0:
+            print(elastic.describe(restarted), flush=True)
+    metrics.write(elastic.plan_record(plan, step=first - 1, micro_batch_size=options.micro_batch_size,
+                                      seq_len=options.seq_len))
     bar = tqdm(total=total_steps, initial=first - 1, disable=not (progress and holds_loss), desc="fine-tune", dynamic_ncols=True)
     busy_total = wall_total = 0.0
     step = first - 1
@@ -307,7 +321,8 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
                     bar.write(f"step {step}: eval loss {record['eval_loss']:.4f}")
                 metrics.write({"step": step, "eval_loss": record["eval_loss"]})
                 result.eval_losses.append(record["eval_loss"])
-            if options.save_every and step % options.save_every == 0 and step < total_steps:
+            stop = step < total_steps and stopper.now()  # torchrun regroups: checkpoint here, then leave
+            if (stop or options.save_every and step % options.save_every == 0) and step < total_steps:
                 state = functools.partial(write_trainer_state, model=model, params=params, optimizer=optimizer,
                                           scheduler=scheduler, batches=batches, step=step)
                 saving = time.perf_counter()
@@ -317,6 +332,8 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
                 metrics.write({"step": step, "checkpoint": str(folder), "save_s": time.perf_counter() - saving,
                                "removed": [str(p) for p in prune_checkpoints(options.output_dir,
                                                                               keep=options.save_total_limit)]})
+                if stop:
+                    elastic.stop_for_regroup(stopper, metrics, step=step, checkpoint=folder)
         bar.close()
         final = Path(options.output_dir) / ("adapter" if options.method == "lora" else "model")
         save_split_model(model, final, method=options.method, lora_config=config, tokenizer=tokenizer,
@@ -364,8 +381,9 @@ def peer_lost_error(exc: BaseException, *, step: int, output_dir: str) -> PeerLo
                          f"a rank died or hung (--peer-timeout bounds the wait). {resume}")
 
 
-def plan_of_run(options: FinetuneOptions, *, model_path: str):
-    """The run's Plan, made on rank 0 and shared with every rank, before any weight is read."""
+def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Optional[int] = None):
+    """The run's Plan, made on rank 0 and shared with every rank, before any weight is read;
+    `global_batch` (rows per step) replaces --micro-batches when a resumed run must keep its batch."""
     from ..costs import TrainingSpec
     from ..parallel.split_model import shared_plan
 
@@ -379,7 +397,8 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str):
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world if options.model is None and options.tp is None else None)
     return shared_plan(model_path, options.max_memory or default_max_memory(world), spec=spec,
-                       micro_batches=options.micro_batches, schedule=options.schedule, tp=options.tp, pp=pp,
+                       micro_batches=None if global_batch else options.micro_batches, global_batch=global_batch,
+                       schedule=options.schedule, tp=options.tp, pp=pp,
                        world_size=world, activation_checkpointing=options.activation_checkpointing)
 
 
