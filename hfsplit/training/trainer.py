@@ -195,6 +195,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
     from ..parallel.mesh import init_single_process_group
     from ..parallel.split_model import split_from_pretrained
     from . import elastic
+    from .memory import out_of_memory_is_one_line
     from .data import MicroBatches, bundled_dataset_path, load_token_rows
     from .lora import add_lora, lora_config
     from .resume import prune_checkpoints, read_trainer_state, write_trainer_state
@@ -278,7 +279,7 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
             mine = slice(model.ctx.coords.dp * per_replica, (model.ctx.coords.dp + 1) * per_replica)
             busy_before = timer.busy_s
             start = time.perf_counter()
-            with compute_precision(model):
+            with out_of_memory_is_one_line(model, step=step), compute_precision(model):
                 loss = model.step(batch["input_ids"][mine], batch["labels"][mine], loss_fn)
             for schedule in model._schedules.values():
                 timer.watch(schedule)
@@ -353,6 +354,8 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
         if not is_peer_failure(exc):
             raise
         raise peer_lost_error(exc, step=step, output_dir=options.output_dir) from None
+    finally:
+        bar.close()  # an error then prints on a line of its own, not after the bar
     if dist.get_rank() == 0:
         print(f"done: {len(result.losses)} steps, final loss {result.losses[-1] if result.losses else float('nan'):.4f}, "
               f"{result.tokens_per_s:.0f} tokens/s, bubble measured {100 * result.bubble_measured:.1f}% "
