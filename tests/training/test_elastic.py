@@ -15,10 +15,11 @@ from tests.parallel.launcher import ROOT, free_port, kill_tree, launch, run_comm
 
 STEPS, SAVE_EVERY, SEQ_LEN = 120, 10, 64
 # Rendezvous timeouts that make a restart take seconds, not minutes: the survivor's new round closes
-# 1 s after it is alone (last_call_timeout), and the agent checks its workers every 0.2 s.
+# 1 s after it is alone (last_call_timeout), a dead node drops out of the rendezvous after 2 missed
+# 1 s heartbeats (instead of 3 × 5 s), and the agent checks its workers every 0.2 s.
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the store shared, torch (2.13) caches round 0's worker
 # store address and a node joining a later round waits forever for it (MASTER_ADDR of round 1).
-RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5"
+RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
 
 
 def recipe_args(out: Path) -> list[str]:
