@@ -89,8 +89,10 @@ class LaunchState:
         last_write = metrics.stat().st_mtime if metrics.is_file() else 0.0
         reason = "restart" if restart_count() > 0 else \
             "membership change" if stopped_for_regroup(previous) else None
-        if resume == "auto" or (resume is None and reason):
+        if resume == "auto" or reason:  # after a restart the newest checkpoint wins over the one named
             last = latest_checkpoint(output_dir)
+            if last is None and resume not in (None, "auto", "latest"):
+                last = checkpoint_to_resume(resume, output_dir)  # a first launch resumed from elsewhere
             return cls(resume_from=last, reason=reason, previous=previous if (last or reason) else None,
                        last_write=last_write, auto=True)
         if resume is None:

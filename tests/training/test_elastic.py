@@ -2,24 +2,27 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from hfsplit.training.resume import latest_checkpoint
 from tests.parallel.launcher import ROOT, free_port, kill_tree, launch, run_command
 
-STEPS, SAVE_EVERY, SEQ_LEN = 120, 10, 64
-# Rendezvous timeouts that make a restart take seconds, not minutes: the survivor's new round closes
-# 1 s after it is alone (last_call_timeout), a dead node drops out of the rendezvous after 2 missed
+STEPS, SAVE_EVERY, SEQ_LEN = 40, 10, 64
+# Rendezvous timeouts that make a restart take seconds, not minutes: a new round closes 4 s after its
+# first node (last_call_timeout: long enough for running workers to finish their step and checkpoint and
+# rejoin, or the joining node starts a round alone), a dead node drops out of the rendezvous after 2 missed
 # 1 s heartbeats (instead of 3 × 5 s), and the agent checks its workers every 0.2 s.
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the store shared, torch (2.13) caches round 0's worker
 # store address and a node joining a later round waits forever for it (MASTER_ADDR of round 1).
-RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+RDZV_CONF = "join_timeout=60,last_call_timeout=4,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
 
 
 def recipe_args(out: Path) -> list[str]:
@@ -70,7 +73,13 @@ def test_a_machine_that_joins_then_dies_regrows_and_shrinks_the_run_and_the_loss
     procs = [torchrun(port, out, log=logs[0])]
     try:
         wait_until(lambda: steps_done(out) >= 3, procs=procs, logs=logs[:1], timeout_s=240, what="machine 0 alone")
+        # A long step: machine 0's worker is paused while the second machine starts and joins, so the run
+        # cannot end first; it goes on once its agent has asked it (SIGTERM) to stop for the regrouping.
+        (worker,) = psutil.Process(procs[0].pid).children()
+        worker.suspend()
         procs.append(torchrun(port, out, log=logs[1]))  # the second machine (re)joins the running job
+        wait_until(lambda: sigterm_pending(worker.pid), procs=procs, logs=logs, timeout_s=120, what="the SIGTERM")
+        worker.resume()
         wait_until(lambda: restarts(out), procs=procs, logs=logs, timeout_s=120, what="the regrouping")
         grown = restarts(out)[0]["step"]
         wait_until(lambda: (latest_checkpoint(out) or Path("checkpoint-0")).name != f"checkpoint-{grown}",
@@ -106,6 +115,12 @@ def test_a_machine_that_joins_then_dies_regrows_and_shrinks_the_run_and_the_loss
     assert [losses[s] for s in range(1, STEPS + 1)] == pytest.approx(expected, rel=1e-4)
     model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
     assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def sigterm_pending(pid: int) -> bool:
+    """Whether `pid` has a SIGTERM waiting to be delivered (it is stopped)."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return any(int(status[key].strip(), 16) & (1 << (signal.SIGTERM - 1)) for key in ("SigPnd", "ShdPnd"))
 
 
 def steps_done(out: Path) -> int:
@@ -168,3 +183,51 @@ def test_out_of_memory_in_a_step_ends_the_run_with_one_line_naming_the_stage_and
     assert "measured " in line and "budget 1.00 GiB" in line and "a re-plan that fits: --max-memory 1x819MiB" in line
     assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in r] == [1]
     assert not (out / "model").exists()
+
+
+@pytest.mark.slow
+def test_resume_auto_from_two_replicas_onto_one_rank_keeps_the_global_batch_and_the_curve(tiny_checkpoint, tmp_path):
+    """dp=2 × 4 micro-batches → one rank: the planner is given the checkpoint's 16 rows per step and makes
+    8 micro-batches, so each step sees the same rows and the loss curve goes on (an explicit --resume keeps
+    the options' own batch instead)."""
+    from tests.training.test_trainer import run_options
+
+    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "full", tp=1, pp=1, max_memory="2x1GiB"),
+               max_steps=6, save_every=3, output_dir=str(tmp_path / "run"))
+    (whole,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]}, timeout_s=300)[0]
+    alone = dict(run, max_memory="1x1GiB", resume="auto")
+    (resumed,) = launch("tests.training.cases:finetune_losses", world_size=1, kwargs={"runs": [alone]},
+                        timeout_s=300)[0]
+    assert resumed == pytest.approx(whole[3:], rel=1e-4)
+    plans = [r["plan"] for r in records_of(tmp_path / "run") if "plan" in r]
+    assert [(p["dp"], p["micro_batches"]) for p in plans] == [(2, 4), (1, 8)]
+
+
+def test_which_checkpoint_a_launch_resumes_from(tmp_path, monkeypatch):
+    """First launch, torchrun restart, regrouping mark, --resume auto / latest / a path (no ranks needed)."""
+    from hfsplit.errors import HfsplitError
+    from hfsplit.training.elastic import LaunchState
+
+    out = tmp_path / "run"
+    assert LaunchState.decide(None, str(out)) == LaunchState()  # nothing there: a fresh run
+    assert LaunchState.decide("auto", str(out)).resume_from is None
+    for step in (3, 6):
+        (out / f"checkpoint-{step}" / "trainer_state").mkdir(parents=True)
+    (out / "checkpoint-9.tmp").mkdir()  # an unfinished save is never resumed
+    (out / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
+    with pytest.raises(HfsplitError, match=r"already holds a run \(checkpoints up to checkpoint-6\); pass --resume auto"):
+        LaunchState.decide(None, str(out))
+    assert LaunchState.decide("auto", str(out)).resume_from == out / "checkpoint-6"
+    named = LaunchState.decide(str(out / "checkpoint-3"), str(out))
+    assert named.resume_from == out / "checkpoint-3" and not named.auto and named.reason is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted the workers
+    for resume in (None, "latest", str(out / "checkpoint-3")):  # the newest checkpoint wins after a restart
+        launch = LaunchState.decide(resume, str(out))
+        assert (launch.resume_from, launch.reason, launch.auto, launch.append) == (out / "checkpoint-6", "restart", True, True)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    (out / "metrics.jsonl").write_text('{"step": 6, "stopped": "membership change", "run_id": "job"}\n')
+    assert LaunchState.decide(None, str(out)).reason == "membership change"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")  # another job's mark is no reason to resume
+    with pytest.raises(HfsplitError, match="already holds a run"):
+        LaunchState.decide(None, str(out))
