@@ -18,11 +18,12 @@ from tests.parallel.launcher import ROOT, free_port, kill_tree, launch, run_comm
 STEPS, SAVE_EVERY, SEQ_LEN = 40, 10, 64
 # Rendezvous timeouts that make a restart take seconds, not minutes: a new round closes 4 s after its
 # first node (last_call_timeout: long enough for running workers to finish their step and checkpoint and
-# rejoin, or the joining node starts a round alone), a dead node drops out of the rendezvous after 2 missed
-# 1 s heartbeats (instead of 3 × 5 s), and the agent checks its workers every 0.2 s.
+# rejoin, or the joining node starts a round alone), and the agent checks its workers every 0.2 s.
+# Heartbeats keep their defaults (3 missed × 5 s): shorter ones, on a loaded host, drop a live agent from
+# the rendezvous, and the joining machine then starts a job of its own.
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the store shared, torch (2.13) caches round 0's worker
 # store address and a node joining a later round waits forever for it (MASTER_ADDR of round 1).
-RDZV_CONF = "join_timeout=60,last_call_timeout=4,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+RDZV_CONF = "join_timeout=60,last_call_timeout=4,close_timeout=5"
 
 
 def recipe_args(out: Path) -> list[str]:
