@@ -40,3 +40,11 @@ class NonFiniteError(TrainingFault):
 
 class PeerLostError(TrainingFault):
     """Another rank died or stopped answering within `--peer-timeout`."""
+
+
+class RegroupStop(TrainingFault):
+    """The run stopped at a step boundary (with a checkpoint) because torchrun is regrouping the ranks."""
+
+
+class OutOfMemory(TrainingFault):
+    """A device ran out of memory inside a training step."""

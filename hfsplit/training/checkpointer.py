@@ -47,13 +47,12 @@ class Checkpointer:
     merge: bool = False
     metrics: object = None
 
-    def resume(self, resume: Optional[str]) -> int:
-        """Restore from the checkpoint `resume` names ("latest" or a folder); the step to run next."""
-        from .resume import checkpoint_to_resume, read_trainer_state
+    def resume(self, folder: Optional[Path]) -> int:
+        """Restore from checkpoint `folder` (None: a fresh start); the step to run next."""
+        from .resume import read_trainer_state
 
-        if not resume:
+        if folder is None:
             return 1
-        folder = checkpoint_to_resume(resume, self.output_dir)
         reading = time.perf_counter()
         s = self.state
         step = read_trainer_state(folder, model=self.model, params=s.params, optimizer=s.optimizer,
@@ -61,12 +60,13 @@ class Checkpointer:
         self.metrics.resumed(step, folder=folder, seconds=time.perf_counter() - reading)
         return step + 1
 
-    def after_step(self, step: int, *, total_steps: int) -> None:
-        """Save `checkpoint-{step}` when the cadence says so (the last step gets the final save instead)."""
+    def after_step(self, step: int, *, total_steps: int, force: bool = False) -> Optional[Path]:
+        """Save `checkpoint-{step}` when the cadence says so, or `force` (an elastic stop) asks; the folder
+        written, if any (the last step gets the final save instead)."""
         from .resume import prune_checkpoints, write_trainer_state
 
-        if not (self.save_every and step % self.save_every == 0 and step < total_steps):
-            return
+        if not ((force or self.save_every and step % self.save_every == 0) and step < total_steps):
+            return None
         s = self.state
         extra = functools.partial(write_trainer_state, model=self.model, params=s.params, optimizer=s.optimizer,
                                   scheduler=s.scheduler, batches=s.batches, step=step)
@@ -74,6 +74,7 @@ class Checkpointer:
         folder = self._save(Path(self.output_dir) / f"checkpoint-{step}", method=self.method, extra=extra)
         seconds = time.perf_counter() - saving
         self.metrics.saved(step, folder=folder, seconds=seconds, removed=prune_checkpoints(self.output_dir, keep=self.keep))
+        return folder
 
     def final(self) -> Path:
         """The trained weights (`adapter/` or `model/`), and `merged/` when asked; the first folder."""

@@ -42,7 +42,8 @@ class FinetuneOptions:
         merge: LoRA runs also write `merged/`, the base model with the adapters folded in (a plain HF model folder).
         resume: "latest" (the newest checkpoint-N in output_dir; a bare `--resume`) or a checkpoint folder: restores weights,
             optimizer, scheduler, RNG and data position on every rank; under another split (budget,
-            rank count, pp/tp) the weights and optimizer state are resharded to it.
+            rank count, pp/tp) the weights and optimizer state are resharded to it. "auto": the latest checkpoint
+            if there is one, keeping its global batch (what a torchrun restart does by itself; see training/elastic.py).
         on_nonfinite: skip (drop the step, log it, go on) | stop (end the run with an error naming the step)
             when the loss or the gradient norm is not finite.
         peer_timeout: seconds a rank waits for a peer before it gives up with an error (a dead or hung rank).

@@ -133,11 +133,16 @@ def train(options: FinetuneOptions, *, progress: bool = True) -> TrainResult:
         options: the recipe options.
         progress: show the progress bar on the rank that holds the loss.
     """
+    from .elastic import StopAtBoundary, stop_for_regroup
+    from .memory import out_of_memory_is_one_line
+
     run = build_run(options, progress=progress)
+    stopper = StopAtBoundary()  # torchrun regrouping the ranks: checkpoint at the step's end, then leave
     step = run.first_step - 1
     try:
         for step in range(run.first_step, run.total_steps + 1):
-            outcome = train_step(run, next(run.batches))
+            with out_of_memory_is_one_line(run.model, step=step):
+                outcome = train_step(run, next(run.batches))
             if not outcome.finite:
                 skip_or_stop(run, step, outcome)
                 continue
@@ -145,7 +150,10 @@ def train(options: FinetuneOptions, *, progress: bool = True) -> TrainResult:
             if options.eval_every and step % options.eval_every == 0:
                 run.metrics.evaluated(step, eval_loss(run.model, run.held_out, run.loss_fn,
                                                       micro_batch_size=options.micro_batch_size))
-            run.checkpointer.after_step(step, total_steps=run.total_steps)
+            stop = step < run.total_steps and stopper.now()
+            folder = run.checkpointer.after_step(step, total_steps=run.total_steps, force=stop)
+            if stop:
+                stop_for_regroup(stopper, run.metrics.log, step=step, checkpoint=folder)
         run.metrics.close_bar()
         saved = run.checkpointer.final()
         result = run.metrics.finish()
@@ -156,6 +164,8 @@ def train(options: FinetuneOptions, *, progress: bool = True) -> TrainResult:
         if not is_peer_failure(exc):
             raise
         raise peer_lost_error(exc, step=step, output_dir=options.output_dir) from None
+    finally:
+        run.metrics.close_bar()  # an error then prints on a line of its own, not after the bar
     if dist.get_rank() == 0:
         print(summary_line(result), flush=True)
     return result
@@ -202,8 +212,10 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     from ..parallel.apply import LoraSetup
     from ..parallel.launch import split_from_pretrained
 
-    model_path = prepare(options)
-    plan = plan_of_run(options, model_path=model_path)
+    started = time.time()
+    model_path, launch = prepare(options)
+    # A resumed elastic run keeps its global batch: the planner sets micro-batches for the dp it finds now.
+    plan = plan_of_run(options, model_path=model_path, global_batch=launch.rows_per_step)
     tokenizer, rows = load_rows(options, model_path=model_path)
     config = lora_of_run(options, model_path=model_path)
     model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
@@ -219,30 +231,46 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
     run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
                           tokens_per_step=run.rows_per_replica * plan.dp * options.seq_len,
-                          holds_loss=holds_loss, progress=progress, append=bool(options.resume))
+                          holds_loss=holds_loss, progress=progress, append=launch.append)
     run.checkpointer = Checkpointer(
         model=model, state=TrainState(params=params, optimizer=optimizer, scheduler=run.scheduler,
                                       batches=run.batches),
         output_dir=options.output_dir, method=options.method, base_model=model_path, lora_config=config,
         tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
         metrics=run.metrics)
-    run.first_step = run.checkpointer.resume(options.resume)
+    run.first_step = run.checkpointer.resume(launch.resume_from)
+    log_launch(run, launch, started=started)
     run.metrics.begin(run.first_step)
     return run
 
 
-def prepare(options: FinetuneOptions) -> str:
-    """The model's path, once the process group is joined and the output and resume folders are checked."""
+def log_launch(run: Run, launch, *, started: float) -> None:
+    """Check the kept global batch and log this launch's plan, and the restart it is, if any."""
+    from . import elastic
+
+    plan, options = run.model.plan, run.options
+    elastic.check_global_batch(plan, rows_then=launch.rows_per_step, micro_batch_size=options.micro_batch_size)
+    restarted = elastic.restart_record(launch, plan, step=run.first_step - 1, started=started)
+    if restarted:
+        run.metrics.log.write(restarted)
+        if dist.get_rank() == 0:
+            print(elastic.describe(restarted), flush=True)
+    run.metrics.log.write(elastic.plan_record(plan, step=run.first_step - 1, micro_batch_size=options.micro_batch_size,
+                                              seq_len=options.seq_len))
+
+
+def prepare(options: FinetuneOptions):
+    """(the model's path, this launch's `LaunchState`), once the process group is joined and the output
+    folder is checked: what to resume from (after a torchrun restart: the latest checkpoint)."""
     from ..parallel.mesh import init_distributed
-    from .resume import checkpoint_to_resume
+    from .elastic import LaunchState
     from .save import writable_dir
 
     init_distributed(timeout_s=options.peer_timeout)
     writable_dir(options.output_dir)
     torch.manual_seed(options.seed)
-    if options.resume:
-        checkpoint_to_resume(options.resume, options.output_dir)  # a missing checkpoint fails here
-    return options.model or default_model_path(options.output_dir)
+    launch = LaunchState.decide(options.resume, options.output_dir)  # a missing checkpoint fails here
+    return options.model or default_model_path(options.output_dir), launch
 
 
 def load_rows(options: FinetuneOptions, *, model_path: str):
@@ -303,15 +331,18 @@ def peer_lost_error(exc: BaseException, *, step: int, output_dir: str) -> PeerLo
                          f"a rank died or hung (--peer-timeout bounds the wait). {resume}")
 
 
-def plan_of_run(options: FinetuneOptions, *, model_path: str):
-    """The run's Plan, made on rank 0 and shared with every rank, before any weight is read."""
+def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Optional[int] = None):
+    """The run's Plan, made on rank 0 and shared with every rank, before any weight is read;
+    `global_batch` (rows per step) replaces --micro-batches when a resumed run must keep its batch."""
     from ..parallel.launch import shared_plan
     from .options import plan_arguments
 
     check_sequence_length(model_path, options.seq_len)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return shared_plan(model_path, options.max_memory or default_max_memory(world),
-                       **plan_arguments(options, world_size=world))
+    arguments = plan_arguments(options, world_size=world)
+    if global_batch:
+        arguments.update(micro_batches=None, global_batch=global_batch)
+    return shared_plan(model_path, options.max_memory or default_max_memory(world), **arguments)
 
 
 def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):

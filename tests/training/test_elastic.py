@@ -1,0 +1,234 @@
+"""Elastic runs: a machine lost mid-run under torchrun --nnodes 1:2, the run finishes on the rank left."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from hfsplit.training.resume import latest_checkpoint
+from tests.parallel.launcher import ROOT, free_port, kill_tree, launch, run_command
+
+STEPS, SAVE_EVERY, SEQ_LEN = 40, 10, 64
+# Rendezvous timeouts that make a restart take seconds, not minutes: a new round closes 4 s after its
+# first node (last_call_timeout: long enough for running workers to finish their step and checkpoint and
+# rejoin, or the joining node starts a round alone), and the agent checks its workers every 0.2 s.
+# Heartbeats keep their defaults (3 missed × 5 s): shorter ones, on a loaded host, drop a live agent from
+# the rendezvous, and the joining machine then starts a job of its own.
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the store shared, torch (2.13) caches round 0's worker
+# store address and a node joining a later round waits forever for it (MASTER_ADDR of round 1).
+RDZV_CONF = "join_timeout=60,last_call_timeout=4,close_timeout=5"
+
+
+def recipe_args(out: Path) -> list[str]:
+    return ["--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--seq-len", str(SEQ_LEN), "--dtype", "float32",
+            "--peer-timeout", "30", "--output-dir", str(out)]
+
+
+def torchrun(port: int, out: Path, *, log: Path) -> subprocess.Popen:
+    """One launcher "machine" of the elastic job, in its own session (so its whole tree can be killed)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1",
+           "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", "elastic-test", "--rdzv-conf", RDZV_CONF, "--monitor-interval", "0.2",
+           str(ROOT / "recipes/finetune.py"), *recipe_args(out)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(f"{log}.out", "w"), stderr=open(f"{log}.err", "w"),
+                            start_new_session=True)
+
+
+def records_of(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [json.loads(line) for line in lines[:-1]] + ([json.loads(lines[-1])] if lines and lines[-1].endswith("}")
+                                                         else [])
+
+
+def wait_until(condition, *, procs, logs, timeout_s: float, what: str) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        failed = [str(log) for p, log in zip(procs, logs) if p.poll() is not None]
+        if failed or time.monotonic() > deadline:
+            tails = "".join(f"\n--- {log}:\n{Path(f'{log}.err').read_text(errors='replace')[-3000:]}" for log in logs)
+            raise AssertionError(f"waiting for {what}: {'exited: ' + ', '.join(failed) if failed else 'timed out'}"
+                                 f"{tails}")
+        time.sleep(0.05)
+    return time.time()
+
+
+@pytest.mark.slow
+def test_a_machine_that_joins_then_dies_regrows_and_shrinks_the_run_and_the_loss_curve_is_kept(tmp_path):
+    """One machine trains alone; a second joins (the run stops at a step boundary with a checkpoint and
+    regroups pp=1 -> pp=2); after the next checkpoint it is killed (the run restarts alone, pp=2 -> pp=1)."""
+    from transformers import AutoModelForCausalLM
+
+    out, port = tmp_path / "elastic", free_port()
+    logs = [tmp_path / "machine0", tmp_path / "machine1"]
+    procs = [torchrun(port, out, log=logs[0])]
+    try:
+        wait_until(lambda: steps_done(out) >= 3, procs=procs, logs=logs[:1], timeout_s=240, what="machine 0 alone")
+        # A long step: machine 0's worker is paused while the second machine starts and joins, so the run
+        # cannot end first; it goes on once its agent has asked it (SIGTERM) to stop for the regrouping.
+        (worker,) = psutil.Process(procs[0].pid).children()
+        worker.suspend()
+        procs.append(torchrun(port, out, log=logs[1]))  # the second machine (re)joins the running job
+        wait_until(lambda: sigterm_pending(worker.pid), procs=procs, logs=logs, timeout_s=120, what="the SIGTERM")
+        worker.resume()
+        wait_until(lambda: restarts(out), procs=procs, logs=logs, timeout_s=120, what="the regrouping")
+        grown = restarts(out)[0]["step"]
+        wait_until(lambda: (latest_checkpoint(out) or Path("checkpoint-0")).name != f"checkpoint-{grown}",
+                   procs=procs, logs=logs, timeout_s=120, what="a checkpoint under two machines")
+        kill_tree([procs[1]])  # the second machine goes away, launcher and worker
+        killed, done_before = time.time(), steps_done(out)
+        resumed = wait_until(lambda: len(restarts(out)) == 2, procs=procs[:1], logs=logs[:1], timeout_s=120,
+                             what="the restart on machine 0")
+        code = procs[0].wait(timeout=240)
+    finally:
+        kill_tree(procs)
+    stdout = Path(f"{logs[0]}.out").read_text()
+    assert code == 0, Path(f"{logs[0]}.err").read_text()[-4000:]
+    grow, shrink = restarts(out)
+    print("\n" + "\n".join(line for line in stdout.splitlines() if line.startswith("elastic ")) +
+          f"\nkilled after step {done_before}; restarted {resumed - killed:.1f} s after the kill; {shrink}")
+    assert grow["restart"] == "membership change" and grow["ranks_added"] == 1 and grow["steps_redone"] == 0
+    assert (grow["old_plan"]["pp"], grow["new_plan"]["pp"]) == (1, 2)
+    assert shrink["restart"] == "restart" and shrink["ranks_lost"] == 1
+    assert (shrink["old_plan"]["pp"], shrink["new_plan"]["pp"], shrink["new_plan"]["world_size"]) == (2, 1, 1)
+    for r in (grow, shrink):  # the global batch is kept
+        assert r["new_plan"]["micro_batches"] * r["new_plan"]["dp"] == r["old_plan"]["micro_batches"] * r["old_plan"]["dp"]
+    # work lost: at most one save interval of steps, and the seconds of those steps plus the restart itself
+    assert shrink["steps_redone"] <= SAVE_EVERY
+    assert shrink["seconds_lost"] <= resumed - killed + shrink["steps_redone"] * max_step_s(out) + 2.0
+    # every step done (a redone step counts by its later record), on the uninterrupted run's curve
+    losses = {r["step"]: r["loss"] for r in records_of(out) if "loss" in r}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    reference = tmp_path / "uninterrupted"
+    (expected,) = launch("tests.training.cases:finetune_losses", world_size=1, timeout_s=300,
+                         kwargs={"runs": [dict(max_steps=STEPS, seq_len=SEQ_LEN, dtype="float32",
+                                               output_dir=str(reference))]})[0]
+    assert [losses[s] for s in range(1, STEPS + 1)] == pytest.approx(expected, rel=1e-4)
+    model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
+    assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def sigterm_pending(pid: int) -> bool:
+    """Whether `pid` has a SIGTERM waiting to be delivered (it is stopped)."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return any(int(status[key].strip(), 16) & (1 << (signal.SIGTERM - 1)) for key in ("SigPnd", "ShdPnd"))
+
+
+def steps_done(out: Path) -> int:
+    return max((r["step"] for r in records_of(out) if "loss" in r), default=0)
+
+
+def restarts(out: Path) -> list[dict]:
+    return [r for r in records_of(out) if "restart" in r]
+
+
+def max_step_s(out: Path) -> float:
+    """The slowest step of the run (tokens per step over tokens per second)."""
+    records = records_of(out)
+    tokens = max(r["tokens_per_step"] for r in records if "plan" in r)
+    return max(tokens / r["tokens_per_s"] for r in records if "tokens_per_s" in r)
+
+
+def recipe(argv: list[str], *, cwd: Path, extra_env: dict | None = None):
+    """`recipes/finetune.py` on one rank (no launcher)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(extra_env or {})}
+    return run_command([sys.executable, str(ROOT / "recipes/finetune.py"), *argv], cwd=cwd, env=env, timeout_s=300)
+
+
+def one_line_errors(stderr: str) -> list[str]:
+    """The recipe's error lines (a progress bar's carriage returns split lines too)."""
+    return [line for line in re.split(r"[\r\n]", stderr) if line.startswith("finetune: ")]
+
+
+@pytest.mark.slow
+def test_a_first_launch_over_a_run_refuses_and_resume_auto_continues_it(tmp_path):
+    out = tmp_path / "run"
+    args = ["--max-steps", "6", "--save-every", "3", "--seq-len", "64", "--dtype", "float32", "--output-dir", str(out)]
+    assert recipe(args[:1] + ["4"] + args[2:], cwd=tmp_path).returncode == 0
+    before = (out / "metrics.jsonl").read_text()
+    refused = recipe(args, cwd=tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    (line,) = one_line_errors(refused.stderr)
+    assert "already holds a run (checkpoints up to checkpoint-3)" in line and "--resume auto" in line
+    assert (out / "metrics.jsonl").read_text() == before  # nothing written
+    resumed = recipe(args + ["--resume", "auto"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert (out / "metrics.jsonl").read_text().startswith(before)  # appended, never overwritten
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 4, 5, 6]
+    assert [r["resumed_from"] for r in records if "resumed_from" in r] == [str(out / "checkpoint-3")]
+    fresh = recipe(args + ["--resume", "auto", "--output-dir", str(tmp_path / "new")], cwd=tmp_path)
+    assert fresh.returncode == 0 and "resumed from" not in fresh.stdout  # auto on an empty dir starts the run
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_a_step_ends_the_run_with_one_line_naming_the_stage_and_a_plan_that_fits(tmp_path):
+    from hfsplit.training.memory import INJECT
+
+    out = tmp_path / "run"
+    proc = recipe(["--max-steps", "4", "--seq-len", "64", "--dtype", "float32", "--max-memory", "1x1GiB",
+                   "--output-dir", str(out)], cwd=tmp_path, extra_env={INJECT: "2"})
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = one_line_errors(proc.stderr)
+    assert "rank 0 (stage 0, layers 0-3) ran out of memory in step 2: planned peak " in line, line
+    assert "measured " in line and "budget 1.00 GiB" in line and "a re-plan that fits: --max-memory 1x819MiB" in line
+    assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in r] == [1]
+    assert not (out / "model").exists()
+
+
+@pytest.mark.slow
+def test_resume_auto_from_two_replicas_onto_one_rank_keeps_the_global_batch_and_the_curve(tiny_checkpoint, tmp_path):
+    """dp=2 × 4 micro-batches → one rank: the planner is given the checkpoint's 16 rows per step and makes
+    8 micro-batches, so each step sees the same rows and the loss curve goes on (an explicit --resume keeps
+    the options' own batch instead)."""
+    from tests.training.test_trainer import run_options
+
+    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "full", tp=1, pp=1, max_memory="2x1GiB"),
+               max_steps=6, save_every=3, output_dir=str(tmp_path / "run"))
+    (whole,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]}, timeout_s=300)[0]
+    alone = dict(run, max_memory="1x1GiB", resume="auto")
+    (resumed,) = launch("tests.training.cases:finetune_losses", world_size=1, kwargs={"runs": [alone]},
+                        timeout_s=300)[0]
+    assert resumed == pytest.approx(whole[3:], rel=1e-4)
+    plans = [r["plan"] for r in records_of(tmp_path / "run") if "plan" in r]
+    assert [(p["dp"], p["micro_batches"]) for p in plans] == [(2, 4), (1, 8)]
+
+
+def test_which_checkpoint_a_launch_resumes_from(tmp_path, monkeypatch):
+    """First launch, torchrun restart, regrouping mark, --resume auto / latest / a path (no ranks needed)."""
+    from hfsplit.errors import HfsplitError
+    from hfsplit.training.elastic import LaunchState
+
+    out = tmp_path / "run"
+    assert LaunchState.decide(None, str(out)) == LaunchState()  # nothing there: a fresh run
+    assert LaunchState.decide("auto", str(out)).resume_from is None
+    for step in (3, 6):
+        (out / f"checkpoint-{step}" / "trainer_state").mkdir(parents=True)
+    (out / "checkpoint-9.tmp").mkdir()  # an unfinished save is never resumed
+    (out / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
+    with pytest.raises(HfsplitError, match=r"already holds a run \(checkpoints up to checkpoint-6\); pass --resume auto"):
+        LaunchState.decide(None, str(out))
+    assert LaunchState.decide("auto", str(out)).resume_from == out / "checkpoint-6"
+    named = LaunchState.decide(str(out / "checkpoint-3"), str(out))
+    assert named.resume_from == out / "checkpoint-3" and not named.auto and named.reason is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted the workers
+    for resume in (None, "latest", str(out / "checkpoint-3")):  # the newest checkpoint wins after a restart
+        launch = LaunchState.decide(resume, str(out))
+        assert (launch.resume_from, launch.reason, launch.auto, launch.append) == (out / "checkpoint-6", "restart", True, True)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    (out / "metrics.jsonl").write_text('{"step": 6, "stopped": "membership change", "run_id": "job"}\n')
+    assert LaunchState.decide(None, str(out)).reason == "membership change"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")  # another job's mark is no reason to resume
+    with pytest.raises(HfsplitError, match="already holds a run"):
+        LaunchState.decide(None, str(out))
