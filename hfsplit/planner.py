@@ -139,7 +139,7 @@ def plans_for_shape(costs: ModelCosts, budgets: dict[str, int], speeds: dict, *,
     """Fitting plans of one (tp, pp, dp) shape, one per device order tried."""
     schedule = schedule if p > 1 else "1F1B"
     v = _virtual_stages(schedule, p)
-    for groups in _device_orders(budgets, t=t, count=p * d):
+    for groups in _device_orders(budgets, t=t, count=p * d, speeds=speeds):
         slots = _slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule)
         counts = split_layers(costs, slots)
         if counts is None:
@@ -295,12 +295,14 @@ def _virtual_stages(schedule: str, p: int) -> int:
     return 2 if p > 1 and schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
 
 
-def _device_orders(budgets: dict[str, int], *, t: int, count: int) -> Iterable[list[tuple[str, ...]]]:
+def _device_orders(budgets: dict[str, int], *, t: int, count: int,
+                   speeds: Optional[dict] = None) -> Iterable[list[tuple[str, ...]]]:
     """Ways to cut the devices into `count` TP groups of `t`, ordered as pipeline positions.
 
     Groups are formed from devices sorted by budget so a group's cap (its smallest
     budget) wastes least; their order along the pipeline is then searched: exhaustively
-    for a few groups, otherwise the given order and both budget orders.
+    for a few groups, otherwise the given order and both budget orders. Orders alike in every group's
+    budgets and speeds plan alike, so only the first is yielded (uniform devices: one order, not count!).
     """
     devices = list(budgets)[: t * count]
     by_size = sorted(budgets, key=lambda x: -budgets[x])[: t * count]
@@ -311,7 +313,7 @@ def _device_orders(budgets: dict[str, int], *, t: int, count: int) -> Iterable[l
             itertools.permutations(groups) if count <= MAX_PERMUTED_GROUPS else (groups, groups[::-1])
         )
         for order in orders:
-            key = tuple(order)
+            key = tuple(tuple((budgets[x], _speed(speeds or {}, x, budgets)) for x in g) for g in order)
             if key not in seen:
                 seen.add(key)
                 yield list(order)
