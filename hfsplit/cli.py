@@ -22,7 +22,9 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4 × stages)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (sets --micro-batches)")
-    p.add_argument("--schedule", default="1F1B", help="1F1B | GPipe | Interleaved1F1B | ZBVZeroBubble")
+    p.add_argument("--schedule", default="auto",
+                   help="auto (fastest by the time model; prints each candidate's step) | 1F1B | GPipe | "
+                        "Interleaved1F1B | ZBVZeroBubble | DualPipeV")
     p.add_argument("--activation-checkpointing", choices=("on", "off", "auto"), default="auto")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
     p.add_argument("--reserve", default=None, help=f"per-device reserve (default {DEFAULT_RESERVE_BYTES >> 30}GiB)")

@@ -11,8 +11,7 @@ from typing import Optional
 
 from .budget import format_bytes
 from .costs import TrainingSpec
-
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")
+from .schedules import PLANNABLE as SCHEDULES  # noqa: F401  (the names a Plan may carry; one table)
 
 
 @dataclass(frozen=True)

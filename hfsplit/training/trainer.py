@@ -327,6 +327,10 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
                              base_model=model_path, merge_lora=True)
         busy = _gather_floats(busy_total)
         result.bubble_measured = 1 - (sum(busy) / len(busy)) / wall_total if wall_total else 0.0
+        if dist.get_rank() == 0:
+            from ..calibrate import time_report
+
+            print(time_report(plan, result.step_times_s, busy), flush=True)
         timed = result.step_times_s[1:] or result.step_times_s
         result.tokens_per_s = per_replica * dp * options.seq_len / (sum(timed) / len(timed)) if timed else 0.0
         metrics.close()
@@ -378,7 +382,10 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str):
                         activation_checkpointing=options.activation_checkpointing, reserve_bytes=0)
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world if options.model is None and options.tp is None else None)
-    return shared_plan(model_path, options.max_memory or default_max_memory(world), spec=spec,
+    from ..calibrate import run_speeds
+
+    budget = options.max_memory or default_max_memory(world)
+    return shared_plan(model_path, budget, spec=spec, device_speeds=run_speeds(model_path, spec, budget),
                        micro_batches=options.micro_batches, schedule=options.schedule, tp=options.tp, pp=pp,
                        world_size=world, activation_checkpointing=options.activation_checkpointing)
 
