@@ -140,7 +140,7 @@ def test_schedule_auto_fits_and_is_never_slower_by_the_model_than_a_hand_picked_
     if "micro_batches" in forced:
         assert auto.micro_batches == forced["micro_batches"]
     picked = []
-    for name in AUTO_CANDIDATES + ("GPipe",):
+    for name in AUTO_CANDIDATES + ("GPipe", "DualPipeV"):
         try:
             picked.append(make_plan(model, budget, spec=spec, schedule=name, **forced))
         except PlanError:
