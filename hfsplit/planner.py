@@ -23,7 +23,7 @@ from .budget import BudgetSpec, format_bytes, parse_max_memory
 from .costs import ModelCosts, PartCost, TrainingSpec, check_supported, model_costs, tp_degree_error, valid_tp_degrees
 from .errors import PlanError
 from .plan import SCHEDULES, Plan, Stage, StageMemory
-from .schedules import AUTO, AUTO_CANDIDATES, TABLE, available, min_micro_batches, pp_rank_of_stage, virtual_stages
+from .schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages
 
 # Effective dense throughput of a device of speed 1 and the TP link bandwidth. Only
 # ratios between plans matter for the choice; absolute step times are rough estimates.
@@ -142,10 +142,9 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
 
 
 def _schedule_candidates(schedule: str) -> list[str]:
-    """The schedules to search: one, or under "auto" the candidates this torch offers (1F1B first)."""
-    if schedule != AUTO:
-        return [schedule]
-    return [name for name in AUTO_CANDIDATES if available(name)]
+    """The schedules to search: one, or under "auto" the candidates (1F1B first). Every torch hfsplit runs on
+    has them; asking torch would import torch.distributed.pipelining, seconds of a plan on a laptop."""
+    return [schedule] if schedule != AUTO else list(AUTO_CANDIDATES)
 
 
 def _shapes(config, budgets: dict[str, int], *, tp, pp, dp, world_size) -> Iterable[tuple[int, int, int]]:
