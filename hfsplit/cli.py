@@ -28,8 +28,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=None, help=f"default {recipe.micro_batch_size}")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4 × stages)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (sets --micro-batches)")
-    p.add_argument("--schedule", default=None, help=f"1F1B | GPipe | Interleaved1F1B | ZBVZeroBubble "
-                                                    f"(default {recipe.schedule})")
+    p.add_argument("--schedule", default=None, help=f"auto (fastest by the time model; prints each candidate's step) | 1F1B | GPipe | "
+                                                    f"Interleaved1F1B | ZBVZeroBubble | DualPipeV (default {recipe.schedule})")
     p.add_argument("--activation-checkpointing", choices=("on", "off", "auto"), default=None, help="default auto")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default bfloat16)")
     p.add_argument("--reserve", default=None, help="per-device reserve overriding the measured one (0 on the CPU; "
@@ -72,7 +72,7 @@ def plan_request(args) -> tuple[str, object, dict]:
     ac = {"on": True, "off": False, "auto": "auto", None: "auto"}[args.activation_checkpointing]
     return args.model, parse_max_memory(args.max_memory), dict(
         spec=spec_from_args(args), micro_batches=args.micro_batches, global_batch=args.global_batch,
-        schedule=args.schedule or "1F1B", activation_checkpointing=ac, tp=args.tp, pp=args.pp)
+        schedule=args.schedule or "auto", activation_checkpointing=ac, tp=args.tp, pp=args.pp)
 
 
 def recipe_request(args) -> tuple[str, object, dict]:

@@ -221,6 +221,12 @@ def _numel(modules) -> int:
 
 @functools.lru_cache(maxsize=32)
 def _layout(key: str) -> _Layout:
+    from .trace_cache import cached_layout  # building the meta model imports the modeling code: ~1 s
+
+    return cached_layout(key, _build_layout)
+
+
+def _build_layout(key: str) -> _Layout:
     config = _CONFIGS[key]
     model = meta_model(_one_layer_config(config))
     before, block, after, lm_head = _parts(model)
@@ -282,8 +288,10 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     numels = {"embed": layout.embed_numel // tp, "block": block_numel, "head": head_numel}
     lora_numel = _lora_numel(layout, spec, tp) if spec.method == "lora" else 0
 
-    trace = _trace_block(key, spec, tp)
-    ends = _trace_ends(key, spec)
+    from .trace_cache import block_trace, ends_trace  # traced once per config and shape, kept on disk
+
+    trace = block_trace(key, spec, tp)
+    ends = ends_trace(key, spec)
     tokens = spec.micro_batch_size * spec.seq_len
     hidden_bytes = tokens * config.hidden_size * size
 

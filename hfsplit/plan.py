@@ -11,7 +11,7 @@ from typing import Literal, Optional
 
 from .budget import format_bytes
 
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble")
+from .schedules import PLANNABLE as SCHEDULES  # noqa: F401  (the names a Plan may carry; one table)
 
 Method = Literal["inference", "lora", "full"]
 

@@ -25,6 +25,7 @@ from .models import check_causal_lm, check_supported, tp_degree_error, valid_tp_
 from .errors import PlanError
 from .plan import SCHEDULES, Plan, Stage, StageMemory
 from .reserve import reserve_for
+from .schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages
 
 # Effective dense throughput of a device of speed 1 and the TP link bandwidth. Only
 # ratios between plans matter for the choice; absolute step times are rough estimates.
@@ -55,7 +56,7 @@ def make_plan(
     spec: Optional[TrainingSpec] = None,
     micro_batches: Optional[int] = None,
     global_batch: Optional[int] = None,
-    schedule: str = "1F1B",
+    schedule: str = AUTO,
     activation_checkpointing: Union[bool, str] = "auto",
     device_speeds: Optional[dict] = None,
     tp: Optional[int] = None,
@@ -72,7 +73,8 @@ def make_plan(
         spec: what a step does (method, seq_len, micro-batch size, dtype, LoRA rank...).
         micro_batches: micro-batches per step per replica (default 4 × pipeline depth).
         global_batch: sequences per optimizer step across replicas; sets micro_batches when given.
-        schedule: "1F1B", "GPipe", "Interleaved1F1B" or "ZBVZeroBubble".
+        schedule: "auto" (the fastest of `schedules.AUTO_CANDIDATES` by the time model, its step per candidate
+            in the plan's notes) or a name from `hfsplit.schedules.TABLE` ("1F1B", "GPipe", ...).
         activation_checkpointing: True, False, or "auto" (on only when needed to fit).
         device_speeds: relative speed per device key (default 1 each).
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
@@ -96,15 +98,14 @@ def make_plan(
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule,
                    device_speeds=device_speeds or {}, tp=tp, pp=pp, dp=dp, world_size=world_size)
-    checkpointing = [False, True] if activation_checkpointing == "auto" else [bool(activation_checkpointing)]
-    if spec.method == "inference":
-        checkpointing = [False]
+    checkpointing = _checkpointing_choices(activation_checkpointing, spec)
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=micro_batches, schedule=schedule)
     _check_budget_count(world_size, budgets)
     for ac in checkpointing:
         found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
         if found is not None:
             return found
+    options["schedule"] = "1F1B" if schedule == AUTO else schedule  # the diagnosis needs no schedule search
     raise PlanError(_explain_no_fit(config, budgets, replace(spec, activation_checkpointing=checkpointing[-1]),
                                     name=name, options=options))
 
@@ -112,37 +113,57 @@ def make_plan(
 def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, micro_batches, global_batch,
               schedule: str, device_speeds: dict, tp=None, pp=None, dp=None,
               world_size: Optional[int] = None) -> Optional[Plan]:
-    """The fastest fitting plan (by tokens/s), or None."""
-    devices = list(budgets)
-    n = len(devices)
-    best: Optional[Plan] = None
-    best_rate = 0.0
-    for t in [tp] if tp else valid_tp_degrees(config, n):
+    """The fastest fitting plan (by tokens/s), or None. Under schedule "auto" each candidate schedule
+    is searched and the plan's notes give the best step of each."""
+    candidates = _schedule_candidates(schedule)
+    best: dict[str, tuple[float, Plan]] = {}
+    for t, p, d in _shapes(config, budgets, tp=tp, pp=pp, dp=dp, world_size=world_size):
         costs = model_costs(config, spec, tp=t)
+        if p > costs.num_layers:
+            continue
+        m = _micro_batches(micro_batches, global_batch, spec, p, d)
+        for sched in candidates if p > 1 else candidates[:1]:
+            if p > 1 and m < min_micro_batches(sched, p):
+                continue  # torch refuses fewer micro-batches than this schedule needs
+            for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
+                                             name=name, config=config):
+                rate = d * m * spec.micro_batch_size / candidate.step_time_s
+                key = candidate.schedule
+                if key not in best or rate > best[key][0] * (1 + 1e-9):
+                    best[key] = (rate, candidate)
+    if not best:
+        return None
+    rate, plan = max(best.values(), key=lambda x: x[0])
+    if schedule == AUTO and plan.pp > 1:
+        per = ", ".join(f"{k} {v[1].step_time_s * 1e3:.1f} ms" for k, v in best.items())
+        untried = [c for c in candidates if c not in best]
+        why = f" ({', '.join(untried)}: nothing fits or too few micro-batches)" if untried else ""
+        plan = replace(plan, notes=plan.notes + (f"schedule auto chose {plan.schedule}: estimated step {per}{why}",))
+    return plan
+
+
+def _schedule_candidates(schedule: str) -> list[str]:
+    """The schedules to search: one, or under "auto" the candidates (1F1B first). Every torch hfsplit runs on
+    has them; asking torch would import torch.distributed.pipelining, seconds of a plan on a laptop."""
+    return [schedule] if schedule != AUTO else list(AUTO_CANDIDATES)
+
+
+def _shapes(config, budgets: dict[str, int], *, tp, pp, dp, world_size) -> Iterable[tuple[int, int, int]]:
+    """(tp, pp, dp) degrees to search: the forced ones, else every one the devices allow."""
+    n = len(budgets)
+    for t in [tp] if tp else valid_tp_degrees(config, n):
         for p in [pp] if pp else range(1, n // t + 1):
-            if p > costs.num_layers:
-                break
-            replicas = [dp] if dp else [(world_size or n) // (t * p)]
-            for d in replicas:
-                if d < 1 or t * p * d > n or (world_size and t * p * d != world_size):
-                    continue
-                m = _micro_batches(micro_batches, global_batch, spec, p, d)
-                if p > 1 and m < p and schedule != "GPipe":
-                    continue  # torch's 1F1B-family schedules need at least one micro-batch per stage
-                for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m,
-                                                 schedule=schedule, name=name, config=config):
-                    rate = d * m * spec.micro_batch_size / candidate.step_time_s
-                    if rate > best_rate * (1 + 1e-9):
-                        best, best_rate = candidate, rate
-    return best
+            for d in [dp] if dp else [(world_size or n) // (t * p)]:
+                if d >= 1 and t * p * d <= n and not (world_size and t * p * d != world_size):
+                    yield t, p, d
 
 
 def plans_for_shape(costs: ModelCosts, budgets: dict[str, int], speeds: dict, *, t: int, p: int, d: int, m: int,
                     schedule: str, name: str, config) -> Iterable[Plan]:
     """Fitting plans of one (tp, pp, dp) shape, one per device order tried."""
     schedule = schedule if p > 1 else "1F1B"
-    v = _virtual_stages(schedule, p)
-    for groups in _device_orders(budgets, t=t, count=p * d):
+    v = virtual_stages(schedule, p)
+    for groups in _device_orders(budgets, t=t, count=p * d, speeds=speeds):
         slots = _slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule)
         counts = split_layers(costs, slots)
         if counts is None:
@@ -180,7 +201,7 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Idle fraction of the schedule: `(p-1)/(v·m+p-1)`; zero-bubble schedules fill most of it."""
     if p == 1:
         return 0.0
-    if schedule == "ZBVZeroBubble":
+    if TABLE[schedule].zero_bubble:
         # Splitting backward into input and weight gradients fills about two thirds
         # of the warm-up/cool-down idle time (Qi et al., 2024).
         return (p - 1) / 3 / (v * m + (p - 1) / 3)
@@ -196,6 +217,9 @@ def in_flight(schedule: str, *, p: int, m: int, v: int, pp_rank: int) -> int:
     if schedule == "Interleaved1F1B":
         warmup = (v - 1) * p + 2 * (p - 1 - pp_rank)
         return math.ceil(min(warmup + 1, m * v) / v)
+    if schedule == "DualPipeV":
+        # Both directions' micro-batches are in flight at once: DualPipe keeps about p + 1 chunks per rank.
+        return min(p + 1, m)
     return min(p - pp_rank, m)
 
 
@@ -276,7 +300,7 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
     count = p * v
     slots = []
     for index in range(count):
-        rank = _rank_of_stage(index, p, schedule)
+        rank = pp_rank_of_stage(schedule, pp=p, index=index)
         devices = tuple(groups[r * p + rank] for r in range(d))
         flat = [dev for group in devices for dev in group]
         slots.append(Slot(
@@ -288,22 +312,14 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
     return slots
 
 
-def _rank_of_stage(index: int, p: int, schedule: str) -> int:
-    if schedule == "ZBVZeroBubble":
-        return index if index < p else 2 * p - 1 - index
-    return index % p
-
-
-def _virtual_stages(schedule: str, p: int) -> int:
-    return 2 if p > 1 and schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
-
-
-def _device_orders(budgets: dict[str, int], *, t: int, count: int) -> Iterable[list[tuple[str, ...]]]:
+def _device_orders(budgets: dict[str, int], *, t: int, count: int,
+                   speeds: Optional[dict] = None) -> Iterable[list[tuple[str, ...]]]:
     """Ways to cut the devices into `count` TP groups of `t`, ordered as pipeline positions.
 
     Groups are formed from devices sorted by budget so a group's cap (its smallest
     budget) wastes least; their order along the pipeline is then searched: exhaustively
-    for a few groups, otherwise the given order and both budget orders.
+    for a few groups, otherwise the given order and both budget orders. Orders alike in every group's
+    budgets and speeds plan alike, so only the first is yielded (uniform devices: one order, not count!).
     """
     devices = list(budgets)[: t * count]
     by_size = sorted(budgets, key=lambda x: -budgets[x])[: t * count]
@@ -314,7 +330,7 @@ def _device_orders(budgets: dict[str, int], *, t: int, count: int) -> Iterable[l
             itertools.permutations(groups) if count <= MAX_PERMUTED_GROUPS else (groups, groups[::-1])
         )
         for order in orders:
-            key = tuple(order)
+            key = tuple(tuple((budgets[x], _speed(speeds or {}, x, budgets)) for x in g) for g in order)
             if key not in seen:
                 seen.add(key)
                 yield list(order)
@@ -328,14 +344,21 @@ def _micro_batches(micro_batches, global_batch, spec: TrainingSpec, p: int, d: i
 
 
 def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpec) -> None:
-    if schedule not in SCHEDULES:
-        raise PlanError(f"schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    if schedule != AUTO and schedule not in SCHEDULES:
+        raise PlanError(f"schedule {schedule!r} is unknown; choose auto or one of {', '.join(SCHEDULES)}")
     if micro_batches is not None and micro_batches < 1:
         raise PlanError(f"micro_batches={micro_batches}: needs at least 1")
     if global_batch is not None and global_batch < spec.micro_batch_size:
         raise PlanError(f"global_batch={global_batch} is smaller than micro_batch_size={spec.micro_batch_size}")
     if spec.seq_len < 1 or spec.micro_batch_size < 1:
         raise PlanError("seq_len and micro_batch_size must be at least 1")
+
+
+def _checkpointing_choices(activation_checkpointing, spec: TrainingSpec) -> list[bool]:
+    """Activation checkpointing settings to try, in order ("auto": off first, on only if needed to fit)."""
+    if spec.method == "inference":
+        return [False]
+    return [False, True] if activation_checkpointing == "auto" else [bool(activation_checkpointing)]
 
 
 def _check_budget_count(world_size: Optional[int], budgets: dict[str, int]) -> None:
@@ -363,16 +386,17 @@ def _check_world(world_size: Optional[int], *, tp, pp, dp) -> None:
                     f"(torchrun --nproc_per_node {needed}) or change {', '.join('--' + n for n in forced)}")
 
 
-def _check_degrees(config, devices: int, *, tp, pp, dp, micro_batches=None, schedule="1F1B") -> None:
+def _check_degrees(config, devices: int, *, tp, pp, dp, micro_batches=None, schedule=AUTO) -> None:
     if tp is not None and (why := tp_degree_error(config, tp)):
         raise PlanError(why)
     needed = (tp or 1) * (pp or 1) * (dp or 1)
     if needed > devices:
         raise PlanError(f"tp={tp or 1} × pp={pp or 1} × dp={dp or 1} needs {needed} devices but the budget names "
                         f"{devices}; add devices to max_memory or lower the degrees")
-    if pp is not None and pp > 1 and micro_batches is not None and micro_batches < pp and schedule != "GPipe":
-        raise PlanError(f"micro_batches={micro_batches} < pp={pp}: schedule {schedule} needs at least one micro-batch "
-                        f"per stage; raise --micro-batches to at least {pp} or use --schedule GPipe")
+    need = min(min_micro_batches(c, pp) for c in _schedule_candidates(schedule)) if pp else 1
+    if pp is not None and pp > 1 and micro_batches is not None and micro_batches < need:
+        raise PlanError(f"micro_batches={micro_batches} < {need} with pp={pp}: schedule {schedule} needs at least one "
+                        f"micro-batch per stage; raise --micro-batches to at least {need} or use --schedule GPipe")
     if pp is not None and pp > config.num_hidden_layers:
         raise PlanError(f"pp={pp} is more pipeline stages than the model's {config.num_hidden_layers} layers")
 
@@ -418,7 +442,7 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
         p = min(len(budgets) // t, costs.num_layers)
         m = _micro_batches(options["micro_batches"], options["global_batch"], spec, p, 1)
         schedule = options["schedule"] if p > 1 else "1F1B"
-        v = _virtual_stages(schedule, p)
+        v = virtual_stages(schedule, p)
         for groups in itertools.islice(_device_orders(budgets, t=t, count=p), 24):
             slots = _slots(groups, unlimited, options["device_speeds"], p=p, d=1, v=v, m=m, schedule=schedule)
             counts = split_layers(costs, slots)

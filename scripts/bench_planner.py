@@ -27,22 +27,68 @@ def llama_405b_config():
                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
 
 
+PLAN_IN_FRESH_PROCESS = """
+import sys, time
+from hfsplit import TrainingSpec, make_plan
+from hfsplit.checkpoint import load_config
+sys.path.insert(0, {scripts!r})
+from bench_planner import llama_405b_config
+config = llama_405b_config() if {model!r} == "405b" else load_config({model!r})
+load_config("Qwen/Qwen2.5-0.5B")  # imports, not planning
+start = time.perf_counter()
+plan = make_plan(config, {budget!r}, spec=TrainingSpec(method="lora", seq_len={seq}))
+print(time.perf_counter() - start, f"pp={{plan.pp}} tp={{plan.tp}} dp={{plan.dp}} {{plan.schedule}}")
+"""
+CLI_CASES = [
+    "meta-llama/Llama-3.1-70B --max-memory 4x24GiB --seq-len 2048 --lora-r 16",
+    "Qwen/Qwen2.5-14B --max-memory 24GiB,12GiB,12GiB --seq-len 2048 --lora-r 16",
+]
+
+
+def _fresh(code: str, cache: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HFSPLIT_CACHE": cache, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
+
+
 def planning_times() -> list[tuple[str, str, float, float, str]]:
-    cases = [
-        ("Llama-3.1-70B (80 layers)", load_config("meta-llama/Llama-3.1-70B"), "8x80GiB"),
-        ("Llama-3.1-405B shape (126 layers)", llama_405b_config(), "16x80GiB"),
-    ]
+    """make_plan in a fresh process: first with an empty trace cache (cold), then with the one it left."""
+    import tempfile
+    from pathlib import Path
+
+    cases = [("Llama-3.1-70B (80 layers)", "meta-llama/Llama-3.1-70B", "8x80GiB", 2048),
+             ("Llama-3.1-405B shape (126 layers)", "405b", "16x80GiB", 4096)]
     rows = []
-    for name, config, budget in cases:
-        spec = TrainingSpec(method="lora", seq_len=2048)
-        make_plan(load_config("Qwen/Qwen2.5-0.5B"), "1x80GiB", spec=spec)  # imports, not planning
-        start = time.perf_counter()
-        plan = make_plan(config, budget, spec=spec)
-        cold = time.perf_counter() - start
-        start = time.perf_counter()
-        make_plan(config, budget, spec=spec)
-        warm = time.perf_counter() - start
-        rows.append((name, budget, cold, warm, f"pp={plan.pp} tp={plan.tp} dp={plan.dp}"))
+    for name, model, budget, seq in cases:
+        cache = tempfile.mkdtemp(prefix="bench_planner_")
+        code = PLAN_IN_FRESH_PROCESS.format(scripts=str(Path(__file__).parent), model=model, budget=budget, seq=seq)
+        cold, shape = _fresh(code, cache).split(" ", 1)
+        warm, _ = _fresh(code, cache).split(" ", 1)
+        rows.append((f"{name}, seq {seq}", budget, float(cold), float(warm), shape.strip()))
+    return rows
+
+
+def cli_times() -> list[tuple[str, float, float]]:
+    """Wall time of `hfsplit plan` as a user runs it (no-fit diagnosis included): empty cache, then warm."""
+    import shlex
+    import subprocess
+    import sys
+    import tempfile
+    import os
+
+    rows = []
+    for case in CLI_CASES:
+        cache = tempfile.mkdtemp(prefix="bench_planner_cli_")
+        env = {**os.environ, "HFSPLIT_CACHE": cache, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        walls = []
+        for _ in range(2):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "hfsplit.cli", "plan", *shlex.split(case)], capture_output=True, env=env)
+            walls.append(time.perf_counter() - start)
+        rows.append((case, *walls))
     return rows
 
 
@@ -108,10 +154,14 @@ def comparison(model: str, budget: str) -> list[str]:
 
 
 def main() -> None:
-    print("| model | budget | planning time, first call (traces the block per TP degree) | search alone (costs cached) "
+    print("| model | budget | first plan in a fresh process, empty trace cache | same, trace cache warm "
           "| plan |\n|---|---|---|---|---|")
     for name, budget, cold, warm, shape in planning_times():
         print(f"| {name} | {budget} | {cold * 1e3:.0f} ms | {warm * 1e3:.0f} ms | {shape} |")
+    print()
+    print("| `hfsplit plan` | wall, empty trace cache | wall, cache warm |\n|---|---|---|")
+    for case, cold, warm in cli_times():
+        print(f"| `{case}` | {cold:.1f} s | {warm:.1f} s |")
     print()
     print("| model | budget | split | layers per device | weights per device (of budget) | max/mean weights "
           "| LoRA step bytes per device (seq 2048) | fits |")

@@ -8,7 +8,10 @@ with one thread per rank, launched by torchrun exactly as users launch the recip
 - one process holding the whole model (pp=1, gradient accumulation over the same micro-batches);
 - pp=2 with 1F1B, GPipe, interleaved 1F1B and ZBV zero-bubble, m=8;
 - sequential model parallelism on the same two ranks, as `device_map` training runs it: the
-  whole batch as ONE micro-batch, so one stage works while the other waits.
+  whole batch as ONE micro-batch, so one stage works while the other waits;
+- "hfsplit auto": pp=2, m=8, the schedule left to `--schedule auto` (the calibrated time model).
+Then the auto row's ratio to the best hand-picked pp=2 row and to sequential model parallelism,
+and each run's estimated step next to its measured median (the recipe's "time model" line).
 Prints a markdown table of tokens/s (steady state, first step excluded), ratios, and the
 measured bubble next to `(p-1)/(m+p-1)`.
 """
@@ -45,8 +48,13 @@ def run(model: Path, out: Path, *, ranks: int, steps: int, **options) -> dict:
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in records[1:] if "tokens_per_s" in r]
     bubble = re.search(r"bubble measured ([\d.]+)% \(theory ([\d.]+)%\)", proc.stdout)
+    model_line = re.search(r"estimated step ([\d.]+) ms, measured median ([\d.]+) ms", proc.stdout)
+    chosen = re.search(r"schedule (\S+)\n", proc.stdout)
     return {"tokens_per_s": sum(rates) / len(rates), "bubble": float(bubble.group(1)) if bubble else float("nan"),
-            "theory": float(bubble.group(2)) if bubble else float("nan")}
+            "theory": float(bubble.group(2)) if bubble else float("nan"),
+            "estimate_ms": float(model_line.group(1)) if model_line else float("nan"),
+            "measured_ms": float(model_line.group(2)) if model_line else float("nan"),
+            "schedule": chosen.group(1) if chosen else "?"}
 
 
 def main() -> None:
@@ -66,6 +74,7 @@ def main() -> None:
         ("pp=2 Interleaved1F1B m=8", 2, dict(pp=2, micro_batches=8, schedule="Interleaved1F1B")),
         ("pp=2 ZBVZeroBubble m=8", 2, dict(pp=2, micro_batches=8, schedule="ZBVZeroBubble")),
         ("sequential model parallel (device_map style)", 2, dict(pp=2, micro_batches=1, micro_batch_size=16, schedule="GPipe")),
+        ("hfsplit auto m=8", 2, dict(pp=2, micro_batches=8, schedule="auto")),
     ]
     results = {}
     for name, ranks, opts in cases:
@@ -74,11 +83,17 @@ def main() -> None:
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
     base = results["one process, whole model"]["tokens_per_s"]
     seq = results["sequential model parallel (device_map style)"]["tokens_per_s"]
-    print("| run | tokens/s | vs one process | vs sequential | bubble measured | bubble (p-1)/(m+p-1) |")
-    print("|---|---|---|---|---|---|")
+    print("| run | tokens/s | vs one process | vs sequential | bubble measured | bubble (theory) "
+          "| step estimated / measured |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}× | {r['tokens_per_s'] / seq:.2f}× "
-              f"| {r['bubble']:.1f}% | {r['theory']:.1f}% |")
+        print(f"| {name}{' → ' + r['schedule'] if name.startswith('hfsplit auto') else ''} | {r['tokens_per_s']:.0f} "
+              f"| {r['tokens_per_s'] / base:.2f}× | {r['tokens_per_s'] / seq:.2f}× "
+              f"| {r['bubble']:.1f}% | {r['theory']:.1f}% | {r['estimate_ms']:.0f} / {r['measured_ms']:.0f} ms |")
+    auto = results["hfsplit auto m=8"]["tokens_per_s"]
+    best_name = max((n for n in results if n.startswith("pp=2")), key=lambda n: results[n]["tokens_per_s"])
+    print(f"\nhfsplit auto: {auto / results[best_name]['tokens_per_s']:.2f}× the best hand-picked row ({best_name}), "
+          f"{auto / seq:.2f}× sequential model parallelism (targets ≥0.97× and ≥1.6×)")
 
 
 if __name__ == "__main__":

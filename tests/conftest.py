@@ -1,11 +1,14 @@
 """Shared fixtures: tiny real checkpoints written once per session."""
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Traced costs and device calibration are cached on disk; tests never touch the user's cache.
+os.environ["HFSPLIT_CACHE"] = tempfile.mkdtemp(prefix="hfsplit-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -175,3 +175,16 @@ def test_a_run_time_error_keeps_its_own_exit_code(monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "run_plan", fails)
     assert cli.main(["plan", "Qwen/Qwen2.5-0.5B", "--max-memory", "2x8GiB"]) == 3
+
+
+def test_plan_prints_the_schedule_auto_chose_and_each_candidates_step(capsys):
+    assert main(["plan", "meta-llama/Llama-3.1-8B", "--max-memory", "4x24GiB", "--pp", "4"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("note: schedule auto chose"))
+    chosen = line.split("chose ")[1].split(":")[0]
+    assert f"schedule {chosen}" in out
+    assert re.search(r"1F1B [\d.]+ ms", line), line
+    for name in ("Interleaved1F1B", "ZBVZeroBubble"):  # each timed, or said why not
+        assert re.search(rf"{name} [\d.]+ ms", line) or re.search(rf"\(.*{name}.*: nothing fits", line), line
+    assert main(["plan", "meta-llama/Llama-3.1-8B", "--max-memory", "4x24GiB", "--pp", "4", "--schedule", "1F1B"]) == 0
+    assert "schedule auto" not in capsys.readouterr().out

@@ -115,3 +115,46 @@ def test_a_model_whose_tp_plan_hfsplit_cannot_shard_is_planned_at_tp_1():
     assert make_plan(config, "2x1GiB", spec=TrainingSpec(method="full", seq_len=64, dtype="float32", reserve_bytes=0)).tp == 1
     with pytest.raises(PlanError, match=r"tp=2.*colwise_gather_output.*use tp=1"):
         make_plan(config, "2x1GiB", spec=TrainingSpec(method="full", seq_len=64, dtype="float32", reserve_bytes=0), tp=2)
+
+
+# --- schedule auto ------------------------------------------------------------------------------
+
+AUTO_CASES = [
+    ("meta-llama/Llama-3.1-8B", "4x24GiB", dict(method="lora", seq_len=2048), {}),
+    ("meta-llama/Llama-3.1-8B", "2x80GiB", dict(method="full", seq_len=1024), dict(pp=2)),
+    ("Qwen/Qwen2.5-14B", "24GiB,12GiB,12GiB", dict(method="lora", seq_len=2048), dict(micro_batches=6)),
+]
+
+
+@pytest.mark.parametrize("model, budget, spec, forced", AUTO_CASES)
+def test_schedule_auto_fits_and_is_never_slower_by_the_model_than_a_hand_picked_one(model, budget, spec, forced):
+    from hfsplit.errors import PlanError
+    from hfsplit.parallel.mesh import check_plan_for_world
+    from hfsplit.schedules import AUTO_CANDIDATES, min_micro_batches
+
+    spec = TrainingSpec(**spec)
+    auto = make_plan(model, budget, spec=spec, **forced)
+    check_plan_for_world(auto, world_size=auto.world_size)  # a layout torch runs
+    assert all(s.memory.total <= s.budget for s in auto.stages)
+    assert auto.pp == 1 or auto.micro_batches >= min_micro_batches(auto.schedule, auto.pp)
+    if "micro_batches" in forced:
+        assert auto.micro_batches == forced["micro_batches"]
+    picked = []
+    for name in AUTO_CANDIDATES + ("GPipe", "DualPipeV"):
+        try:
+            picked.append(make_plan(model, budget, spec=spec, schedule=name, **forced))
+        except PlanError:
+            continue
+    rate = lambda p: p.dp * p.micro_batches / p.step_time_s  # noqa: E731
+    assert picked and rate(auto) >= max(rate(p) for p in picked) * (1 - 1e-9)
+    if auto.pp > 1:
+        note = next(n for n in auto.notes if n.startswith("schedule auto chose"))
+        assert auto.schedule in note and "1F1B" in note and " ms" in note
+
+
+def test_dual_pipe_v_needs_two_micro_batches_per_stage():
+    from hfsplit.errors import PlanError
+
+    with pytest.raises(PlanError, match="raise --micro-batches to at least 4"):
+        make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=2, micro_batches=3, schedule="DualPipeV")
+    assert make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=2, micro_batches=4, schedule="DualPipeV").virtual_stages == 2

@@ -18,10 +18,7 @@ import torch.distributed as dist
 
 from ..errors import PlanError
 from ..plan import Plan
-
-# Schedules whose stages sit on ranks in a V (rank r holds stages r and 2p-1-r);
-# every other schedule places stage i on rank i % pp.
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+from ..schedules import TABLE, pp_rank_of_stage
 
 
 @dataclass(frozen=True)
@@ -43,10 +40,7 @@ def coordinates_of_rank(plan: Plan, *, rank: int) -> Coordinates:
 
 def schedule_pp_rank(*, schedule: str, pp: int, index: int) -> int:
     """The pipeline rank torch's `schedule` expects stage `index` on: looped (i % pp) or V-shaped."""
-    lap, offset = divmod(index, pp)
-    if schedule in V_SCHEDULES and lap % 2 == 1:
-        return pp - 1 - offset
-    return offset
+    return pp_rank_of_stage(schedule, pp=pp, index=index)
 
 
 def stage_to_pp_rank(plan: Plan) -> dict[int, int]:
@@ -72,7 +66,7 @@ def check_plan_for_world(plan: Plan, *, world_size: int) -> None:
             f"the plan has {len(plan.stages)} stages but pp={plan.pp} × virtual_stages={plan.virtual_stages} "
             f"= {expected} slots; make the stage count equal pp × virtual_stages"
         )
-    if plan.virtual_stages > 1 and plan.schedule in ("GPipe", "1F1B"):
+    if plan.virtual_stages > 1 and TABLE[plan.schedule].stages_per_rank == 1:
         raise PlanError(
             f"schedule {plan.schedule} runs one stage per rank but the plan has {plan.virtual_stages} per rank; "
             "use Interleaved1F1B / ZBVZeroBubble or virtual_stages=1"

@@ -8,26 +8,19 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
-
-# Schedules running one stage per rank vs. several (interleaved / V-shaped).
-SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
-MULTI_STAGE = {
-    "Interleaved1F1B": "ScheduleInterleaved1F1B",
-    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
-    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
-    "DualPipeV": "ScheduleDualPipeV",
-    "LoopedBFS": "ScheduleLoopedBFS",
-}
+from ..schedules import TABLE
 
 
 def schedule_class(name: str):
     """The torch.distributed.pipelining schedule class called `name` in a Plan."""
     import torch.distributed.pipelining as pipelining
 
-    table = {**SINGLE_STAGE, **MULTI_STAGE}
-    if name not in table:
-        raise PlanError(f"schedule {name!r} is unknown; choose one of {sorted(table)}")
-    return getattr(pipelining, table[name])
+    if name not in TABLE:
+        raise PlanError(f"schedule {name!r} is unknown; choose one of {sorted(TABLE)}")
+    if not hasattr(pipelining, TABLE[name].torch_class):
+        raise PlanError(f"schedule {name!r} needs torch.distributed.pipelining.{TABLE[name].torch_class}, which this "
+                        f"torch lacks; upgrade torch or choose another schedule")
+    return getattr(pipelining, TABLE[name].torch_class)
 
 
 def pipeline_stages(modules: Sequence[nn.Module], *, indices: Sequence[int], num_stages: int,
@@ -44,7 +37,7 @@ def build_schedule(name: str, stages: list, *, micro_batches: int, loss_fn: Opti
     `loss_fn=None` gives a forward-only schedule whose `step` returns the last stage's outputs.
     """
     cls = schedule_class(name)
-    if name in SINGLE_STAGE:
+    if TABLE[name].stages_per_rank == 1:
         if len(stages) != 1:
             raise PlanError(f"schedule {name} runs one stage per rank, this rank has {len(stages)}")
         return cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)

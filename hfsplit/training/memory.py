@@ -62,7 +62,7 @@ def _inject(model, step: int) -> list:
 
 def oom_message(model, exc: BaseException, *, step: int) -> str:
     """Stage, planned and measured peak, budget, and the --max-memory under which the planner fits it."""
-    from .trainer import peak_memory_bytes
+    from .metrics import peak_memory_bytes
 
     plan, coords = model.plan, model.ctx.coords
     stages = plan.stages_of_rank(coords.pp)

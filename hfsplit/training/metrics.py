@@ -28,6 +28,7 @@ class TrainResult:
     peak_memory_bytes: list[int] = field(default_factory=list)
     saved_to: str = ""
     eval_losses: list[float] = field(default_factory=list)
+    busy_s_per_rank: list[float] = field(default_factory=list)  # seconds in stage work, per global rank
 
 
 @dataclass
@@ -136,6 +137,7 @@ class Metrics:
         """The run's result, with the measured bubble and tokens/s (collective); closes the log."""
         result = self.result
         busy = gather(float(self._busy_total))
+        result.busy_s_per_rank = busy
         result.bubble_measured = 1 - (sum(busy) / len(busy)) / self._wall_total if self._wall_total else 0.0
         timed = result.step_times_s[1:] or result.step_times_s
         result.tokens_per_s = self.tokens_per_step / (sum(timed) / len(timed)) if timed else 0.0

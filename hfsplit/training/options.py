@@ -28,7 +28,8 @@ class FinetuneOptions:
         seq_len: tokens per sequence.
         micro_batch_size: sequences per micro-batch.
         micro_batches: micro-batches per optimizer step (gradient accumulation).
-        schedule: 1F1B | GPipe | Interleaved1F1B | ZBVZeroBubble.
+        schedule: auto (the planner picks by its calibrated time model) | 1F1B | GPipe | Interleaved1F1B |
+            ZBVZeroBubble | DualPipeV.
         activation_checkpointing: recompute block activations in backward.
         dtype: bfloat16 (mixed precision on GPU) or float32 (default on CPU).
         tp, pp: force tensor-parallel degree / pipeline depth instead of letting the planner choose.
@@ -62,7 +63,7 @@ class FinetuneOptions:
     seq_len: int = 128
     micro_batch_size: int = 2
     micro_batches: int = 4
-    schedule: str = "1F1B"
+    schedule: str = "auto"
     activation_checkpointing: bool = False
     dtype: Optional[str] = None
     tp: Optional[int] = None

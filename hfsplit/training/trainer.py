@@ -167,6 +167,9 @@ def train(options: FinetuneOptions, *, progress: bool = True) -> TrainResult:
     finally:
         run.metrics.close_bar()  # an error then prints on a line of its own, not after the bar
     if dist.get_rank() == 0:
+        from ..calibrate import time_report
+
+        print(time_report(run.model.plan, result.step_times_s, result.busy_s_per_rank), flush=True)
         print(summary_line(result), flush=True)
     return result
 
@@ -339,10 +342,15 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Opti
 
     check_sequence_length(model_path, options.seq_len)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    from ..calibrate import run_speeds
+
+    budget = options.max_memory or default_max_memory(world)
     arguments = plan_arguments(options, world_size=world)
     if global_batch:
         arguments.update(micro_batches=None, global_batch=global_batch)
-    return shared_plan(model_path, options.max_memory or default_max_memory(world), **arguments)
+    # Measured on this rank's own device (cached per device kind and dtype): the time model picks the schedule.
+    arguments["device_speeds"] = run_speeds(model_path, arguments["spec"], budget)
+    return shared_plan(model_path, budget, **arguments)
 
 
 def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):

@@ -34,7 +34,8 @@ def test_each_rank_runs_on_the_gpu_its_stage_was_planned_for():
     from hfsplit.parallel.mesh import gpu_index_of_rank
     from hfsplit.planner import make_plan
 
-    plan = make_plan("Qwen/Qwen2.5-14B", "24GiB,12GiB,12GiB", spec=TrainingSpec(method="lora", seq_len=2048, lora_r=16))
+    plan = make_plan("Qwen/Qwen2.5-14B", "24GiB,12GiB,12GiB", spec=TrainingSpec(method="lora", seq_len=2048, lora_r=16),
+                     schedule="1F1B")  # one stage per rank: the reorder shows
     planned = {s.pp_rank: int(s.devices[0][0]) for s in plan.stages}
     chosen = {rank: gpu_index_of_rank(plan, rank=rank, local_rank=rank, gpus_per_host=3) for rank in range(3)}
     assert chosen == planned and sorted(chosen.values()) == [0, 1, 2]

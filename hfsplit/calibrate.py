@@ -1,0 +1,150 @@
+"""Calibrating the time model: the device's real throughput on the block's own shapes, cached.
+
+The planner's step estimate is FLOPs / throughput. A datasheet peak misleads by orders of
+magnitude on CPU ranks (and by 2-3× on GPUs, where attention and elementwise kernels run far
+below the matmul peak), so the recipe times one forward + backward of one real decoder block
+of the model at the run's micro-batch shape on the rank's own device, and divides the block's
+counted FLOPs by it. The figure is cached on disk (`hfsplit.trace_cache.cache_dir`) per device
+kind, dtype and block shape, so a run measures once. `hfsplit plan` on a machine without the
+target GPUs uses `KNOWN_FLOPS` (or `--device-flops`).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+# Dense bf16 tensor-core peak (FLOP/s, datasheets) per GPU name fragment; a training step reaches about
+# ACHIEVED of it. Used by `hfsplit plan` for the GPU it is told about, never measured here.
+KNOWN_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
+               "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
+ACHIEVED = 0.4
+PROBE_REPEATS = 3
+
+
+def device_kind(device: torch.device) -> str:
+    """A name for what runs the work: the GPU model, or the CPU model and its thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu:{platform.processor() or platform.machine()}:threads={torch.get_num_threads()}"
+
+
+def known_flops(name: str) -> Optional[float]:
+    """Achieved FLOP/s of a GPU named like `name` ("H100", "NVIDIA A100-SXM4-80GB"), from KNOWN_FLOPS."""
+    for key, peak in sorted(KNOWN_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key.lower() in name.lower():
+            return peak * ACHIEVED
+    return None
+
+
+def block_flops_per_s(config, spec, device: torch.device) -> float:
+    """Measured FLOP/s of one decoder block's forward + backward under `spec` on `device` (cached)."""
+    from .costs import model_costs
+    from .trace_cache import read_cache, write_cache
+
+    plain = replace(spec, activation_checkpointing=False)  # the probe runs no recompute
+    flops = model_costs(config, plain, tp=1).block.flops
+    key = (f"{device_kind(device)}|{spec.dtype}|{spec.method}|r={spec.lora_r}|b={spec.micro_batch_size}"
+           f"|s={spec.seq_len}|{config.hidden_size}|{config.intermediate_size}|{config.num_attention_heads}"
+           f"|{getattr(config, 'num_key_value_heads', None)}|{config.model_type}")
+    record = read_cache("speed", key)
+    if record is None:
+        record = {"seconds": _time_block(config, plain, device), "flops": flops}
+        write_cache("speed", key, record)
+    return record["flops"] / record["seconds"]
+
+
+def _time_block(config, spec, device: torch.device) -> float:
+    """Median seconds of forward + backward of one real block at the spec's micro-batch shape."""
+    from .costs import _dtype, _one_layer_config, _set_trainable
+    from transformers import AutoModelForCausalLM
+
+    dtype = _dtype(spec.dtype)
+    model = AutoModelForCausalLM.from_config(_one_layer_config(config), dtype=dtype).to(device)
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    block = base.layers[0]
+    if spec.method == "lora":
+        from peft import LoraConfig, inject_adapter_in_model
+
+        from .costs import block_linear_names
+
+        inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=block_linear_names(config)), block)
+    _set_trainable(block, spec)
+    ids = torch.zeros(spec.micro_batch_size, spec.seq_len, dtype=torch.long, device=device)
+    pos = torch.arange(spec.seq_len, device=device).unsqueeze(0)
+    x = torch.randn(spec.micro_batch_size, spec.seq_len, config.hidden_size, dtype=dtype, device=device)
+    embeddings = base.rotary_emb(x, position_ids=pos)
+    times = []
+    for i in range(PROBE_REPEATS + 1):  # the first run warms allocators and kernels
+        _sync(device)
+        start = time.perf_counter()
+        inp = x.detach().requires_grad_(spec.method != "inference")
+        out = block(inp, attention_mask=None, position_embeddings=embeddings, position_ids=pos)
+        out = out[0] if isinstance(out, tuple) else out
+        if spec.method != "inference":
+            out.sum().backward()
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    del ids
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def calibrated_speeds(config, spec, budgets: dict, device: torch.device) -> dict:
+    """`make_plan(device_speeds=...)` for devices all like `device`: measured FLOP/s over the planner's unit."""
+    from .planner import DEVICE_FLOPS
+
+    if os.environ.get("HFSPLIT_NO_CALIBRATION"):
+        return {}
+    speed = block_flops_per_s(config, spec, device) / DEVICE_FLOPS
+    return {key: speed for key in budgets}
+
+
+def run_speeds(model_path: str, spec, max_memory) -> dict:
+    """The calibrated `device_speeds` of a launched run: every rank probes its own device at once, so the
+    figure includes what ranks sharing a machine cost each other (rank 0's is the one planned with)."""
+    from .budget import parse_max_memory
+    from .checkpoint import load_config
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
+    return calibrated_speeds(load_config(model_path), spec, parse_max_memory(max_memory), device)
+
+
+def time_report(plan, step_times_s: list[float], busy_s: list[float]) -> str:
+    """The plan's step estimate beside the measured median step, and per pipeline rank the estimated busy
+    time per step (its stages' forward + backward × micro-batches) beside the measured one.
+
+    Args:
+        plan: the run's Plan.
+        step_times_s: measured wall time of the timed steps.
+        busy_s: per global rank, seconds its schedule spent in its stages' work over those steps.
+    """
+    from .parallel.mesh import coordinates_of_rank
+
+    if not step_times_s:
+        return "time model: no step was timed"
+    measured = statistics.median(step_times_s)
+    lines = [f"time model: estimated step {plan.step_time_s * 1e3:.1f} ms, measured median {measured * 1e3:.1f} ms "
+             f"(× {measured / plan.step_time_s:.2f})"]
+    for rank, busy in enumerate(busy_s):
+        c = coordinates_of_rank(plan, rank=rank)
+        if c.dp or c.tp:
+            continue  # replicas and TP peers run the same stages
+        estimate = sum(s.time_s for s in plan.stages_of_rank(c.pp)) * plan.micro_batches
+        layers = ", ".join(f"{s.layers[0]}-{s.layers[1] - 1}" for s in plan.stages_of_rank(c.pp))
+        lines.append(f"  pipeline rank {c.pp} (layers {layers}): estimated busy {estimate * 1e3:.1f} ms, "
+                     f"measured {busy / len(step_times_s) * 1e3:.1f} ms per step")
+    return "\n".join(lines)
