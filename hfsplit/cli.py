@@ -17,6 +17,10 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     method.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default method: LoRA, r=16)")
     method.add_argument("--full", action="store_true", help="full fine-tuning with AdamW")
     method.add_argument("--inference", action="store_true", help="forward only")
+    method.add_argument("--qlora", action="store_true", help="LoRA on a bitsandbytes 4-bit base (NF4, double quant)")
+    p.add_argument("--bnb-4bit-quant-type", default="nf4", help="QLoRA: nf4 | fp4")
+    p.add_argument("--bnb-4bit-use-double-quant", choices=("on", "off"), default="on", help="QLoRA: double quantization")
+    p.add_argument("--load-in-8bit", action="store_true", help="QLoRA with an 8-bit base instead of 4-bit")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: all projections)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=1)
@@ -37,11 +41,13 @@ def plan_parser(sub) -> argparse.ArgumentParser:
 def spec_from_args(args) -> TrainingSpec:
     from .budget import parse_size
 
-    method = "full" if args.full else "inference" if args.inference else "lora"
+    method = "full" if args.full else "inference" if args.inference else "qlora" if args.qlora else "lora"
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
     reserve = parse_size(args.reserve, what="--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
     return TrainingSpec(method=method, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                        dtype=args.dtype, lora_r=args.lora_r, lora_targets=targets, reserve_bytes=reserve)
+                        dtype=args.dtype, lora_r=args.lora_r, lora_targets=targets, reserve_bytes=reserve,
+                        bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+                        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant == "on", load_in_8bit=args.load_in_8bit)
 
 
 def run_plan(args) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 import torch
@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import PlanError, UnsupportedModelError
 
-Method = Literal["inference", "lora", "full"]
+Method = Literal["inference", "lora", "qlora", "full"]
 
 DEFAULT_RESERVE_BYTES = 1 << 30  # CUDA context + allocator fragmentation + comm buffers
 
@@ -32,7 +32,8 @@ class TrainingSpec:
     """What a step does; the planner's costs depend on it.
 
     Args:
-        method: "inference" (forward only), "lora" (frozen base + adapters) or "full" (AdamW on all).
+        method: "inference" (forward only), "lora" (frozen base + adapters), "qlora" (LoRA on a bitsandbytes
+            4-bit / 8-bit base: the blocks' linears quantized, embeddings, norms and lm_head 16-bit) or "full".
         seq_len: tokens per sequence.
         micro_batch_size: sequences per micro-batch.
         dtype: dtype of the weights and activations ("bfloat16", "float16", "float32").
@@ -40,6 +41,7 @@ class TrainingSpec:
         lora_targets: module names LoRA wraps; None means every attention and MLP projection.
         activation_checkpointing: recompute each block's activations in backward.
         reserve_bytes: fixed per-device reserve (context, fragmentation, comm buffers).
+        bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: the QLoRA base's `BitsAndBytesConfig`.
     """
 
     method: Method = "lora"
@@ -50,6 +52,9 @@ class TrainingSpec:
     lora_targets: Optional[tuple[str, ...]] = None
     activation_checkpointing: bool = False
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    bnb_4bit_quant_type: str = "nf4"
+    bnb_4bit_use_double_quant: bool = True
+    load_in_8bit: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,8 +188,11 @@ def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
     why = tp_degree_error(config, tp)
     if why:
         raise PlanError(why)
-    if spec.method not in ("inference", "lora", "full"):
-        raise PlanError(f"TrainingSpec.method {spec.method!r}: use 'inference', 'lora' or 'full'")
+    if spec.method not in ("inference", "lora", "qlora", "full"):
+        raise PlanError(f"TrainingSpec.method {spec.method!r}: use 'inference', 'lora', 'qlora' or 'full'")
+    if spec.method == "qlora" and tp > 1:
+        raise PlanError(f"tp={tp} with QLoRA: a bitsandbytes 4-bit weight cannot be sharded by tensor parallelism "
+                        "here; use tp=1 (the planner splits QLoRA runs over pipeline stages × data parallelism)")
     _dtype(spec.dtype)  # fail early on an unknown dtype
     key = _config_key(config)
     _CONFIGS.setdefault(key, config)
@@ -385,10 +393,11 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     # final norm stays whole), so each TP rank holds 1/tp of both matrices.
     head_numel = layout.norm_numel + (layout.head_numel - layout.norm_numel) // tp
     numels = {"embed": layout.embed_numel // tp, "block": block_numel, "head": head_numel}
-    lora_numel = _lora_numel(layout, spec, tp) if spec.method == "lora" else 0
+    lora_numel = _lora_numel(layout, spec, tp) if spec.method in ("lora", "qlora") else 0
 
-    trace = _trace_block(key, spec, tp)
-    ends = _trace_ends(key, spec)
+    traced = replace(spec, method="lora") if spec.method == "qlora" else spec  # activations as LoRA's
+    trace = _trace_block(key, traced, tp)
+    ends = _trace_ends(key, traced)
     tokens = spec.micro_batch_size * spec.seq_len
     hidden_bytes = tokens * config.hidden_size * size
 
@@ -397,8 +406,9 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
         if spec.method == "full":
             master = _MASTER_WEIGHT_BYTES if spec.dtype != "float32" else 0
             return params, numels[part] * size, numels[part] * (_ADAMW_MOMENT_BYTES + master)
-        if spec.method == "lora" and part == "block":
+        if spec.method in ("lora", "qlora") and part == "block":
             adapter = _LORA_ADAPTER_DTYPE.itemsize
+            params = quantized_block_bytes(layout, spec) if spec.method == "qlora" else params
             return params + lora_numel * adapter, lora_numel * adapter, lora_numel * _ADAMW_MOMENT_BYTES
         return params, 0, 0
 
@@ -425,10 +435,25 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     else:
         block_acts, block_ws = trace.activations, trace.workspace
 
+    if spec.method == "qlora":  # forward and backward each dequantize one weight at a time to the compute dtype
+        block_ws += max(lin.in_features * lin.out_features for lin in layout.linears) * size
     embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
     block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
     head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
     return ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec)
+
+
+def quantized_block_bytes(layout: _Layout, spec: TrainingSpec) -> int:
+    """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, the rest
+    (norms, biases) in the spec's dtype."""
+    from .quantize import quantized_linear_bytes
+
+    weights = sum(lin.in_features * lin.out_features for lin in layout.linears)
+    rest = layout.block_numel_replicated + layout.block_numel_sharded - weights
+    return rest * _dtype(spec.dtype).itemsize + sum(
+        quantized_linear_bytes(lin.in_features, lin.out_features, quant_type=spec.bnb_4bit_quant_type,
+                               double_quant=spec.bnb_4bit_use_double_quant, load_in_8bit=spec.load_in_8bit)
+        for lin in layout.linears)
 
 
 def _head_dim(config) -> int:

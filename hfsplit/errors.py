@@ -35,3 +35,7 @@ class NonFiniteError(TrainingFault):
 
 class PeerLostError(TrainingFault):
     """Another rank died or stopped answering within `--peer-timeout`."""
+
+
+class QuantizationError(HfsplitError):
+    """A quantization request bitsandbytes cannot serve here, or that disagrees with the checkpoint."""

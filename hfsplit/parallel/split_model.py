@@ -251,8 +251,9 @@ def eos_token_ids(config) -> torch.Tensor:
 
 
 def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, config=None,
-                      dtype: Optional[torch.dtype] = None) -> SplitModel:
-    """This rank's SplitModel: stage modules on meta, TP applied, then only this rank's bytes read."""
+                      dtype: Optional[torch.dtype] = None, quantization_config=None) -> SplitModel:
+    """This rank's SplitModel: stage modules on meta, TP applied, then only this rank's bytes read
+    (with `quantization_config`, a transformers `BitsAndBytesConfig`, each block quantized as it is read)."""
     from ..checkpoint import load_config
 
     config = config if config is not None else load_config(name_or_path)
@@ -273,13 +274,19 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     needed = [name for m in modules for name, _ in m.named_parameters()]
     reader = open_reader(name_or_path, needed=needed, model=meta_model(config))
     for module in modules:
+        if quantization_config is not None:
+            from ..quantize import load_quantized_stage
+
+            load_quantized_stage(module, reader=reader, device=ctx.device, dtype=dtype, qconfig=quantization_config)
+            continue
         load_stage_weights(module, reader=reader, device=ctx.device, dtype=dtype, tp_rank=ctx.coords.tp,
                            tp_size=plan.tp)
     return SplitModel(plan=plan, config=config, ctx=ctx, stages=modules, stage_indices=indices)
 
 
 def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
-                          dtype: Optional[torch.dtype] = None, **plan_options) -> SplitModel:
+                          dtype: Optional[torch.dtype] = None, quantization_config=None,
+                          **plan_options) -> SplitModel:
     """Load `name_or_path` split over the ranks of a distributed launch (torchrun / accelerate launch).
 
     Rank 0 plans (unless `plan` is given) and shares the plan, so every rank runs the same
@@ -290,6 +297,7 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         max_memory: per-device budget for the planner (ignored when `plan` is given).
         plan: a ready Plan to run instead of planning.
         dtype: override the plan's dtype for the weights.
+        quantization_config: a transformers `BitsAndBytesConfig`: the blocks' linears are quantized as read (QLoRA).
         **plan_options: passed to `hfsplit.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
     from .mesh import backend_for, device_of_rank
@@ -302,7 +310,7 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
     if plan is None:
         plan = shared_plan(name_or_path, max_memory, **plan_options)
     ctx = init_parallel(plan)
-    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype)
+    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, quantization_config=quantization_config)
 
 
 def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:

@@ -92,7 +92,7 @@ def check_sequence_length(model_path: str, seq_len: int) -> None:
 def weights_dtype(method: str, dtype: str) -> torch.dtype:
     """Dtype the weights are held in: full fine-tuning in 16 bits keeps fp32 weights (the master copy,
     AMP-style) and computes under autocast; LoRA keeps the frozen base in 16 bits (peft keeps adapters fp32)."""
-    if method == "full" and dtype in ("bfloat16", "float16"):
+    if method == "full" and dtype in ("bfloat16", "float16"):  # (QLoRA: base and compute in `dtype`)
         return torch.float32
     return getattr(torch, dtype)
 
@@ -219,13 +219,14 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
         source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
         rows = load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
     if model is None:
-        model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype))
+        model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
+                                      quantization_config=qlora_config_of_run(options, plan))
     plan = model.plan
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
     if dist.get_rank() == 0:
         print(plan.table(), flush=True)
     config = None
-    if options.method == "lora":
+    if options.method in ("lora", "qlora"):
         config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
                              targets=options.lora_targets, model_config=model.config)
         tp_group = model.ctx.tp_mesh.get_group() if plan.tp > 1 else None
@@ -312,14 +313,14 @@ def train(options: FinetuneOptions, *, model=None, rows=None, progress: bool = T
                                           scheduler=scheduler, batches=batches, step=step)
                 saving = time.perf_counter()
                 folder = save_split_model(model, Path(options.output_dir) / f"checkpoint-{step}",
-                                          method=options.method, lora_config=config, tokenizer=tokenizer,
+                                          method=saved_method(options.method), lora_config=config, tokenizer=tokenizer,
                                           base_model=model_path, extra=state)
                 metrics.write({"step": step, "checkpoint": str(folder), "save_s": time.perf_counter() - saving,
                                "removed": [str(p) for p in prune_checkpoints(options.output_dir,
                                                                               keep=options.save_total_limit)]})
         bar.close()
-        final = Path(options.output_dir) / ("adapter" if options.method == "lora" else "model")
-        save_split_model(model, final, method=options.method, lora_config=config, tokenizer=tokenizer,
+        final = Path(options.output_dir) / ("adapter" if options.method != "full" else "model")
+        save_split_model(model, final, method=saved_method(options.method), lora_config=config, tokenizer=tokenizer,
                          base_model=model_path)
         result.saved_to = str(final)
         if options.merge:
@@ -375,12 +376,33 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str):
     spec = TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
                         dtype=dtype, lora_r=options.lora_r,
                         lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
-                        activation_checkpointing=options.activation_checkpointing, reserve_bytes=0)
+                        activation_checkpointing=options.activation_checkpointing, reserve_bytes=0,
+                        bnb_4bit_quant_type=options.bnb_4bit_quant_type,
+                        bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit)
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world if options.model is None and options.tp is None else None)
     return shared_plan(model_path, options.max_memory or default_max_memory(world), spec=spec,
                        micro_batches=options.micro_batches, schedule=options.schedule, tp=options.tp, pp=pp,
                        world_size=world, activation_checkpointing=options.activation_checkpointing)
+
+
+def saved_method(method: str) -> str:
+    """What the output folder holds: QLoRA writes the same peft adapter folder as LoRA."""
+    return "lora" if method == "qlora" else method
+
+
+def qlora_config_of_run(options: FinetuneOptions, plan):
+    """The run's `BitsAndBytesConfig` (None unless --method qlora), refused in one line before any weight is
+    read where bitsandbytes cannot serve it on this rank's device."""
+    if options.method != "qlora":
+        return None
+    from ..parallel.mesh import device_of_rank
+    from ..quantize import check_quantization, quantization_config
+
+    qconfig = quantization_config(load_in_8bit=options.load_in_8bit, quant_type=options.bnb_4bit_quant_type,
+                                  double_quant=options.bnb_4bit_use_double_quant, compute_dtype=plan.spec.dtype)
+    check_quantization(qconfig, device=device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0"))))
+    return qconfig
 
 
 def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
