@@ -142,7 +142,7 @@ def dequantized(param: torch.Tensor) -> torch.Tensor:
     import bitsandbytes as bnb
 
     if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
-        return bnb.functional.dequantize_4bit(param.data, param.quant_state)
+        return bnb.functional.dequantize_4bit(param.data, param.quant_state).to(param.quant_state.dtype)
     if isinstance(param, bnb.nn.Int8Params) and getattr(param, "SCB", None) is not None:
         return param.data.float() * param.SCB.float()[:, None] / 127
     return param
