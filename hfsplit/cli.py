@@ -17,7 +17,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     method.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default method: LoRA, r=16)")
     method.add_argument("--full", action="store_true", help="full fine-tuning with AdamW")
     method.add_argument("--inference", action="store_true", help="forward only")
-    method.add_argument("--qlora", action="store_true", help="LoRA on a bitsandbytes 4-bit base (NF4, double quant)")
+    p.add_argument("--qlora", action="store_true", help="LoRA (--lora-r) on a bitsandbytes 4-bit base (NF4, double quant)")
     p.add_argument("--bnb-4bit-quant-type", default="nf4", help="QLoRA: nf4 | fp4")
     p.add_argument("--bnb-4bit-use-double-quant", choices=("on", "off"), default="on", help="QLoRA: double quantization")
     p.add_argument("--load-in-8bit", action="store_true", help="QLoRA with an 8-bit base instead of 4-bit")
@@ -41,6 +41,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
 def spec_from_args(args) -> TrainingSpec:
     from .budget import parse_size
 
+    if args.qlora and (args.full or args.inference):
+        raise HfsplitError("--qlora trains LoRA adapters on a quantized base; drop --full / --inference")
     method = "full" if args.full else "inference" if args.inference else "qlora" if args.qlora else "lora"
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
     reserve = parse_size(args.reserve, what="--reserve") if args.reserve else DEFAULT_RESERVE_BYTES

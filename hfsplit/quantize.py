@@ -142,7 +142,12 @@ def dequantized(param: torch.Tensor) -> torch.Tensor:
     import bitsandbytes as bnb
 
     if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
-        return bnb.functional.dequantize_4bit(param.data, param.quant_state).to(param.quant_state.dtype)
+        data, state = param.data, param.quant_state
+        if getattr(state, "packing_format_for_cpu", False):  # repacked by bnb's CPU inference kernel (eval mode)
+            from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu_inverse
+
+            data, state = _convert_weight_packed_for_cpu_inverse(data, state)
+        return bnb.functional.dequantize_4bit(data, state).to(state.dtype)
     if isinstance(param, bnb.nn.Int8Params) and getattr(param, "SCB", None) is not None:
         return param.data.float() * param.SCB.float()[:, None] / 127
     return param

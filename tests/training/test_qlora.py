@@ -20,8 +20,11 @@ def quantized_base(options: FinetuneOptions):
     """The base as users load it: transformers' own bitsandbytes integration, the same BitsAndBytesConfig."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32, device_map="cpu",
-                                                quantization_config=bnb_config(options))
+    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32, device_map="cpu",
+                                                 quantization_config=bnb_config(options))
+    # Train mode, as a training run is: in eval mode bitsandbytes' CPU kernel repacks the weights for a bf16
+    # AVX-512 path on the first forward, whose logits differ from the fp32 dequantize-and-matmul by ~4e-3.
+    return model.train()
 
 
 def train_and_probe(run: dict, probe: torch.Tensor) -> tuple[list[float], torch.Tensor]:
@@ -59,16 +62,14 @@ def test_split_qlora_losses_equal_transformers_bnb_peft_qlora(tiny_checkpoint, t
     losses, split_logits = results[0]
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, expected))
     print(f"QLoRA {split}: worst per-step loss rel diff {worst:.2e}")
-    assert losses == pytest.approx(expected, rel=1e-4)
+    assert losses == pytest.approx(expected, rel=1e-5)
     assert all(r[0] == losses for r in results)
-    loaded = PeftModel.from_pretrained(quantized_base(options), Path(run["output_dir"]) / "adapter")
+    # (from_pretrained puts the model in eval mode: back to train mode for the same bitsandbytes kernel)
+    loaded = PeftModel.from_pretrained(quantized_base(options), Path(run["output_dir"]) / "adapter").train()
     with torch.no_grad():
         want = split_logits  # the trained split model itself
-        # measured 4.6e-3 (not the issue's 1e-4): the loaded adapter on transformers' base and the split model differ
-        # although both quantize bit-identically; the cause is not found yet (see the QLoRA section of the README)
-        assert (loaded(input_ids=probe).logits - want).abs().max() < 1e-2
-        # the reference's adapters drift from ours by ~lr where AdamW normalises near-zero gradients
-        assert (trained(input_ids=probe).logits - want).abs().max() < 2e-2
+        assert (loaded(input_ids=probe).logits - want).abs().max() < 1e-4
+        assert (trained(input_ids=probe).logits - want).abs().max() < 1e-4
         assert (quantized_base(options)(input_ids=probe).logits - want).abs().max() > 1e-3  # adapters trained
         if run["merge"]:  # dequantized, merged in 16 bits: near the 4-bit model, not bit-equal to it
             merged = AutoModelForCausalLM.from_pretrained(Path(run["output_dir"]) / "merged", dtype=torch.float32)
