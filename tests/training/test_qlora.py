@@ -115,3 +115,17 @@ def test_70b_qlora_plans_on_4x24gib_and_is_a_listed_fix_for_lora():
 ])
 def test_qlora_bad_input_is_one_line_exit_2_nothing_written(tiny_checkpoint, tmp_path, flags, message):
     assert_recipe_refuses(tmp_path, ["--model", str(tiny_checkpoint("llama")), *flags], [message])
+
+
+@pytest.mark.slow
+def test_qlora_resume_under_another_split_continues_the_curve(tiny_checkpoint, tmp_path):
+    """QLoRA on pp=2 (2 ranks), checkpoint at step 5, resumed on one rank: the same loss curve."""
+    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "qlora", pp=2, max_memory="2x1GiB"), max_steps=10,
+               save_every=5, output_dir=str(tmp_path / "run"))
+    (whole,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]}, timeout_s=300)[0]
+    moved = dict(run, pp=1, max_memory="1GiB", resume=str(tmp_path / "run" / "checkpoint-5"),
+                 output_dir=str(tmp_path / "moved"))
+    (resumed,) = launch("tests.training.cases:finetune_losses", world_size=1, kwargs={"runs": [moved]},
+                        timeout_s=300)[0]
+    assert resumed == pytest.approx(whole[5:], rel=1e-5)
+    assert (tmp_path / "moved" / "adapter" / "adapter_model.safetensors").is_file()
