@@ -129,3 +129,50 @@ def test_qlora_resume_under_another_split_continues_the_curve(tiny_checkpoint, t
                         timeout_s=300)[0]
     assert resumed == pytest.approx(whole[5:], rel=1e-5)
     assert (tmp_path / "moved" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def load_peak(checkpoint: str) -> dict:
+    """On one rank: RSS peak of loading the whole model quantized, against imports, one block and the bytes held."""
+    import resource
+
+    import torch.distributed as dist
+
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.parallel.split_model import split_from_pretrained
+    from hfsplit.quantize import held_bytes, quantization_config
+
+    import bitsandbytes  # noqa: F401  (imports belong to the baseline)
+    import psutil
+
+    from hfsplit.planner import make_plan
+    from hfsplit.quantize import check_quantization
+
+    dist.init_process_group("gloo")
+    qconfig = quantization_config(compute_dtype="float32")
+    check_quantization(qconfig, device=torch.device("cpu"))  # planning and the probe belong to the baseline
+    plan = make_plan(checkpoint, "2GiB", spec=TrainingSpec(method="qlora", seq_len=8, dtype="float32"),
+                     micro_batches=1, pp=1, world_size=1)
+    base = psutil.Process().memory_info().rss  # now, not the import's transient peak
+    model = split_from_pretrained(checkpoint, plan=plan, quantization_config=qconfig)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    block = model.stages[0].body.layers["0"]
+    block_dense = sum(lin.in_features * lin.out_features * 4 for lin in block.modules() if isinstance(lin, torch.nn.Linear))
+    dist.destroy_process_group()
+    return dict(base=base, peak=peak, block=block_dense, held=held_bytes(model))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured: loading peaks at +474 MiB for a 480 MiB fp32 model with 70 MiB "
+                   "quantized (bound 157 MiB); the 16-bit blocks' memory is not given back yet (malloc_trim does not help)")
+def test_quantized_load_peak_host_ram_stays_within_one_block_plus_quantized_bytes(tmp_path):
+    from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "m", "llama", num_layers=8, hidden=1024, heads=8, kv_heads=4,
+                                 intermediate=4096, vocab=1024)
+    (r,) = launch("tests.training.test_qlora:load_peak", world_size=1, kwargs={"checkpoint": str(path)},
+                  timeout_s=300)
+    dense_all = 8 * r["block"]
+    print({k: v >> 20 for k, v in r.items()}, "MiB; 16-bit model would be", dense_all >> 20, "MiB")
+    assert r["peak"] > r["base"] + r["held"] / 2, r  # the peak really measures the load
+    assert r["peak"] - r["base"] <= r["block"] + 1.1 * r["held"] + (16 << 20), r  # 16 MiB: allocator slack
+    assert r["held"] < dense_all / 3
