@@ -151,3 +151,16 @@ def dequantized(param: torch.Tensor) -> torch.Tensor:
     if isinstance(param, bnb.nn.Int8Params) and getattr(param, "SCB", None) is not None:
         return param.data.float() * param.SCB.float()[:, None] / 127
     return param
+
+
+def held_bytes(module: nn.Module) -> int:
+    """Bytes `module`'s parameters really hold, bitsandbytes quant state (absmax, codes, nested state) included."""
+    total = 0
+    for p in module.parameters():
+        total += p.data.nbytes
+        state = getattr(p, "quant_state", None)
+        nested = getattr(state, "state2", None)
+        extra = [getattr(state, "absmax", None), getattr(state, "code", None), getattr(state, "offset", None),
+                 getattr(nested, "absmax", None), getattr(nested, "code", None), getattr(p, "SCB", None)]
+        total += sum(t.nbytes for t in extra if isinstance(t, torch.Tensor))
+    return total
