@@ -23,6 +23,10 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     method.add_argument("--lora-r", type=int, default=None, help=f"LoRA rank (default method: LoRA, r={recipe.lora_r})")
     method.add_argument("--full", action="store_true", help="full fine-tuning with AdamW")
     method.add_argument("--inference", action="store_true", help="forward only")
+    p.add_argument("--qlora", action="store_true", help="LoRA (--lora-r) on a bitsandbytes 4-bit base (NF4, double quant)")
+    p.add_argument("--bnb-4bit-quant-type", default="nf4", help="QLoRA: nf4 | fp4")
+    p.add_argument("--bnb-4bit-use-double-quant", choices=("on", "off"), default="on", help="QLoRA: double quantization")
+    p.add_argument("--load-in-8bit", action="store_true", help="QLoRA with an 8-bit base instead of 4-bit")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: all projections)")
     p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {recipe.seq_len})")
     p.add_argument("--micro-batch-size", type=int, default=None, help=f"default {recipe.micro_batch_size}")
@@ -47,13 +51,16 @@ def spec_from_args(args) -> TrainingSpec:
     from .training.options import FinetuneOptions
 
     recipe = FinetuneOptions()
-    method = "full" if args.full else "inference" if args.inference else "lora"
+    if args.qlora and (args.full or args.inference):
+        raise HfsplitError("--qlora trains LoRA adapters on a quantized base; drop --full / --inference")
+    method = "full" if args.full else "inference" if args.inference else "qlora" if args.qlora else "lora"
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
     reserve = parse_size(args.reserve, what="--reserve") if args.reserve else None
     return TrainingSpec(method=method, seq_len=_given(args.seq_len, recipe.seq_len),
                         micro_batch_size=_given(args.micro_batch_size, recipe.micro_batch_size),
                         dtype=args.dtype or "bfloat16", lora_r=_given(args.lora_r, recipe.lora_r),
-                        lora_targets=targets, reserve_bytes=reserve)
+                        lora_targets=targets, reserve_bytes=reserve, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+                        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant == "on", load_in_8bit=args.load_in_8bit)
 
 
 def _given(value, default):
@@ -84,7 +91,7 @@ def recipe_request(args) -> tuple[str, object, dict]:
              "--lora-targets": args.lora_targets, "--tp": args.tp, "--pp": args.pp, "--max-memory": args.max_memory,
              "--model": args.model, "--activation-checkpointing": args.activation_checkpointing}
     argv = ["--config", args.config] + [x for k, v in flags.items() if v is not None for x in (k, str(v))]
-    argv += ["--method", "full"] if args.full else []
+    argv += ["--method", "full"] if args.full else ["--method", "qlora"] if args.qlora else []
     options = parse_options(argv)
     if args.inference or args.global_batch or args.reserve:
         raise HfsplitError("--inference, --global-batch and --reserve do not apply to a recipe (--config); "

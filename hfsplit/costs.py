@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -98,8 +98,11 @@ def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
     why = tp_degree_error(config, tp)
     if why:
         raise PlanError(why)
-    if spec.method not in ("inference", "lora", "full"):
-        raise PlanError(f"TrainingSpec.method {spec.method!r}: use 'inference', 'lora' or 'full'")
+    if spec.method not in ("inference", "lora", "qlora", "full"):
+        raise PlanError(f"TrainingSpec.method {spec.method!r}: use 'inference', 'lora', 'qlora' or 'full'")
+    if spec.method == "qlora" and tp > 1:
+        raise PlanError(f"tp={tp} with QLoRA: a bitsandbytes 4-bit weight cannot be sharded by tensor parallelism "
+                        "here; use tp=1 (the planner splits QLoRA runs over pipeline stages × data parallelism)")
     _dtype(spec.dtype)  # fail early on an unknown dtype
     key = _config_key(config)
     _CONFIGS.setdefault(key, config)
@@ -286,12 +289,13 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     # final norm stays whole), so each TP rank holds 1/tp of both matrices.
     head_numel = layout.norm_numel + (layout.head_numel - layout.norm_numel) // tp
     numels = {"embed": layout.embed_numel // tp, "block": block_numel, "head": head_numel}
-    lora_numel = _lora_numel(layout, spec, tp) if spec.method == "lora" else 0
+    lora_numel = _lora_numel(layout, spec, tp) if spec.method in ("lora", "qlora") else 0
 
     from .trace_cache import block_trace, ends_trace  # traced once per config and shape, kept on disk
 
-    trace = block_trace(key, spec, tp)
-    ends = ends_trace(key, spec)
+    traced = replace(spec, method="lora") if spec.method == "qlora" else spec  # activations as LoRA's
+    trace = block_trace(key, traced, tp)
+    ends = ends_trace(key, traced)
     tokens = spec.micro_batch_size * spec.seq_len
     hidden_bytes = tokens * config.hidden_size * size
 
@@ -300,8 +304,9 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
         if spec.method == "full":
             master = _MASTER_WEIGHT_BYTES if spec.dtype != "float32" else 0
             return params, numels[part] * size, numels[part] * (_ADAMW_MOMENT_BYTES + master)
-        if spec.method == "lora" and part == "block":
+        if spec.method in ("lora", "qlora") and part == "block":
             adapter = _LORA_ADAPTER_DTYPE.itemsize
+            params = quantized_block_bytes(layout, spec) if spec.method == "qlora" else params
             return params + lora_numel * adapter, lora_numel * adapter, lora_numel * _ADAMW_MOMENT_BYTES
         return params, 0, 0
 
@@ -328,10 +333,25 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     else:
         block_acts, block_ws = trace.activations, trace.workspace
 
+    if spec.method == "qlora":  # forward and backward each dequantize one weight at a time to the compute dtype
+        block_ws += max(lin.in_features * lin.out_features for lin in layout.linears) * size
     embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
     block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
     head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
     return ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec)
+
+
+def quantized_block_bytes(layout: _Layout, spec: TrainingSpec) -> int:
+    """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, the rest
+    (norms, biases) in the spec's dtype."""
+    from .quantize import quantized_linear_bytes
+
+    weights = sum(lin.in_features * lin.out_features for lin in layout.linears)
+    rest = layout.block_numel_replicated + layout.block_numel_sharded - weights
+    return rest * _dtype(spec.dtype).itemsize + sum(
+        quantized_linear_bytes(lin.in_features, lin.out_features, quant_type=spec.bnb_4bit_quant_type,
+                               double_quant=spec.bnb_4bit_use_double_quant, load_in_8bit=spec.load_in_8bit)
+        for lin in layout.linears)
 
 
 def _head_dim(config) -> int:

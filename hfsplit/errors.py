@@ -48,3 +48,7 @@ class RegroupStop(TrainingFault):
 
 class OutOfMemory(TrainingFault):
     """A device ran out of memory inside a training step."""
+
+
+class QuantizationError(HfsplitError):
+    """A quantization request bitsandbytes cannot serve here, or that disagrees with the checkpoint."""

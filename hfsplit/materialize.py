@@ -39,6 +39,7 @@ def from_pretrained(
     training: str = "inference",
     attn_implementation: Optional[str] = None,
     revision: Optional[str] = None,
+    quantization_config=None,
     **planner_options,
 ):
     """Load a causal LM split over the local devices, reading only what each device needs.
@@ -54,6 +55,8 @@ def from_pretrained(
         training: "inference", "lora" or "full": what the plan budgets memory for.
         attn_implementation: passed to the model ("sdpa", "eager", ...).
         revision: hub revision.
+        quantization_config: transformers' `BitsAndBytesConfig`: each decoder block's linears are quantized on
+            their device right after the block is read (embeddings, norms, lm_head stay 16-bit); planned as QLoRA.
         planner_options: further `make_plan` options (seq_len etc. go in `spec`).
 
     Under a distributed launch (WORLD_SIZE > 1: torchrun, accelerate launch) this returns this
@@ -69,13 +72,16 @@ def from_pretrained(
         PlanError: nothing fits the budget.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return _split_across_ranks(str(name_or_path), max_memory, dtype=dtype, plan=plan, **planner_options)
+        return _split_across_ranks(str(name_or_path), max_memory, dtype=dtype, plan=plan,
+                                   quantization_config=quantization_config, **planner_options)
     return load_whole_blocks(str(name_or_path), max_memory, dtype=dtype, plan=plan, training=training,
-                             attn_implementation=attn_implementation, revision=revision, **planner_options)
+                             attn_implementation=attn_implementation, revision=revision,
+                             quantization_config=quantization_config, **planner_options)
 
 
 def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, training: str,
-                      attn_implementation: Optional[str], revision: Optional[str], **planner_options):
+                      attn_implementation: Optional[str], revision: Optional[str], quantization_config=None,
+                      **planner_options):
     """The single-process `from_pretrained`: whole blocks placed by the plan, the model's own forward."""
     config = load_config(source, revision=revision)
     check_causal_lm(config)  # whole blocks run inside the model's own forward: any causal LM loads right
@@ -88,11 +94,12 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
         return load_with_transformers(source, config, model, max_memory, plan=plan, training=training, dtype=wanted,
                                       attn_implementation=attn_implementation, revision=revision, **planner_options)
     if plan is None:
-        plan = plan_for(config, source, max_memory, training=training, dtype=model.dtype, **planner_options)
+        plan = plan_for(config, source, max_memory, training="qlora" if quantization_config else training,
+                        dtype=model.dtype, **planner_options)
     device_map = device_map_of(plan, model)
     check_device_map(model, device_map)
     with reader:
-        materialize_blocks(model, reader, device_map)
+        materialize_blocks(model, reader, device_map, after_block=quantizer_of(quantization_config))
     tie_on_same_device(model, device_map, training=training)
     restore_nonpersistent_buffers(model, device_map)
     check_no_meta(model)
@@ -100,17 +107,21 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
     model.hf_device_map = dict(device_map)
     model.hfsplit_plan = apply_plan_to_model(model, plan if not isinstance(plan, Mapping) else None, training=training)
     load_generation_config(model, source, revision)
+    if quantization_config is not None:  # what peft and transformers read to pick their bitsandbytes paths
+        model.is_loaded_in_4bit = not quantization_config.load_in_8bit
+        model.is_loaded_in_8bit = bool(quantization_config.load_in_8bit)
     return model.eval()
 
 
-def _split_across_ranks(source: str, max_memory, *, dtype, plan, **planner_options):
+def _split_across_ranks(source: str, max_memory, *, dtype, plan, quantization_config=None, **planner_options):
     """Under a distributed launch: this rank's SplitModel of the plan spanning all ranks."""
     from .parallel.launch import split_from_pretrained
 
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     return split_from_pretrained(source, max_memory, plan=plan, dtype=dtype if isinstance(dtype, torch.dtype) else None,
-                                 world_size=int(os.environ["WORLD_SIZE"]), **planner_options)
+                                 quantization_config=quantization_config, world_size=int(os.environ["WORLD_SIZE"]),
+                                 **planner_options)
 
 
 # ---- steps ------------------------------------------------------------------------------
@@ -213,8 +224,29 @@ def block_of(name: str, device_map: DeviceMap) -> Optional[str]:
     return best
 
 
-def materialize_blocks(model: torch.nn.Module, reader: CheckpointReader, device_map: DeviceMap) -> None:
-    """Give each block real storage on its device and read its tensors into it, in map order."""
+def quantizer_of(quantization_config):
+    """`after_block` for `materialize_blocks`: quantize a decoder block's linears on its device (QLoRA)."""
+    if quantization_config is None:
+        return None
+    from .quantize import check_quantization, quantize_module
+
+    checked: set = set()
+
+    def quantize(prefix: str, module: torch.nn.Module, device: torch.device) -> None:
+        if ".layers." not in f".{prefix}.":
+            return  # embeddings, norm and lm_head stay 16-bit, as in transformers' bitsandbytes integration
+        if device not in checked:
+            check_quantization(quantization_config, device=device)
+            checked.add(device)
+        quantize_module(module, quantization_config, device=device)
+
+    return quantize
+
+
+def materialize_blocks(model: torch.nn.Module, reader: CheckpointReader, device_map: DeviceMap,
+                       after_block=None) -> None:
+    """Give each block real storage on its device and read its tensors into it, in map order
+    (`after_block(prefix, module, device)` runs once each block is read)."""
     blocks = list(device_map.items())
     retied = set(_tied_on_same_device(model, device_map))  # re-tied afterwards: no need to read them
     for prefix, device in _progress(blocks, desc="hfsplit: loading blocks"):
@@ -231,6 +263,8 @@ def materialize_blocks(model: torch.nn.Module, reader: CheckpointReader, device_
                         tensor.data = reader.mapped(name)
                     else:
                         reader.read_into(name, tensor.data)
+        if after_block is not None:
+            after_block(prefix, module, target)
 
 
 def tie_on_same_device(model: torch.nn.Module, device_map: DeviceMap, *, training: str = "inference") -> None:

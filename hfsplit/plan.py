@@ -13,7 +13,7 @@ from .budget import format_bytes
 
 from .schedules import PLANNABLE as SCHEDULES  # noqa: F401  (the names a Plan may carry; one table)
 
-Method = Literal["inference", "lora", "full"]
+Method = Literal["inference", "lora", "qlora", "full"]
 
 
 
@@ -22,7 +22,8 @@ class TrainingSpec:
     """What a step does; the planner's costs depend on it.
 
     Args:
-        method: "inference" (forward only), "lora" (frozen base + adapters) or "full" (AdamW on all).
+        method: "inference" (forward only), "lora" (frozen base + adapters), "qlora" (LoRA on a bitsandbytes
+            4-bit / 8-bit base: the blocks' linears quantized, embeddings, norms and lm_head 16-bit) or "full".
         seq_len: tokens per sequence.
         micro_batch_size: sequences per micro-batch.
         dtype: dtype of the weights and activations ("bfloat16", "float16", "float32").
@@ -31,6 +32,7 @@ class TrainingSpec:
         activation_checkpointing: recompute each block's activations in backward.
         reserve_bytes: per-device reserve (context, fragmentation, comm buffers); None: measured for the
             budget's devices by `make_plan` (see `hfsplit.reserve`: 0 on the CPU).
+        bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: the QLoRA base's `BitsAndBytesConfig`.
     """
 
     method: Method = "lora"
@@ -41,6 +43,9 @@ class TrainingSpec:
     lora_targets: Optional[tuple[str, ...]] = None
     activation_checkpointing: bool = False
     reserve_bytes: Optional[int] = None
+    bnb_4bit_quant_type: str = "nf4"
+    bnb_4bit_use_double_quant: bool = True
+    load_in_8bit: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,9 @@ class Plan:
             out.append(tp_label(self.tp))
         if self.spec.activation_checkpointing and self.spec.method != "inference":
             out.append(activation_checkpointing_label())
-        if self.spec.method == "lora":
+        if self.spec.method == "qlora":
+            out.append(quantize_label(self.spec))
+        if self.spec.method in ("lora", "qlora"):
             out.append(lora_label(self.spec.lora_r))
         return tuple(out)
 
@@ -239,6 +246,11 @@ def activation_checkpointing_label() -> str:
 
 def lora_label(r: int) -> str:
     return f"LoRA r={r}"
+
+
+def quantize_label(spec: TrainingSpec) -> str:
+    kind = "int8" if spec.load_in_8bit else f"{spec.bnb_4bit_quant_type}{' + double quant' if spec.bnb_4bit_use_double_quant else ''}"
+    return f"base quantized to {kind} (bitsandbytes, per block as read)"
 
 
 def _tuple_or_none(value):

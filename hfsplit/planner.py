@@ -117,7 +117,7 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
     is searched and the plan's notes give the best step of each."""
     candidates = _schedule_candidates(schedule)
     best: dict[str, tuple[float, Plan]] = {}
-    for t, p, d in _shapes(config, budgets, tp=tp, pp=pp, dp=dp, world_size=world_size):
+    for t, p, d in _shapes(config, budgets, spec, tp=tp, pp=pp, dp=dp, world_size=world_size):
         costs = model_costs(config, spec, tp=t)
         if p > costs.num_layers:
             continue
@@ -148,10 +148,11 @@ def _schedule_candidates(schedule: str) -> list[str]:
     return [schedule] if schedule != AUTO else list(AUTO_CANDIDATES)
 
 
-def _shapes(config, budgets: dict[str, int], *, tp, pp, dp, world_size) -> Iterable[tuple[int, int, int]]:
+def _shapes(config, budgets: dict[str, int], spec: TrainingSpec, *, tp, pp, dp,
+            world_size) -> Iterable[tuple[int, int, int]]:
     """(tp, pp, dp) degrees to search: the forced ones, else every one the devices allow."""
     n = len(budgets)
-    for t in [tp] if tp else valid_tp_degrees(config, n):
+    for t in [tp] if tp else tp_degrees_for(config, spec, n):
         for p in [pp] if pp else range(1, n // t + 1):
             for d in [dp] if dp else [(world_size or n) // (t * p)]:
                 if d >= 1 and t * p * d <= n and not (world_size and t * p * d != world_size):
@@ -437,7 +438,7 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
     """The time-balanced split with the smallest worst overshoot, ignoring the caps."""
     unlimited = {k: 1 << 62 for k in budgets}
     best, best_over = None, math.inf
-    for t in valid_tp_degrees(config, len(budgets)):
+    for t in tp_degrees_for(config, spec, len(budgets)):
         costs = model_costs(config, spec, tp=t)
         p = min(len(budgets) // t, costs.num_layers)
         m = _micro_batches(options["micro_batches"], options["global_batch"], spec, p, 1)
@@ -463,6 +464,9 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     fixes = []
     if spec.method == "full" and fits(budgets, replace(spec, method="lora")):
         fixes.append("LoRA instead of full fine-tuning (--lora-r 16)")
+    qlora = qlora_fix(config, budgets, spec, options)
+    if qlora:
+        fixes.append(qlora)
     if spec.method != "inference" and not spec.activation_checkpointing and fits(
             budgets, replace(spec, activation_checkpointing=True)):
         fixes.append("activation checkpointing (--activation-checkpointing on)")
@@ -481,6 +485,24 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     if larger is not None:
         fixes.append(f"{len(budgets)} devices of {format_bytes(larger)} each")
     return fixes
+
+
+def tp_degrees_for(config, spec: TrainingSpec, devices: int) -> list[int]:
+    """TP degrees the planner tries: QLoRA keeps tp=1 (a bitsandbytes 4-bit weight is not shardable by DTensor)."""
+    return [1] if spec.method == "qlora" else valid_tp_degrees(config, devices)
+
+
+def qlora_fix(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> Optional[str]:
+    """"Quantize the base to 4-bit (QLoRA)" with the fullest stage's figures, when that plan fits."""
+    if spec.method not in ("lora", "full"):
+        return None
+    plan = best_plan(config, budgets, replace(spec, method="qlora"), name="", **options)
+    if plan is None:
+        return None
+    fullest = max(plan.stages, key=lambda s: s.memory.total / s.budget)
+    return (f"Quantize the base to 4-bit (QLoRA: --method qlora, hfsplit plan --qlora): pp={plan.pp} × dp={plan.dp}, "
+            f"fullest stage {format_bytes(fullest.memory.total)} of {format_bytes(fullest.budget)} "
+            f"(weights {format_bytes(fullest.memory.weights)})")
 
 
 def _fewest_devices(fits, budgets: dict[str, int], limit: int = 512) -> Optional[int]:

@@ -17,8 +17,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
-from ..plan import Plan, activation_checkpointing_label, lora_label, tp_label
+from ..errors import PlanError, UnsupportedModelError
+from ..plan import Plan, activation_checkpointing_label, lora_label, quantize_label, tp_label
 from .tensor import apply_tp
 
 
@@ -56,7 +56,7 @@ def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx, load: Callable[
         applied.append(activation_checkpointing_label())
     load(modules)
     applied += quantize(modules, plan=plan, ctx=ctx)
-    if plan.spec.method == "lora":
+    if plan.spec.method in ("lora", "qlora"):
         lora = lora or default_lora(plan, modules[0].config)
         apply_lora(modules, lora, plan=plan, ctx=ctx)
         applied.append(lora_label(lora.config.r))
@@ -86,9 +86,19 @@ def apply_activation_checkpointing(blocks) -> int:
 
 
 def quantize(modules: Sequence[nn.Module], *, plan: Plan, ctx) -> list[str]:
-    """The quantization slot (issue 11, QLoRA): quantize the loaded base weights the plan says to, and
-    return the step's label. Nothing is quantized today."""
-    return []
+    """The quantization step (QLoRA): `load` already quantized each block's linears on the device as it read
+    them (so no rank ever holds its stage in 16 bits); this checks every block holds bitsandbytes layers and
+    returns the step's label."""
+    if plan.spec.method != "qlora":
+        return []
+    from ..quantize import quantized_linear_count
+
+    for module in modules:
+        for name, block in module.body.layers.items():
+            if quantized_linear_count(block) == 0:
+                raise PlanError(f"stage {module.stage_index}: block {name} holds no quantized linear layer "
+                                "after loading a QLoRA plan; load it with quantization_config")
+    return [quantize_label(plan.spec)]
 
 
 def apply_lora(modules: Sequence[nn.Module], lora: LoraSetup, *, plan: Plan, ctx) -> None:
@@ -120,4 +130,6 @@ def apply_plan_to_model(model: nn.Module, plan: Optional[Plan], *, training: str
     if training != "inference" and plan.spec.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         applied = (activation_checkpointing_label(),)
+    if plan.spec.method == "qlora":  # quantized block by block as read (hfsplit.materialize.quantizer_of)
+        applied = (quantize_label(plan.spec),) + applied
     return replace(plan, applied=applied)

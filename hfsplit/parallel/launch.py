@@ -20,7 +20,7 @@ from .split_model import SplitModel, build_split_model
 
 def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
                           dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None,
-                          **plan_options) -> SplitModel:
+                          quantization_config=None, **plan_options) -> SplitModel:
     """Load `name_or_path` split over the ranks of a distributed launch (torchrun / accelerate launch).
 
     Rank 0 plans (unless `plan` is given) and shares the plan, so every rank runs the same
@@ -32,6 +32,7 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         plan: a ready Plan to run instead of planning.
         dtype: override the plan's dtype for the weights.
         lora: the LoRA of a LoRA plan (default: the plan's rank and targets).
+        quantization_config: a transformers `BitsAndBytesConfig`: the blocks' linears are quantized as read (QLoRA).
         **plan_options: passed to `hfsplit.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
     from .mesh import init_distributed
@@ -43,7 +44,8 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
             plan_options["spec"] = replace(spec, reserve_bytes=0)  # CPU ranks: "0", "1" budgets are not GPUs
         plan = shared_plan(name_or_path, max_memory, **plan_options)
     ctx = init_parallel(plan)
-    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, lora=lora)
+    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, lora=lora,
+                             quantization_config=quantization_config)
 
 
 def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:

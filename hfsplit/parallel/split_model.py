@@ -293,9 +293,12 @@ def eos_token_ids(config) -> torch.Tensor:
 
 
 def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, config=None,
-                      dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None) -> SplitModel:
+                      dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None,
+                      quantization_config=None) -> SplitModel:
     """This rank's SplitModel: stage modules on meta, the plan applied (`apply_plan`: TP, activation
-    checkpointing, only this rank's bytes read, quantization, LoRA); `plan.applied` records the steps."""
+    checkpointing, only this rank's bytes read — with `quantization_config`, a transformers
+    `BitsAndBytesConfig`, each block quantized on its device as it is read —, LoRA); `plan.applied`
+    records the steps."""
     from ..checkpoint import load_config
 
     config = config if config is not None else load_config(name_or_path)
@@ -313,6 +316,11 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
         needed = [name for m in stages for name, _ in m.named_parameters()]
         reader = open_reader(name_or_path, needed=needed, model=meta_model(config))
         for module in stages:
+            if quantization_config is not None:
+                from ..quantize import load_quantized_stage
+
+                load_quantized_stage(module, reader=reader, device=ctx.device, dtype=dtype, qconfig=quantization_config)
+                continue
             load_stage_weights(module, reader=reader, device=ctx.device, dtype=dtype, tp_rank=ctx.coords.tp,
                                tp_size=plan.tp)
 

@@ -22,7 +22,7 @@ class FinetuneOptions:
         dataset: local file (json/jsonl/csv/parquet/txt) or hub name; None uses the bundled tiny alpaca set.
         dataset_format: text | instruction | chat; None detects it from the columns.
         tokenizer: tokenizer name or folder; None uses the model's own, else hfsplit's tiny tokenizer.
-        method: full | lora (the built-in default is full fine-tuning: a random-init tiny model has nothing for adapters to adapt).
+        method: full | lora | qlora (LoRA on a bitsandbytes-quantized base; the built-in default is full fine-tuning: a random-init tiny model has nothing for adapters to adapt).
         lora_r, lora_alpha, lora_dropout: LoRA hyper-parameters.
         lora_targets: module names LoRA wraps; None wraps every attention and MLP projection.
         seq_len: tokens per sequence.
@@ -48,6 +48,8 @@ class FinetuneOptions:
         on_nonfinite: skip (drop the step, log it, go on) | stop (end the run with an error naming the step)
             when the loss or the gradient norm is not finite.
         peer_timeout: seconds a rank waits for a peer before it gives up with an error (a dead or hung rank).
+        bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: `--method qlora`'s `BitsAndBytesConfig`
+            knobs under its own names (NF4 + double quantization by default; compute dtype is --dtype).
     """
 
     model: Optional[str] = None
@@ -83,14 +85,18 @@ class FinetuneOptions:
     resume: Optional[str] = None
     on_nonfinite: str = "skip"
     peer_timeout: float = 600.0
+    bnb_4bit_quant_type: str = "nf4"
+    bnb_4bit_use_double_quant: bool = True
+    load_in_8bit: bool = False
     config: Optional[str] = field(default=None, metadata={"help": "YAML recipe file; flags override it"})
 
     def validate(self) -> None:
-        if self.method not in ("lora", "full"):
-            raise HfsplitError(f"--method {self.method!r}: choose lora or full")
+        if self.method not in ("lora", "qlora", "full"):
+            raise HfsplitError(f"--method {self.method!r}: choose lora, qlora or full")
+        check_qlora_options(self)
         if self.on_nonfinite not in ("skip", "stop"):
             raise HfsplitError(f"--on-nonfinite {self.on_nonfinite!r}: choose skip or stop")
-        if self.merge and self.method != "lora":
+        if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
         if self.peer_timeout <= 0:
             raise HfsplitError(f"--peer-timeout must be a positive number of seconds (got {self.peer_timeout})")
@@ -135,7 +141,9 @@ def training_spec(options: FinetuneOptions):
                         dtype=dtype, lora_r=options.lora_r,
                         lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
                         activation_checkpointing=options.activation_checkpointing,
-                        reserve_bytes=None if torch.cuda.is_available() else 0)
+                        reserve_bytes=None if torch.cuda.is_available() else 0,
+                        bnb_4bit_quant_type=options.bnb_4bit_quant_type,
+                        bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit)
 
 
 def plan_arguments(options: FinetuneOptions, *, world_size: int) -> dict:
@@ -145,6 +153,18 @@ def plan_arguments(options: FinetuneOptions, *, world_size: int) -> dict:
     pp = options.pp or (world_size if options.model is None and options.tp is None else None)
     return dict(spec=training_spec(options), micro_batches=options.micro_batches, schedule=options.schedule,
                 tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing)
+
+
+def check_qlora_options(options: FinetuneOptions) -> None:
+    """One line for bitsandbytes knobs without --method qlora, or a QLoRA run given a full-only option."""
+    knobs = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, "load_in_8bit": False}
+    given = [k for k, default in knobs.items() if getattr(options, k) != default]
+    if given and options.method != "qlora":
+        raise HfsplitError(f"--{given[0].replace('_', '-')} sets the quantized base of --method qlora; "
+                           f"drop it or pass --method qlora (got --method {options.method})")
+    if options.method == "qlora" and options.tp not in (None, 1):
+        raise HfsplitError(f"--tp {options.tp} with --method qlora: a 4-bit base is not tensor-parallel here; "
+                           "drop --tp (QLoRA splits over pipeline stages and data parallelism)")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -42,6 +42,7 @@ def full_state_of_stage(model, module, *, merge_lora: bool = False) -> dict[str,
     """Checkpoint-named CPU tensors of one stage module, TP pieces joined (collective over the TP group);
     with `merge_lora`, LoRA layers' weights come out with their adapters folded in."""
     from ..parallel.tensor import full_tensor
+    from ..quantize import dequantized
 
     # Saved in the run's dtype (bf16 runs keep fp32 master weights in memory, users expect bf16 files).
     dtype = getattr(torch, model.plan.spec.dtype)
@@ -52,7 +53,7 @@ def full_state_of_stage(model, module, *, merge_lora: bool = False) -> dict[str,
             continue
         if model.plan.tied_embeddings and name == "lm_head.weight":
             continue  # stored once, as the embedding
-        value = merged.get(name, param.detach())
+        value = merged[name] if name in merged else dequantized(param).detach()  # QLoRA: merged in 16 bits
         state[name.replace(".base_layer.", ".")] = full_tensor(value).to(dtype).cpu().contiguous()
     return state
 
@@ -66,11 +67,12 @@ def merged_lora_weights(module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     from ..parallel.tensor import local_tensor
+    from ..quantize import dequantized
     from .lora import lora_layers
 
     merged = {}
     for prefix, sub in lora_layers(module):
-        weight = sub.base_layer.weight.detach()
+        weight = dequantized(sub.base_layer.weight).detach()
         delta = sub.lora_B["default"].weight.detach().float() @ sub.lora_A["default"].weight.detach().float()
         local = (local_tensor(weight).float() + delta * sub.scaling["default"]).to(weight.dtype)
         if isinstance(weight, DTensor):

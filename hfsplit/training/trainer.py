@@ -76,7 +76,7 @@ def check_sequence_length(model_path: str, seq_len: int) -> None:
 def weights_dtype(method: str, dtype: str) -> torch.dtype:
     """Dtype the weights are held in: full fine-tuning in 16 bits keeps fp32 weights (the master copy,
     AMP-style) and computes under autocast; LoRA keeps the frozen base in 16 bits (peft keeps adapters fp32)."""
-    if method == "full" and dtype in ("bfloat16", "float16"):
+    if method == "full" and dtype in ("bfloat16", "float16"):  # (QLoRA: base and compute in `dtype`)
         return torch.float32
     return getattr(torch, dtype)
 
@@ -222,7 +222,8 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     tokenizer, rows = load_rows(options, model_path=model_path)
     config = lora_of_run(options, model_path=model_path)
     model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
-                                  lora=LoraSetup(config, seed=options.seed) if config is not None else None)
+                                  lora=LoraSetup(config, seed=options.seed) if config is not None else None,
+                                  quantization_config=qlora_config_of_run(options, plan))
     plan = model.plan
     if dist.get_rank() == 0:
         print(plan.table(), flush=True)  # its last lines say what the run applied to each stage
@@ -238,7 +239,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     run.checkpointer = Checkpointer(
         model=model, state=TrainState(params=params, optimizer=optimizer, scheduler=run.scheduler,
                                       batches=run.batches),
-        output_dir=options.output_dir, method=options.method, base_model=model_path, lora_config=config,
+        output_dir=options.output_dir, method=saved_method(options.method), base_model=model_path, lora_config=config,
         tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
         metrics=run.metrics)
     run.first_step = run.checkpointer.resume(launch.resume_from)
@@ -286,12 +287,12 @@ def load_rows(options: FinetuneOptions, *, model_path: str):
 
 
 def lora_of_run(options: FinetuneOptions, *, model_path: str):
-    """The run's peft LoraConfig (None unless --method lora): `apply_plan` adds it after TP, so the
+    """The run's peft LoraConfig (None unless --method lora or qlora): `apply_plan` adds it after TP, so the
     adapters follow the base layers' sharding."""
     from ..checkpoint import load_config
     from .lora import lora_config
 
-    if options.method != "lora":
+    if options.method not in ("lora", "qlora"):
         return None
     return lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
                        targets=options.lora_targets, model_config=load_config(model_path))
@@ -351,6 +352,25 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Opti
     # Measured on this rank's own device (cached per device kind and dtype): the time model picks the schedule.
     arguments["device_speeds"] = run_speeds(model_path, arguments["spec"], budget)
     return shared_plan(model_path, budget, **arguments)
+
+
+def saved_method(method: str) -> str:
+    """What the output folder holds: QLoRA writes the same peft adapter folder as LoRA."""
+    return "lora" if method == "qlora" else method
+
+
+def qlora_config_of_run(options: FinetuneOptions, plan):
+    """The run's `BitsAndBytesConfig` (None unless --method qlora), refused in one line before any weight is
+    read where bitsandbytes cannot serve it on this rank's device."""
+    if options.method != "qlora":
+        return None
+    from ..parallel.mesh import device_of_rank
+    from ..quantize import check_quantization, quantization_config
+
+    qconfig = quantization_config(load_in_8bit=options.load_in_8bit, quant_type=options.bnb_4bit_quant_type,
+                                  double_quant=options.bnb_4bit_use_double_quant, compute_dtype=plan.spec.dtype)
+    check_quantization(qconfig, device=device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0"))))
+    return qconfig
 
 
 def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):

@@ -25,7 +25,7 @@ def test_bare_flags_mean_the_obvious():
     (["--on-nonfinite", "ignore"], "choose skip or stop"),
     (["--merge"], "needs --method lora"),
     (["--peer-timeout", "0"], "positive number of seconds"),
-    (["--method", "qlora"], "choose lora or full"),
+    (["--method", "dora"], "choose lora, qlora or full"),
     (["--max-steps", "0"], "--max-steps must be at least 1"),
     (["--lora-r", "0"], "--lora-r must be at least 1"),
     (["--learning-rate", "-1"], "--learning-rate must be a finite number above 0"),

@@ -20,14 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
 
 
-def reference_training(options: FinetuneOptions, *, replicas: int = 1):
-    """(per-step losses, trained model) of plain transformers (+ peft) training."""
+def reference_training(options: FinetuneOptions, *, replicas: int = 1, base=None):
+    """(per-step losses, trained model) of plain transformers (+ peft) training (`base`: a ready base model)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
     torch.manual_seed(options.seed)
-    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
-    if options.method == "lora":
+    model = base if base is not None else AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
+    if options.method in ("lora", "qlora"):
         model = get_peft_model(model, lora_config(r=options.lora_r, alpha=options.lora_alpha,
                                                   dropout=options.lora_dropout, targets=options.lora_targets,
                                                   model_config=model.config))

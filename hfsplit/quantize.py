@@ -1,0 +1,173 @@
+"""Quantization of a stage's frozen base with bitsandbytes (QLoRA), block by block as it is read.
+
+A stage keeps its embeddings, norms and lm_head in 16 bits, as transformers' bitsandbytes
+integration does; every `nn.Linear` inside its decoder blocks becomes a `bnb.nn.Linear4bit`
+(or `Linear8bitLt` with `load_in_8bit`). A block is quantized right after its tensors are read,
+so a rank holds at most one block in 16 bits on top of what it already quantized.
+
+Entry points: `quantization_config` (options → transformers' `BitsAndBytesConfig`),
+`check_quantization` (a one-line refusal where bitsandbytes cannot serve the request),
+`quantize_module` (replace the linears of one block), `load_quantized_stage` (read + quantize a
+stage block by block) and `quantized_linear_bytes` (the exact bytes the cost model counts).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .errors import QuantizationError
+
+_BLOCKSIZE = 64  # Params4bit's default block size (BitsAndBytesConfig has no knob for it)
+_NESTED_BLOCKSIZE = 256  # double quantization quantizes the absmax values in blocks of 256
+_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+def quantization_config(*, load_in_8bit: bool = False, quant_type: str = "nf4", double_quant: bool = True,
+                        compute_dtype: str = "bfloat16", quant_storage: str = "uint8"):
+    """transformers' `BitsAndBytesConfig` for QLoRA: NF4 + double quantization by default, computing in
+    `compute_dtype` (the run's `--dtype`)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=not load_in_8bit, load_in_8bit=load_in_8bit,
+                              bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant,
+                              bnb_4bit_compute_dtype=getattr(torch, compute_dtype),
+                              bnb_4bit_quant_storage=getattr(torch, quant_storage))
+
+
+def check_quantization(qconfig, *, device: torch.device) -> None:
+    """Raise QuantizationError in one line unless bitsandbytes quantizes, runs forward and backward
+    through one small layer of `qconfig` on `device` (so a refusal comes before any weight is read)."""
+    what = "load_in_8bit" if qconfig.load_in_8bit else f"bnb_4bit_quant_type={qconfig.bnb_4bit_quant_type!r}"
+    if not (qconfig.load_in_8bit or qconfig.load_in_4bit):
+        raise QuantizationError("the quantization config quantizes nothing: set load_in_4bit=True or load_in_8bit=True")
+    if not qconfig.load_in_8bit and qconfig.bnb_4bit_quant_type not in ("nf4", "fp4"):
+        raise QuantizationError(f"{what}: bitsandbytes knows nf4 and fp4; use --bnb-4bit-quant-type nf4")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise QuantizationError(f"QLoRA needs bitsandbytes ({exc}); pip install bitsandbytes") from None
+    probe = nn.Linear(_BLOCKSIZE, _BLOCKSIZE, bias=False)
+    try:
+        layer = quantize_linear(probe, qconfig, device=device)
+        x = torch.ones(1, _BLOCKSIZE, device=device, dtype=qconfig.bnb_4bit_compute_dtype, requires_grad=True)
+        layer(x).float().sum().backward()
+    except Exception as exc:  # bitsandbytes reports unsupported backends/types with assorted error types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        fix = "use --bnb-4bit-quant-type nf4" if not qconfig.load_in_8bit else "use 4-bit (drop --load-in-8bit)"
+        raise QuantizationError(f"{what} on {device.type}: bitsandbytes refuses it ({first[:160]}); {fix}") from None
+
+
+def quantize_linear(linear: nn.Linear, qconfig, *, device: torch.device) -> nn.Module:
+    """A bitsandbytes layer holding `linear`'s weight quantized on `device` (the bias stays 16-bit)."""
+    import bitsandbytes as bnb
+
+    weight = linear.weight.data
+    bias = linear.bias is not None
+    if qconfig.load_in_8bit:
+        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias, has_fp16_weights=False,
+                                    threshold=qconfig.llm_int8_threshold, device="meta")
+        layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    else:
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias,
+                                  compute_dtype=qconfig.bnb_4bit_compute_dtype,
+                                  compress_statistics=qconfig.bnb_4bit_use_double_quant,
+                                  quant_type=qconfig.bnb_4bit_quant_type,
+                                  quant_storage=qconfig.bnb_4bit_quant_storage, device="meta")
+        layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=qconfig.bnb_4bit_use_double_quant,
+                                         quant_type=qconfig.bnb_4bit_quant_type,
+                                         quant_storage=qconfig.bnb_4bit_quant_storage, module=layer)
+    if bias:
+        layer.bias = nn.Parameter(linear.bias.data.to(device), requires_grad=False)
+    return layer.to(device)  # bitsandbytes quantizes on the move to the device
+
+
+def quantize_module(module: nn.Module, qconfig, *, device: torch.device) -> None:
+    """Replace every `nn.Linear` inside `module` (one decoder block) with its quantized layer."""
+    for name, sub in list(module.named_modules()):
+        if type(sub) is nn.Linear:  # bnb layers subclass nn.Linear: never quantize twice
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, leaf, quantize_linear(sub, qconfig, device=device))
+
+
+def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dtype: torch.dtype, qconfig) -> None:
+    """Read `module`'s weights (a stage, tp=1) and quantize each decoder block right after its tensors arrive.
+
+    Embeddings, norms and lm_head stay in `dtype`; so the rank never holds more than one block in 16 bits.
+    """
+    from .parallel.stage import materialize_buffers, set_parameter
+
+    current: Optional[str] = None
+    for key, param in list(module.named_parameters()):
+        block = _LAYER.match(key)
+        if current is not None and (block is None or block.group(1) != current):
+            quantize_module(module.get_submodule(current), qconfig, device=device)
+        current = block.group(1) if block else None
+        value = reader.read(key, dtype=dtype, device=device)
+        set_parameter(module, key, nn.Parameter(value, requires_grad=False))
+    if current is not None:
+        quantize_module(module.get_submodule(current), qconfig, device=device)
+    if getattr(module, "shares_embedding", False):
+        module.lm_head.weight = module.body.embed_tokens.weight
+    module.is_loaded_in_4bit = not qconfig.load_in_8bit  # peft picks its bitsandbytes LoRA layers by these flags
+    module.is_loaded_in_8bit = bool(qconfig.load_in_8bit)
+    materialize_buffers(module, device=device)
+
+
+def quantized_linear_bytes(in_features: int, out_features: int, *, quant_type: str = "nf4",
+                           double_quant: bool = True, load_in_8bit: bool = False) -> int:
+    """Exact bytes bitsandbytes holds for one quantized weight of `out_features × in_features`.
+
+    4-bit: two values per byte, one absmax per 64 values (fp32, or uint8 under double quantization,
+    plus one fp32 absmax per 256 blocks, a 256-entry fp32 code and an fp32 offset), and the 16-entry
+    fp32 code of the quant type. 8-bit: one byte per value and one fp32 scale per output row.
+    """
+    n = in_features * out_features
+    if load_in_8bit:
+        return n + 4 * out_features
+    blocks = math.ceil(n / _BLOCKSIZE)
+    packed = math.ceil(n / 2)
+    code = 16 * 4
+    if not double_quant:
+        return packed + 4 * blocks + code
+    nested = math.ceil(blocks / _NESTED_BLOCKSIZE)
+    return packed + blocks + 4 * nested + 256 * 4 + 4 + code
+
+
+def dequantized(param: torch.Tensor) -> torch.Tensor:
+    """A bitsandbytes weight back in 16 bits (its quant state's dtype); any other tensor as it is."""
+    import bitsandbytes as bnb
+
+    if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
+        data, state = param.data, param.quant_state
+        if getattr(state, "packing_format_for_cpu", False):  # repacked by bnb's CPU inference kernel (eval mode)
+            from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu_inverse
+
+            data, state = _convert_weight_packed_for_cpu_inverse(data, state)
+        return bnb.functional.dequantize_4bit(data, state).to(state.dtype)
+    if isinstance(param, bnb.nn.Int8Params) and getattr(param, "SCB", None) is not None:
+        return param.data.float() * param.SCB.float()[:, None] / 127
+    return param
+
+
+def held_bytes(module: nn.Module) -> int:
+    """Bytes `module`'s parameters really hold, bitsandbytes quant state (absmax, codes, nested state) included."""
+    total = 0
+    for p in module.parameters():
+        total += p.data.nbytes
+        state = getattr(p, "quant_state", None)
+        nested = getattr(state, "state2", None)
+        extra = [getattr(state, "absmax", None), getattr(state, "code", None), getattr(state, "offset", None),
+                 getattr(nested, "absmax", None), getattr(nested, "code", None), getattr(p, "SCB", None)]
+        total += sum(t.nbytes for t in extra if isinstance(t, torch.Tensor))
+    return total
+
+
+def quantized_linear_count(module: nn.Module) -> int:
+    """How many bitsandbytes 4-bit / 8-bit linear layers `module` holds."""
+    import bitsandbytes as bnb
+
+    return sum(isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for m in module.modules())

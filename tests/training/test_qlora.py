@@ -1,0 +1,178 @@
+"""QLoRA on split stages equals transformers + bitsandbytes + peft QLoRA in one process, step by step."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfsplit.training.options import FinetuneOptions
+from tests.parallel.launcher import launch
+from tests.training.test_trainer import STEPS, assert_recipe_refuses, reference_training, run_options
+
+
+def bnb_config(options: FinetuneOptions):
+    from hfsplit.quantize import quantization_config
+
+    return quantization_config(quant_type=options.bnb_4bit_quant_type, double_quant=options.bnb_4bit_use_double_quant,
+                               compute_dtype=options.dtype)
+
+
+def quantized_base(options: FinetuneOptions):
+    """The base as users load it: transformers' own bitsandbytes integration, the same BitsAndBytesConfig."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32, device_map="cpu",
+                                                 quantization_config=bnb_config(options))
+    # Train mode, as a training run is: in eval mode bitsandbytes' CPU kernel repacks the weights for a bf16
+    # AVX-512 path on the first forward, whose logits differ from the fp32 dequantize-and-matmul by ~4e-3.
+    return model.train()
+
+
+def train_and_probe(run: dict, probe: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    """On every rank: QLoRA-train `run` on a split model; the losses and the trained split model's logits on `probe`."""
+    from hfsplit.parallel.split_model import split_from_pretrained
+    from hfsplit.training.trainer import plan_of_run, qlora_config_of_run, train, weights_dtype
+
+    import torch.distributed as dist
+
+    options = FinetuneOptions(**run)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    plan = plan_of_run(options, model_path=options.model)
+    model = split_from_pretrained(options.model, plan=plan, dtype=weights_dtype("qlora", plan.spec.dtype),
+                                  quantization_config=qlora_config_of_run(options, plan))
+    losses = train(options, model=model, progress=False).losses
+    return losses, model.forward(probe, broadcast=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, split", [(2, dict(pp=2, max_memory="2x1GiB")),
+                                          (4, dict(pp=2, tp=1, max_memory="4x1GiB"))])  # pp=2 × dp=2
+def test_split_qlora_losses_equal_transformers_bnb_peft_qlora(tiny_checkpoint, tmp_path, world, split):
+    """20 QLoRA steps split over pp=2 (and pp=2 × dp=2) equal the one-process reference; the adapter folder
+    loads with plain PeftModel on a base quantized by transformers; --merge writes a plain 16-bit folder."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = run_options(tiny_checkpoint("llama"), tmp_path, "qlora", merge=world == 2, **split)
+    options = FinetuneOptions(**run)
+    probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    results = launch("tests.training.test_qlora:train_and_probe", world_size=world,
+                     kwargs={"run": run, "probe": probe}, timeout_s=300)
+    expected, trained = reference_training(options, replicas=world // 2, base=quantized_base(options))
+    losses, split_logits = results[0]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, expected))
+    print(f"QLoRA {split}: worst per-step loss rel diff {worst:.2e}")
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert all(r[0] == losses for r in results)
+    # (from_pretrained puts the model in eval mode: back to train mode for the same bitsandbytes kernel)
+    loaded = PeftModel.from_pretrained(quantized_base(options), Path(run["output_dir"]) / "adapter").train()
+    with torch.no_grad():
+        want = split_logits  # the trained split model itself
+        assert (loaded(input_ids=probe).logits - want).abs().max() < 1e-4
+        assert (trained(input_ids=probe).logits - want).abs().max() < 1e-4
+        assert (quantized_base(options)(input_ids=probe).logits - want).abs().max() > 1e-3  # adapters trained
+        if run["merge"]:  # dequantized, merged in 16 bits: near the 4-bit model, not bit-equal to it
+            merged = AutoModelForCausalLM.from_pretrained(Path(run["output_dir"]) / "merged", dtype=torch.float32)
+            assert all(p.dtype == torch.float32 for p in merged.parameters())
+            assert (merged(input_ids=probe).logits - want).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (1000, 384), (4096, 11008)])
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_quantized_bytes_are_exactly_what_bitsandbytes_holds(shape, double_quant):
+    from torch import nn
+
+    from hfsplit.quantize import quantization_config, quantize_linear, quantized_linear_bytes
+
+    layer = quantize_linear(nn.Linear(*shape, bias=False), quantization_config(double_quant=double_quant,
+                                                                              compute_dtype="float32"),
+                            device=torch.device("cpu"))
+    state = layer.weight.quant_state
+    tensors = [layer.weight.data, state.absmax, state.code, state.offset] + (
+        [state.state2.absmax, state.state2.code] if state.state2 is not None else [])
+    held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    assert held == quantized_linear_bytes(*shape, double_quant=double_quant)
+
+
+def test_70b_qlora_plans_on_4x24gib_and_is_a_listed_fix_for_lora():
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.errors import PlanError
+    from hfsplit.planner import make_plan
+
+    plan = make_plan("meta-llama/Llama-3.1-70B", "4x24GiB", spec=TrainingSpec(method="qlora", seq_len=2048))
+    assert plan.tp == 1 and plan.pp == 4
+    with pytest.raises(PlanError, match="Quantize the base to 4-bit"):
+        make_plan("meta-llama/Llama-3.1-70B", "4x24GiB", spec=TrainingSpec(method="lora", seq_len=2048))
+    with pytest.raises(PlanError, match="tp=2 with QLoRA"):
+        make_plan("meta-llama/Llama-3.1-70B", "4x24GiB", spec=TrainingSpec(method="qlora"), tp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, message", [
+    (["--method", "qlora", "--bnb-4bit-quant-type", "int3"], "bnb_4bit_quant_type='int3'"),
+    (["--method", "qlora", "--tp", "2"], "--tp 2 with --method qlora"),
+    (["--method", "full", "--load-in-8bit", "on"], "--load-in-8bit sets the quantized base"),
+])
+def test_qlora_bad_input_is_one_line_exit_2_nothing_written(tiny_checkpoint, tmp_path, flags, message):
+    assert_recipe_refuses(tmp_path, ["--model", str(tiny_checkpoint("llama")), *flags], [message])
+
+
+@pytest.mark.slow
+def test_qlora_resume_under_another_split_continues_the_curve(tiny_checkpoint, tmp_path):
+    """QLoRA on pp=2 (2 ranks), checkpoint at step 5, resumed on one rank: the same loss curve."""
+    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "qlora", pp=2, max_memory="2x1GiB"), max_steps=10,
+               save_every=5, output_dir=str(tmp_path / "run"))
+    (whole,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]}, timeout_s=300)[0]
+    moved = dict(run, pp=1, max_memory="1GiB", resume=str(tmp_path / "run" / "checkpoint-5"),
+                 output_dir=str(tmp_path / "moved"))
+    (resumed,) = launch("tests.training.cases:finetune_losses", world_size=1, kwargs={"runs": [moved]},
+                        timeout_s=300)[0]
+    assert resumed == pytest.approx(whole[5:], rel=1e-5)
+    assert (tmp_path / "moved" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def load_peak(checkpoint: str) -> dict:
+    """On one rank: RSS peak of loading the whole model quantized, against imports, one block and the bytes held."""
+    import resource
+
+    import torch.distributed as dist
+
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.parallel.split_model import split_from_pretrained
+    from hfsplit.quantize import held_bytes, quantization_config
+
+    import bitsandbytes  # noqa: F401  (imports belong to the baseline)
+    import psutil
+
+    from hfsplit.planner import make_plan
+    from hfsplit.quantize import check_quantization
+
+    dist.init_process_group("gloo")
+    qconfig = quantization_config(compute_dtype="float32")
+    check_quantization(qconfig, device=torch.device("cpu"))  # planning and the probe belong to the baseline
+    plan = make_plan(checkpoint, "2GiB", spec=TrainingSpec(method="qlora", seq_len=8, dtype="float32"),
+                     micro_batches=1, pp=1, world_size=1)
+    base = psutil.Process().memory_info().rss  # now, not the import's transient peak
+    model = split_from_pretrained(checkpoint, plan=plan, quantization_config=qconfig)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    block = model.stages[0].body.layers["0"]
+    block_dense = sum(lin.in_features * lin.out_features * 4 for lin in block.modules() if isinstance(lin, torch.nn.Linear))
+    dist.destroy_process_group()
+    return dict(base=base, peak=peak, block=block_dense, held=held_bytes(model))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="measured: loading peaks at +474 MiB for a 480 MiB fp32 model with 70 MiB "
+                   "quantized (bound 157 MiB); the 16-bit blocks' memory is not given back yet (malloc_trim does not help)")
+def test_quantized_load_peak_host_ram_stays_within_one_block_plus_quantized_bytes(tmp_path):
+    from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "m", "llama", num_layers=8, hidden=1024, heads=8, kv_heads=4,
+                                 intermediate=4096, vocab=1024)
+    (r,) = launch("tests.training.test_qlora:load_peak", world_size=1, kwargs={"checkpoint": str(path)},
+                  timeout_s=300)
+    dense_all = 8 * r["block"]
+    print({k: v >> 20 for k, v in r.items()}, "MiB; 16-bit model would be", dense_all >> 20, "MiB")
+    assert r["peak"] > r["base"] + r["held"] / 2, r  # the peak really measures the load
+    assert r["peak"] - r["base"] <= r["block"] + 1.1 * r["held"] + (16 << 20), r  # 16 MiB: allocator slack
+    assert r["held"] < dense_all / 3
