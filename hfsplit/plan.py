@@ -55,12 +55,22 @@ class StageMemory:
     weights: int
     gradients: int
     optimizer: int
-    activations: int
+    activations: int  # kept for backward by the micro-batches in flight, plus `workspace`
     reserve: int
+    workspace: int = 0  # the transient part of `activations`: the peak of one part running once
 
     @property
     def total(self) -> int:
         return self.weights + self.gradients + self.optimizer + self.activations + self.reserve
+
+
+def rank_total(memories) -> int:
+    """Peak bytes of one device running several stages (interleaved / V schedules): their state and kept
+    activations add up, while the device holds one reserve and one stage's transient workspace at a time."""
+    memories = list(memories)
+    shared = (len(memories) - 1) * memories[0].reserve + sum(m.workspace for m in memories) - \
+        max(m.workspace for m in memories)
+    return sum(m.total for m in memories) - shared
 
 
 @dataclass(frozen=True)

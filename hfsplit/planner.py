@@ -23,7 +23,7 @@ from .budget import BudgetSpec, format_bytes, parse_max_memory
 from .costs import ModelCosts, PartCost, TrainingSpec, model_costs
 from .models import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
 from .errors import PlanError
-from .plan import SCHEDULES, Plan, Stage, StageMemory
+from .plan import SCHEDULES, Plan, Stage, StageMemory, rank_total
 from .reserve import reserve_for
 from .schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages
 
@@ -95,6 +95,7 @@ def make_plan(
     if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
         spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
     _check_options(schedule, micro_batches, global_batch, spec)
+    _check_zero_bubble_checkpointing(schedule, activation_checkpointing)
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule,
                    device_speeds=device_speeds or {}, tp=tp, pp=pp, dp=dp, world_size=world_size)
@@ -123,8 +124,8 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
             continue
         m = _micro_batches(micro_batches, global_batch, spec, p, d)
         for sched in candidates if p > 1 else candidates[:1]:
-            if p > 1 and m < min_micro_batches(sched, p):
-                continue  # torch refuses fewer micro-batches than this schedule needs
+            if p > 1 and (m < min_micro_batches(sched, p) or _recompute_kept(sched, spec)):
+                continue  # torch refuses fewer micro-batches; or checkpointing would save nothing here
             for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
                                              name=name, config=config):
                 rate = d * m * spec.micro_batch_size / candidate.step_time_s
@@ -209,12 +210,18 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def in_flight(schedule: str, *, p: int, m: int, v: int, pp_rank: int) -> int:
-    """Micro-batches whose activations a stage of rank `pp_rank` holds at its peak."""
+def in_flight(schedule: str, *, p: int, m: int, v: int, pp_rank: int, index: int = 0) -> int:
+    """Micro-batches whose activations stage `index` (on rank `pp_rank`) holds at its peak."""
     if p == 1:
         return 1
     if schedule == "GPipe":
         return m
+    if schedule == "ZBVZeroBubble":
+        # The V: rank r's first-leg chunk runs 2(p-r)-1 forwards ahead, its second-leg chunk 2r+1 (Qi et al.
+        # 2024, ZB-V): p micro-batches of the rank's layers in all, as 1F1B's first stage (measured:
+        # tests/parallel/test_apply.py).
+        ahead = 2 * (p - pp_rank) - 1 if index < p else 2 * pp_rank + 1
+        return min(ahead, m)
     if schedule == "Interleaved1F1B":
         warmup = (v - 1) * p + 2 * (p - 1 - pp_rank)
         return math.ceil(min(warmup + 1, m * v) / v)
@@ -230,10 +237,10 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: int) -> StageMemory:
     weights = sum(c.param_bytes * k for c, k in parts)
     grads = sum(c.grad_bytes * k for c, k in parts)
     optim = sum(c.optimizer_bytes * k for c, k in parts)
-    acts = slot.in_flight * sum(c.activation_bytes * k for c, k in parts)
-    acts += max((c.workspace_bytes for c, k in parts if k), default=0)
+    workspace = max((c.workspace_bytes for c, k in parts if k), default=0)
+    acts = slot.in_flight * sum(c.activation_bytes * k for c, k in parts) + workspace
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
-                       reserve=costs.spec.reserve_bytes)
+                       reserve=costs.spec.reserve_bytes, workspace=int(workspace))
 
 
 def _parts(costs: ModelCosts, slot: Slot, layers: int) -> list[tuple[PartCost, int]]:
@@ -264,9 +271,7 @@ def _rank_fits(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], 
 
 def _fits(costs: ModelCosts, mine: Sequence[Slot], counts: Sequence[int]) -> bool:
     """Whether the slots of one pipeline rank fit its budget together (one reserve per device)."""
-    total = sum(stage_memory(costs, s, counts[s.index]).total for s in mine)
-    total -= (len(mine) - 1) * costs.spec.reserve_bytes
-    return total <= mine[0].budget
+    return rank_total(stage_memory(costs, s, counts[s.index]) for s in mine) <= mine[0].budget
 
 
 def _rank_times(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int]) -> dict[int, float]:
@@ -307,7 +312,7 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
         slots.append(Slot(
             index=index, pp_rank=rank, devices=devices, budget=min(budgets[x] for x in flat),
             speed=min(_speed(speeds, x, budgets) for x in flat),
-            in_flight=in_flight(schedule, p=p, m=m, v=v, pp_rank=rank),
+            in_flight=in_flight(schedule, p=p, m=m, v=v, pp_rank=rank, index=index),
             has_embed=index == 0, has_head=index == count - 1,
         ))
     return slots
@@ -353,6 +358,20 @@ def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpe
         raise PlanError(f"global_batch={global_batch} is smaller than micro_batch_size={spec.micro_batch_size}")
     if spec.seq_len < 1 or spec.micro_batch_size < 1:
         raise PlanError("seq_len and micro_batch_size must be at least 1")
+
+
+def _recompute_kept(schedule: str, spec: TrainingSpec) -> bool:
+    """Zero-bubble schedules defer each weight gradient past its input gradient, and the activations the
+    input gradient recomputed stay alive until then: checkpointing saves almost nothing there (measured
+    3.6× the checkpointed figure, tests/parallel/test_apply.py), so the planner never pairs the two."""
+    return spec.activation_checkpointing and spec.method != "inference" and TABLE[schedule].zero_bubble
+
+
+def _check_zero_bubble_checkpointing(schedule: str, activation_checkpointing) -> None:
+    if activation_checkpointing is True and schedule in TABLE and TABLE[schedule].zero_bubble:
+        raise PlanError(f"schedule {schedule} keeps the recomputed activations until each deferred weight "
+                        "gradient, so activation checkpointing saves nothing there; use --schedule auto / "
+                        "1F1B / Interleaved1F1B with checkpointing, or --activation-checkpointing off")
 
 
 def _checkpointing_choices(activation_checkpointing, spec: TrainingSpec) -> list[bool]:

@@ -133,10 +133,15 @@ def train(options: FinetuneOptions, *, progress: bool = True) -> TrainResult:
         options: the recipe options.
         progress: show the progress bar on the rank that holds the loss.
     """
+    return fit(build_run(options, progress=progress))
+
+
+def fit(run: Run) -> TrainResult:
+    """The loop over a built run (`build_run`): steps, evaluation, checkpoints, the final save; the figures."""
     from .elastic import StopAtBoundary, stop_for_regroup
     from .memory import out_of_memory_is_one_line
 
-    run = build_run(options, progress=progress)
+    options = run.options
     stopper = StopAtBoundary()  # torchrun regrouping the ranks: checkpoint at the step's end, then leave
     step = run.first_step - 1
     try:

@@ -20,8 +20,13 @@ def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, se
         ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches, seq_len),
                             generator=torch.Generator().manual_seed(0))
         losses, peak = _train(model, optimizer, ids, steps=steps)
-        stage = model.plan.stages[model.stage_indices[0]]
-        out[ac] = {"planned": stage.memory.total, "planned_activations": stage.memory.activations,
+        # A rank of a V or interleaved schedule runs several stages: their figures add up (one reserve).
+        from hfsplit.plan import rank_total
+
+        mine = [model.plan.stages[i].memory for i in model.stage_indices]
+        planned = rank_total(mine)
+        out[ac] = {"planned": planned, "planned_activations": sum(m.activations for m in mine),
+                   "schedule": model.plan.schedule,
                    "measured": peak, "losses": losses, "applied": model.plan.applied, "steps": model.plan.steps(),
                    "checkpointed_blocks": sum(getattr(b, "gradient_checkpointing", False)
                                               for s in model.stages for b in s.body.layers.values())}
@@ -31,7 +36,7 @@ def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, se
 
 def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_batches):
     from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel.split_model import split_from_pretrained
+    from hfsplit.parallel.launch import split_from_pretrained
 
     spec = TrainingSpec(method=method, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype="float32",
                         lora_r=8, activation_checkpointing=ac)

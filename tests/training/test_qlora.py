@@ -29,18 +29,11 @@ def quantized_base(options: FinetuneOptions):
 
 def train_and_probe(run: dict, probe: torch.Tensor) -> tuple[list[float], torch.Tensor]:
     """On every rank: QLoRA-train `run` on a split model; the losses and the trained split model's logits on `probe`."""
-    from hfsplit.parallel.split_model import split_from_pretrained
-    from hfsplit.training.trainer import plan_of_run, qlora_config_of_run, train, weights_dtype
+    from hfsplit.training.trainer import build_run, fit
 
-    import torch.distributed as dist
-
-    options = FinetuneOptions(**run)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    plan = plan_of_run(options, model_path=options.model)
-    model = split_from_pretrained(options.model, plan=plan, dtype=weights_dtype("qlora", plan.spec.dtype),
-                                  quantization_config=qlora_config_of_run(options, plan))
-    losses = train(options, model=model, progress=False).losses
+    run = build_run(FinetuneOptions(**run), progress=False)
+    losses = fit(run).losses
+    model = run.model
     return losses, model.forward(probe, broadcast=True)
 
 
@@ -138,7 +131,7 @@ def load_peak(checkpoint: str) -> dict:
     import torch.distributed as dist
 
     from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel.split_model import split_from_pretrained
+    from hfsplit.parallel.launch import split_from_pretrained
     from hfsplit.quantize import held_bytes, quantization_config
 
     import bitsandbytes  # noqa: F401  (imports belong to the baseline)
