@@ -217,14 +217,15 @@ def in_flight(schedule: str, *, p: int, m: int, v: int, pp_rank: int, index: int
     if schedule == "GPipe":
         return m
     if schedule == "ZBVZeroBubble":
-        # The V: rank r's first-leg chunk runs 2(p-r)-1 forwards ahead, its second-leg chunk 2r+1 (Qi et al.
-        # 2024, ZB-V): p micro-batches of the rank's layers in all, as 1F1B's first stage (measured:
-        # tests/parallel/test_apply.py).
-        ahead = 2 * (p - pp_rank) - 1 if index < p else 2 * pp_rank + 1
+        # torch's ZB-V: rank r runs 2p-r-1 forwards of its first-leg chunk before that chunk's first backward,
+        # and r+1 of its second-leg chunk, which are all alive then (measured: tests/parallel/test_apply.py).
+        ahead = 2 * p - pp_rank - 1 if index < p else pp_rank + 1
         return min(ahead, m)
     if schedule == "Interleaved1F1B":
-        warmup = (v - 1) * p + 2 * (p - 1 - pp_rank)
-        return math.ceil(min(warmup + 1, m * v) / v)
+        # torch runs forwards in rounds of p micro-batches per local chunk; at the peak the rank has run
+        # warm-up + 1 of them, counted here for this stage's chunk (index // p).
+        alive = min((v - 1) * p + 2 * (p - 1 - pp_rank) + 1, m * v)
+        return max(1, sum((k // p) % v == index // p for k in range(alive)))
     if schedule == "DualPipeV":
         # Both directions' micro-batches are in flight at once: DualPipe keeps about p + 1 chunks per rank.
         return min(p + 1, m)
