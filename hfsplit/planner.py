@@ -516,7 +516,7 @@ def qlora_fix(config, budgets: dict[str, int], spec: TrainingSpec, options: dict
     """"Quantize the base to 4-bit (QLoRA)" with the fullest stage's figures, when that plan fits."""
     if spec.method not in ("lora", "full"):
         return None
-    plan = best_plan(config, budgets, replace(spec, method="qlora"), name="", **options)
+    plan = best_plan(config, budgets, replace(spec, method="qlora"), name="", **{**options, "tp": None})  # QLoRA: tp=1
     if plan is None:
         return None
     fullest = max(plan.stages, key=lambda s: s.memory.total / s.budget)
