@@ -17,6 +17,15 @@ SPLITS = {
     "gemma2-tp2": ("gemma2", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
     # embedding scale under a vocabulary-sharded embedding
     "gemma-tp2": ("gemma", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # a local and a global rope by layer type; the first stage holds sliding layers only
+    "gemma3_text-pp2-1f1b": ("gemma3_text", False, 2, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="1F1B")),
+    # q/k norms replicated over TP ranks, their gradients summed
+    "gemma3_text-tp2": ("gemma3_text", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # logit scale, tied head, sliding layers from layer_types; the last stage holds one full-attention layer
+    "cohere2-tied-pp2-gpipe": ("cohere2", True, 2, dict(tp=1, pp=2, layers=[(0, 3), (3, 4)], schedule="GPipe")),
+    "cohere2-tp2": ("cohere2", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # soft-capping and sliding masks on 4 ranks: two stages of two TP ranks
+    "gemma2-pp2-tp2": ("gemma2", False, 4, dict(tp=2, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
 }
 
 
