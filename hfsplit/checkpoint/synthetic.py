@@ -49,6 +49,8 @@ def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4,
         kwargs["head_dim"] = hidden // heads  # Qwen3's default head_dim is a fixed 128
     kwargs.update(FAMILY_OVERRIDES.get(arch, {}), **({"head_dim": hidden // heads} if arch in FAMILY_OVERRIDES else {}))
     kwargs.update(overrides)
+    if "layer_types" in kwargs and "layer_types" not in overrides:  # the family's sliding/full pattern, any depth
+        kwargs["layer_types"] = [kwargs["layer_types"][i % 2] for i in range(num_layers)]
     config = AutoConfig.for_model(arch, **kwargs)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     return config
