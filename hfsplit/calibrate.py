@@ -78,7 +78,7 @@ def _time_block(config, spec, device: torch.device) -> float:
     ids = torch.zeros(spec.micro_batch_size, spec.seq_len, dtype=torch.long, device=device)
     pos = torch.arange(spec.seq_len, device=device).unsqueeze(0)
     x = torch.randn(spec.micro_batch_size, spec.seq_len, config.hidden_size, dtype=dtype, device=device)
-    embeddings = base.rotary_emb(x, position_ids=pos)
+    embeddings = _block_rotary(config, base.rotary_emb, x, pos)
     times = []
     for i in range(PROBE_REPEATS + 1):  # the first run warms allocators and kernels
         _sync(device)
@@ -93,6 +93,14 @@ def _time_block(config, spec, device: torch.device) -> float:
             times.append(time.perf_counter() - start)
     del ids
     return statistics.median(times)
+
+
+def _block_rotary(config, rotary_emb, x: torch.Tensor, pos: torch.Tensor):
+    """The rotary table block 0 receives (Gemma 3 computes one per layer type)."""
+    from .models import FAMILIES, Family
+
+    kind = (getattr(config, "layer_types", None) or ["full_attention"])[0]
+    return FAMILIES.get(config.model_type, Family()).position_embeddings(rotary_emb, x, pos, [kind])[kind]
 
 
 def _sync(device: torch.device) -> None:

@@ -41,3 +41,11 @@ def test_known_gpu_table_and_speeds_relative_to_the_planner_unit(tmp_path, monke
     speeds = calibrate.calibrated_speeds(_config(), spec, {"0": 1, "1": 1}, torch.device("cpu"))
     flops = calibrate.block_flops_per_s(_config(), spec, torch.device("cpu"))
     assert speeds == {"0": flops / DEVICE_FLOPS, "1": flops / DEVICE_FLOPS}
+
+
+def test_probe_times_a_gemma3_block_whose_rope_is_per_layer_type():
+    """Gemma 3's rotary embedding takes the layer type; the probe hands block 0 its own table."""
+    from hfsplit.checkpoint.synthetic import tiny_config
+
+    spec = TrainingSpec(method="full", seq_len=16, micro_batch_size=1, dtype="float32")
+    assert calibrate._time_block(tiny_config("gemma3_text"), spec, torch.device("cpu")) > 0

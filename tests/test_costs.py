@@ -100,7 +100,7 @@ def tiny_config(family: str):
         return MistralConfig(hidden_size=128, intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, sliding_window=None, **common)
     from transformers import AutoConfig
 
-    extra = {"head_dim": 16} if family in ("qwen3", "gemma", "gemma2") else {}  # their defaults are 128 / 256
+    extra = {"head_dim": 16} if family in ("qwen3", "gemma", "gemma2", "gemma3_text") else {}  # their defaults: 128 / 256
     return AutoConfig.for_model(family, hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
                                 vocab_size=2000, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra, **common)
 
@@ -163,7 +163,7 @@ def estimated_peak(config, method: str, seq_len: int, checkpointing: bool = Fals
 @pytest.mark.parametrize("seq_len", [64, 256])
 @pytest.mark.parametrize("method", ["inference", "lora", "full"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2",
-                                    "gemma", "gemma2", "granite", "cohere"])
+                                    "gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2"])
 def test_estimated_peak_matches_a_real_step(family, method, seq_len):
     config = tiny_config(family)
     measured, estimated = measured_peak(config, method, seq_len), estimated_peak(config, method, seq_len)

@@ -6,7 +6,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.materialize import from_pretrained
-from hfsplit.models import DecoderLayout, check_supported, decoder_layout, meta_model
+from hfsplit.models import DecoderLayout, check_supported, decoder_layout, family_of, meta_model
 from hfsplit.parallel.stage import StageModule
 from hfsplit.plan import Stage, StageMemory
 
@@ -65,18 +65,25 @@ def test_layout_of_a_model_without_pp_plan():
         after=("transformer.ln_f",), outside=("lm_head",))
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gemma3_text", "cohere2", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt2", "mixtral", "qwen3_moe"])
 def test_distributed_split_refuses_undeclared_families_by_name(arch):
     config = AutoConfig.for_model(arch, **FAMILIES[arch])
-    with pytest.raises(UnsupportedModelError, match=rf"model_type '{arch}'.*not verified against transformers"):
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{arch}'.*not verified against transformers") as error:
         check_supported(config)
+    assert ("router auxiliary loss" in str(error.value)) == (arch != "gpt2")  # MoE says what is missing
     stage = Stage(index=0, pp_rank=0, devices=(("cpu",),), layers=(0, 3), has_embed=True, has_head=True,
                   memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)
     with pytest.raises(UnsupportedModelError, match=rf"model_type '{arch}'"):
         StageModule(config=config, stage=stage, tied=False)
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "granite", "cohere"])
+def test_distributed_split_refuses_a_bidirectional_gemma3_by_name():
+    config = AutoConfig.for_model("gemma3_text", **FAMILIES["gemma3_text"], use_bidirectional_attention=True)
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'gemma3_text'.*use_bidirectional_attention=True"):
+        family_of(config)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2"])
 def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
     """The stage builder redoes what the family declares outside its blocks (fast, in-process; the
     multi-process splits are in tests/parallel/test_families_split.py)."""
@@ -84,7 +91,7 @@ def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
     from hfsplit.parallel.stage import load_stage_weights
     from hfsplit.parallel.weights import open_reader
 
-    folder = str(tiny_checkpoint(arch, tied=arch == "cohere"))
+    folder = str(tiny_checkpoint(arch, tied=arch.startswith("cohere")))
     config = load_config(folder)
     stage = Stage(index=0, pp_rank=0, devices=(("cpu",),), layers=(0, config.num_hidden_layers), has_embed=True,
                   has_head=True, memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)

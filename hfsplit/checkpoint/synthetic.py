@@ -19,6 +19,13 @@ FAMILY_OVERRIDES = {
     "gemma2": dict(final_logit_softcapping=3.0, attn_logit_softcapping=5.0, sliding_window=4, query_pre_attn_scalar=16),
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
     "cohere": dict(logit_scale=0.25),
+    # local and global rope with different bases, alternating sliding window: a stage using one rope or one
+    # mask for every layer shows in the logits
+    "gemma3_text": dict(final_logit_softcapping=3.0, sliding_window=4, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "full_attention"] * 2,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "cohere2": dict(logit_scale=0.25, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2),
 }
 
 
@@ -42,6 +49,8 @@ def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4,
         kwargs["head_dim"] = hidden // heads  # Qwen3's default head_dim is a fixed 128
     kwargs.update(FAMILY_OVERRIDES.get(arch, {}), **({"head_dim": hidden // heads} if arch in FAMILY_OVERRIDES else {}))
     kwargs.update(overrides)
+    if "layer_types" in kwargs and "layer_types" not in overrides:  # the family's sliding/full pattern, any depth
+        kwargs["layer_types"] = [kwargs["layer_types"][i % 2] for i in range(num_layers)]
     config = AutoConfig.for_model(arch, **kwargs)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     return config

@@ -69,10 +69,12 @@ class StageModule(nn.Module):
         past = cache.get_seq_length(layers[0]) if cache is not None and layers else 0
         positions = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
         masks = causal_masks(self.config, hidden=x, position_ids=positions, cache=cache, layers=layers)
-        rotary = self.rotary_emb(x, position_ids=positions)
+        kinds = {index: layer_attention_type(self.config, index) for index in layers}
+        rotary = self.family.position_embeddings(self.rotary_emb, x, positions, set(kinds.values()))
         for name, layer in self.body.layers.items():
-            x = layer(x, attention_mask=masks[layer_attention_type(self.config, int(name))],
-                      position_embeddings=rotary, position_ids=positions, cache=cache, use_cache=cache is not None)
+            kind = kinds[int(name)]
+            x = layer(x, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=positions,
+                      cache=cache, use_cache=cache is not None)
         if self.body.norm is not None:
             x = self.family.output_side(self.config, self.lm_head(self.body.norm(x)))
         return x

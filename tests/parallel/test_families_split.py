@@ -17,6 +17,22 @@ SPLITS = {
     "gemma2-tp2": ("gemma2", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
     # embedding scale under a vocabulary-sharded embedding
     "gemma-tp2": ("gemma", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # a local and a global rope by layer type; the first stage holds sliding layers only
+    "gemma3_text-pp2-1f1b": ("gemma3_text", False, 2, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="1F1B")),
+    # logit scale, tied head, sliding layers from layer_types; the last stage holds one full-attention layer
+    "cohere2-tied-pp2-gpipe": ("cohere2", True, 2, dict(tp=1, pp=2, layers=[(0, 3), (3, 4)], schedule="GPipe")),
+    "cohere2-tp2": ("cohere2", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # embedding scale on the first stage only (its module's buffer), head on the last
+    "gemma-pp2-gpipe": ("gemma", False, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="GPipe")),
+    # multipliers inside sharded blocks (residual, attention) and outside them (embedding, logits)
+    "granite-tp2": ("granite", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # parallel attention/MLP blocks with both halves sharded, logit scale on the full logits
+    "cohere-tp2": ("cohere", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # per-type rope and masks on 4 ranks, two stages of two TP ranks (q/k norms replicated, gradients summed):
+    # also the tp=2 check of this family
+    "gemma3_text-pp2-tp2": ("gemma3_text", False, 4, dict(tp=2, pp=2, layers=[(0, 1), (1, 4)], schedule="1F1B")),
+    # soft-capping and sliding masks on 4 ranks: two stages of two TP ranks
+    "gemma2-pp2-tp2": ("gemma2", False, 4, dict(tp=2, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
 }
 
 
