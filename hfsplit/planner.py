@@ -23,6 +23,7 @@ from .budget import BudgetSpec, format_bytes, parse_max_memory
 from .costs import ModelCosts, PartCost, TrainingSpec, model_costs
 from .models import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
 from .errors import PlanError
+from .links import DEFAULT_LINK, Link
 from .plan import SCHEDULES, Plan, Stage, StageMemory
 from .reserve import reserve_for
 from .schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages
@@ -30,7 +31,7 @@ from .schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_
 # Effective dense throughput of a device of speed 1 and the TP link bandwidth. Only
 # ratios between plans matter for the choice; absolute step times are rough estimates.
 DEVICE_FLOPS = 100e12 * 0.4
-TP_BANDWIDTH = 50e9
+TP_BANDWIDTH = DEFAULT_LINK.bandwidth  # kept for callers of the former constant
 CPU_SPEED = 0.02
 MAX_PERMUTED_GROUPS = 5  # device orders tried exhaustively up to this many stage groups
 
@@ -47,6 +48,7 @@ class Slot:
     in_flight: int
     has_embed: bool
     has_head: bool
+    link: Link = DEFAULT_LINK
 
 
 def make_plan(
@@ -59,6 +61,7 @@ def make_plan(
     schedule: str = AUTO,
     activation_checkpointing: Union[bool, str] = "auto",
     device_speeds: Optional[dict] = None,
+    link: Optional[Link] = None,
     tp: Optional[int] = None,
     pp: Optional[int] = None,
     dp: Optional[int] = None,
@@ -77,6 +80,8 @@ def make_plan(
             in the plan's notes) or a name from `hfsplit.schedules.TABLE` ("1F1B", "GPipe", ...).
         activation_checkpointing: True, False, or "auto" (on only when needed to fit).
         device_speeds: relative speed per device key (default 1 each).
+        link: the rank-to-rank link for pipeline sends and TP all-reduces (default `links.DEFAULT_LINK`;
+            a launched run passes the one `calibrate.probe_link` measured).
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
         world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
         single_process: plan for one process (the model's own forward; any causal LM), not the split.
@@ -97,21 +102,21 @@ def make_plan(
     _check_options(schedule, micro_batches, global_batch, spec)
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule,
-                   device_speeds=device_speeds or {}, tp=tp, pp=pp, dp=dp, world_size=world_size)
+                   device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, tp=tp, pp=pp, dp=dp, world_size=world_size)
     checkpointing = _checkpointing_choices(activation_checkpointing, spec)
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=micro_batches, schedule=schedule)
     _check_budget_count(world_size, budgets)
     for ac in checkpointing:
         found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
         if found is not None:
-            return found
+            return replace(found, notes=found.notes + (link.describe(),)) if link else found
     options["schedule"] = "1F1B" if schedule == AUTO else schedule  # the diagnosis needs no schedule search
     raise PlanError(_explain_no_fit(config, budgets, replace(spec, activation_checkpointing=checkpointing[-1]),
                                     name=name, options=options))
 
 
 def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, micro_batches, global_batch,
-              schedule: str, device_speeds: dict, tp=None, pp=None, dp=None,
+              schedule: str, device_speeds: dict, link: Link = DEFAULT_LINK, tp=None, pp=None, dp=None,
               world_size: Optional[int] = None) -> Optional[Plan]:
     """The fastest fitting plan (by tokens/s), or None. Under schedule "auto" each candidate schedule
     is searched and the plan's notes give the best step of each."""
@@ -126,7 +131,7 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
             if p > 1 and m < min_micro_batches(sched, p):
                 continue  # torch refuses fewer micro-batches than this schedule needs
             for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
-                                             name=name, config=config):
+                                             name=name, config=config, link=link):
                 rate = d * m * spec.micro_batch_size / candidate.step_time_s
                 key = candidate.schedule
                 if key not in best or rate > best[key][0] * (1 + 1e-9):
@@ -160,12 +165,12 @@ def _shapes(config, budgets: dict[str, int], spec: TrainingSpec, *, tp, pp, dp,
 
 
 def plans_for_shape(costs: ModelCosts, budgets: dict[str, int], speeds: dict, *, t: int, p: int, d: int, m: int,
-                    schedule: str, name: str, config) -> Iterable[Plan]:
+                    schedule: str, name: str, config, link: Link = DEFAULT_LINK) -> Iterable[Plan]:
     """Fitting plans of one (tp, pp, dp) shape, one per device order tried."""
     schedule = schedule if p > 1 else "1F1B"
     v = virtual_stages(schedule, p)
     for groups in _device_orders(budgets, t=t, count=p * d, speeds=speeds):
-        slots = _slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule)
+        slots = _slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule, link=link)
         counts = split_layers(costs, slots)
         if counts is None:
             continue
@@ -252,10 +257,19 @@ def _parts(costs: ModelCosts, slot: Slot, layers: int) -> list[tuple[PartCost, i
 def _slot_time(costs: ModelCosts, slot: Slot, layers: int) -> float:
     parts = _parts(costs, slot, layers)
     flops = sum(c.flops * k for c, k in parts)
+    return flops / (DEVICE_FLOPS * slot.speed) + _comm_time(costs, slot, parts)
+
+
+def _comm_time(costs: ModelCosts, slot: Slot, parts: list[tuple[PartCost, int]]) -> float:
+    """Seconds per micro-batch on the slot's link: its TP all-reduces, and the hidden states it sends to and
+    receives from each pipeline neighbour (forward, and the gradient back when training)."""
     comm = sum(c.comm_bytes * k for c, k in parts)
-    t = costs.tp
-    comm_time = comm * 2 * (t - 1) / t / TP_BANDWIDTH if t > 1 else 0.0
-    return flops / (DEVICE_FLOPS * slot.speed) + comm_time
+    size = costs.boundary_bytes
+    count = round(comm / size) if size else 1  # all-reduces are of hidden states: latency per message
+    tp_time = slot.link.all_reduce_s(comm / max(count, 1), costs.tp, count) if comm else 0.0
+    neighbours = (not slot.has_embed) + (not slot.has_head)
+    ways = 1 if costs.spec.method == "inference" else 2
+    return tp_time + (neighbours * ways * slot.link.send_s(size) if size else 0.0)
 
 
 def _rank_fits(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], pp_rank: int) -> bool:
@@ -296,7 +310,7 @@ def _plan(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], *, na
 
 
 def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: dict, *, p: int, d: int, v: int,
-           m: int, schedule: str) -> list[Slot]:
+           m: int, schedule: str, link: Link = DEFAULT_LINK) -> list[Slot]:
     """Stage positions: replica r of pipeline rank k runs on device group `groups[r * p + k]`."""
     count = p * v
     slots = []
@@ -308,7 +322,7 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
             index=index, pp_rank=rank, devices=devices, budget=min(budgets[x] for x in flat),
             speed=min(_speed(speeds, x, budgets) for x in flat),
             in_flight=in_flight(schedule, p=p, m=m, v=v, pp_rank=rank),
-            has_embed=index == 0, has_head=index == count - 1,
+            has_embed=index == 0, has_head=index == count - 1, link=link,
         ))
     return slots
 
@@ -445,7 +459,8 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
         schedule = options["schedule"] if p > 1 else "1F1B"
         v = virtual_stages(schedule, p)
         for groups in itertools.islice(_device_orders(budgets, t=t, count=p), 24):
-            slots = _slots(groups, unlimited, options["device_speeds"], p=p, d=1, v=v, m=m, schedule=schedule)
+            slots = _slots(groups, unlimited, options["device_speeds"], p=p, d=1, v=v, m=m, schedule=schedule,
+                           link=options["link"])
             counts = split_layers(costs, slots)
             if counts is None:
                 continue

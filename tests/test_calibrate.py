@@ -41,3 +41,55 @@ def test_known_gpu_table_and_speeds_relative_to_the_planner_unit(tmp_path, monke
     speeds = calibrate.calibrated_speeds(_config(), spec, {"0": 1, "1": 1}, torch.device("cpu"))
     flops = calibrate.block_flops_per_s(_config(), spec, torch.device("cpu"))
     assert speeds == {"0": flops / DEVICE_FLOPS, "1": flops / DEVICE_FLOPS}
+
+
+def test_link_fit_through_two_sizes_and_its_costs():
+    from hfsplit.links import Link, fit_link
+
+    link = fit_link((1000, 1_001_000), (2e-5, 1.02e-3))  # 1 GB/s with 19 µs latency
+    assert link.bandwidth == pytest.approx(1e9) and link.latency_s == pytest.approx(1.9e-5) and link.measured
+    assert fit_link((1000, 2000), (1e-3, 5e-4)) == Link(4e6, 0.0, True)  # noisy: the large size's own rate
+    assert link.send_s(1e6) == pytest.approx(1.9e-5 + 1e-3)
+    # ring all-reduce over 4 ranks: 6 messages of a quarter each
+    assert link.all_reduce_s(4e6, 4, count=2) == pytest.approx(2 * (6 * 1.9e-5 + 6e6 / 1e9))
+    assert link.all_reduce_s(4e6, 1) == 0.0
+
+
+def test_planner_charges_the_link_for_pipeline_sends_and_tp_all_reduces():
+    from hfsplit.costs import model_costs
+    from hfsplit.links import DEFAULT_LINK, Link
+    from hfsplit.planner import make_plan
+
+    config = _config()
+    spec = TrainingSpec(method="full", seq_len=32, micro_batch_size=2, dtype="float32", reserve_bytes=0)
+    options = dict(spec=spec, micro_batches=4, schedule="1F1B", device_speeds={"0": 1e-3, "1": 1e-3})
+    fast = make_plan(config, "2x1GiB", pp=2, **options)
+    slow_link = Link(bandwidth=1e7, latency_s=1e-3, measured=True)
+    slow = make_plan(config, "2x1GiB", pp=2, link=slow_link, **options)
+    hidden = model_costs(config, spec).boundary_bytes
+    assert hidden == 2 * 32 * 64 * 4
+    # each stage has one neighbour: activations forward and their gradient back, per micro-batch
+    expected = 2 * (slow_link.send_s(hidden) - DEFAULT_LINK.send_s(hidden))
+    assert [b.time_s - a.time_s for a, b in zip(fast.stages, slow.stages)] == pytest.approx([expected] * 2)
+    assert slow_link.describe() in slow.notes and "measured" in slow_link.describe()
+    tp_fast = make_plan(config, "2x1GiB", tp=2, pp=1, **options)
+    tp_slow = make_plan(config, "2x1GiB", tp=2, pp=1, link=slow_link, **options)
+    assert tp_slow.step_time_s > tp_fast.step_time_s + 2 * 4 * 4 * slow_link.latency_s  # 4 all-reduces a block
+    # on a slow link the planner stops splitting a model this small
+    auto = {**options, "schedule": "auto", "dp": 1}
+    split = make_plan(config, "2x1GiB", **auto)
+    alone = make_plan(config, "2x1GiB", link=slow_link, **auto)
+    assert split.tp * split.pp == 2 and (alone.tp, alone.pp) == (1, 1)
+
+
+@pytest.mark.slow
+def test_link_probe_on_two_ranks_agrees_and_reaches_the_plan():
+    from tests.parallel.launcher import launch
+
+    results = launch("tests.parallel.link_cases:probe_and_plan", world_size=2, timeout_s=120)
+    links = [r["link"] for r in results]
+    assert links[0] == links[1]  # every rank plans with the same (slowest) figure
+    link = links[0]
+    assert link.measured and 1e7 < link.bandwidth < 1e12 and 0 <= link.latency_s < 0.05
+    assert all(r["probe_s"] < 5 for r in results)
+    assert any(note.startswith("link ") and "measured" in note for note in results[0]["notes"])
