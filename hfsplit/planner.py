@@ -60,8 +60,7 @@ def make_plan(
     global_batch: Optional[int] = None,
     schedule: str = AUTO,
     activation_checkpointing: Union[bool, str] = "auto",
-    device_speeds: Optional[dict] = None,
-    link: Optional[Link] = None,
+    device_speeds: Optional[dict] = None, link: Optional[Link] = None,
     tp: Optional[int] = None,
     pp: Optional[int] = None,
     dp: Optional[int] = None,
@@ -80,8 +79,7 @@ def make_plan(
             in the plan's notes) or a name from `hfsplit.schedules.TABLE` ("1F1B", "GPipe", ...).
         activation_checkpointing: True, False, or "auto" (on only when needed to fit).
         device_speeds: relative speed per device key (default 1 each).
-        link: the rank-to-rank link for pipeline sends and TP all-reduces (default `links.DEFAULT_LINK`;
-            a launched run passes the one `calibrate.probe_link` measured).
+        link: the link pipeline sends and TP all-reduces use (default `links.DEFAULT_LINK`; runs: probed).
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
         world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
         single_process: plan for one process (the model's own forward; any causal LM), not the split.
@@ -101,15 +99,15 @@ def make_plan(
         spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
     _check_options(schedule, micro_batches, global_batch, spec)
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
-    options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule,
-                   device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, tp=tp, pp=pp, dp=dp, world_size=world_size)
+    options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
+                   device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, world_size=world_size)
     checkpointing = _checkpointing_choices(activation_checkpointing, spec)
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=micro_batches, schedule=schedule)
     _check_budget_count(world_size, budgets)
     for ac in checkpointing:
         found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
         if found is not None:
-            return replace(found, notes=found.notes + (link.describe(),)) if link else found
+            return found
     options["schedule"] = "1F1B" if schedule == AUTO else schedule  # the diagnosis needs no schedule search
     raise PlanError(_explain_no_fit(config, budgets, replace(spec, activation_checkpointing=checkpointing[-1]),
                                     name=name, options=options))
@@ -144,6 +142,8 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
         untried = [c for c in candidates if c not in best]
         why = f" ({', '.join(untried)}: nothing fits or too few micro-batches)" if untried else ""
         plan = replace(plan, notes=plan.notes + (f"schedule auto chose {plan.schedule}: estimated step {per}{why}",))
+    if link.measured:
+        plan = replace(plan, notes=plan.notes + (link.describe(),))
     return plan
 
 
