@@ -174,10 +174,11 @@ def probe_link() -> Optional[Link]:
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    seconds = torch.tensor([_ring_seconds(n, device) for n in LINK_PROBE_BYTES], dtype=torch.float64, device=device)
+    seconds = [_ring_seconds(n, device) for n in LINK_PROBE_BYTES] + [action_seconds(device)]
+    seconds = torch.tensor(seconds, dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    small, large = seconds.tolist()
-    return fit_link(LINK_PROBE_BYTES, (small, large))
+    small, large, action = seconds.tolist()
+    return replace(fit_link(LINK_PROBE_BYTES, (small, large)), action_s=action)
 
 
 def _ring_seconds(nbytes: int, device: torch.device) -> float:
@@ -195,6 +196,24 @@ def _ring_seconds(nbytes: int, device: torch.device) -> float:
         ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
         for request in dist.batch_isend_irecv(ops):
             request.wait()
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def action_seconds(device: torch.device) -> float:
+    """Median seconds of the smallest schedule action: forward and backward of a one-Linear stage through
+    `torch.autograd.backward` with an output gradient, as a pipeline stage runs its backward. Its FLOPs are
+    nil, so what is timed is the fixed cost every action pays (the schedule's own bookkeeping is not in it)."""
+    stage = torch.nn.Linear(8, 8).to(device)
+    x = torch.randn(1, 8, device=device, requires_grad=True)
+    times = []
+    for i in range(4 * LINK_PROBE_REPEATS + 1):  # cheap: more repeats steady the median
+        _sync(device)
+        start = time.perf_counter()
+        y = stage(x)
+        torch.autograd.backward((y,), grad_tensors=(torch.ones_like(y),))
         _sync(device)
         if i:
             times.append(time.perf_counter() - start)

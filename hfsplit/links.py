@@ -1,4 +1,4 @@
-"""The rank-to-rank link the time model charges for pipeline sends and TP all-reduces: plain data.
+"""What the time model charges beyond FLOPs: the rank-to-rank link and the fixed cost per schedule action.
 
 `Link` is the α-β model (a fixed latency per message plus bytes over bandwidth). A launched run
 measures it with one small p2p probe (`hfsplit.calibrate.probe_link`); `hfsplit plan` on a machine
@@ -17,11 +17,15 @@ class Link:
         bandwidth: bytes per second one message moves at once under way.
         latency_s: fixed seconds per message (launch, handshake), whatever its size.
         measured: whether a probe measured it (printed with the plan).
+        action_s: fixed seconds of one schedule action (a stage's forward, backward or weight-gradient pass for
+            one micro-batch: the module call and the autograd engine's start), whatever its FLOPs. Measured with
+            the link at launch: it is why many small actions (ZBV, Interleaved) can run slower than 1F1B.
     """
 
     bandwidth: float
     latency_s: float = 0.0
     measured: bool = False
+    action_s: float = 0.0
 
     def send_s(self, nbytes: float) -> float:
         """Seconds to move one message of `nbytes` to a neighbour."""
@@ -39,7 +43,8 @@ class Link:
     def describe(self) -> str:
         """One line for the plan's notes."""
         how = "measured by the launch's p2p probe" if self.measured else "assumed (no probe)"
-        return f"link {self.bandwidth / 1e9:.2f} GB/s, {self.latency_s * 1e6:.0f} µs per message ({how})"
+        return (f"link {self.bandwidth / 1e9:.2f} GB/s, {self.latency_s * 1e6:.0f} µs per message, "
+                f"{self.action_s * 1e6:.0f} µs per schedule action ({how})")
 
 
 def fit_link(sizes: tuple[int, int], seconds: tuple[float, float]) -> Link:

@@ -49,6 +49,8 @@ class Slot:
     has_embed: bool
     has_head: bool
     link: Link = DEFAULT_LINK
+    sends: int = 0  # pipeline neighbours on another rank (a V's turn stays on its rank: no message)
+    actions: int = 2  # schedule actions per micro-batch: forward, backward (zero bubble: + weight gradient)
 
 
 def make_plan(
@@ -261,15 +263,16 @@ def _slot_time(costs: ModelCosts, slot: Slot, layers: int) -> float:
 
 
 def _comm_time(costs: ModelCosts, slot: Slot, parts: list[tuple[PartCost, int]]) -> float:
-    """Seconds per micro-batch on the slot's link: its TP all-reduces, and the hidden states it sends to and
-    receives from each pipeline neighbour (forward, and the gradient back when training)."""
+    """Seconds per micro-batch beyond the FLOPs: its TP all-reduces, the hidden states it sends to and receives
+    from each pipeline neighbour on another rank (forward, and the gradient back when training), and the fixed
+    cost of each schedule action (ZBV and Interleaved run more, smaller actions)."""
     comm = sum(c.comm_bytes * k for c, k in parts)
     size = costs.boundary_bytes
     count = round(comm / size) if size else 1  # all-reduces are of hidden states: latency per message
     tp_time = slot.link.all_reduce_s(comm / max(count, 1), costs.tp, count) if comm else 0.0
-    neighbours = (not slot.has_embed) + (not slot.has_head)
-    ways = 1 if costs.spec.method == "inference" else 2
-    return tp_time + (neighbours * ways * slot.link.send_s(size) if size else 0.0)
+    inference = costs.spec.method == "inference"
+    sends = slot.sends * (1 if inference else 2) * slot.link.send_s(size) if size else 0.0
+    return tp_time + sends + (1 if inference else slot.actions) * slot.link.action_s
 
 
 def _rank_fits(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], pp_rank: int) -> bool:
@@ -313,9 +316,8 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
            m: int, schedule: str, link: Link = DEFAULT_LINK) -> list[Slot]:
     """Stage positions: replica r of pipeline rank k runs on device group `groups[r * p + k]`."""
     count = p * v
-    slots = []
-    for index in range(count):
-        rank = pp_rank_of_stage(schedule, pp=p, index=index)
+    slots, ranks = [], [pp_rank_of_stage(schedule, pp=p, index=i) for i in range(count)]
+    for index, rank in enumerate(ranks):
         devices = tuple(groups[r * p + rank] for r in range(d))
         flat = [dev for group in devices for dev in group]
         slots.append(Slot(
@@ -323,6 +325,8 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
             speed=min(_speed(speeds, x, budgets) for x in flat),
             in_flight=in_flight(schedule, p=p, m=m, v=v, pp_rank=rank),
             has_embed=index == 0, has_head=index == count - 1, link=link,
+            sends=sum(0 <= j < count and ranks[j] != rank for j in (index - 1, index + 1)),
+            actions=3 if TABLE[schedule].zero_bubble and p > 1 else 2,
         ))
     return slots
 

@@ -7,8 +7,8 @@ from hfsplit import calibrate
 from hfsplit.costs import TrainingSpec
 
 
-def _config():
-    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+def _config(layers: int = 2):
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=64)
 
 
@@ -90,6 +90,37 @@ def test_link_probe_on_two_ranks_agrees_and_reaches_the_plan():
     links = [r["link"] for r in results]
     assert links[0] == links[1]  # every rank plans with the same (slowest) figure
     link = links[0]
-    assert link.measured and 1e7 < link.bandwidth < 1e12 and 0 <= link.latency_s < 0.05
+    assert link.measured and 1e7 < link.bandwidth < 1e12 and 0 <= link.latency_s < 0.05 and 0 < link.action_s < 0.05
     assert all(r["probe_s"] < 5 for r in results)
     assert any(note.startswith("link ") and "measured" in note for note in results[0]["notes"])
+
+
+@pytest.mark.parametrize("schedule, sends, actions", [
+    ("1F1B", [1, 1], 2),
+    ("Interleaved1F1B", [1, 2, 2, 1], 2),  # looped: every turn crosses ranks
+    ("ZBVZeroBubble", [1, 1, 1, 1], 3),  # V: the turn (stages 1 → 2) stays on rank 1; backward split in two
+])
+def test_slots_count_cross_rank_sends_and_schedule_actions(schedule, sends, actions):
+    from hfsplit.planner import _slots
+    from hfsplit.schedules import virtual_stages
+
+    slots = _slots([("0",), ("1",)], {"0": 1, "1": 1}, {}, p=2, d=1, v=virtual_stages(schedule, 2), m=4,
+                   schedule=schedule)
+    assert [s.sends for s in slots] == sends and {s.actions for s in slots} == {actions}
+
+
+def test_action_cost_makes_many_small_actions_slower():
+    from hfsplit.links import Link
+    from hfsplit.planner import make_plan
+
+    spec = TrainingSpec(method="full", seq_len=8, micro_batch_size=1, dtype="float32", reserve_bytes=0)
+    options = dict(spec=spec, micro_batches=4, pp=2, device_speeds={"0": 1e-3, "1": 1e-3})
+    steps = {}
+    for action_s in (0.0, 1e-2):
+        link = Link(bandwidth=1e9, action_s=action_s, measured=True)
+        steps[action_s] = {s: make_plan(_config(4), "2x1GiB", schedule=s, link=link, **options).step_time_s
+                           for s in ("1F1B", "ZBVZeroBubble")}
+        steps[action_s]["auto"] = make_plan(_config(4), "2x1GiB", link=link, **options).schedule
+    assert steps[0.0]["ZBVZeroBubble"] < steps[0.0]["1F1B"] and steps[0.0]["auto"] != "1F1B"
+    assert steps[1e-2]["ZBVZeroBubble"] > steps[1e-2]["1F1B"] and steps[1e-2]["auto"] == "1F1B"
+    assert 0 < calibrate.action_seconds(torch.device("cpu")) < 0.01
