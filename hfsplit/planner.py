@@ -489,12 +489,12 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     if spec.method != "inference" and not spec.activation_checkpointing and fits(
             budgets, replace(spec, activation_checkpointing=True)):
         fixes.append("activation checkpointing (--activation-checkpointing on)")
-    seq = spec.seq_len // 2
-    while seq >= 128:
-        if fits(budgets, replace(spec, seq_len=seq)):
-            fixes.append(f"a shorter sequence (--seq-len {seq})")
-            break
-        seq //= 2
+    seqs = [spec.seq_len >> k for k in range(1, spec.seq_len.bit_length()) if spec.seq_len >> k >= 128]
+    # A shorter sequence only shrinks activations: when the shortest does not fit, none does, and the longer ones
+    # need no trace (each is one per TP degree: most of the no-fit CLI's time).
+    if seqs and fits(budgets, replace(spec, seq_len=seqs[-1])):
+        seq = next(s for s in seqs if fits(budgets, replace(spec, seq_len=s)))
+        fixes.append(f"a shorter sequence (--seq-len {seq})")
     if spec.micro_batch_size > 1 and fits(budgets, replace(spec, micro_batch_size=1)):
         fixes.append("micro-batch size 1 (--micro-batch-size 1)")
     count = _fewest_devices(lambda b: fits(b, spec), budgets)
