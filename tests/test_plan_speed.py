@@ -14,7 +14,8 @@ def _config():
 
 def _diagnose(budget: str, spec: TrainingSpec, monkeypatch) -> tuple[str, set]:
     tried, real = set(), planner.best_plan
-    monkeypatch.setattr(planner, "best_plan", lambda config, b, s, **kw: tried.add(s.seq_len) or real(config, b, s, **kw))
+    monkeypatch.setattr(planner, "best_plan",
+                        lambda config, b, s, **kw: tried.add(s.seq_len) or real(config, b, s, **kw))
     with pytest.raises(PlanError) as err:
         planner.make_plan(_config(), budget, spec=spec, schedule="1F1B")
     return str(err.value), tried
