@@ -7,6 +7,10 @@ of the model at the run's micro-batch shape on the rank's own device, and divide
 counted FLOPs by it. The figure is cached on disk (`hfsplit.trace_cache.cache_dir`) per device
 kind, dtype and block shape, so a run measures once. `hfsplit plan` on a machine without the
 target GPUs uses `KNOWN_FLOPS` (or `--device-flops`).
+
+The link between ranks is measured at launch too (`probe_link`): every rank sends to the next and
+receives from the previous at once, at a small and a large size, and the slowest rank's times give
+latency and bandwidth for the pipeline's sends and the TP all-reduces.
 """
 from __future__ import annotations
 
@@ -19,12 +23,18 @@ from typing import Optional
 
 import torch
 
+from .links import Link, fit_link
+
 # Dense bf16 tensor-core peak (FLOP/s, datasheets) per GPU name fragment; a training step reaches about
 # ACHIEVED of it. Used by `hfsplit plan` for the GPU it is told about, never measured here.
 KNOWN_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
                "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
 ACHIEVED = 0.4
 PROBE_REPEATS = 3
+# Message sizes of the link probe: 4 KiB is latency-bound, 4 MiB bandwidth-bound on every interconnect
+# (and a few ms on gloo over loopback), so a probe of both costs well under a second.
+LINK_PROBE_BYTES = (4 << 10, 4 << 20)
+LINK_PROBE_REPEATS = 5
 
 
 def device_kind(device: torch.device) -> str:
@@ -156,3 +166,70 @@ def time_report(plan, step_times_s: list[float], busy_s: list[float]) -> str:
         lines.append(f"  pipeline rank {c.pp} (layers {layers}): estimated busy {estimate * 1e3:.1f} ms, "
                      f"measured {busy / len(step_times_s) * 1e3:.1f} ms per step")
     return "\n".join(lines)
+
+
+def probe_link() -> Optional[Link]:
+    """The launch's rank-to-rank link, measured now; None with one rank (nothing to send to).
+
+    Every rank sends to rank + 1 and receives from rank - 1 at the same time (a ring), so each link a
+    pipeline or TP group may use carries traffic at once, as it will in a step, and the slowest rank's
+    times (all-reduced with MAX, so every rank returns the same Link) are the figure. Not cached on disk,
+    unlike the FLOP/s: the link depends on where this launch's ranks sit (one host, NVLink, across nodes),
+    which nothing before the launch knows, and the probe takes milliseconds. A collective: every rank calls it.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    seconds = [_ring_seconds(n, device) for n in LINK_PROBE_BYTES] + [action_seconds(device)]
+    seconds = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    small, large, action = seconds.tolist()
+    return replace(fit_link(LINK_PROBE_BYTES, (small, large)), action_s=action)
+
+
+def _ring_seconds(nbytes: int, device: torch.device) -> float:
+    """Median seconds of one ring exchange of `nbytes` (send to the next rank, receive from the previous)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    send = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    recv = torch.empty_like(send)
+    times = []
+    for i in range(LINK_PROBE_REPEATS + 1):  # the first exchange connects the pair and warms buffers
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def action_seconds(device: torch.device) -> float:
+    """Median seconds of the smallest schedule action: forward and backward of a one-Linear stage through
+    `torch.autograd.backward` with an output gradient, as a pipeline stage runs its backward. Its FLOPs are
+    nil, so what is timed is the fixed cost every action pays (the schedule's own bookkeeping is not in it)."""
+    stage = torch.nn.Linear(8, 8).to(device)
+    x = torch.randn(1, 8, device=device, requires_grad=True)
+    times = []
+    for i in range(4 * LINK_PROBE_REPEATS + 1):  # cheap: more repeats steady the median
+        _sync(device)
+        start = time.perf_counter()
+        y = stage(x)
+        torch.autograd.backward((y,), grad_tensors=(torch.ones_like(y),))
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_link() -> Optional[Link]:
+    """The launched run's measured link for `make_plan(link=...)` (None: one rank, or calibration off)."""
+    if os.environ.get("HFSPLIT_NO_CALIBRATION"):
+        return None
+    return probe_link()

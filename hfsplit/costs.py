@@ -70,6 +70,7 @@ class ModelCosts:
         head: final norm + lm_head (+ loss) on the last stage. With tied embeddings the
             head's param_bytes include the shared matrix again, since the last stage holds a copy.
         tied: whether lm_head shares the embedding matrix.
+        boundary_bytes: one micro-batch's hidden states, what a stage sends its pipeline neighbour.
     """
 
     num_layers: int
@@ -79,6 +80,7 @@ class ModelCosts:
     head: PartCost
     tied: bool
     spec: TrainingSpec = field(default_factory=TrainingSpec)
+    boundary_bytes: int = 0
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -338,7 +340,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
     block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
     head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
-    return ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec)
+    return ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec, boundary_bytes=hidden_bytes)
 
 
 def quantized_block_bytes(layout: _Layout, spec: TrainingSpec) -> int:

@@ -23,6 +23,7 @@ from .budget import BudgetSpec, format_bytes, parse_max_memory
 from .costs import ModelCosts, PartCost, TrainingSpec, model_costs
 from .models import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
 from .errors import PlanError
+from .links import DEFAULT_LINK, Link
 from .plan import SCHEDULES, Plan, Stage, StageMemory, rank_total
 from .reserve import reserve_for
 from .schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages
@@ -30,7 +31,7 @@ from .schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_
 # Effective dense throughput of a device of speed 1 and the TP link bandwidth. Only
 # ratios between plans matter for the choice; absolute step times are rough estimates.
 DEVICE_FLOPS = 100e12 * 0.4
-TP_BANDWIDTH = 50e9
+TP_BANDWIDTH = DEFAULT_LINK.bandwidth  # kept for callers of the former constant
 CPU_SPEED = 0.02
 MAX_PERMUTED_GROUPS = 5  # device orders tried exhaustively up to this many stage groups
 
@@ -47,6 +48,9 @@ class Slot:
     in_flight: int
     has_embed: bool
     has_head: bool
+    link: Link = DEFAULT_LINK
+    sends: int = 0  # pipeline neighbours on another rank (a V's turn stays on its rank: no message)
+    actions: int = 2  # schedule actions per micro-batch: forward, backward (zero bubble: + weight gradient)
 
 
 def make_plan(
@@ -58,7 +62,7 @@ def make_plan(
     global_batch: Optional[int] = None,
     schedule: str = AUTO,
     activation_checkpointing: Union[bool, str] = "auto",
-    device_speeds: Optional[dict] = None,
+    device_speeds: Optional[dict] = None, link: Optional[Link] = None,
     tp: Optional[int] = None,
     pp: Optional[int] = None,
     dp: Optional[int] = None,
@@ -77,6 +81,7 @@ def make_plan(
             in the plan's notes) or a name from `hfsplit.schedules.TABLE` ("1F1B", "GPipe", ...).
         activation_checkpointing: True, False, or "auto" (on only when needed to fit).
         device_speeds: relative speed per device key (default 1 each).
+        link: the link pipeline sends and TP all-reduces use (default `links.DEFAULT_LINK`; runs: probed).
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
         world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
         single_process: plan for one process (the model's own forward; any causal LM), not the split.
@@ -94,11 +99,10 @@ def make_plan(
     budgets = parse_max_memory(max_memory)
     if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
         spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
-    _check_options(schedule, micro_batches, global_batch, spec)
-    _check_zero_bubble_checkpointing(schedule, activation_checkpointing)
+    _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing)
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
-    options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule,
-                   device_speeds=device_speeds or {}, tp=tp, pp=pp, dp=dp, world_size=world_size)
+    options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
+                   device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, world_size=world_size)
     checkpointing = _checkpointing_choices(activation_checkpointing, spec)
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=micro_batches, schedule=schedule)
     _check_budget_count(world_size, budgets)
@@ -112,7 +116,7 @@ def make_plan(
 
 
 def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, micro_batches, global_batch,
-              schedule: str, device_speeds: dict, tp=None, pp=None, dp=None,
+              schedule: str, device_speeds: dict, link: Link = DEFAULT_LINK, tp=None, pp=None, dp=None,
               world_size: Optional[int] = None) -> Optional[Plan]:
     """The fastest fitting plan (by tokens/s), or None. Under schedule "auto" each candidate schedule
     is searched and the plan's notes give the best step of each."""
@@ -127,7 +131,7 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
             if p > 1 and (m < min_micro_batches(sched, p) or _recompute_kept(sched, spec)):
                 continue  # torch refuses fewer micro-batches; or checkpointing would save nothing here
             for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
-                                             name=name, config=config):
+                                             name=name, config=config, link=link):
                 rate = d * m * spec.micro_batch_size / candidate.step_time_s
                 key = candidate.schedule
                 if key not in best or rate > best[key][0] * (1 + 1e-9):
@@ -140,6 +144,8 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
         untried = [c for c in candidates if c not in best]
         why = f" ({', '.join(untried)}: nothing fits or too few micro-batches)" if untried else ""
         plan = replace(plan, notes=plan.notes + (f"schedule auto chose {plan.schedule}: estimated step {per}{why}",))
+    if link.measured:
+        plan = replace(plan, notes=plan.notes + (link.describe(),))
     return plan
 
 
@@ -161,12 +167,12 @@ def _shapes(config, budgets: dict[str, int], spec: TrainingSpec, *, tp, pp, dp,
 
 
 def plans_for_shape(costs: ModelCosts, budgets: dict[str, int], speeds: dict, *, t: int, p: int, d: int, m: int,
-                    schedule: str, name: str, config) -> Iterable[Plan]:
+                    schedule: str, name: str, config, link: Link = DEFAULT_LINK) -> Iterable[Plan]:
     """Fitting plans of one (tp, pp, dp) shape, one per device order tried."""
     schedule = schedule if p > 1 else "1F1B"
     v = virtual_stages(schedule, p)
     for groups in _device_orders(budgets, t=t, count=p * d, speeds=speeds):
-        slots = _slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule)
+        slots = _slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule, link=link)
         counts = split_layers(costs, slots)
         if counts is None:
             continue
@@ -260,10 +266,20 @@ def _parts(costs: ModelCosts, slot: Slot, layers: int) -> list[tuple[PartCost, i
 def _slot_time(costs: ModelCosts, slot: Slot, layers: int) -> float:
     parts = _parts(costs, slot, layers)
     flops = sum(c.flops * k for c, k in parts)
+    return flops / (DEVICE_FLOPS * slot.speed) + _comm_time(costs, slot, parts)
+
+
+def _comm_time(costs: ModelCosts, slot: Slot, parts: list[tuple[PartCost, int]]) -> float:
+    """Seconds per micro-batch beyond the FLOPs: its TP all-reduces, the hidden states it sends to and receives
+    from each pipeline neighbour on another rank (forward, and the gradient back when training), and the fixed
+    cost of each schedule action (ZBV and Interleaved run more, smaller actions)."""
     comm = sum(c.comm_bytes * k for c, k in parts)
-    t = costs.tp
-    comm_time = comm * 2 * (t - 1) / t / TP_BANDWIDTH if t > 1 else 0.0
-    return flops / (DEVICE_FLOPS * slot.speed) + comm_time
+    size = costs.boundary_bytes
+    count = round(comm / size) if size else 1  # all-reduces are of hidden states: latency per message
+    tp_time = slot.link.all_reduce_s(comm / max(count, 1), costs.tp, count) if comm else 0.0
+    inference = costs.spec.method == "inference"
+    sends = slot.sends * (1 if inference else 2) * slot.link.send_s(size) if size else 0.0
+    return tp_time + sends + (1 if inference else slot.actions) * slot.link.action_s
 
 
 def _rank_fits(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], pp_rank: int) -> bool:
@@ -302,19 +318,20 @@ def _plan(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], *, na
 
 
 def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: dict, *, p: int, d: int, v: int,
-           m: int, schedule: str) -> list[Slot]:
+           m: int, schedule: str, link: Link = DEFAULT_LINK) -> list[Slot]:
     """Stage positions: replica r of pipeline rank k runs on device group `groups[r * p + k]`."""
     count = p * v
-    slots = []
-    for index in range(count):
-        rank = pp_rank_of_stage(schedule, pp=p, index=index)
+    slots, ranks = [], [pp_rank_of_stage(schedule, pp=p, index=i) for i in range(count)]
+    for index, rank in enumerate(ranks):
         devices = tuple(groups[r * p + rank] for r in range(d))
         flat = [dev for group in devices for dev in group]
         slots.append(Slot(
             index=index, pp_rank=rank, devices=devices, budget=min(budgets[x] for x in flat),
             speed=min(_speed(speeds, x, budgets) for x in flat),
             in_flight=in_flight(schedule, p=p, m=m, v=v, pp_rank=rank, index=index),
-            has_embed=index == 0, has_head=index == count - 1,
+            has_embed=index == 0, has_head=index == count - 1, link=link,
+            sends=sum(0 <= j < count and ranks[j] != rank for j in (index - 1, index + 1)),
+            actions=3 if TABLE[schedule].zero_bubble and p > 1 else 2,
         ))
     return slots
 
@@ -350,7 +367,8 @@ def _micro_batches(micro_batches, global_batch, spec: TrainingSpec, p: int, d: i
     return micro_batches or max(1, 4 * p)
 
 
-def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpec) -> None:
+def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpec, activation_checkpointing) -> None:
+    _check_zero_bubble_checkpointing(schedule, activation_checkpointing)
     if schedule != AUTO and schedule not in SCHEDULES:
         raise PlanError(f"schedule {schedule!r} is unknown; choose auto or one of {', '.join(SCHEDULES)}")
     if micro_batches is not None and micro_batches < 1:
@@ -465,7 +483,8 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
         schedule = options["schedule"] if p > 1 else "1F1B"
         v = virtual_stages(schedule, p)
         for groups in itertools.islice(_device_orders(budgets, t=t, count=p), 24):
-            slots = _slots(groups, unlimited, options["device_speeds"], p=p, d=1, v=v, m=m, schedule=schedule)
+            slots = _slots(groups, unlimited, options["device_speeds"], p=p, d=1, v=v, m=m, schedule=schedule,
+                           link=options["link"])
             counts = split_layers(costs, slots)
             if counts is None:
                 continue
@@ -490,12 +509,12 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     if spec.method != "inference" and not spec.activation_checkpointing and fits(
             budgets, replace(spec, activation_checkpointing=True)):
         fixes.append("activation checkpointing (--activation-checkpointing on)")
-    seq = spec.seq_len // 2
-    while seq >= 128:
-        if fits(budgets, replace(spec, seq_len=seq)):
-            fixes.append(f"a shorter sequence (--seq-len {seq})")
-            break
-        seq //= 2
+    seqs = [spec.seq_len >> k for k in range(1, spec.seq_len.bit_length()) if spec.seq_len >> k >= 128]
+    # A shorter sequence only shrinks activations: when the shortest does not fit, none does, and the longer ones
+    # need no trace (each is one per TP degree: most of the no-fit CLI's time).
+    if seqs and fits(budgets, replace(spec, seq_len=seqs[-1])):
+        seq = next(s for s in seqs if fits(budgets, replace(spec, seq_len=s)))
+        fixes.append(f"a shorter sequence (--seq-len {seq})")
     if spec.micro_batch_size > 1 and fits(budgets, replace(spec, micro_batch_size=1)):
         fixes.append("micro-batch size 1 (--micro-batch-size 1)")
     count = _fewest_devices(lambda b: fits(b, spec), budgets)

@@ -348,7 +348,7 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Opti
 
     check_sequence_length(model_path, options.seq_len)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    from ..calibrate import run_speeds
+    from ..calibrate import run_link, run_speeds
 
     budget = options.max_memory or default_max_memory(world)
     arguments = plan_arguments(options, world_size=world)
@@ -356,6 +356,7 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Opti
         arguments.update(micro_batches=None, global_batch=global_batch)
     # Measured on this rank's own device (cached per device kind and dtype): the time model picks the schedule.
     arguments["device_speeds"] = run_speeds(model_path, arguments["spec"], budget)
+    arguments["link"] = run_link()  # one p2p probe between neighbours: pipeline sends and TP all-reduces
     return shared_plan(model_path, budget, **arguments)
 
 
