@@ -214,11 +214,15 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     before any weight is read."""
     from ..parallel.apply import LoraSetup
     from ..parallel.launch import split_from_pretrained
+    from .elastic import settle_growth
 
     started = time.time()
     model_path, launch = prepare(options)
     # A resumed elastic run keeps its global batch: the planner sets micro-batches for the dp it finds now.
     plan = plan_of_run(options, model_path=model_path, global_batch=launch.rows_per_step)
+    plan = settle_growth(launch, plan, replan=lambda: plan_of_run(options, model_path=model_path,
+                                                                  global_batch=launch.rows_per_step),
+                         timeout_s=options.peer_timeout)  # a larger layout runs only when estimated faster
     tokenizer, rows = load_rows(options, model_path=model_path)
     config = lora_of_run(options, model_path=model_path)
     model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
@@ -254,13 +258,18 @@ def log_launch(run: Run, launch, *, started: float) -> None:
 
     plan, options = run.model.plan, run.options
     elastic.check_global_batch(plan, rows_then=launch.rows_per_step, micro_batch_size=options.micro_batch_size)
-    restarted = elastic.restart_record(launch, plan, step=run.first_step - 1, started=started)
+    nodes = elastic.nodes_of_ranks()
+    restarted = elastic.restart_record(launch, plan, step=run.first_step - 1, started=started, nodes=nodes)
     if restarted:
         run.metrics.log.write(restarted)
         if dist.get_rank() == 0:
             print(elastic.describe(restarted), flush=True)
+    if launch.growth:
+        run.metrics.log.write({**launch.growth, "step": run.first_step - 1})
+        if dist.get_rank() == 0 and launch.growth["faster"]:  # the other verdict was printed before the regroup
+            print(elastic.describe_growth(launch.growth), flush=True)
     run.metrics.log.write(elastic.plan_record(plan, step=run.first_step - 1, micro_batch_size=options.micro_batch_size,
-                                              seq_len=options.seq_len))
+                                              seq_len=options.seq_len, nodes=nodes))
 
 
 def prepare(options: FinetuneOptions):

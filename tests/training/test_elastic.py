@@ -232,3 +232,36 @@ def test_which_checkpoint_a_launch_resumes_from(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")  # another job's mark is no reason to resume
     with pytest.raises(HfsplitError, match="already holds a run"):
         LaunchState.decide(None, str(out))
+
+
+def test_a_larger_layout_is_taken_only_when_the_time_model_says_it_is_faster(tiny_checkpoint):
+    """The growth decision: the best plan on 2 devices against the 1-device plan the run had, both
+    estimated by the planner's time model for the same global batch; and the record of lost machines."""
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.planner import make_plan
+    from hfsplit.training.elastic import LaunchState, describe, growth_decision, plan_record, restart_record
+
+    spec = TrainingSpec(method="full", seq_len=64, dtype="float32", reserve_bytes=0)
+    path = tiny_checkpoint("llama")
+    one = make_plan(path, "1x1GiB", spec=spec, global_batch=8)
+    two = make_plan(path, "2x1GiB", spec=spec, global_batch=8, world_size=2)
+    assert two.world_size == 2 and two.micro_batches * two.dp == one.micro_batches * one.dp == 8
+    before = plan_record(one, step=6, micro_batch_size=1, seq_len=64, nodes=["hostA:11"])
+    regroup = LaunchState(reason="membership change", previous=[before, {"step": 6, "loss": 2.0}], auto=True)
+    grow = growth_decision(regroup, two, step=6)
+    tokens = 8 * 64
+    assert grow["tokens_per_s_current"] == pytest.approx(tokens / one.step_time_s)
+    assert grow["tokens_per_s_larger"] == pytest.approx(tokens / two.step_time_s)
+    assert grow["faster"] == (two.step_time_s < one.step_time_s)
+    # the same larger plan against a current layout estimated twice as fast as it, then half as fast
+    for factor, larger_is_faster in ((0.5, False), (2.0, True)):
+        then = dict(before, plan=dict(before["plan"], step_time_s=two.step_time_s * factor))
+        verdict = growth_decision(LaunchState(reason="membership change", previous=[then], auto=True), two, step=6)
+        assert verdict["faster"] is larger_is_faster and verdict["growth"] == (
+            "re-planned upward" if larger_is_faster else "kept the current layout")
+    assert growth_decision(LaunchState(reason="restart", previous=[before], auto=True), two, step=6) is None
+    shrink = restart_record(LaunchState(reason="restart", previous=[plan_record(
+        two, step=9, micro_batch_size=1, seq_len=64, nodes=["hostA:11", "hostB:22"])], auto=True),
+        one, step=9, started=0.0, nodes=["hostA:11"])
+    assert (shrink["ranks_lost"], shrink["hosts_lost"], shrink["ranks_added"]) == ([1], ["hostB:22"], [])
+    assert "lost rank(s) 1 (hostB:22)" in describe(shrink)
