@@ -206,11 +206,24 @@ def restart_record(launch: LaunchState, plan, *, step: int, started: float, node
     speeds = [r["tokens_per_s"] for r in launch.previous if "tokens_per_s" in r][-5:]
     step_s = old["tokens_per_step"] / (sum(speeds) / len(speeds)) if old and speeds else 0.0
     waited = started - launch.last_write
+    spawned = process_started()
     return {"step": step, "restart": launch.reason, "restart_count": restart_count(),
             **ranks_changed(old.get("nodes") if old else None, nodes), "world_size": len(nodes),
             "old_plan": old["plan"] if old else None, "new_plan": plan_summary(plan),
             "steps_redone": redone, "restart_s": waited, "reload_s": time.time() - started,
+            # restart_s in two: the old run's last record -> this worker process started (torchrun noticing
+            # the failure, stopping the workers, the rendezvous round), then -> build_run (imports)
+            "detect_and_rendezvous_s": spawned - launch.last_write if spawned else None,
+            "worker_import_s": started - spawned if spawned else None,
             "seconds_lost": time.time() - launch.last_write + redone * step_s}
+
+
+def process_started() -> Optional[float]:
+    """When this process started (the ctime of its /proc entry, on Linux; None elsewhere)."""
+    try:
+        return os.stat(f"/proc/{os.getpid()}").st_ctime
+    except OSError:
+        return None
 
 
 def describe(record: dict) -> str:

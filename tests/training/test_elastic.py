@@ -265,3 +265,28 @@ def test_a_larger_layout_is_taken_only_when_the_time_model_says_it_is_faster(tin
         one, step=9, started=0.0, nodes=["hostA:11"])
     assert (shrink["ranks_lost"], shrink["hosts_lost"], shrink["ranks_added"]) == ([1], ["hostB:22"], [])
     assert "lost rank(s) 1 (hostB:22)" in describe(shrink)
+
+
+@pytest.mark.slow
+def test_a_regrouping_onto_a_layout_that_is_not_faster_keeps_the_old_one_and_the_new_rank_idles(tmp_path,
+                                                                                            monkeypatch):
+    """A one-rank run marked as stopped for torchrun's regrouping, its layout recorded as (impossibly)
+    fast: the two-rank relaunch keeps pp=1 on rank 0, rank 1 leaves with its one line, the curve goes on."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "grow-test")
+    out = tmp_path / "run"
+    run = dict(max_steps=6, save_every=3, seq_len=SEQ_LEN, dtype="float32", output_dir=str(out))
+    ((whole,),) = launch("tests.training.cases:finetune_losses", world_size=1, kwargs={"runs": [run]}, timeout_s=300)
+    assert latest_checkpoint(out).name == "checkpoint-3"  # as if the regrouping stopped the run after step 3
+    records = records_of(out)
+    for r in records:
+        if "plan" in r:
+            r["plan"]["step_time_s"] = 1e-9
+    records.append({"step": 3, "stopped": "membership change", "run_id": "grow-test"})
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    kept, idle = launch("tests.training.cases:finetune_losses_or_idle", world_size=2, kwargs={"runs": [run]},
+                        timeout_s=300)
+    assert "rank 1 idles: elastic growth: pp=2" in idle and "not faster: kept pp=1 tp=1 dp=1" in idle, idle
+    assert kept[0] == pytest.approx(whole[3:], rel=1e-4)
+    (growth,) = [r for r in records_of(out) if "growth" in r]
+    assert growth["growth"] == "kept the current layout" and growth["larger_plan"]["world_size"] == 2
+    assert [r["plan"]["world_size"] for r in records_of(out) if "plan" in r] == [1, 1]
