@@ -301,3 +301,25 @@ def test_a_regrouping_onto_a_layout_that_is_not_faster_keeps_the_old_one_and_the
     (growth,) = [r for r in records_of(out) if "growth" in r]
     assert growth["growth"] == "kept the current layout" and growth["larger_plan"]["world_size"] == 2
     assert [r["plan"]["world_size"] for r in records_of(out) if "plan" in r] == [1, 1]
+
+
+def test_the_lr_schedule_is_transformers_cosine_with_warmup_step_by_step_and_in_its_state():
+    """hfsplit's schedule (built without importing transformers.optimization, seconds of every restart)
+    gives transformers' learning rates at every step, and the two load each other's state."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    from hfsplit.training.lr_schedule import cosine_schedule_with_warmup
+
+    def lrs(make, warmup, total):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+        schedule, out = make(optimizer, warmup, total), []
+        for _ in range(total + 2):
+            out.append(schedule.get_last_lr()[0])
+            optimizer.step()
+            schedule.step()
+        return out, schedule
+
+    for warmup, total in ((0, 7), (3, 10), (5, 5)):
+        ours, mine = lrs(cosine_schedule_with_warmup, warmup, total)
+        theirs, hf = lrs(get_cosine_schedule_with_warmup, warmup, total)
+        assert ours == theirs and mine.state_dict() == hf.state_dict()
