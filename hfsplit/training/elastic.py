@@ -307,9 +307,10 @@ def growth_decision(launch: LaunchState, plan, *, step: int) -> Optional[dict]:
 
 def describe_growth(record: dict) -> str:
     """The one log line of the time model's verdict on a larger layout."""
+    first, last = record["current_plan"]["world_size"], record["larger_plan"]["world_size"] - 1
+    idle = f"rank {first} idles" if first == last else f"ranks {first}-{last} idle"
     verdict = "faster: re-planned upward" if record["faster"] else \
-        f"not faster: kept {plan_text(record['current_plan'])}, ranks {record['current_plan']['world_size']}" \
-        f"-{record['larger_plan']['world_size'] - 1} idle to the end of the run"
+        f"not faster: kept {plan_text(record['current_plan'])}, {idle} to the end of the run"
     return (f"elastic growth: {plan_text(record['larger_plan'])} is estimated at {record['tokens_per_s_larger']:.0f} "
             f"tokens/s against {record['tokens_per_s_current']:.0f} of {plan_text(record['current_plan'])}; {verdict}")
 
