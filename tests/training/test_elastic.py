@@ -324,3 +324,29 @@ def test_the_lr_schedule_is_transformers_cosine_with_warmup_step_by_step_and_in_
         ours, mine = lrs(cosine_schedule_with_warmup, warmup, total)
         theirs, hf = lrs(get_cosine_schedule_with_warmup, warmup, total)
         assert ours == theirs and mine.state_dict() == hf.state_dict()
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_max_restarts_restarts_the_failed_workers_and_the_run_resumes(tmp_path):
+    """The README's accelerate form (--max_restarts, --rdzv_backend c10d): rank 0 fails in step 3 (an
+    injected allocation failure, once), accelerate's torchrun restarts both workers, they resume from
+    checkpoint-2 on the same machine and finish."""
+    from hfsplit.training.memory import INJECT
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), INJECT: "3",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    port = free_port()
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate_cpu.yaml"),
+           "--main_process_port", str(port), "--rdzv_backend", "c10d", "--max_restarts", "1",
+           "--monitor_interval", "0.2", "--rdzv_conf", "last_call_timeout=1",
+           str(ROOT / "recipes/finetune.py"), "--max-steps", "4", "--save-every", "2", "--seq-len", "64",
+           "--dtype", "float32", "--output-dir", str(out)]
+    proc = run_command(cmd, cwd=tmp_path, env=env, timeout_s=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (restart,) = restarts(out)
+    assert restart["restart"] == "restart" and restart["restart_count"] == 1 and restart["step"] == 2
+    assert restart["ranks_lost"] == [] and restart["world_size"] == 2 and restart["steps_redone"] == 0
+    assert "elastic restart: same machines; re-planned pp=2" in proc.stdout
+    assert "ran out of memory in step 3" in proc.stderr
+    assert sorted({r["step"] for r in records_of(out) if "loss" in r}) == [1, 2, 3, 4]
