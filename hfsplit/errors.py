@@ -52,3 +52,11 @@ class OutOfMemory(TrainingFault):
 
 class QuantizationError(HfsplitError):
     """A quantization request bitsandbytes cannot serve here, or that disagrees with the checkpoint."""
+
+
+class RankIdle(HfsplitError):
+    """This rank joined a larger group that the time model says is not faster: it has no part in the run.
+
+    Not a failure (exit 0): its launcher then waits at torchrun's exit barrier while the others train."""
+
+    exit_code = 0

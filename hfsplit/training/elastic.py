@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,7 @@ class LaunchState:
     last_write: float = 0.0  # when the run before wrote its last record (metrics.jsonl's mtime)
 
     auto: bool = False  # an elastic launch (--resume auto or a torchrun restart): keeps the checkpoint's batch
+    growth: Optional[dict] = None  # a regrouping onto more ranks: the time model's verdict (`growth_decision`)
 
     @property
     def rows_per_step(self) -> Optional[int]:
@@ -146,52 +148,97 @@ def check_global_batch(plan, *, rows_then: Optional[int], micro_batch_size: int)
 
 
 def plan_summary(plan) -> dict:
-    """The part of a plan a restart report compares."""
+    """The part of a plan a restart report compares (with the time model's estimate of its step)."""
     return {"pp": plan.pp, "tp": plan.tp, "dp": plan.dp, "schedule": plan.schedule,
-            "micro_batches": plan.micro_batches, "world_size": plan.world_size}
+            "micro_batches": plan.micro_batches, "world_size": plan.world_size, "step_time_s": plan.step_time_s}
 
 
-def plan_record(plan, *, step: int, micro_batch_size: int, seq_len: int) -> dict:
-    """The metrics record each launch starts with: its plan, so the next restart can say what changed."""
+def node_of_rank() -> str:
+    """Where this rank runs: the host, and under torchrun its launcher's pid (the agent is the worker's
+    parent), so two launchers on one host are two machines and a restarted worker keeps its machine."""
+    return f"{socket.gethostname()}:{os.getppid()}" if run_id() else socket.gethostname()
+
+
+def nodes_of_ranks() -> list:
+    """Collective: `node_of_rank` of every rank, in rank order."""
+    if not dist.is_initialized():
+        return [node_of_rank()]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, node_of_rank())
+    return out
+
+
+def plan_record(plan, *, step: int, micro_batch_size: int, seq_len: int, nodes: Optional[list] = None) -> dict:
+    """The metrics record each launch starts with: its plan and each rank's machine, so the next restart
+    can say what changed and which ranks went away."""
     return {"step": step, "plan": plan_summary(plan), "run_id": run_id(), "restart_count": restart_count(),
-            "tokens_per_step": plan.micro_batches * plan.dp * micro_batch_size * seq_len}
+            "tokens_per_step": plan.micro_batches * plan.dp * micro_batch_size * seq_len, "nodes": nodes}
 
 
-def restart_record(launch: LaunchState, plan, *, step: int, started: float) -> Optional[dict]:
-    """What the restart cost: ranks lost or added, old and new plan, steps redone, seconds lost.
+def last_plan(records: Optional[list]) -> Optional[dict]:
+    """The plan record of the launch before this one."""
+    plans = [r for r in records or [] if "plan" in r]
+    return plans[-1] if plans else None
+
+
+def ranks_changed(old_nodes: Optional[list], nodes: list) -> dict:
+    """The old ranks whose machine is gone and the new ranks on machines the old run did not have."""
+    if not old_nodes:
+        return {"ranks_lost": None, "hosts_lost": None, "ranks_added": None, "hosts_added": None}
+    lost = [r for r, node in enumerate(old_nodes) if node not in set(nodes)]
+    added = [r for r, node in enumerate(nodes) if node not in set(old_nodes)]
+    return {"ranks_lost": lost, "hosts_lost": sorted({old_nodes[r] for r in lost}),
+            "ranks_added": added, "hosts_added": sorted({nodes[r] for r in added})}
+
+
+def restart_record(launch: LaunchState, plan, *, step: int, started: float, nodes: list) -> Optional[dict]:
+    """What the restart cost: ranks lost or added (and their machines), old and new plan, steps redone,
+    seconds lost.
 
     Seconds lost = the time from the last record the old run wrote to this run being ready again
     (failure detection, rendezvous, re-plan, reload), plus the old run's time for the steps redone.
     """
     if launch.previous is None or launch.reason is None:
         return None
-    plans = [r for r in launch.previous if "plan" in r]
-    old = plans[-1] if plans else None
+    old = last_plan(launch.previous)
     done = [r["step"] for r in launch.previous if "loss" in r]
     redone = max(0, max(done, default=step) - step)
     speeds = [r["tokens_per_s"] for r in launch.previous if "tokens_per_s" in r][-5:]
     step_s = old["tokens_per_step"] / (sum(speeds) / len(speeds)) if old and speeds else 0.0
     waited = started - launch.last_write
-    old_world = old["plan"]["world_size"] if old else None
+    spawned = process_started()
     return {"step": step, "restart": launch.reason, "restart_count": restart_count(),
-            "ranks_lost": max(0, old_world - plan.world_size) if old else None,
-            "ranks_added": max(0, plan.world_size - old_world) if old else None,
+            **ranks_changed(old.get("nodes") if old else None, nodes), "world_size": len(nodes),
             "old_plan": old["plan"] if old else None, "new_plan": plan_summary(plan),
             "steps_redone": redone, "restart_s": waited, "reload_s": time.time() - started,
+            # restart_s in two: the old run's last record -> this worker process started (torchrun noticing
+            # the failure, stopping the workers, the rendezvous round), then -> build_run (imports)
+            "detect_and_rendezvous_s": spawned - launch.last_write if spawned else None,
+            "worker_import_s": started - spawned if spawned else None,
             "seconds_lost": time.time() - launch.last_write + redone * step_s}
+
+
+def process_started() -> Optional[float]:
+    """When this process started (the ctime of its /proc entry, on Linux; None elsewhere)."""
+    try:
+        return os.stat(f"/proc/{os.getpid()}").st_ctime
+    except OSError:
+        return None
 
 
 def describe(record: dict) -> str:
     """The one log line of a restart."""
     old, new = record["old_plan"] or {}, record["new_plan"]
+    lost, added = record["ranks_lost"], record["ranks_added"]
+    change = f"lost rank(s) {', '.join(map(str, lost))} ({', '.join(record['hosts_lost'])})" if lost else \
+        f"gained rank(s) {', '.join(map(str, added))} ({', '.join(record['hosts_added'])})" if added else \
+        "same machines" if lost is not None else "machines not recorded"
+    return (f"elastic {record['restart']}: {change}; re-planned {plan_text(old)} -> {plan_text(new)}; resumed at "
+            f"step {record['step']}, {record['steps_redone']} step(s) redone, {record['seconds_lost']:.1f} s lost")
 
-    def text(p: dict) -> str:
-        return f"pp={p.get('pp')} tp={p.get('tp')} dp={p.get('dp')} {p.get('schedule')} on {p.get('world_size')} ranks"
 
-    change = f"lost {record['ranks_lost']} rank(s)" if record["ranks_lost"] else \
-        f"gained {record['ranks_added']} rank(s)" if record["ranks_added"] else "same ranks"
-    return (f"elastic {record['restart']}: {change}; re-planned {text(old)} -> {text(new)}; resumed at step "
-            f"{record['step']}, {record['steps_redone']} step(s) redone, {record['seconds_lost']:.1f} s lost")
+def plan_text(p: dict) -> str:
+    return f"pp={p.get('pp')} tp={p.get('tp')} dp={p.get('dp')} {p.get('schedule')} on {p.get('world_size')} ranks"
 
 
 class StopAtBoundary:
@@ -238,3 +285,73 @@ def stop_for_regroup(stopper: StopAtBoundary, metrics, *, step: int, checkpoint:
     stopper.wait_for_own_signal()
     raise RegroupStop(f"stopped after step {step} with {checkpoint} for torchrun to regroup the ranks; "
                       "the restarted workers resume from it by themselves")
+
+
+def growth_decision(launch: LaunchState, plan, *, step: int) -> Optional[dict]:
+    """A regrouping onto more ranks: is `plan` (the planner's best on the larger device set) faster than
+    the layout the run had? Both are the calibrated time model's estimates for the same global batch.
+
+    None when this launch is no growth (a first launch, a restart after a loss, the same world).
+    """
+    old = last_plan(launch.previous)
+    if launch.reason != "membership change" or old is None or plan.world_size <= old["plan"]["world_size"]:
+        return None
+    tokens = old["tokens_per_step"]
+    current_s = old["plan"].get("step_time_s")
+    current = tokens / current_s if current_s else 0.0  # a plan record without an estimate: grow
+    larger = tokens / plan.step_time_s
+    return {"step": step, "growth": "re-planned upward" if larger > current else "kept the current layout",
+            "faster": larger > current, "tokens_per_s_current": current, "tokens_per_s_larger": larger,
+            "current_plan": old["plan"], "larger_plan": plan_summary(plan)}
+
+
+def describe_growth(record: dict) -> str:
+    """The one log line of the time model's verdict on a larger layout."""
+    first, last = record["current_plan"]["world_size"], record["larger_plan"]["world_size"] - 1
+    idle = f"rank {first} idles" if first == last else f"ranks {first}-{last} idle"
+    verdict = "faster: re-planned upward" if record["faster"] else \
+        f"not faster: kept {plan_text(record['current_plan'])}, {idle} to the end of the run"
+    return (f"elastic growth: {plan_text(record['larger_plan'])} is estimated at {record['tokens_per_s_larger']:.0f} "
+            f"tokens/s against {record['tokens_per_s_current']:.0f} of {plan_text(record['current_plan'])}; {verdict}")
+
+
+def settle_growth(launch: LaunchState, plan, *, replan, timeout_s: float):
+    """The plan this launch runs: `plan`, unless it is a growth the time model says is not faster; then
+    the ranks beyond the old world leave the group (raising `RankIdle`: exit 0, their launcher waits at
+    torchrun's exit barrier) and the others form a group of the old size and re-plan on it (`replan()`),
+    which gives the old layout again. torchrun cannot be told to leave a joined machine out, so its
+    ranks idle rather than run a layout the model says is slower."""
+    from ..errors import RankIdle
+
+    decision = growth_decision(launch, plan, step=0)
+    launch.growth = decision
+    if decision is None or decision["faster"]:
+        return plan
+    keep = decision["current_plan"]["world_size"]
+    rank = dist.get_rank()
+    if rank == 0:
+        print(describe_growth(decision), flush=True)
+    store = shrink_group(keep, timeout_s=timeout_s)
+    if store is None:
+        raise RankIdle(f"rank {rank} idles: {describe_growth(decision)}")
+    return replan()
+
+
+def shrink_group(keep: int, *, timeout_s: float):
+    """Leave the default process group; ranks below `keep` join a new one of `keep` ranks on the same
+    store (rank 0 serves it and stays). The store, None on a rank that leaves."""
+    from datetime import timedelta
+
+    from ..parallel.mesh import backend_for, device_of_rank
+
+    store = dist.distributed_c10d._get_default_store()  # held: rank 0's server must outlive the old group
+    rank = dist.get_rank()
+    dist.barrier()  # every rank knows the verdict before rank 0 tears its side down
+    dist.destroy_process_group()
+    if rank >= keep:
+        return None
+    os.environ["WORLD_SIZE"] = str(keep)
+    device = device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend_for(device), store=dist.PrefixStore(f"hfsplit-keep-{keep}/", store),
+                            rank=rank, world_size=keep, timeout=timedelta(seconds=timeout_s))
+    return store

@@ -219,11 +219,15 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     before any weight is read."""
     from ..parallel.apply import LoraSetup
     from ..parallel.launch import split_from_pretrained
+    from .elastic import settle_growth
 
     started = time.time()
     model_path, launch = prepare(options)
     # A resumed elastic run keeps its global batch: the planner sets micro-batches for the dp it finds now.
     plan = plan_of_run(options, model_path=model_path, global_batch=launch.rows_per_step)
+    plan = settle_growth(launch, plan, replan=lambda: plan_of_run(options, model_path=model_path,
+                                                                  global_batch=launch.rows_per_step),
+                         timeout_s=options.peer_timeout)  # a larger layout runs only when estimated faster
     tokenizer, rows = load_rows(options, model_path=model_path)
     config = lora_of_run(options, model_path=model_path)
     model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
@@ -259,13 +263,18 @@ def log_launch(run: Run, launch, *, started: float) -> None:
 
     plan, options = run.model.plan, run.options
     elastic.check_global_batch(plan, rows_then=launch.rows_per_step, micro_batch_size=options.micro_batch_size)
-    restarted = elastic.restart_record(launch, plan, step=run.first_step - 1, started=started)
+    nodes = elastic.nodes_of_ranks()
+    restarted = elastic.restart_record(launch, plan, step=run.first_step - 1, started=started, nodes=nodes)
     if restarted:
         run.metrics.log.write(restarted)
         if dist.get_rank() == 0:
             print(elastic.describe(restarted), flush=True)
+    if launch.growth:
+        run.metrics.log.write({**launch.growth, "step": run.first_step - 1})
+        if dist.get_rank() == 0 and launch.growth["faster"]:  # the other verdict was printed before the regroup
+            print(elastic.describe_growth(launch.growth), flush=True)
     run.metrics.log.write(elastic.plan_record(plan, step=run.first_step - 1, micro_batch_size=options.micro_batch_size,
-                                              seq_len=options.seq_len))
+                                              seq_len=options.seq_len, nodes=nodes))
 
 
 def prepare(options: FinetuneOptions):
@@ -305,16 +314,15 @@ def lora_of_run(options: FinetuneOptions, *, model_path: str):
 
 def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
     """The run's batches, held-out rows, step count and LR schedule (Run fields)."""
-    from transformers import get_cosine_schedule_with_warmup
-
     from .data import MicroBatches
+    from .lr_schedule import cosine_schedule_with_warmup  # transformers' own, without its 7 s of imports
 
     rows, held_out = split_eval_rows(rows, options)
     per_step = plan.micro_batches * plan.dp
     batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=per_step,
                            seed=options.seed)
     total_steps = total_steps_of(options, rows=len(rows), rows_per_step=per_step * options.micro_batch_size)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
+    scheduler = cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
     return dict(batches=batches, held_out=held_out, total_steps=total_steps, scheduler=scheduler,
                 metrics=None, checkpointer=None)
 

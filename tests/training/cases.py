@@ -32,3 +32,13 @@ def crash_mid_save(*, checkpoint: str, out: str) -> dict:
     after_crash = sorted(p.name for p in Path(out).iterdir())
     save_split_model(model, Path(out) / "checkpoint-2", method="full")
     return {"after_crash": after_crash, "after_retry": sorted(p.name for p in Path(out).iterdir())}
+
+
+def finetune_losses_or_idle(runs: list[dict]):
+    """`finetune_losses`, or the one line of a rank the run left out (`RankIdle`)."""
+    from hfsplit.errors import RankIdle
+
+    try:
+        return finetune_losses(runs)
+    except RankIdle as exc:
+        return str(exc)
