@@ -354,9 +354,13 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Opti
     from ..parallel.launch import shared_plan
     from .options import plan_arguments
 
-    check_sequence_length(model_path, options.seq_len)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     from ..calibrate import run_link, run_speeds
+    from ..checkpoint import load_config
+    from ..models import check_supported
+
+    check_sequence_length(model_path, options.seq_len)
+    check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
+    world = int(os.environ.get("WORLD_SIZE", "1"))
 
     budget = options.max_memory or default_max_memory(world)
     arguments = plan_arguments(options, world_size=world)
