@@ -1,4 +1,7 @@
 """hfsplit.from_pretrained with transformers' BitsAndBytesConfig, in one process, against transformers' own 4-bit load."""
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -33,6 +36,9 @@ def prequantized_checkpoint(source, dest, **knobs):
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="cpu",
                                                  quantization_config=quantization_config(compute_dtype="float32", **knobs))
     model.save_pretrained(dest)
+    for extra in Path(source).iterdir():  # the tokenizer files travel with it, as on the hub
+        if extra.is_file() and not (dest / extra.name).exists() and "safetensors" not in extra.name:
+            shutil.copy(extra, dest / extra.name)
     return dest
 
 

@@ -261,7 +261,8 @@ class SplitModel(nn.Module):
         return logits
 
     def _dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        # the first floating parameter: a QLoRA stage's first one may be a bitsandbytes uint8 packed weight
+        return next((p.dtype for p in self.parameters() if p.is_floating_point()), next(self.parameters()).dtype)
 
 
 def place_grad_like_param(p: nn.Parameter) -> None:
