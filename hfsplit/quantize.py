@@ -68,6 +68,9 @@ def quantize_linear(linear: nn.Linear, qconfig, *, device: torch.device) -> nn.M
 
     weight = linear.weight.data
     bias = linear.bias is not None
+    if not qconfig.load_in_8bit and device.type == "cpu" and weight.device.type == "cpu":
+        packed, stats = quantize_4bit_in_chunks(weight, qconfig)
+        return prequantized_linear(linear, packed, stats, qconfig, device=device)
     if qconfig.load_in_8bit:
         layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias, has_fp16_weights=False,
                                     threshold=qconfig.llm_int8_threshold, device="meta")
@@ -84,6 +87,39 @@ def quantize_linear(linear: nn.Linear, qconfig, *, device: torch.device) -> nn.M
     if bias:
         layer.bias = nn.Parameter(linear.bias.data.to(device), requires_grad=False)
     return layer.to(device)  # bitsandbytes quantizes on the move to the device
+
+
+_CHUNK_VALUES = 1 << 18  # a multiple of the block size: chunks quantize exactly as the whole weight does
+
+
+def quantize_4bit_in_chunks(weight: torch.Tensor, qconfig) -> tuple[torch.Tensor, dict]:
+    """`bitsandbytes.functional.quantize_4bit(weight)` (packed bytes, quant state as a dict), bit for bit, done
+    _CHUNK_VALUES values at a time: bitsandbytes' CPU quantizer (`backends/default/ops.py`) makes ~4 fp32 copies
+    of what it quantizes (float, abs, scaled, bucket ids), which for a whole 16-bit weight is a transient of
+    ~8× its bytes. Blocks of 64 values are quantized independently, so chunks on block boundaries concatenate
+    to the same result; double quantization then quantizes the whole absmax vector as bitsandbytes does."""
+    import bitsandbytes.functional as F
+
+    flat = weight.reshape(-1)
+    # The results are allocated first and filled chunk by chunk: gathering the chunks' own tensors would leave
+    # their freed bytes in the heap between what is kept.
+    packed = torch.empty(math.ceil(flat.numel() / 2), dtype=torch.uint8, device=weight.device)
+    absmax = torch.empty(math.ceil(flat.numel() / _BLOCKSIZE), dtype=torch.float32, device=weight.device)
+    for first in range(0, flat.numel(), _CHUNK_VALUES):
+        part, state = F.quantize_4bit(flat[first:first + _CHUNK_VALUES], blocksize=_BLOCKSIZE, compress_statistics=False,
+                                      quant_type=qconfig.bnb_4bit_quant_type, quant_storage=torch.uint8)
+        packed[first // 2:first // 2 + part.numel()] = part.view(-1)
+        absmax[first // _BLOCKSIZE:first // _BLOCKSIZE + state.absmax.numel()] = state.absmax
+        del part, state
+    code = F.get_4bit_type(qconfig.bnb_4bit_quant_type, device=weight.device)
+    nested = {}
+    if qconfig.bnb_4bit_use_double_quant:
+        offset = absmax.mean()
+        absmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=_NESTED_BLOCKSIZE)
+        nested = dict(offset=offset, state2=state2)
+    state = F.QuantState(absmax=absmax, shape=weight.shape, dtype=weight.dtype, blocksize=_BLOCKSIZE, code=code,
+                         quant_type=qconfig.bnb_4bit_quant_type, **nested)
+    return packed.view(qconfig.bnb_4bit_quant_storage).unsqueeze(1), state.as_dict(packed=True)
 
 
 def prequantized_linear(linear: nn.Module, data: torch.Tensor, stats: dict, qconfig, *, device: torch.device) -> nn.Module:
@@ -168,15 +204,22 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
     """
     from .parallel.stage import materialize_buffers, set_parameter
 
+    dense = _linear_weights(module)
+    staging = _Staging(max((sum(math.prod(dense[k]) for k in dense if k.startswith(b + ".")) for b in
+                            {_LAYER.match(k).group(1) for k in dense}), default=0), dtype=dtype, device=device)
     current: Optional[str] = None
     for key, param in list(module.named_parameters()):
         block = _LAYER.match(key)
         if current is not None and (block is None or block.group(1) != current):
             quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader)
+            staging.reset()
         current = block.group(1) if block else None
         if reader.packed_state_keys(key):
             continue  # stored pre-quantized: quantize_module reads its packed bytes as they are
-        value = reader.read(key, dtype=dtype, device=device)
+        if key in dense:  # a block's 16-bit linear weight lives only until its block is quantized
+            value = reader.read_into(key, staging.take(dense[key]))
+        else:
+            value = reader.read(key, dtype=dtype, device=device)
         set_parameter(module, key, nn.Parameter(value, requires_grad=False))
     if current is not None:
         quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader)
@@ -185,6 +228,32 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
     module.is_loaded_in_4bit = not qconfig.load_in_8bit  # peft picks its bitsandbytes LoRA layers by these flags
     module.is_loaded_in_8bit = bool(qconfig.load_in_8bit)
     materialize_buffers(module, device=device)
+
+
+def _linear_weights(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the weights of the plain linears inside `module`'s decoder blocks (what gets quantized)."""
+    return {f"{name}.weight": tuple(sub.weight.shape) for name, sub in module.named_modules()
+            if type(sub) is nn.Linear and _LAYER.match(f"{name}.")}
+
+
+class _Staging:
+    """One buffer, the size of the largest block's linear weights, that every block's 16-bit weights are read
+    into in turn. Fresh tensors per weight would leave the freed 16-bit blocks in glibc's heap, between the
+    quantized bytes kept (its mmap threshold rises to the largest freed chunk, up to 32 MiB, so such weights
+    stop being mmapped), and the process's RSS would grow by much of each block."""
+
+    def __init__(self, numel: int, *, dtype: torch.dtype, device: torch.device):
+        self.buffer = torch.empty(numel, dtype=dtype, device=device)
+        self.used = 0
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        count = math.prod(shape)
+        view = self.buffer[self.used:self.used + count].view(shape)
+        self.used += count
+        return view
+
+    def reset(self) -> None:
+        self.used = 0
 
 
 def quantized_linear_bytes(in_features: int, out_features: int, *, quant_type: str = "nf4",

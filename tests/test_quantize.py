@@ -68,3 +68,19 @@ def test_prequantized_checkpoint_loads_its_packed_weights_as_stored(tiny_checkpo
     with pytest.raises(QuantizationError, match="bnb_4bit_use_double_quant=True but .*False was asked"):
         hfsplit.from_pretrained(path, max_memory={"cpu": "2GiB"}, dtype=torch.float32,
                                 quantization_config=quantization_config(double_quant=False))
+
+
+@pytest.mark.parametrize("shape", [(2048, 1024), (1000, 384), (37, 70)])  # several chunks; a partial block; < 1 chunk
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_chunked_quantize_is_bitsandbytes_quantize_bit_for_bit(shape, double_quant):
+    import bitsandbytes as bnb
+
+    from hfsplit.quantize import _CHUNK_VALUES, quantization_config, quantize_4bit_in_chunks
+
+    weight = torch.randn(*shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    packed, stats = quantize_4bit_in_chunks(weight, quantization_config(double_quant=double_quant))
+    want, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=double_quant, quant_type="nf4")
+    want_stats = state.as_dict(packed=True)
+    assert torch.equal(packed, want) and stats.keys() == want_stats.keys()
+    assert all(torch.equal(stats[k], want_stats[k]) for k in stats)
+    assert shape != (2048, 1024) or weight.numel() > 4 * _CHUNK_VALUES
