@@ -28,19 +28,14 @@ def quantized_base(options: FinetuneOptions):
 
 
 def train_and_probe(run: dict, probe: torch.Tensor) -> tuple[list[float], torch.Tensor]:
-    """On every rank: QLoRA-train `run` on a split model; the losses and the trained split model's logits on `probe`."""
-    from hfsplit.parallel.launch import split_from_pretrained
-    from hfsplit.training.trainer import plan_of_run, qlora_config_of_run, train, weights_dtype
+    """On every rank: QLoRA-train `run` as the recipe does; the losses and the trained split model's logits on `probe`."""
+    from hfsplit.training import trainer
 
-    import torch.distributed as dist
-
-    options = FinetuneOptions(**run)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    plan = plan_of_run(options, model_path=options.model)
-    model = split_from_pretrained(options.model, plan=plan, dtype=weights_dtype("qlora", plan.spec.dtype),
-                                  quantization_config=qlora_config_of_run(options, plan))
-    losses = train(options, model=model, progress=False).losses
+    built = []
+    build_run = trainer.build_run
+    trainer.build_run = lambda *args, **kwargs: built.append(build_run(*args, **kwargs)) or built[-1]  # keep the run
+    losses = trainer.train(FinetuneOptions(**run), progress=False).losses
+    model = built[0].model
     return losses, model.forward(probe, broadcast=True)
 
 
