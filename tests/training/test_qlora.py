@@ -168,6 +168,7 @@ def test_prequantized_checkpoint_splits_and_a_mismatched_request_is_refused(tiny
     assert all(torch.equal(logits, want) for logits, _ in results)
     assert_recipe_refuses(tmp_path, ["--model", str(path), "--method", "qlora", "--bnb-4bit-use-double-quant", "off"],
                           ["is pre-quantized with bnb_4bit_use_double_quant=True", "--bnb-4bit-use-double-quant on"])
+    assert_recipe_refuses(tmp_path, ["--model", str(path), "--method", "lora"], ["is pre-quantized", "--method qlora"])
 
 
 def vm_hwm() -> int:
