@@ -21,6 +21,7 @@ from .models import (  # noqa: F401  (SUPPORTED_MODEL_TYPES, check_supported re-
     SUPPORTED_MODEL_TYPES, check_causal_lm, check_supported, decoder_layout, meta_model, recompute_buffers,
 )
 from .parallel.apply import apply_plan_to_model
+from .quantize import for_stored, stored_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +94,16 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
         model = meta_model(config, dtype=wanted, attn_implementation=attn_implementation)
         return load_with_transformers(source, config, model, max_memory, plan=plan, training=training, dtype=wanted,
                                       attn_implementation=attn_implementation, revision=revision, **planner_options)
+    stored = stored_quantization(config, where=source)
+    if stored is not None:  # pre-quantized: load its packed weights as stored, as transformers does
+        quantization_config = for_stored(quantization_config, stored, where=source)
     if plan is None:
         plan = plan_for(config, source, max_memory, training="qlora" if quantization_config else training,
                         dtype=model.dtype, **planner_options)
     device_map = device_map_of(plan, model)
     check_device_map(model, device_map)
     with reader:
-        materialize_blocks(model, reader, device_map, after_block=quantizer_of(quantization_config))
+        materialize_blocks(model, reader, device_map, after_block=quantizer_of(quantization_config, reader))
     tie_on_same_device(model, device_map, training=training)
     restore_nonpersistent_buffers(model, device_map)
     check_no_meta(model)
@@ -224,8 +228,9 @@ def block_of(name: str, device_map: DeviceMap) -> Optional[str]:
     return best
 
 
-def quantizer_of(quantization_config):
-    """`after_block` for `materialize_blocks`: quantize a decoder block's linears on its device (QLoRA)."""
+def quantizer_of(quantization_config, reader=None):
+    """`after_block` for `materialize_blocks`: quantize a decoder block's linears on its device (QLoRA), or
+    read them as `reader`'s pre-quantized checkpoint stores them."""
     if quantization_config is None:
         return None
     from .quantize import check_quantization, quantize_module
@@ -238,7 +243,7 @@ def quantizer_of(quantization_config):
         if device not in checked:
             check_quantization(quantization_config, device=device)
             checked.add(device)
-        quantize_module(module, quantization_config, device=device)
+        quantize_module(module, quantization_config, device=device, prefix=prefix, reader=reader)
 
     return quantize
 
@@ -257,7 +262,8 @@ def materialize_blocks(model: torch.nn.Module, reader: CheckpointReader, device_
         with torch.no_grad():
             for name, tensor in persistent.items():
                 # nested blocks load their own tensors
-                if name not in retied and block_of(name, device_map) == prefix:
+                # (a pre-quantized weight is read by `after_block`, packed as stored)
+                if name not in retied and block_of(name, device_map) == prefix and not reader.packed_state_keys(name):
                     if target.type == "cpu" and reader.dtype(name) == tensor.dtype:
                         # CPU weights in the stored dtype: a copy-on-write view of the file, no copy
                         tensor.data = reader.mapped(name)

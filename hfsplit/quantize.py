@@ -7,7 +7,8 @@ so a rank holds at most one block in 16 bits on top of what it already quantized
 
 Entry points: `quantization_config` (options → transformers' `BitsAndBytesConfig`),
 `check_quantization` (a one-line refusal where bitsandbytes cannot serve the request),
-`quantize_module` (replace the linears of one block), `load_quantized_stage` (read + quantize a
+`quantize_module` (replace the linears of one block; a pre-quantized checkpoint's packed weights and
+quant state are read as stored, `stored_quantization` / `for_stored`), `load_quantized_stage` (read + quantize a
 stage block by block) and `quantized_linear_bytes` (the exact bytes the cost model counts).
 """
 from __future__ import annotations
@@ -67,6 +68,9 @@ def quantize_linear(linear: nn.Linear, qconfig, *, device: torch.device) -> nn.M
 
     weight = linear.weight.data
     bias = linear.bias is not None
+    if not qconfig.load_in_8bit and device.type == "cpu" and weight.device.type == "cpu":
+        packed, stats = quantize_4bit_in_chunks(weight, qconfig)
+        return prequantized_linear(linear, packed, stats, qconfig, device=device)
     if qconfig.load_in_8bit:
         layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias, has_fp16_weights=False,
                                     threshold=qconfig.llm_int8_threshold, device="meta")
@@ -85,12 +89,112 @@ def quantize_linear(linear: nn.Linear, qconfig, *, device: torch.device) -> nn.M
     return layer.to(device)  # bitsandbytes quantizes on the move to the device
 
 
-def quantize_module(module: nn.Module, qconfig, *, device: torch.device) -> None:
-    """Replace every `nn.Linear` inside `module` (one decoder block) with its quantized layer."""
+_CHUNK_VALUES = 1 << 18  # a multiple of the block size: chunks quantize exactly as the whole weight does
+
+
+def quantize_4bit_in_chunks(weight: torch.Tensor, qconfig) -> tuple[torch.Tensor, dict]:
+    """`bitsandbytes.functional.quantize_4bit(weight)` (packed bytes, quant state as a dict), bit for bit, done
+    _CHUNK_VALUES values at a time: bitsandbytes' CPU quantizer (`backends/default/ops.py`) makes ~4 fp32 copies
+    of what it quantizes (float, abs, scaled, bucket ids), which for a whole 16-bit weight is a transient of
+    ~8× its bytes. Blocks of 64 values are quantized independently, so chunks on block boundaries concatenate
+    to the same result; double quantization then quantizes the whole absmax vector as bitsandbytes does."""
+    import bitsandbytes.functional as F
+
+    flat = weight.reshape(-1)
+    # The results are allocated first and filled chunk by chunk: gathering the chunks' own tensors would leave
+    # their freed bytes in the heap between what is kept.
+    packed = torch.empty(math.ceil(flat.numel() / 2), dtype=torch.uint8, device=weight.device)
+    absmax = torch.empty(math.ceil(flat.numel() / _BLOCKSIZE), dtype=torch.float32, device=weight.device)
+    for first in range(0, flat.numel(), _CHUNK_VALUES):
+        part, state = F.quantize_4bit(flat[first:first + _CHUNK_VALUES], blocksize=_BLOCKSIZE, compress_statistics=False,
+                                      quant_type=qconfig.bnb_4bit_quant_type, quant_storage=torch.uint8)
+        packed[first // 2:first // 2 + part.numel()] = part.view(-1)
+        absmax[first // _BLOCKSIZE:first // _BLOCKSIZE + state.absmax.numel()] = state.absmax
+        del part, state
+    code = F.get_4bit_type(qconfig.bnb_4bit_quant_type, device=weight.device)
+    nested = {}
+    if qconfig.bnb_4bit_use_double_quant:
+        offset = absmax.mean()
+        absmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=_NESTED_BLOCKSIZE)
+        nested = dict(offset=offset, state2=state2)
+    state = F.QuantState(absmax=absmax, shape=weight.shape, dtype=weight.dtype, blocksize=_BLOCKSIZE, code=code,
+                         quant_type=qconfig.bnb_4bit_quant_type, **nested)
+    return packed.view(qconfig.bnb_4bit_quant_storage).unsqueeze(1), state.as_dict(packed=True)
+
+
+def prequantized_linear(linear: nn.Module, data: torch.Tensor, stats: dict, qconfig, *, device: torch.device) -> nn.Module:
+    """A `Linear4bit` holding a pre-quantized checkpoint's packed bytes and quant state as stored (nothing is
+    re-quantized), computing in `qconfig`'s compute dtype."""
+    import bitsandbytes as bnb
+
+    layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                              compute_dtype=qconfig.bnb_4bit_compute_dtype, device="meta")
+    layer.weight = bnb.nn.Params4bit.from_prequantized(data, stats, requires_grad=False, device=device, module=layer)
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.data.to(device), requires_grad=False)
+    return layer
+
+
+def quantize_module(module: nn.Module, qconfig, *, device: torch.device, prefix: str = "", reader=None) -> None:
+    """Replace every `nn.Linear` inside `module` (one decoder block, named `prefix` in the checkpoint) with its
+    quantized layer: quantized here, or, where `reader` holds it pre-quantized, read as stored."""
     for name, sub in list(module.named_modules()):
         if type(sub) is nn.Linear:  # bnb layers subclass nn.Linear: never quantize twice
+            key = f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
+            if reader is not None and reader.packed_state_keys(key):
+                data, stats = reader.read_packed(key, device=device)
+                layer = prequantized_linear(sub, data, stats, qconfig, device=device)
+            else:
+                layer = quantize_linear(sub, qconfig, device=device)
             owner, _, leaf = name.rpartition(".")
-            setattr(module.get_submodule(owner) if owner else module, leaf, quantize_linear(sub, qconfig, device=device))
+            setattr(module.get_submodule(owner) if owner else module, leaf, layer)
+
+
+def stored_quantization(config, *, where: str):
+    """The `BitsAndBytesConfig` a pre-quantized checkpoint's config.json names (None for a 16-bit checkpoint)."""
+    raw = getattr(config, "quantization_config", None)
+    if raw is None:
+        return None
+    raw = raw if isinstance(raw, dict) else raw.to_dict()
+    if raw.get("quant_method") != "bitsandbytes" or raw.get("load_in_8bit"):
+        what = "8-bit bitsandbytes" if raw.get("quant_method") == "bitsandbytes" else repr(raw.get("quant_method"))
+        raise QuantizationError(f"{where} is pre-quantized with {what}; hfsplit loads 4-bit bitsandbytes "
+                                "checkpoints only: use the 16-bit checkpoint and --method qlora")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig.from_dict(dict(raw))
+
+
+def quantization_of_checkpoint(source: str, requested, *, method: str):
+    """What to load `source` with: `requested` checked against the checkpoint's own quantization (a
+    pre-quantized folder needs `--method qlora` and the format it stores); None for a plain 16-bit run."""
+    from .checkpoint.resolve import load_config
+
+    stored = stored_quantization(load_config(source), where=source)
+    if stored is None:
+        return requested
+    if method != "qlora":
+        raise QuantizationError(f"{source} is pre-quantized (4-bit bitsandbytes); train it with --method qlora, "
+                                "or use its 16-bit checkpoint")
+    return for_stored(requested, stored, where=source)
+
+
+_STORED_FIELDS = (("load_in_8bit", "--load-in-8bit"), ("bnb_4bit_quant_type", "--bnb-4bit-quant-type"),
+                  ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"))
+
+
+def for_stored(requested, stored, *, where: str):
+    """The quantization to load a pre-quantized checkpoint with: `requested` (None: the stored one), refused in
+    one line where it asks for another format than the checkpoint stores (the compute dtype may differ)."""
+    if requested is None:
+        return stored
+    for field, flag in _STORED_FIELDS:
+        want, have = getattr(requested, field), getattr(stored, field)
+        if want != have:
+            show = lambda v: ("on" if v else "off") if isinstance(v, bool) else v  # noqa: E731
+            raise QuantizationError(f"{where} is pre-quantized with {field}={have!r} but {field}={want!r} was asked "
+                                    f"for; hfsplit does not re-quantize: pass {flag} {show(have)}")
+    return requested
 
 
 def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dtype: torch.dtype, qconfig) -> None:
@@ -100,21 +204,56 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
     """
     from .parallel.stage import materialize_buffers, set_parameter
 
+    dense = _linear_weights(module)
+    staging = _Staging(max((sum(math.prod(dense[k]) for k in dense if k.startswith(b + ".")) for b in
+                            {_LAYER.match(k).group(1) for k in dense}), default=0), dtype=dtype, device=device)
     current: Optional[str] = None
     for key, param in list(module.named_parameters()):
         block = _LAYER.match(key)
         if current is not None and (block is None or block.group(1) != current):
-            quantize_module(module.get_submodule(current), qconfig, device=device)
+            quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader)
+            staging.reset()
         current = block.group(1) if block else None
-        value = reader.read(key, dtype=dtype, device=device)
+        if reader.packed_state_keys(key):
+            continue  # stored pre-quantized: quantize_module reads its packed bytes as they are
+        if key in dense:  # a block's 16-bit linear weight lives only until its block is quantized
+            value = reader.read_into(key, staging.take(dense[key]))
+        else:
+            value = reader.read(key, dtype=dtype, device=device)
         set_parameter(module, key, nn.Parameter(value, requires_grad=False))
     if current is not None:
-        quantize_module(module.get_submodule(current), qconfig, device=device)
+        quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader)
     if getattr(module, "shares_embedding", False):
         module.lm_head.weight = module.body.embed_tokens.weight
     module.is_loaded_in_4bit = not qconfig.load_in_8bit  # peft picks its bitsandbytes LoRA layers by these flags
     module.is_loaded_in_8bit = bool(qconfig.load_in_8bit)
     materialize_buffers(module, device=device)
+
+
+def _linear_weights(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the weights of the plain linears inside `module`'s decoder blocks (what gets quantized)."""
+    return {f"{name}.weight": tuple(sub.weight.shape) for name, sub in module.named_modules()
+            if type(sub) is nn.Linear and _LAYER.match(f"{name}.")}
+
+
+class _Staging:
+    """One buffer, the size of the largest block's linear weights, that every block's 16-bit weights are read
+    into in turn. Fresh tensors per weight would leave the freed 16-bit blocks in glibc's heap, between the
+    quantized bytes kept (its mmap threshold rises to the largest freed chunk, up to 32 MiB, so such weights
+    stop being mmapped), and the process's RSS would grow by much of each block."""
+
+    def __init__(self, numel: int, *, dtype: torch.dtype, device: torch.device):
+        self.buffer = torch.empty(numel, dtype=dtype, device=device)
+        self.used = 0
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        count = math.prod(shape)
+        view = self.buffer[self.used:self.used + count].view(shape)
+        self.used += count
+        return view
+
+    def reset(self) -> None:
+        self.used = 0
 
 
 def quantized_linear_bytes(in_features: int, out_features: int, *, quant_type: str = "nf4",

@@ -1,5 +1,9 @@
 """Benchmark loading a checkpoint: time and peak host RAM, each method in a fresh process.
 
+The two NF4 rows (QLoRA's base) compare hfsplit's block-by-block quantization with transformers'
+own 4-bit `from_pretrained` (their ratio columns are against that row); "bytes held" counts
+bitsandbytes' packed weights and quant state.
+
     python scripts/bench_load.py --size small      # ~60 MB checkpoint, < 1 minute
     python scripts/bench_load.py                   # ~2 GB bf16 Llama (hidden 2048, 16 layers, 400MB shards)
 
@@ -27,7 +31,8 @@ SIZES = {
     "small": dict(hidden=512, num_layers=4, heads=8, kv_heads=8, intermediate=1408, vocab=8000, shard="20MB"),
     "default": dict(hidden=2048, num_layers=16, heads=16, kv_heads=16, intermediate=5632, vocab=32000, shard="400MB"),
 }
-METHODS = ("raw", "transformers", "accelerate", "hfsplit", "hfsplit_half", "hfsplit_tp2")
+METHODS = ("raw", "transformers", "accelerate", "hfsplit", "hfsplit_half", "hfsplit_tp2", "transformers_4bit",
+           "hfsplit_4bit")
 LABELS = {
     "raw": "raw read of shard files",
     "transformers": "transformers from_pretrained",
@@ -35,6 +40,8 @@ LABELS = {
     "hfsplit": "hfsplit.from_pretrained (whole model)",
     "hfsplit_half": "hfsplit reader, stage 0 of 2 (half the layers)",
     "hfsplit_tp2": "hfsplit reader, TP rank 0 of 2 (read_slice)",
+    "transformers_4bit": "transformers from_pretrained, NF4 (BitsAndBytesConfig)",
+    "hfsplit_4bit": "hfsplit.from_pretrained, NF4, quantized block by block",
 }
 
 
@@ -107,6 +114,34 @@ def worker_accelerate(ckpt: Path) -> dict:
         model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
     model = load_checkpoint_and_dispatch(model, str(ckpt), device_map={"": "cpu"})
     return {"bytes": _touch(model.state_dict().values())}
+
+
+def _nf4():
+    """QLoRA's default: NF4 + double quantization, computing in bf16 (the checkpoint's dtype)."""
+    from hfsplit.quantize import quantization_config
+
+    return quantization_config(compute_dtype="bfloat16")
+
+
+def worker_transformers_4bit(ckpt: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from hfsplit.quantize import held_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=_nf4(), device_map="cpu")
+    _touch(model.state_dict().values())
+    return {"bytes": held_bytes(model)}
+
+
+def worker_hfsplit_4bit(ckpt: Path) -> dict:
+    from hfsplit.checkpoint import load_config
+    from hfsplit.materialize import from_pretrained
+    from hfsplit.quantize import held_bytes
+
+    config = load_config(ckpt)
+    model = from_pretrained(ckpt, plan=_cpu_device_map(config.num_hidden_layers), quantization_config=_nf4())
+    _touch(model.state_dict().values())
+    return {"bytes": held_bytes(model)}
 
 
 def _cpu_device_map(num_layers: int) -> dict:
@@ -229,6 +264,9 @@ def table(results: dict[str, dict]) -> str:
     ]
     for method, label in LABELS.items():
         r = results[method]
+        if method.endswith("_4bit") and "transformers_4bit" in results:  # 4-bit rows against transformers' 4-bit load
+            ref = results["transformers_4bit"]
+            ref_above = max(ref["peak_rss"] - ref["warm_rss"], 1)
         above = r["peak_rss"] - r["warm_rss"]
         lines.append(
             f"| {label} | {r['seconds']:.2f} | {mib(r['peak_rss'])} | {mib(above)} | {mib(r['bytes'])} | "

@@ -2,6 +2,7 @@
 
     python scripts/bench_train.py            # ~3 minutes on 2 CPU cores
     python scripts/bench_train.py --steps 6  # quicker
+    python scripts/bench_train.py --rows qlora --steps 6  # only the QLoRA rows (NF4 base, LoRA r=8)
 
 Every run trains the same model on the same global batch (micro-batch size × micro-batches)
 with one thread per rank, launched by torchrun exactly as users launch the recipe:
@@ -60,6 +61,8 @@ def run(model: Path, out: Path, *, ranks: int, steps: int, **options) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rows", choices=("all", "full", "qlora"), default="all",
+                        help="full fine-tuning rows, QLoRA rows (NF4 base + LoRA r=8), or both")
     args = parser.parse_args()
     from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
 
@@ -76,20 +79,36 @@ def main() -> None:
         ("sequential model parallel (device_map style)", 2, dict(pp=2, micro_batches=1, micro_batch_size=16, schedule="GPipe")),
         ("hfsplit auto m=8", 2, dict(pp=2, micro_batches=8, schedule="auto")),
     ]
+    qlora = dict(method="qlora", lora_r=8)
+    qlora_cases = [  # the same three set-ups with a 4-bit frozen base (how accelerate's device_map runs QLoRA)
+        ("QLoRA one process", 1, dict(qlora, pp=1, micro_batches=8, max_memory="8GiB")),
+        ("QLoRA pp=2 auto m=8", 2, dict(qlora, pp=2, micro_batches=8, schedule="auto")),
+        ("QLoRA sequential model parallel (device_map style)", 2,
+         dict(qlora, pp=2, micro_batches=1, micro_batch_size=16, schedule="GPipe")),
+    ]
+    cases = {"all": cases + qlora_cases, "full": cases, "qlora": qlora_cases}[args.rows]
     results = {}
     for name, ranks, opts in cases:
         options = {**common, **opts}
         results[name] = run(model, tmp / re.sub(r"\W+", "-", name), ranks=ranks, steps=args.steps, **options)
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
-    base = results["one process, whole model"]["tokens_per_s"]
-    seq = results["sequential model parallel (device_map style)"]["tokens_per_s"]
     print("| run | tokens/s | vs one process | vs sequential | bubble measured | bubble (theory) "
           "| step estimated / measured |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name}{' → ' + r['schedule'] if name.startswith('hfsplit auto') else ''} | {r['tokens_per_s']:.0f} "
+        group = "QLoRA " if name.startswith("QLoRA") else ""  # QLoRA rows against the QLoRA baselines
+        base = results[f"{group}one process" + ("" if group else ", whole model")]["tokens_per_s"]
+        seq = results[f"{group}sequential model parallel (device_map style)"]["tokens_per_s"]
+        print(f"| {name}{' → ' + r['schedule'] if 'auto' in name else ''} | {r['tokens_per_s']:.0f} "
               f"| {r['tokens_per_s'] / base:.2f}× | {r['tokens_per_s'] / seq:.2f}× "
               f"| {r['bubble']:.1f}% | {r['theory']:.1f}% | {r['estimate_ms']:.0f} / {r['measured_ms']:.0f} ms |")
+    if "QLoRA pp=2 auto m=8" in results:
+        ratio = (results["QLoRA pp=2 auto m=8"]["tokens_per_s"]
+                 / results["QLoRA sequential model parallel (device_map style)"]["tokens_per_s"])
+        print(f"\nQLoRA pp=2: {ratio:.2f}× sequential model parallelism (target ≥1.6×)")
+    if "hfsplit auto m=8" not in results:
+        return
+    seq = results["sequential model parallel (device_map style)"]["tokens_per_s"]
     auto = results["hfsplit auto m=8"]["tokens_per_s"]
     best_name = max((n for n in results if n.startswith("pp=2")), key=lambda n: results[n]["tokens_per_s"])
     print(f"\nhfsplit auto: {auto / results[best_name]['tokens_per_s']:.2f}× the best hand-picked row ({best_name}), "

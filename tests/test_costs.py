@@ -121,7 +121,13 @@ def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False
     model = AutoModelForCausalLM.from_config(config)
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if method == "lora":
+    if method == "qlora":  # each block's linears quantized as hfsplit's loader does (NF4 + double quant)
+        from hfsplit.quantize import quantization_config, quantize_module
+
+        for block in model.model.layers:
+            quantize_module(block, quantization_config(compute_dtype="float32"), device=torch.device("cpu"))
+        model.is_loaded_in_4bit = True  # peft picks its bitsandbytes LoRA layers by this flag
+    if method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
         from hfsplit.costs import block_linear_names
@@ -167,6 +173,15 @@ def estimated_peak(config, method: str, seq_len: int, checkpointing: bool = Fals
 def test_estimated_peak_matches_a_real_step(family, method, seq_len):
     config = tiny_config(family)
     measured, estimated = measured_peak(config, method, seq_len), estimated_peak(config, method, seq_len)
+    assert estimated == pytest.approx(measured, rel=0.15), f"estimated/measured = {estimated / measured:.3f}"
+
+
+@pytest.mark.parametrize("seq_len", [64, 256])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_estimated_qlora_peak_matches_a_real_step(family, seq_len):
+    """QLoRA: NF4 base (packed weights + double-quant state), fp32 adapters and AdamW, a real CPU step."""
+    config = tiny_config(family)
+    measured, estimated = measured_peak(config, "qlora", seq_len), estimated_peak(config, "qlora", seq_len)
     assert estimated == pytest.approx(measured, rel=0.15), f"estimated/measured = {estimated / measured:.3f}"
 
 

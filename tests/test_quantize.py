@@ -1,4 +1,7 @@
 """hfsplit.from_pretrained with transformers' BitsAndBytesConfig, in one process, against transformers' own 4-bit load."""
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,3 +24,63 @@ def test_from_pretrained_quantizes_blocks_like_transformers(tiny_checkpoint):
     probe = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # both in eval mode: the same bitsandbytes CPU kernel
         assert torch.equal(ours(input_ids=probe).logits, theirs(input_ids=probe).logits)
+
+
+def prequantized_checkpoint(source, dest, **knobs):
+    """A pre-quantized bitsandbytes folder as users get one: transformers' own 4-bit load of `source`, then
+    `save_pretrained` (config.json gains `quantization_config`; weights are packed uint8 + quant state)."""
+    from transformers import AutoModelForCausalLM
+
+    from hfsplit.quantize import quantization_config
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="cpu",
+                                                 quantization_config=quantization_config(compute_dtype="float32", **knobs))
+    model.save_pretrained(dest)
+    for extra in Path(source).iterdir():  # the tokenizer files travel with it, as on the hub
+        if extra.is_file() and not (dest / extra.name).exists() and "safetensors" not in extra.name:
+            shutil.copy(extra, dest / extra.name)
+    return dest
+
+
+def test_prequantized_checkpoint_loads_its_packed_weights_as_stored(tiny_checkpoint, tmp_path):
+    """A pre-quantized folder loads in one process without re-quantizing: every packed weight and absmax is the
+    stored bytes, and the logits equal transformers loading the same folder (train and eval kernels)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import hfsplit
+    from hfsplit.errors import QuantizationError
+    from hfsplit.quantize import quantization_config, quantized_linear_count
+
+    path = prequantized_checkpoint(tiny_checkpoint("llama"), tmp_path / "nf4")
+    ours = hfsplit.from_pretrained(path, max_memory={"cpu": "2GiB"}, dtype=torch.float32)  # its config says how
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu")
+    stored = load_file(path / "model.safetensors")
+    packed = {n: p for n, p in ours.named_parameters() if n + ".absmax" in stored}
+    assert len(packed) == quantized_linear_count(ours) == 7 * ours.config.num_hidden_layers
+    for name, param in packed.items():
+        assert torch.equal(param.data, stored[name]) and torch.equal(param.quant_state.absmax, stored[name + ".absmax"])
+    assert ours.hfsplit_plan.spec.method == "qlora" and ours.is_loaded_in_4bit
+    probe = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for mode in (True, False):
+            assert torch.equal(ours.train(mode)(input_ids=probe).logits, theirs.train(mode)(input_ids=probe).logits)
+    with pytest.raises(QuantizationError, match="bnb_4bit_use_double_quant=True but .*False was asked"):
+        hfsplit.from_pretrained(path, max_memory={"cpu": "2GiB"}, dtype=torch.float32,
+                                quantization_config=quantization_config(double_quant=False))
+
+
+@pytest.mark.parametrize("shape", [(2048, 1024), (1000, 384), (37, 70)])  # several chunks; a partial block; < 1 chunk
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_chunked_quantize_is_bitsandbytes_quantize_bit_for_bit(shape, double_quant):
+    import bitsandbytes as bnb
+
+    from hfsplit.quantize import _CHUNK_VALUES, quantization_config, quantize_4bit_in_chunks
+
+    weight = torch.randn(*shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    packed, stats = quantize_4bit_in_chunks(weight, quantization_config(double_quant=double_quant))
+    want, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=double_quant, quant_type="nf4")
+    want_stats = state.as_dict(packed=True)
+    assert torch.equal(packed, want) and stats.keys() == want_stats.keys()
+    assert all(torch.equal(stats[k], want_stats[k]) for k in stats)
+    assert shape != (2048, 1024) or weight.numel() > 4 * _CHUNK_VALUES

@@ -215,6 +215,24 @@ class CheckpointReader:
             self._fill_columns(entry, out.view(outer, step, inner), index * step, step, size, inner)
         return out
 
+    def packed_state_keys(self, name: str) -> list[str]:
+        """Checkpoint keys of the bitsandbytes quant state stored beside weight `name` (absmax, quant_map,
+        `quant_state.bitsandbytes__nf4`, ...): empty unless the checkpoint stores `name` pre-quantized."""
+        if not hasattr(self, "_packed"):
+            weights = {k.split(".quant_state.bitsandbytes__")[0] for k in self._weight_map if ".quant_state.bitsandbytes__" in k}
+            self._packed = {w: sorted(k for k in self._weight_map if k.startswith(w + ".")) for w in weights}
+        return self._packed.get(self._names.get(name, name), [])
+
+    def read_packed(self, name: str, device: Device = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Pre-quantized weight `name` as stored (packed bytes) and its quant state {key suffix: tensor},
+        the `quantized_stats` bitsandbytes' `Params4bit.from_prequantized` takes."""
+        stats = {}
+        for key in self.packed_state_keys(name):
+            entry = self._header(self._weight_map[key])[key]
+            stats[key[len(self.checkpoint_name(name)) + 1:]] = out = torch.empty(entry.shape, dtype=entry.dtype)
+            self._fill_rows(entry, out, key)
+        return self.read(name, device=device), stats
+
     def close(self) -> None:
         """Close the open shard files."""
         for fd in self._fds.values():
@@ -260,7 +278,7 @@ class CheckpointReader:
         for name in sorted(wanted):
             entry = self._entry(name)
             ref = params.get(name)
-            if ref is None:
+            if ref is None or self.packed_state_keys(name):  # packed by bitsandbytes: its quant state has the shape
                 continue
             where = f"{entry.file}: tensor {self.checkpoint_name(name)!r}"
             if entry.shape != tuple(ref.shape):

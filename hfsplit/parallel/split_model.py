@@ -261,7 +261,8 @@ class SplitModel(nn.Module):
         return logits
 
     def _dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        # the first floating parameter: a QLoRA stage's first one may be a bitsandbytes uint8 packed weight
+        return next((p.dtype for p in self.parameters() if p.is_floating_point()), next(self.parameters()).dtype)
 
 
 def place_grad_like_param(p: nn.Parameter) -> None:
@@ -308,6 +309,11 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
             f"tied_embeddings={plan.tied_embeddings}; re-plan for this checkpoint"
         )
     dtype = dtype or getattr(torch, plan.spec.dtype)
+    if quantization_config is not None or getattr(config, "quantization_config", None) is not None:
+        from ..quantize import for_stored, stored_quantization
+
+        stored = stored_quantization(config, where=name_or_path)  # pre-quantized: read as stored
+        quantization_config = for_stored(quantization_config, stored, where=name_or_path) if stored else quantization_config
     indices = stage_indices_of_pp_rank(plan, pp_rank=ctx.coords.pp)
     by_index = {s.index: s for s in plan.stages}
     modules = [StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings) for index in indices]

@@ -380,13 +380,16 @@ def saved_method(method: str) -> str:
 def qlora_config_of_run(options: FinetuneOptions, plan):
     """The run's `BitsAndBytesConfig` (None unless --method qlora), refused in one line before any weight is
     read where bitsandbytes cannot serve it on this rank's device."""
+    from ..quantize import quantization_of_checkpoint
+
     if options.method != "qlora":
-        return None
+        return quantization_of_checkpoint(options.model, None, method=options.method)  # refuses a pre-quantized one
     from ..parallel.mesh import device_of_rank
     from ..quantize import check_quantization, quantization_config
 
     qconfig = quantization_config(load_in_8bit=options.load_in_8bit, quant_type=options.bnb_4bit_quant_type,
                                   double_quant=options.bnb_4bit_use_double_quant, compute_dtype=plan.spec.dtype)
+    qconfig = quantization_of_checkpoint(options.model, qconfig, method="qlora")  # as a pre-quantized one stores
     check_quantization(qconfig, device=device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0"))))
     return qconfig
 
