@@ -232,7 +232,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     config = lora_of_run(options, model_path=model_path)
     model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
                                   lora=LoraSetup(config, seed=options.seed) if config is not None else None,
-                                  quantization_config=qlora_config_of_run(options, plan))
+                                  quantization_config=qlora_config_of_run(options, plan, model_path=model_path))
     plan = model.plan
     if dist.get_rank() == 0:
         print(plan.table(), flush=True)  # its last lines say what the run applied to each stage
@@ -377,19 +377,19 @@ def saved_method(method: str) -> str:
     return "lora" if method == "qlora" else method
 
 
-def qlora_config_of_run(options: FinetuneOptions, plan):
+def qlora_config_of_run(options: FinetuneOptions, plan, *, model_path: str):
     """The run's `BitsAndBytesConfig` (None unless --method qlora), refused in one line before any weight is
     read where bitsandbytes cannot serve it on this rank's device."""
     from ..quantize import quantization_of_checkpoint
 
     if options.method != "qlora":
-        return quantization_of_checkpoint(options.model, None, method=options.method)  # refuses a pre-quantized one
+        return quantization_of_checkpoint(model_path, None, method=options.method)  # refuses a pre-quantized one
     from ..parallel.mesh import device_of_rank
     from ..quantize import check_quantization, quantization_config
 
     qconfig = quantization_config(load_in_8bit=options.load_in_8bit, quant_type=options.bnb_4bit_quant_type,
                                   double_quant=options.bnb_4bit_use_double_quant, compute_dtype=plan.spec.dtype)
-    qconfig = quantization_of_checkpoint(options.model, qconfig, method="qlora")  # as a pre-quantized one stores
+    qconfig = quantization_of_checkpoint(model_path, qconfig, method="qlora")  # as a pre-quantized one stores
     check_quantization(qconfig, device=device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0"))))
     return qconfig
 
