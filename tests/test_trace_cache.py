@@ -12,12 +12,18 @@ def _config():
                        num_key_value_heads=2, vocab_size=64)
 
 
-def test_trace_written_once_then_read(tmp_path, monkeypatch):
+def _fresh_cache_key(tmp_path, monkeypatch) -> str:
+    """A cache folder of its own, an empty in-process memo, and the registered key of the test config."""
     monkeypatch.setenv("HFSPLIT_CACHE", str(tmp_path))
     monkeypatch.setattr(trace_cache, "_MEMO", {})
     config = _config()
     key = _config_key(config)
     _CONFIGS.setdefault(key, config)
+    return key
+
+
+def test_trace_written_once_then_read(tmp_path, monkeypatch):
+    key = _fresh_cache_key(tmp_path, monkeypatch)
     spec = TrainingSpec(method="lora", seq_len=32, dtype="float32")
     first = trace_cache.block_trace(key, spec, 2)
     assert first == _trace_block(key, trace_cache.trace_spec(spec), 2)
@@ -37,11 +43,7 @@ def test_trace_written_once_then_read(tmp_path, monkeypatch):
 
 
 def test_corrupt_cache_file_is_retraced(tmp_path, monkeypatch):
-    monkeypatch.setenv("HFSPLIT_CACHE", str(tmp_path))
-    monkeypatch.setattr(trace_cache, "_MEMO", {})
-    config = _config()
-    key = _config_key(config)
-    _CONFIGS.setdefault(key, config)
+    key = _fresh_cache_key(tmp_path, monkeypatch)
     spec = TrainingSpec(method="full", seq_len=16, dtype="float32")
     first = trace_cache.block_trace(key, spec, 1)
     (path,) = tmp_path.glob("block-*.json")
