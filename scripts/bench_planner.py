@@ -145,7 +145,8 @@ def comparison(model: str, budget: str) -> list[str]:
                 for i, d in enumerate(devices)]
     rows = [split_row(model, budget, "accelerate balanced", [len(theirs[d]) for d in devices],
                       [w for w, _ in measured], [t for _, t in measured], budgets)]
-    ours = make_plan(config, budgets, spec=spec, tp=1, pp=len(budgets))
+    # One stage per device, like accelerate's map, so the rows compare placements stage for stage.
+    ours = make_plan(config, budgets, spec=spec, tp=1, pp=len(budgets), schedule="1F1B")
     stage_of = {s.devices[0][0]: s for s in ours.stages}
     rows.append(split_row(model, budget, f"hfsplit {ours.schedule} m={ours.micro_batches}",
                           [stage_of[d].num_layers for d in devices], [stage_of[d].memory.weights for d in devices],
