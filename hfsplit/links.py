@@ -58,4 +58,4 @@ def fit_link(sizes: tuple[int, int], seconds: tuple[float, float]) -> Link:
     return Link(bandwidth=bandwidth, latency_s=max(t_small - small / bandwidth, 0.0), measured=True)
 
 
-DEFAULT_LINK = Link(bandwidth=50e9)  # the planner's former TP_BANDWIDTH: an NVLink-class figure, no latency
+DEFAULT_LINK = Link(bandwidth=50e9)  # an NVLink-class figure, no latency (the planner without a probe)

@@ -31,7 +31,6 @@ from .schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_
 # Effective dense throughput of a device of speed 1 and the TP link bandwidth. Only
 # ratios between plans matter for the choice; absolute step times are rough estimates.
 DEVICE_FLOPS = 100e12 * 0.4
-TP_BANDWIDTH = DEFAULT_LINK.bandwidth  # kept for callers of the former constant
 CPU_SPEED = 0.02
 MAX_PERMUTED_GROUPS = 5  # device orders tried exhaustively up to this many stage groups
 

@@ -270,10 +270,6 @@ class StopAtBoundary:
         while not self.asked and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def restore(self) -> None:
-        if self._before is not None:
-            signal.signal(signal.SIGTERM, self._before)
-
 
 def stop_for_regroup(stopper: StopAtBoundary, metrics, *, step: int, checkpoint: Path) -> None:
     """After the boundary checkpoint: mark the stop (the regrouped launch resumes by itself) and leave."""
