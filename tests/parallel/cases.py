@@ -13,7 +13,7 @@ from hfsplit.plan import Plan, Stage, StageMemory
 
 
 def hand_plan(config, *, tp: int, pp: int, layers: list[tuple[int, int]], schedule: str,
-              micro_batches: int = 2, dp: int = 1) -> Plan:
+              micro_batches: int = 2, dp: int = 1, method: str = "full", seq_len: int = 8) -> Plan:
     """A Plan built by hand: `layers[i]` is stage i's block range (pipeline order), fp32."""
     zero = StageMemory(weights=0, gradients=0, optimizer=0, activations=0, reserve=0)
     stages = tuple(
@@ -23,7 +23,7 @@ def hand_plan(config, *, tp: int, pp: int, layers: list[tuple[int, int]], schedu
     )
     return Plan(model="tiny", model_type=config.model_type, num_layers=config.num_hidden_layers, tp=tp, pp=pp,
                 dp=dp, virtual_stages=len(layers) // pp, schedule=schedule, micro_batches=micro_batches,
-                spec=TrainingSpec(method="full", seq_len=8, dtype="float32"), stages=stages, step_time_s=0.0,
+                spec=TrainingSpec(method=method, seq_len=seq_len, dtype="float32"), stages=stages, step_time_s=0.0,
                 bubble_fraction=0.0, tied_embeddings=bool(config.tie_word_embeddings))
 
 
@@ -106,7 +106,7 @@ def planned_split_runs(*, checkpoint: str, max_memory: str, pp: int, tp: int, sc
 
     import hfsplit
 
-    model = hfsplit.from_pretrained(checkpoint, max_memory, spec=TrainingSpec(method="full", seq_len=8, dtype="float32"),
+    model = hfsplit.from_pretrained(checkpoint, max_memory, spec=TrainingSpec(method=method, seq_len=seq_len, dtype="float32"),
                                   micro_batches=2, schedule=schedule, pp=pp, tp=tp, dp=1)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     ids = torch.randint(3, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))

@@ -1,41 +1,129 @@
 """Families that do work outside their blocks (hfsplit.models.FAMILIES), split: logits, gradients and greedy
-generation equal to transformers. One launch per (family, split) checks all three."""
-import pytest
+generation equal to transformers, and 20 steps of LoRA and of full training equal to a single process.
 
-from tests.parallel.test_split_model import check_split_matches_transformers
+One launch of ranks per split shape runs every family's case in turn (tests/parallel/family_cases.py), and
+each case is judged on its own, so a failure names its family and split. The single-process training
+reference is made once per checkpoint and method and serves every shape.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.parallel.test_split_model import assert_split_matches
 
 pytestmark = pytest.mark.slow
 
-SPLITS = {
+# name: (family, tied, split). pp=2, tp=2 and pp2×tp2 for every family, on the schedules and uneven layer
+# splits that reach its particular work.
+CASES = {
     # final logit soft-capping on the last stage, alternating sliding window, embedding scale in the module
-    "gemma2-pp2-1f1b": ("gemma2", False, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    "gemma2-pp2-1f1b": ("gemma2", False, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
     # embedding multiplier on the first stage, logits divisor on the last
-    "granite-pp2-gpipe": ("granite", False, 2, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
+    "granite-pp2-gpipe": ("granite", False, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
     # logit scale, tied head on the last stage, parallel attention/MLP blocks
-    "cohere-tied-pp2-1f1b": ("cohere", True, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
-    # soft-capping with heads sharded over TP ranks
-    "gemma2-tp2": ("gemma2", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
-    # embedding scale under a vocabulary-sharded embedding
-    "gemma-tp2": ("gemma", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    "cohere-tied-pp2-1f1b": ("cohere", True, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
     # a local and a global rope by layer type; the first stage holds sliding layers only
-    "gemma3_text-pp2-1f1b": ("gemma3_text", False, 2, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="1F1B")),
+    "gemma3_text-pp2-1f1b": ("gemma3_text", False, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="1F1B")),
     # logit scale, tied head, sliding layers from layer_types; the last stage holds one full-attention layer
-    "cohere2-tied-pp2-gpipe": ("cohere2", True, 2, dict(tp=1, pp=2, layers=[(0, 3), (3, 4)], schedule="GPipe")),
-    "cohere2-tp2": ("cohere2", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    "cohere2-tied-pp2-gpipe": ("cohere2", True, dict(tp=1, pp=2, layers=[(0, 3), (3, 4)], schedule="GPipe")),
     # embedding scale on the first stage only (its module's buffer), head on the last
-    "gemma-pp2-gpipe": ("gemma", False, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="GPipe")),
+    "gemma-pp2-gpipe": ("gemma", False, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="GPipe")),
+    # soft-capping with heads sharded over TP ranks
+    "gemma2-tp2": ("gemma2", False, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # embedding scale under a vocabulary-sharded embedding
+    "gemma-tp2": ("gemma", False, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    "cohere2-tp2": ("cohere2", False, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
     # multipliers inside sharded blocks (residual, attention) and outside them (embedding, logits)
-    "granite-tp2": ("granite", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    "granite-tp2": ("granite", False, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
     # parallel attention/MLP blocks with both halves sharded, logit scale on the full logits
-    "cohere-tp2": ("cohere", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
-    # per-type rope and masks on 4 ranks, two stages of two TP ranks (q/k norms replicated, gradients summed):
-    # also the tp=2 check of this family
-    "gemma3_text-pp2-tp2": ("gemma3_text", False, 4, dict(tp=2, pp=2, layers=[(0, 1), (1, 4)], schedule="1F1B")),
+    "cohere-tp2": ("cohere", False, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # q/k norms replicated over the TP ranks, their gradients summed
+    "gemma3_text-tp2": ("gemma3_text", False, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    # per-type rope and masks on 4 ranks, two stages of two TP ranks
+    "gemma3_text-pp2xtp2-1f1b": ("gemma3_text", False, dict(tp=2, pp=2, layers=[(0, 1), (1, 4)], schedule="1F1B")),
     # soft-capping and sliding masks on 4 ranks: two stages of two TP ranks
-    "gemma2-pp2-tp2": ("gemma2", False, 4, dict(tp=2, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    "gemma2-pp2xtp2-1f1b": ("gemma2", False, dict(tp=2, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    # embedding scale on a vocabulary-sharded first stage only
+    "gemma-pp2xtp2-gpipe": ("gemma", False, dict(tp=2, pp=2, layers=[(0, 2), (2, 4)], schedule="GPipe")),
+    # embedding multiplier and logits divisor on different stages, multipliers inside sharded blocks
+    "granite-pp2xtp2-1f1b": ("granite", False, dict(tp=2, pp=2, layers=[(0, 3), (3, 4)], schedule="1F1B")),
+    # tied head sharded over the vocabulary on the last stage, its gradient summed with the first stage's
+    "cohere-tied-pp2xtp2-gpipe": ("cohere", True, dict(tp=2, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
+    "cohere2-tied-pp2xtp2-1f1b": ("cohere2", True, dict(tp=2, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
 }
+SHAPES = {"pp2": (1, 2), "tp2": (2, 1), "pp2xtp2": (2, 2)}  # name: (tp, pp)
+STEPS = 20
+# FinetuneOptions by method, as tests/training/test_trainer.py trains but with two micro-batches a step (a tiny
+# model's step costs its pipeline and TP messages, one set per micro-batch)
+TRAINING = {method: dict(seq_len=64, micro_batch_size=2, micro_batches=2, max_steps=STEPS, warmup_steps=3,
+                         max_grad_norm=0.5, dtype="float32", learning_rate=lr)
+            for method, lr in (("lora", 3e-3), ("full", 1e-3))}
+PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("name", list(SPLITS))
-def test_family_split_matches_transformers(name, launch, tiny_checkpoint):
-    check_split_matches_transformers(*SPLITS[name], launch=launch, tiny_checkpoint=tiny_checkpoint)
+@pytest.fixture(scope="module")
+def reference():
+    """`reference(checkpoint, method)` → (per-step losses, probe logits after training) of the unsplit model
+    trained by plain transformers (+ peft) on the same micro-batches; made once per checkpoint and method."""
+    from hfsplit.training.options import FinetuneOptions
+    from tests.training.test_trainer import reference_training
+
+    made = {}
+
+    def get(checkpoint: str, method: str):
+        if (checkpoint, method) not in made:
+            losses, model = reference_training(FinetuneOptions(model=checkpoint, method=method, **TRAINING[method]))
+            with torch.no_grad():
+                made[checkpoint, method] = losses, model(input_ids=PROBE).logits
+        return made[checkpoint, method]
+
+    return get
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_families_split_equal_transformers_and_train_as_one_process(shape, launch, tiny_checkpoint, reference,
+                                                                    tmp_path):
+    tp, pp = SHAPES[shape]
+    cases = [dict(name=name, checkpoint=str(tiny_checkpoint(family, tied=tied)), tied=tied, **split)
+             for name, (family, tied, split) in CASES.items() if (split["tp"], split["pp"]) == (tp, pp)]
+    assert {c["name"].split("-")[0] for c in cases} == {family for family, _, _ in CASES.values()}
+    results = launch("tests.parallel.family_cases:families_on_split", world_size=tp * pp, timeout_s=900,
+                     kwargs=dict(cases=cases, training=TRAINING, probe=PROBE.tolist(), out_dir=str(tmp_path)))
+    failures = {}
+    for case in cases:
+        try:
+            check_case(case, [r[case["name"]] for r in results], reference)
+        except AssertionError as exc:
+            failures[case["name"]] = f"{exc}"[:600]
+    assert not failures, failures
+
+
+def check_case(case: dict, results: list, reference) -> None:
+    """One family's split: equal to transformers, and trained as one process would train it."""
+    assert_split_matches(results, checkpoint=case["checkpoint"], tp=case["tp"], tied=case["tied"])
+    for method in TRAINING:
+        runs = [r["training"][method] for r in results]
+        losses, logits = reference(case["checkpoint"], method)
+        assert all(run["losses"] == runs[0]["losses"] for run in runs), f"{method}: ranks disagree on the losses"
+        assert runs[0]["losses"] == pytest.approx(losses, rel=1e-4), method
+        diff = (runs[0]["probe_logits"] - logits).abs().max().item()
+        assert diff < 1e-4, f"{method}: trained split's logits {diff:.2e} from the trained single process"
+        check_saved(runs[0], base=case["checkpoint"], method=method)
+
+
+def check_saved(run: dict, *, base: str, method: str) -> None:
+    """The saved output loads with plain transformers / peft and computes what the split ended with."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folders = {"model": None} if method == "full" else {"adapter": None, "merged": None}
+    for kind in folders:
+        folder = Path(run["saved"][kind])
+        if kind == "adapter":
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), folder)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        with torch.no_grad():
+            diff = (model(input_ids=PROBE).logits - run["probe_logits"]).abs().max().item()
+        assert diff < 1e-4, f"{method}: {kind}/ loads {diff:.2e} away from the trained split"

@@ -39,14 +39,18 @@ def check_split_matches_transformers(arch: str, tied: bool, ranks: int, split: d
     checkpoint = str(tiny_checkpoint(arch, tied=tied))
     results = launch("tests.parallel.cases:split_matches_transformers", world_size=ranks,
                      kwargs=dict(checkpoint=checkpoint, **split))
+    assert_split_matches(results, checkpoint=checkpoint, tp=split["tp"], tied=tied)
 
+
+def assert_split_matches(results: list, *, checkpoint: str, tp: int, tied: bool) -> None:
+    """The per-rank results of `cases.split_matches_transformers` show the split equal to transformers."""
     for r in results:
         assert r["logits_diff"] <= 1e-5
         assert r["generate_equal"], r["generated"]
         bad = {n: d for n, d in r["grad_rel_diff"].items() if d > 1e-5}
         assert not bad, bad
     assert any("loss_diff" in r and r["loss_diff"] <= 1e-5 for r in results)
-    assert_every_parameter_once(results, checkpoint=checkpoint, tp=split["tp"], tied=tied)
+    assert_every_parameter_once(results, checkpoint=checkpoint, tp=tp, tied=tied)
 
 
 def assert_every_parameter_once(results: list, *, checkpoint: str, tp: int, tied: bool) -> None:
