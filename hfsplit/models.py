@@ -45,6 +45,9 @@ class Family:
             (Gemma 3: a local rope for sliding layers, a global one for full-attention layers).
         refused_flags: config flags that change the model's forward in ways no test covers; a config
             setting one is refused by name (Gemma 3's `use_bidirectional_attention`, for embedding models).
+        tp_refused_flags: config flags under which the model's own TP plan is wrong, so tp > 1 is refused
+            (pipeline stages still split it): Cohere's `use_qk_norm` adds q/k norms holding a weight per head,
+            which the plan leaves whole while the heads are sharded.
     """
 
     embed_multiplier: Optional[str] = None
@@ -53,6 +56,7 @@ class Family:
     final_softcap: Optional[str] = None
     rope_per_layer_type: bool = False
     refused_flags: tuple[str, ...] = ()
+    tp_refused_flags: tuple[str, ...] = ()
 
     def position_embeddings(self, rotary_emb: nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
                             kinds) -> dict:
@@ -92,7 +96,7 @@ FAMILIES = {
     "gemma": Family(),  # embedding scale inside GemmaTextScaledWordEmbedding
     "gemma2": Family(final_softcap="final_logit_softcapping"),
     "granite": Family(embed_multiplier="embedding_multiplier", logit_divisor="logits_scaling"),
-    "cohere": Family(logit_multiplier="logit_scale"),
+    "cohere": Family(logit_multiplier="logit_scale", tp_refused_flags=("use_qk_norm",)),
     "gemma3_text": Family(final_softcap="final_logit_softcapping", rope_per_layer_type=True,
                           refused_flags=("use_bidirectional_attention",)),
     "cohere2": Family(logit_multiplier="logit_scale"),  # sliding layers come from layer_types, as Gemma 2's
@@ -174,9 +178,16 @@ def tp_plan_of(config) -> dict[str, str]:
 
 
 def tp_supported(config) -> bool:
-    """Whether hfsplit can shard `config`'s model: it has a TP plan made only of the styles it implements."""
+    """Whether hfsplit can shard `config`'s model: it has a TP plan made only of the styles it implements,
+    and no flag its family declares the plan wrong under (`Family.tp_refused_flags`)."""
     styles = set(tp_plan_of(config).values())
-    return bool(styles) and styles <= set(TP_STYLES)
+    return bool(styles) and styles <= set(TP_STYLES) and tp_refused_flag(config) is None
+
+
+def tp_refused_flag(config) -> Optional[str]:
+    """The config flag set on `config` under which its family's TP plan is wrong (None when there is none)."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return next((f for f in (family.tp_refused_flags if family else ()) if getattr(config, f, False)), None)
 
 
 def tp_style_of(config, module_path: str) -> Optional[str]:
@@ -200,6 +211,10 @@ def valid_tp_degrees(config, max_degree: int) -> list[int]:
 
 def tp_degree_error(config, tp: int) -> Optional[str]:
     """Why tensor-parallel degree `tp` cannot shard `config`'s model (None when it can)."""
+    if tp > 1 and (flag := tp_refused_flag(config)):
+        return (f"tp={tp}: {config.model_type} with {flag}=True has modules holding a weight per attention head "
+                f"that its tensor-parallel plan leaves whole while the heads are sharded; use tp=1 (pipeline "
+                "stages split it)")
     if tp > 1 and not tp_supported(config):
         styles = sorted(set(tp_plan_of(config).values()) - set(TP_STYLES))
         return (f"tp={tp}: {config.model_type}'s tensor-parallel plan uses {', '.join(styles) or 'no styles'}, "

@@ -103,3 +103,26 @@ def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
     ids = torch.randint(3, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(module(ids), reference(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_tensor_parallel_is_refused_where_the_family_tp_plan_is_wrong(tiny_checkpoint):
+    """Cohere with q/k norms (Command R+): a weight per head that transformers' TP plan leaves whole while the
+    heads are sharded. The planner keeps it at tp=1 and refuses tp=2 with one line, and so does a hand-made
+    tp=2 plan before any weight is read (its pp=2 split is in tests/parallel/test_families_split.py)."""
+    from hfsplit.checkpoint import load_config
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.errors import PlanError
+    from hfsplit.parallel.split_model import build_split_model
+    from hfsplit.planner import make_plan
+    from tests.parallel.cases import hand_plan
+
+    folder = str(tiny_checkpoint("cohere", use_qk_norm=True))
+    config = load_config(folder)
+    spec = TrainingSpec(method="lora", seq_len=64, dtype="float32", reserve_bytes=0)
+    assert make_plan(config, "2x1GiB", spec=spec).tp == 1
+    assert make_plan(load_config(str(tiny_checkpoint("cohere"))), "2x1GiB", spec=spec, tp=2).tp == 2
+    message = r"tp=2: cohere with use_qk_norm=True .* use tp=1"
+    with pytest.raises(PlanError, match=message):
+        make_plan(config, "2x1GiB", spec=spec, tp=2)
+    with pytest.raises(PlanError, match=message):
+        build_split_model(hand_plan(config, tp=2, pp=1, layers=[(0, 4)], schedule="GPipe"), folder, ctx=None)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import PlanError
-from ..models import meta_model
+from ..models import meta_model, tp_degree_error
 from ..plan import Plan
 from .apply import LoraSetup, apply_plan
 from .mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
@@ -308,6 +308,8 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
             f"{name_or_path}: config tie_word_embeddings={config.tie_word_embeddings} but the plan says "
             f"tied_embeddings={plan.tied_embeddings}; re-plan for this checkpoint"
         )
+    if why := tp_degree_error(config, plan.tp):  # a plan made by hand or for another config
+        raise PlanError(f"{name_or_path}: {why}")
     dtype = dtype or getattr(torch, plan.spec.dtype)
     if quantization_config is not None or getattr(config, "quantization_config", None) is not None:
         from ..quantize import for_stored, stored_quantization

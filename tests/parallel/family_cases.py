@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -41,22 +42,22 @@ def one_case(case: dict, *, training: dict, probe: torch.Tensor, out_dir: Path) 
     for method in METHODS:
         start = time.perf_counter()
         out["training"][method] = train_split(case["checkpoint"], split, method=method, options=training,
-                                              probe=probe, out_dir=out_dir / method)
+                                              probe=probe, out_dir=out_dir / method if case["save"] else None)
         out["seconds"][method] = time.perf_counter() - start
     return out
 
 
 def train_split(checkpoint: str, split: dict, *, method: str, options: dict, probe: torch.Tensor,
-                out_dir: Path) -> dict:
+                out_dir: Optional[Path]) -> dict:
     """`options.max_steps` steps of `method` on the hand-made split: per-step losses (every rank), the trained
-    model's probe logits, and where its output was saved (LoRA: the adapter and the merged model)."""
+    model's probe logits, and where its output was saved under `out_dir` (LoRA: the adapter and the merged
+    model; nothing without `out_dir`)."""
     from hfsplit.checkpoint import load_config
     from hfsplit.parallel.launch import split_from_pretrained
     from hfsplit.training.options import FinetuneOptions
-    from hfsplit.training.save import save_split_model
 
     started = time.perf_counter()
-    opts = FinetuneOptions(**options[method], model=checkpoint, method=method, output_dir=str(out_dir))
+    opts = FinetuneOptions(**options[method], model=checkpoint, method=method)
     config = load_config(checkpoint)
     plan = hand_plan(config, **split, micro_batches=opts.micro_batches, method=method, seq_len=opts.seq_len)
     run = _run(opts, split_from_pretrained(checkpoint, plan=plan, dtype=torch.float32,
@@ -66,16 +67,22 @@ def train_split(checkpoint: str, split: dict, *, method: str, options: dict, pro
     with torch.no_grad():
         logits = run.model(probe, broadcast=True)
     trained = time.perf_counter()
-    saved = {}
-    if method == "lora":
-        saved["adapter"] = str(save_split_model(run.model, out_dir / "adapter", method="lora",
-                                                lora_config=run.lora_config, base_model=checkpoint))
-        saved["merged"] = str(save_split_model(run.model, out_dir / "merged", method="full", merge_lora=True,
-                                               base_model=checkpoint))
-    else:
-        saved["model"] = str(save_split_model(run.model, out_dir / "model", method="full", base_model=checkpoint))
+    saved = _save(run, method=method, out_dir=out_dir) if out_dir is not None else {}
     seconds = {"build": built - started, "steps": trained - built, "save": time.perf_counter() - trained}
     return {"losses": losses, "probe_logits": logits, "saved": saved, "seconds": seconds}
+
+
+def _save(run, *, method: str, out_dir: Path) -> dict[str, str]:
+    """The run's output as the trainer writes it: `model/`, or `adapter/` and `merged/` for LoRA."""
+    from hfsplit.training.save import save_split_model
+
+    base = run.model_path
+    if method == "full":
+        return {"model": str(save_split_model(run.model, out_dir / "model", method="full", base_model=base))}
+    return {"adapter": str(save_split_model(run.model, out_dir / "adapter", method="lora",
+                                            lora_config=run.lora_config, base_model=base)),
+            "merged": str(save_split_model(run.model, out_dir / "merged", method="full", merge_lora=True,
+                                           base_model=base))}
 
 
 def _lora(opts, checkpoint: str):
