@@ -14,7 +14,6 @@ def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
     checkpoint = str(tiny_checkpoint("llama", **MODEL))
     results = launch("tests.parallel.apply_cases:step_memory_and_losses", world_size=2, timeout_s=400,
                      kwargs=dict(checkpoint=checkpoint, method=method, tp=tp, pp=pp, **STEP))
-    overestimated = []
     for rank, by_ac in enumerate(results):
         off, on = by_ac[False], by_ac[True]
         for ac, r in by_ac.items():
@@ -22,9 +21,6 @@ def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
             assert r["applied"] == r["steps"], (rank, ac, r["applied"])
             assert r["checkpointed_blocks"] == (4 // pp if ac else 0)
             ratio = r["measured"] / r["planned"]
-            if (method, tp, ac) == ("full", 2, True) and 0.75 <= ratio < 0.85:
-                overestimated.append(f"rank {rank}: {ratio:.3f}")
-                continue
             assert 0.85 <= ratio <= 1.15, f"rank {rank} checkpointing {ac}: measured/planned = {ratio:.3f}"
         planned_saving = off["planned"] - on["planned"]
         assert planned_saving > 0.25 * off["planned"]  # a test where checkpointing matters (the head weighs on the last stage)
@@ -34,5 +30,3 @@ def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
     curves = {ac: next(r[ac]["losses"] for r in results if r[ac]["losses"][0] is not None) for ac in (False, True)}
     assert curves[True] == pytest.approx(curves[False], rel=1e-5)
     assert curves[False][-1] < curves[False][0]
-    if overestimated:  # known: the checkpointed full tp=2 step is overestimated by ~19% (the safe side); cause open
-        pytest.xfail("full tp=2 with checkpointing: measured/planned " + ", ".join(overestimated))
