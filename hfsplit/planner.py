@@ -265,7 +265,12 @@ def _parts(costs: ModelCosts, slot: Slot, layers: int) -> list[tuple[PartCost, i
 def _slot_time(costs: ModelCosts, slot: Slot, layers: int) -> float:
     parts = _parts(costs, slot, layers)
     flops = sum(c.flops * k for c, k in parts)
-    return flops / (DEVICE_FLOPS * slot.speed) + _comm_time(costs, slot, parts)
+    return flops / (DEVICE_FLOPS * slot.speed) * _split_factor(costs, slot) + _comm_time(costs, slot, parts)
+
+
+def _split_factor(costs: ModelCosts, slot: Slot) -> float:
+    """Zero-bubble slots (3 actions) run the backward as two autograd passes: their measured extra compute."""
+    return slot.link.split_backward if slot.actions == 3 and costs.spec.method != "inference" else 1.0
 
 
 def _comm_time(costs: ModelCosts, slot: Slot, parts: list[tuple[PartCost, int]]) -> float:

@@ -175,8 +175,20 @@ def fit(run: Run) -> TrainResult:
         from ..calibrate import time_report
 
         print(time_report(run.model.plan, result.step_times_s, result.busy_s_per_rank), flush=True)
+        recheck_calibration(run, result)
         print(summary_line(result), flush=True)
     return result
+
+
+def recheck_calibration(run: Run, result: TrainResult) -> None:
+    """Rank 0, which planned: a cached FLOP/s this run's busy time contradicts is replaced by the run's rate."""
+    from ..calibrate import recheck_speed
+    from ..checkpoint import load_config
+
+    line = recheck_speed(run.model.plan, load_config(run.model_path), run.model.device,
+                         step_times_s=result.step_times_s, busy_s=result.busy_s_per_rank)
+    if line:
+        print(line, flush=True)
 
 
 def train_step(run: Run, batch: dict) -> StepOutcome:
@@ -368,7 +380,7 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Opti
         arguments.update(micro_batches=None, global_batch=global_batch)
     # Measured on this rank's own device (cached per device kind and dtype): the time model picks the schedule.
     arguments["device_speeds"] = run_speeds(model_path, arguments["spec"], budget)
-    arguments["link"] = run_link()  # one p2p probe between neighbours: pipeline sends and TP all-reduces
+    arguments["link"] = run_link(model_path, arguments["spec"])  # one p2p probe between neighbours: pipeline sends and TP all-reduces
     return shared_plan(model_path, budget, **arguments)
 
 
