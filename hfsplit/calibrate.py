@@ -226,15 +226,16 @@ def pipeline_busy(plan, step_times_s: list[float], busy_s: list[float]) -> list[
     return rows
 
 
-def recheck_speed(plan, config, device: torch.device, *, step_times_s: list[float],
-                  busy_s: list[float]) -> Optional[str]:
+def recheck_speed(plan, config, device: torch.device, *, step_times_s: list[float], busy_s: list[float],
+                  spec=None) -> Optional[str]:
     """Correct the cached FLOP/s with a run's own measurement; the line to print, or None when it agreed.
 
     The calibration probe times one block for a moment; a run's steps time every block for minutes. When the
     pipeline ranks' measured busy time (their stages' work, waits excluded) differs from the plan's estimate
     by more than RECHECK_FACTOR either way, the probe was taken under other conditions (a loaded machine, a
     cold cache) and the run's rate replaces it, so the next plan of this device and shape uses it. Call it
-    where the plan was made (rank 0), after the run, with `TrainResult`'s step times and busy seconds.
+    where the plan was made (rank 0), after the run, with `TrainResult`'s step times and busy seconds, and
+    the spec the speed was calibrated with (default the plan's; they differ where auto cut a global batch).
     """
     from .trace_cache import read_cache, write_cache
 
@@ -243,7 +244,7 @@ def recheck_speed(plan, config, device: torch.device, *, step_times_s: list[floa
         return None
     estimated, measured = sum(r[1] for r in rows), sum(r[2] for r in rows)
     ratio = measured / estimated if estimated > 0 else 1.0
-    key = speed_key(config, plan.spec, device)
+    key = speed_key(config, spec or plan.spec, device)
     record = read_cache("speed", key)
     if record is None or 1 / RECHECK_FACTOR <= ratio <= RECHECK_FACTOR:
         return None

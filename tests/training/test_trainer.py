@@ -150,11 +150,17 @@ def test_the_recipe_runs_without_a_launcher_as_one_rank(tiny_checkpoint, tmp_pat
         env.pop(name, None)
     model = str(tiny_checkpoint("llama"))
     cmd = [sys.executable, str(ROOT / "recipes/finetune.py"), "--model", model,
-           "--max-memory", "1GiB", "--max-steps", "3", "--seq-len", "64", "--output-dir", str(tmp_path / "out")]
+           "--max-memory", "1GiB", "--max-steps", "3", "--seq-len", "64", "--output-dir", str(tmp_path / "out"),
+           "--global-batch", "4"]
     record = _calibration_wrong_by_4x(model, FinetuneOptions(model=model, seq_len=64, max_memory="1GiB"))
     proc = run_command(cmd, cwd=tmp_path, env=env, timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 3 steps" in proc.stdout and (tmp_path / "out" / "model" / "config.json").is_file()
+    # --global-batch under schedule auto: the planner cut the 4 rows (its note), and the run trained on that cut
+    cut = re.search(r"micro-batches auto cut 4 rows per replica as (\d+) × (\d+)", proc.stdout)
+    assert cut and int(cut.group(1)) * int(cut.group(2)) == 4 and int(cut.group(1)) <= 2
+    launch = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert launch["plan"]["micro_batches"] == int(cut.group(2)) and launch["tokens_per_step"] == 4 * 64
     # The run planned with a FLOP/s 4× too high, measured its busy time, and put its own rate in the cache.
     ratio = float(re.search(r"measured busy time was ([\d.]+)× the estimate", proc.stdout).group(1))
     fixed = record()
