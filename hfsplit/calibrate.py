@@ -30,7 +30,7 @@ from .links import Link, fit_link
 KNOWN_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
                "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
 ACHIEVED = 0.4
-PROBE_REPEATS = 5
+PROBE_REPEATS = 7
 # A cached FLOP/s figure is re-measured after this long, and replaced by a run's own measured rate when the
 # run's busy time differs from the estimate by more than RECHECK_FACTOR either way (see `recheck_speed`).
 MAX_AGE_S = 7 * 24 * 3600
