@@ -15,7 +15,8 @@ with one thread per rank, launched by torchrun exactly as users launch the recip
 Then the auto row's ratio to the best hand-picked pp=2 row and to sequential model parallelism,
 and each run's estimated step next to its measured median (the recipe's "time model" line).
 Prints a markdown table of tokens/s (steady state, first step excluded), ratios, and the
-measured bubble next to `(p-1)/(m+p-1)`.
+measured bubble next to `(p-1)/(m+p-1)`; "cache ×r" marks a run whose busy time was r× the estimate, beyond
+`calibrate.RECHECK_FACTOR`, which replaced the cached FLOP/s with its own rate for the rows after it.
 """
 from __future__ import annotations
 
@@ -52,11 +53,13 @@ def run(model: Path, out: Path, *, ranks: int, steps: int, **options) -> dict:
     bubble = re.search(r"bubble measured ([\d.]+)% \(theory ([\d.]+)%\)", proc.stdout)
     model_line = re.search(r"estimated step ([\d.]+) ms, measured median ([\d.]+) ms", proc.stdout)
     chosen = re.search(r"schedule (\S+)\n", proc.stdout)
+    recheck = re.search(r"measured busy time was ([\d.]+)× the estimate", proc.stdout)
     cut = re.search(r"micro-batches auto cut \d+ rows per replica as (\d+ × \d+)", proc.stdout)
     return {"tokens_per_s": sum(rates) / len(rates), "bubble": float(bubble.group(1)) if bubble else float("nan"),
             "theory": float(bubble.group(2)) if bubble else float("nan"),
             "estimate_ms": float(model_line.group(1)) if model_line else float("nan"),
             "measured_ms": float(model_line.group(2)) if model_line else float("nan"),
+            "recheck": f" (cache ×{recheck.group(1)})" if recheck else "",
             "schedule": chosen.group(1) + (f", {cut.group(1)}" if cut else "") if chosen else "?"}
 
 
@@ -105,7 +108,7 @@ def main() -> None:
         seq = results[f"{group}sequential model parallel (device_map style)"]["tokens_per_s"]
         print(f"| {name}{' → ' + r['schedule'] if 'auto' in name else ''} | {r['tokens_per_s']:.0f} "
               f"| {r['tokens_per_s'] / base:.2f}× | {r['tokens_per_s'] / seq:.2f}× "
-              f"| {r['bubble']:.1f}% | {r['theory']:.1f}% | {r['estimate_ms']:.0f} / {r['measured_ms']:.0f} ms |")
+              f"| {r['bubble']:.1f}% | {r['theory']:.1f}% | {r['estimate_ms']:.0f} / {r['measured_ms']:.0f} ms{r['recheck']} |")
     if "QLoRA pp=2 auto m=8" in results:
         ratio = (results["QLoRA pp=2 auto m=8"]["tokens_per_s"]
                  / results["QLoRA sequential model parallel (device_map style)"]["tokens_per_s"])
