@@ -441,7 +441,7 @@ def split_eval_rows(rows, options: FinetuneOptions):
 
     if not options.eval_every:
         return rows, None
-    count = max(options.micro_batch_size * options.micro_batches, len(rows) // 20)
+    count = max(options.global_batch or options.micro_batch_size * options.micro_batches, len(rows) // 20)
     if count >= len(rows):
         raise HfsplitError(f"the dataset has {len(rows)} rows: too few to hold out {count} for --eval-every")
     train = TokenRows(rows.input_ids[count:], rows.labels[count:])
