@@ -42,10 +42,13 @@ LINK_PROBE_REPEATS = 5
 
 
 def device_kind(device: torch.device) -> str:
-    """A name for what runs the work: the GPU model, or the CPU model and its thread count."""
+    """A name for what runs the work: the GPU model, or the CPU model, its thread count and how many ranks of
+    the launch share this host's cores (one process runs a block faster than each of two ranks sharing them:
+    a figure probed or measured by one must not plan the other)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu:{platform.processor() or platform.machine()}:threads={torch.get_num_threads()}"
+    sharing = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return f"cpu:{platform.processor() or platform.machine()}:threads={torch.get_num_threads()}:ranks={sharing}"
 
 
 def known_flops(name: str) -> Optional[float]:
