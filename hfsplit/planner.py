@@ -414,7 +414,7 @@ def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpe
                         "(--global-batch N) or a micro-batch count")
     if micro_batches is not None and micro_batches != AUTO and micro_batches < 1:
         raise PlanError(f"micro_batches={micro_batches}: needs at least 1")
-    if global_batch is not None and global_batch < spec.micro_batch_size:
+    if global_batch is not None and global_batch < spec.micro_batch_size and micro_batches != AUTO:
         raise PlanError(f"global_batch={global_batch} is smaller than micro_batch_size={spec.micro_batch_size}")
     if spec.seq_len < 1 or spec.micro_batch_size < 1:
         raise PlanError("seq_len and micro_batch_size must be at least 1")
