@@ -30,7 +30,11 @@ from .links import Link, fit_link
 KNOWN_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
                "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
 ACHIEVED = 0.4
-PROBE_REPEATS = 3
+PROBE_REPEATS = 7
+# A cached FLOP/s figure is re-measured after this long, and replaced by a run's own measured rate when the
+# run's busy time differs from the estimate by more than RECHECK_FACTOR either way (see `recheck_speed`).
+MAX_AGE_S = 7 * 24 * 3600
+RECHECK_FACTOR = 1.3
 # Message sizes of the link probe: 4 KiB is latency-bound, 4 MiB bandwidth-bound on every interconnect
 # (and a few ms on gloo over loopback), so a probe of both costs well under a second.
 LINK_PROBE_BYTES = (4 << 10, 4 << 20)
@@ -38,10 +42,13 @@ LINK_PROBE_REPEATS = 5
 
 
 def device_kind(device: torch.device) -> str:
-    """A name for what runs the work: the GPU model, or the CPU model and its thread count."""
+    """A name for what runs the work: the GPU model, or the CPU model, its thread count and how many ranks of
+    the launch share this host's cores (one process runs a block faster than each of two ranks sharing them:
+    a figure probed or measured by one must not plan the other)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu:{platform.processor() or platform.machine()}:threads={torch.get_num_threads()}"
+    sharing = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return f"cpu:{platform.processor() or platform.machine()}:threads={torch.get_num_threads()}:ranks={sharing}"
 
 
 def known_flops(name: str) -> Optional[float]:
@@ -52,25 +59,66 @@ def known_flops(name: str) -> Optional[float]:
     return None
 
 
+def speed_key(config, spec, device: torch.device) -> str:
+    """The calibration cache's key: device kind, dtype, method and the block's shape at the spec's micro-batch."""
+    return (f"{device_kind(device)}|{spec.dtype}|{spec.method}|r={spec.lora_r}|b={spec.micro_batch_size}"
+            f"|s={spec.seq_len}|{config.hidden_size}|{config.intermediate_size}|{config.num_attention_heads}"
+            f"|{getattr(config, 'num_key_value_heads', None)}|{config.model_type}")
+
+
 def block_flops_per_s(config, spec, device: torch.device) -> float:
     """Measured FLOP/s of one decoder block's forward + backward under `spec` on `device` (cached)."""
+    record = speed_record(config, spec, device)
+    return record["flops"] / record["seconds"]
+
+
+def split_backward_factor(config, spec, device: torch.device) -> float:
+    """How much longer the block's step takes with its backward split into an input-gradient and a
+    weight-gradient pass, as zero-bubble schedules run it, than with one backward (cached with the FLOP/s)."""
+    record = speed_record(config, spec, device)
+    return max(1.0, record.get("split_seconds", record["seconds"]) / record["seconds"])
+
+
+def speed_record(config, spec, device: torch.device) -> dict:
+    """The cached calibration record (`seconds`, `split_seconds`, `flops`, `measured_at`, `source`), measured
+    now when there is none or it is older than MAX_AGE_S: a figure taken on a machine that has changed
+    (drivers, load, thermal limits) should not plan forever."""
     from .costs import model_costs
     from .trace_cache import read_cache, write_cache
 
     plain = replace(spec, activation_checkpointing=False)  # the probe runs no recompute
-    flops = model_costs(config, plain, tp=1).block.flops
-    key = (f"{device_kind(device)}|{spec.dtype}|{spec.method}|r={spec.lora_r}|b={spec.micro_batch_size}"
-           f"|s={spec.seq_len}|{config.hidden_size}|{config.intermediate_size}|{config.num_attention_heads}"
-           f"|{getattr(config, 'num_key_value_heads', None)}|{config.model_type}")
+    key = speed_key(config, spec, device)
     record = read_cache("speed", key)
-    if record is None:
-        record = {"seconds": _time_block(config, plain, device), "flops": flops}
+    if record is None or time.time() - record.get("measured_at", 0) > MAX_AGE_S:
+        seconds, split = _time_block(config, plain, device)
+        record = {"seconds": seconds, "split_seconds": split, "flops": model_costs(config, plain, tp=1).block.flops,
+                  "measured_at": time.time(), "source": "probe"}
         write_cache("speed", key, record)
-    return record["flops"] / record["seconds"]
+    return record
 
 
-def _time_block(config, spec, device: torch.device) -> float:
-    """Median seconds of forward + backward of one real block at the spec's micro-batch shape."""
+def _time_block(config, spec, device: torch.device) -> tuple[float, float]:
+    """Median seconds of forward + backward of one real block at the spec's micro-batch shape: with one
+    backward, and with the backward split into input and weight gradients by torch's own pipelining
+    functions (what ZBV and DualPipeV run). The two run in alternate pairs and the split's figure is the
+    plain one × the median ratio within pairs, so load that comes and goes during the probe cancels out
+    (on 2 loaded CPU cores single timings of the same block vary 2×; the paired ratio stays near 1.1)."""
+    run = _probe_block(config, spec, device)
+    training = spec.method != "inference"
+    plain, ratios = [], []
+    for i in range(PROBE_REPEATS + 1):  # the first pair warms allocators and kernels
+        one = _seconds(run, device, split=False)
+        split = _seconds(run, device, split=True) if training else one
+        if i:
+            plain.append(one)
+            ratios.append(split / one)
+    seconds = statistics.median(plain)
+    return seconds, seconds * statistics.median(ratios)
+
+
+def _probe_block(config, spec, device: torch.device):
+    """A function running forward and backward once on a random micro-batch through block 0 of a one-layer
+    model of `config` (LoRA-wrapped and trainable as `spec` says)."""
     from .costs import _dtype, _one_layer_config, _set_trainable
     from transformers import AutoModelForCausalLM
 
@@ -85,24 +133,33 @@ def _time_block(config, spec, device: torch.device) -> float:
 
         inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=block_linear_names(config)), block)
     _set_trainable(block, spec)
-    ids = torch.zeros(spec.micro_batch_size, spec.seq_len, dtype=torch.long, device=device)
     pos = torch.arange(spec.seq_len, device=device).unsqueeze(0)
     x = torch.randn(spec.micro_batch_size, spec.seq_len, config.hidden_size, dtype=dtype, device=device)
     embeddings = _block_rotary(config, base.rotary_emb, x, pos)
-    times = []
-    for i in range(PROBE_REPEATS + 1):  # the first run warms allocators and kernels
-        _sync(device)
-        start = time.perf_counter()
+
+    def run(split: bool) -> None:
         inp = x.detach().requires_grad_(spec.method != "inference")
         out = block(inp, attention_mask=None, position_embeddings=embeddings, position_ids=pos)
         out = out[0] if isinstance(out, tuple) else out
-        if spec.method != "inference":
+        if spec.method == "inference":
+            return
+        if not split:
             out.sum().backward()
-        _sync(device)
-        if i:
-            times.append(time.perf_counter() - start)
-    del ids
-    return statistics.median(times)
+            return
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [inp], block.parameters())
+        stage_backward_weight(block.parameters(), groups)
+
+    return run
+
+
+def _seconds(run, device: torch.device, *, split: bool) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    run(split)
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def _block_rotary(config, rotary_emb, x: torch.Tensor, pos: torch.Tensor):
@@ -134,11 +191,7 @@ def run_speeds(model_path: str, spec, max_memory) -> dict:
     from .budget import parse_max_memory
     from .checkpoint import load_config
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    else:
-        device = torch.device("cpu")
-    return calibrated_speeds(load_config(model_path), spec, parse_max_memory(max_memory), device)
+    return calibrated_speeds(load_config(model_path), spec, parse_max_memory(max_memory), _run_device())
 
 
 def time_report(plan, step_times_s: list[float], busy_s: list[float]) -> str:
@@ -147,25 +200,64 @@ def time_report(plan, step_times_s: list[float], busy_s: list[float]) -> str:
 
     Args:
         plan: the run's Plan.
-        step_times_s: measured wall time of the timed steps.
-        busy_s: per global rank, seconds its schedule spent in its stages' work over those steps.
+        step_times_s: measured wall time of every step (the first, which builds the schedule, is not timed).
+        busy_s: per global rank, seconds its schedule spent in its stages' work over the timed steps.
     """
-    from .parallel.mesh import coordinates_of_rank
-
     if not step_times_s:
         return "time model: no step was timed"
     measured = statistics.median(step_times_s)
     lines = [f"time model: estimated step {plan.step_time_s * 1e3:.1f} ms, measured median {measured * 1e3:.1f} ms "
              f"(× {measured / plan.step_time_s:.2f})"]
+    for pp_rank, estimate, busy in pipeline_busy(plan, step_times_s, busy_s):
+        layers = ", ".join(f"{s.layers[0]}-{s.layers[1] - 1}" for s in plan.stages_of_rank(pp_rank))
+        lines.append(f"  pipeline rank {pp_rank} (layers {layers}): estimated busy {estimate * 1e3:.1f} ms, "
+                     f"measured {busy * 1e3:.1f} ms per step")
+    return "\n".join(lines)
+
+
+def pipeline_busy(plan, step_times_s: list[float], busy_s: list[float]) -> list[tuple[int, float, float]]:
+    """(pipeline rank, estimated busy seconds per step, measured busy seconds per timed step), one per
+    pipeline rank (replicas and TP peers run the same stages)."""
+    from .parallel.mesh import coordinates_of_rank
+
+    timed = max(len(step_times_s) - 1, 1)  # Metrics leaves the first step out of the busy total
+    rows = []
     for rank, busy in enumerate(busy_s):
         c = coordinates_of_rank(plan, rank=rank)
-        if c.dp or c.tp:
-            continue  # replicas and TP peers run the same stages
-        estimate = sum(s.time_s for s in plan.stages_of_rank(c.pp)) * plan.micro_batches
-        layers = ", ".join(f"{s.layers[0]}-{s.layers[1] - 1}" for s in plan.stages_of_rank(c.pp))
-        lines.append(f"  pipeline rank {c.pp} (layers {layers}): estimated busy {estimate * 1e3:.1f} ms, "
-                     f"measured {busy / len(step_times_s) * 1e3:.1f} ms per step")
-    return "\n".join(lines)
+        if not (c.dp or c.tp):
+            rows.append((c.pp, sum(s.time_s for s in plan.stages_of_rank(c.pp)) * plan.micro_batches, busy / timed))
+    return rows
+
+
+def recheck_speed(plan, config, device: torch.device, *, step_times_s: list[float], busy_s: list[float],
+                  spec=None) -> Optional[str]:
+    """Correct the cached FLOP/s with a run's own measurement; the line to print, or None when it agreed.
+
+    The calibration probe times one block for a moment; a run's steps time every block for minutes. When the
+    pipeline ranks' measured busy time (their stages' work, waits excluded) differs from the plan's estimate
+    by more than RECHECK_FACTOR either way, the probe was taken under other conditions (a loaded machine, a
+    cold cache) and the run's rate replaces it, so the next plan of this device and shape uses it. Call it
+    where the plan was made (rank 0), after the run, with `TrainResult`'s step times and busy seconds, and
+    the spec the speed was calibrated with (default the plan's; they differ where auto cut a global batch).
+    """
+    from .trace_cache import read_cache, write_cache
+
+    rows = pipeline_busy(plan, step_times_s, busy_s)
+    if os.environ.get("HFSPLIT_NO_CALIBRATION") or len(step_times_s) < 2 or not rows:
+        return None
+    estimated, measured = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    ratio = measured / estimated if estimated > 0 else 1.0
+    key = speed_key(config, spec or plan.spec, device)
+    record = read_cache("speed", key)
+    if record is None or 1 / RECHECK_FACTOR <= ratio <= RECHECK_FACTOR:
+        return None
+    # The estimate is FLOPs / FLOP/s (plus small per-message and per-action terms): scaling the timed
+    # seconds by the ratio makes the same plan's busy estimate equal what this run measured.
+    corrected = {**record, "seconds": record["seconds"] * ratio, "measured_at": time.time(), "source": "run"}
+    corrected["split_seconds"] = record.get("split_seconds", record["seconds"]) * ratio
+    write_cache("speed", key, corrected)
+    return (f"time model: measured busy time was {ratio:.2f}× the estimate (beyond {RECHECK_FACTOR}×): the cached "
+            f"FLOP/s of {device_kind(device)} for this block shape now holds this run's rate; the next plan uses it")
 
 
 def probe_link() -> Optional[Link]:
@@ -228,8 +320,21 @@ def action_seconds(device: torch.device) -> float:
     return statistics.median(times)
 
 
-def run_link() -> Optional[Link]:
-    """The launched run's measured link for `make_plan(link=...)` (None: one rank, or calibration off)."""
+def run_link(model_path: Optional[str] = None, spec=None) -> Optional[Link]:
+    """The launched run's measured link for `make_plan(link=...)` (None: one rank, or calibration off), with
+    the calibrated cost of the split backward of `model_path`'s block under `spec` when they are given."""
     if os.environ.get("HFSPLIT_NO_CALIBRATION"):
         return None
-    return probe_link()
+    link = probe_link()
+    if link is None or model_path is None or spec is None or spec.method == "inference":
+        return link
+    from .checkpoint import load_config
+
+    return replace(link, split_backward=split_backward_factor(load_config(model_path), spec, _run_device()))
+
+
+def _run_device() -> torch.device:
+    """This rank's device: its GPU (by LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")

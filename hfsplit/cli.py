@@ -31,7 +31,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {recipe.seq_len})")
     p.add_argument("--micro-batch-size", type=int, default=None, help=f"default {recipe.micro_batch_size}")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4 × stages)")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (sets --micro-batches)")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (sets --micro-batches; under "
+                                                                  "--schedule auto the time model also chooses the cut)")
     p.add_argument("--schedule", default=None, help=f"auto (fastest by the time model; prints each candidate's step) | 1F1B | GPipe | "
                                                     f"Interleaved1F1B | ZBVZeroBubble | DualPipeV (default {recipe.schedule})")
     p.add_argument("--activation-checkpointing", choices=("on", "off", "auto"), default=None, help="default auto")
@@ -77,9 +78,11 @@ def plan_request(args) -> tuple[str, object, dict]:
     if args.model is None or args.max_memory is None:
         raise HfsplitError("hfsplit plan needs MODEL and --max-memory, or --config RECIPE.yaml")
     ac = {"on": True, "off": False, "auto": "auto", None: "auto"}[args.activation_checkpointing]
+    schedule = args.schedule or "auto"
+    cut = args.global_batch and args.micro_batches is None and schedule == "auto"  # auto cuts the global batch
     return args.model, parse_max_memory(args.max_memory), dict(
-        spec=spec_from_args(args), micro_batches=args.micro_batches, global_batch=args.global_batch,
-        schedule=args.schedule or "auto", activation_checkpointing=ac, tp=args.tp, pp=args.pp)
+        spec=spec_from_args(args), micro_batches="auto" if cut else args.micro_batches, global_batch=args.global_batch,
+        schedule=schedule, activation_checkpointing=ac, tp=args.tp, pp=args.pp)
 
 
 def recipe_request(args) -> tuple[str, object, dict]:
@@ -89,12 +92,13 @@ def recipe_request(args) -> tuple[str, object, dict]:
     flags = {"--lora-r": args.lora_r, "--seq-len": args.seq_len, "--micro-batch-size": args.micro_batch_size,
              "--micro-batches": args.micro_batches, "--schedule": args.schedule, "--dtype": args.dtype,
              "--lora-targets": args.lora_targets, "--tp": args.tp, "--pp": args.pp, "--max-memory": args.max_memory,
-             "--model": args.model, "--activation-checkpointing": args.activation_checkpointing}
+             "--model": args.model, "--activation-checkpointing": args.activation_checkpointing,
+             "--global-batch": args.global_batch}
     argv = ["--config", args.config] + [x for k, v in flags.items() if v is not None for x in (k, str(v))]
     argv += ["--method", "full"] if args.full else ["--method", "qlora"] if args.qlora else []
     options = parse_options(argv)
-    if args.inference or args.global_batch or args.reserve:
-        raise HfsplitError("--inference, --global-batch and --reserve do not apply to a recipe (--config); "
+    if args.inference or args.reserve:
+        raise HfsplitError("--inference and --reserve do not apply to a recipe (--config); "
                            "set the recipe's own options instead")
     if options.max_memory is None:
         raise HfsplitError(f"{args.config} sets no max_memory (the run takes what its devices have free); "

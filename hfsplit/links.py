@@ -20,12 +20,16 @@ class Link:
         action_s: fixed seconds of one schedule action (a stage's forward, backward or weight-gradient pass for
             one micro-batch: the module call and the autograd engine's start), whatever its FLOPs. Measured with
             the link at launch: it is why many small actions (ZBV, Interleaved) can run slower than 1F1B.
+        split_backward: compute time of a block's forward + backward with the backward split into input- and
+            weight-gradient passes (zero-bubble schedules) over the same with one backward; measured by the
+            calibration probe with torch's own split (on CPU ranks about 1.1: two autograd passes, smaller matmuls).
     """
 
     bandwidth: float
     latency_s: float = 0.0
     measured: bool = False
     action_s: float = 0.0
+    split_backward: float = 1.0
 
     def send_s(self, nbytes: float) -> float:
         """Seconds to move one message of `nbytes` to a neighbour."""
@@ -44,7 +48,8 @@ class Link:
         """One line for the plan's notes."""
         how = "measured by the launch's p2p probe" if self.measured else "assumed (no probe)"
         return (f"link {self.bandwidth / 1e9:.2f} GB/s, {self.latency_s * 1e6:.0f} µs per message, "
-                f"{self.action_s * 1e6:.0f} µs per schedule action ({how})")
+                f"{self.action_s * 1e6:.0f} µs per schedule action, split backward ×{self.split_backward:.2f} "
+                f"({how})")
 
 
 def fit_link(sizes: tuple[int, int], seconds: tuple[float, float]) -> Link:

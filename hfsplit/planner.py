@@ -57,7 +57,7 @@ def make_plan(
     max_memory: BudgetSpec,
     *,
     spec: Optional[TrainingSpec] = None,
-    micro_batches: Optional[int] = None,
+    micro_batches: Union[int, str, None] = None,
     global_batch: Optional[int] = None,
     schedule: str = AUTO,
     activation_checkpointing: Union[bool, str] = "auto",
@@ -74,7 +74,7 @@ def make_plan(
         model: a hub name, a local folder, a config.json path, or a transformers config.
         max_memory: per-device budget (see `hfsplit.budget.parse_max_memory`).
         spec: what a step does (method, seq_len, micro-batch size, dtype, LoRA rank...).
-        micro_batches: micro-batches per step per replica (default 4 × pipeline depth).
+        micro_batches: per step per replica (default 4 × pipeline depth); "auto" + global_batch: the cut too (`_cuts`).
         global_batch: sequences per optimizer step across replicas; sets micro_batches when given.
         schedule: "auto" (the fastest of `schedules.AUTO_CANDIDATES` by the time model, its step per candidate
             in the plan's notes) or a name from `hfsplit.schedules.TABLE` ("1F1B", "GPipe", ...).
@@ -103,7 +103,7 @@ def make_plan(
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
                    device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, world_size=world_size)
     checkpointing = _checkpointing_choices(activation_checkpointing, spec)
-    _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=micro_batches, schedule=schedule)
+    _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule)
     _check_budget_count(world_size, budgets)
     for ac in checkpointing:
         found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
@@ -118,34 +118,54 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
               schedule: str, device_speeds: dict, link: Link = DEFAULT_LINK, tp=None, pp=None, dp=None,
               world_size: Optional[int] = None) -> Optional[Plan]:
     """The fastest fitting plan (by tokens/s), or None. Under schedule "auto" each candidate schedule
-    is searched and the plan's notes give the best step of each."""
+    is searched and the plan's notes give the best step of each (and of each micro-batch cut, under
+    micro_batches="auto")."""
     candidates = _schedule_candidates(schedule)
-    best: dict[str, tuple[float, Plan]] = {}
+    best: dict[tuple[str, int], tuple[float, Plan]] = {}
     for t, p, d in _shapes(config, budgets, spec, tp=tp, pp=pp, dp=dp, world_size=world_size):
-        costs = model_costs(config, spec, tp=t)
-        if p > costs.num_layers:
-            continue
-        m = _micro_batches(micro_batches, global_batch, spec, p, d)
-        for sched in candidates if p > 1 else candidates[:1]:
-            if p > 1 and (m < min_micro_batches(sched, p) or _recompute_kept(sched, spec)):
-                continue  # torch refuses fewer micro-batches; or checkpointing would save nothing here
-            for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
-                                             name=name, config=config, link=link):
-                rate = d * m * spec.micro_batch_size / candidate.step_time_s
-                key = candidate.schedule
-                if key not in best or rate > best[key][0] * (1 + 1e-9):
-                    best[key] = (rate, candidate)
+        for b, m in _cuts(micro_batches, global_batch, spec, p, d):
+            costs = model_costs(config, replace(spec, micro_batch_size=b), tp=t)
+            if p > costs.num_layers:
+                continue
+            for sched in candidates if p > 1 else candidates[:1]:
+                if p > 1 and (m < min_micro_batches(sched, p) or _recompute_kept(sched, spec)):
+                    continue  # torch refuses fewer micro-batches; or checkpointing would save nothing here
+                for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
+                                                 name=name, config=config, link=link):
+                    rate = d * m * b / candidate.step_time_s
+                    key = (candidate.schedule, b)
+                    if key not in best or rate > best[key][0] * (1 + 1e-9):
+                        best[key] = (rate, candidate)
     if not best:
         return None
     rate, plan = max(best.values(), key=lambda x: x[0])
-    if schedule == AUTO and plan.pp > 1:
-        per = ", ".join(f"{k} {v[1].step_time_s * 1e3:.1f} ms" for k, v in best.items())
-        untried = [c for c in candidates if c not in best]
-        why = f" ({', '.join(untried)}: nothing fits or too few micro-batches)" if untried else ""
-        plan = replace(plan, notes=plan.notes + (f"schedule auto chose {plan.schedule}: estimated step {per}{why}",))
+    if plan.pp > 1 or micro_batches == AUTO:
+        plan = replace(plan, notes=plan.notes + _auto_notes(best, plan, candidates, schedule=schedule,
+                                                            cut=micro_batches == AUTO))
     if link.measured:
         plan = replace(plan, notes=plan.notes + (link.describe(),))
     return plan
+
+
+def _auto_notes(best: dict, plan: Plan, candidates: list[str], *, schedule: str, cut: bool) -> tuple[str, ...]:
+    """Why auto chose what it chose: the best estimated step of each schedule, and of each micro-batch cut."""
+    notes = []
+    if schedule == AUTO and plan.pp > 1:
+        steps = {}
+        for (sched, _), (_, found) in best.items():
+            steps[sched] = min(steps.get(sched, math.inf), found.step_time_s)
+        per = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in steps.items())
+        untried = [c for c in candidates if c not in steps]
+        why = f" ({', '.join(untried)}: nothing fits or too few micro-batches)" if untried else ""
+        notes.append(f"schedule auto chose {plan.schedule}: estimated step {per}{why}")
+    if cut:
+        cuts = {}
+        for (_, b), (_, found) in best.items():
+            cuts[(b, found.micro_batches)] = min(cuts.get((b, found.micro_batches), math.inf), found.step_time_s)
+        per = ", ".join(f"{b} × {m} {v * 1e3:.1f} ms" for (b, m), v in sorted(cuts.items()))
+        notes.append(f"micro-batches auto cut {plan.spec.micro_batch_size * plan.micro_batches} rows per replica as "
+                     f"{plan.spec.micro_batch_size} × {plan.micro_batches}: estimated step {per}")
+    return tuple(notes)
 
 
 def _schedule_candidates(schedule: str) -> list[str]:
@@ -282,7 +302,12 @@ def _parts(costs: ModelCosts, slot: Slot, layers: int) -> list[tuple[PartCost, i
 def _slot_time(costs: ModelCosts, slot: Slot, layers: int) -> float:
     parts = _parts(costs, slot, layers)
     flops = sum(c.flops * k for c, k in parts)
-    return flops / (DEVICE_FLOPS * slot.speed) + _comm_time(costs, slot, parts)
+    return flops / (DEVICE_FLOPS * slot.speed) * _split_factor(costs, slot) + _comm_time(costs, slot, parts)
+
+
+def _split_factor(costs: ModelCosts, slot: Slot) -> float:
+    """Zero-bubble slots (3 actions) run the backward as two autograd passes: their measured extra compute."""
+    return slot.link.split_backward if slot.actions == 3 and costs.spec.method != "inference" else 1.0
 
 
 def _comm_time(costs: ModelCosts, slot: Slot, parts: list[tuple[PartCost, int]]) -> float:
@@ -376,6 +401,20 @@ def _device_orders(budgets: dict[str, int], *, t: int, count: int,
                 yield list(order)
 
 
+def _cuts(micro_batches, global_batch, spec: TrainingSpec, p: int, d: int) -> list[tuple[int, int]]:
+    """(micro-batch size, micro-batches) pairs to search: the spec's size and its count, or under "auto"
+    every size up to the spec's that divides the replica's rows (so the rows per step stay the given ones)."""
+    if micro_batches != AUTO:
+        return [(spec.micro_batch_size, _micro_batches(micro_batches, global_batch, spec, p, d))]
+    rows = max(1, global_batch // d)
+    return [(b, rows // b) for b in range(1, min(spec.micro_batch_size, rows) + 1) if rows % b == 0]
+
+
+def _count(micro_batches) -> Optional[int]:
+    """A forced micro-batch count, or None ("auto" forces none)."""
+    return None if micro_batches == AUTO else micro_batches
+
+
 def _micro_batches(micro_batches, global_batch, spec: TrainingSpec, p: int, d: int) -> int:
     if global_batch:
         per_replica = global_batch // d
@@ -387,9 +426,12 @@ def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpe
     _check_zero_bubble_checkpointing(schedule, activation_checkpointing)
     if schedule != AUTO and schedule not in SCHEDULES:
         raise PlanError(f"schedule {schedule!r} is unknown; choose auto or one of {', '.join(SCHEDULES)}")
-    if micro_batches is not None and micro_batches < 1:
+    if micro_batches == AUTO and not global_batch:
+        raise PlanError('micro_batches="auto" cuts a given global batch into micro-batches; pass global_batch '
+                        "(--global-batch N) or a micro-batch count")
+    if micro_batches is not None and micro_batches != AUTO and micro_batches < 1:
         raise PlanError(f"micro_batches={micro_batches}: needs at least 1")
-    if global_batch is not None and global_batch < spec.micro_batch_size:
+    if global_batch is not None and global_batch < spec.micro_batch_size and micro_batches != AUTO:
         raise PlanError(f"global_batch={global_batch} is smaller than micro_batch_size={spec.micro_batch_size}")
     if spec.seq_len < 1 or spec.micro_batch_size < 1:
         raise PlanError("seq_len and micro_batch_size must be at least 1")

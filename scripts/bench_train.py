@@ -10,11 +10,13 @@ with one thread per rank, launched by torchrun exactly as users launch the recip
 - pp=2 with 1F1B, GPipe, interleaved 1F1B and ZBV zero-bubble, m=8;
 - sequential model parallelism on the same two ranks, as `device_map` training runs it: the
   whole batch as ONE micro-batch, so one stage works while the other waits;
-- "hfsplit auto": pp=2, m=8, the schedule left to `--schedule auto` (the calibrated time model).
+- "hfsplit auto": pp=2, m=8, the schedule left to `--schedule auto` (the calibrated time model); and with
+  `--global-batch 16` instead of m=8, the micro-batch cut left to it too (size × count, printed after the schedule).
 Then the auto row's ratio to the best hand-picked pp=2 row and to sequential model parallelism,
 and each run's estimated step next to its measured median (the recipe's "time model" line).
 Prints a markdown table of tokens/s (steady state, first step excluded), ratios, and the
-measured bubble next to `(p-1)/(m+p-1)`.
+measured bubble next to `(p-1)/(m+p-1)`; "cache ×r" marks a run whose busy time was r× the estimate, beyond
+`calibrate.RECHECK_FACTOR`, which replaced the cached FLOP/s with its own rate for the rows after it.
 """
 from __future__ import annotations
 
@@ -51,11 +53,14 @@ def run(model: Path, out: Path, *, ranks: int, steps: int, **options) -> dict:
     bubble = re.search(r"bubble measured ([\d.]+)% \(theory ([\d.]+)%\)", proc.stdout)
     model_line = re.search(r"estimated step ([\d.]+) ms, measured median ([\d.]+) ms", proc.stdout)
     chosen = re.search(r"schedule (\S+)\n", proc.stdout)
+    recheck = re.search(r"measured busy time was ([\d.]+)× the estimate", proc.stdout)
+    cut = re.search(r"micro-batches auto cut \d+ rows per replica as (\d+ × \d+)", proc.stdout)
     return {"tokens_per_s": sum(rates) / len(rates), "bubble": float(bubble.group(1)) if bubble else float("nan"),
             "theory": float(bubble.group(2)) if bubble else float("nan"),
             "estimate_ms": float(model_line.group(1)) if model_line else float("nan"),
             "measured_ms": float(model_line.group(2)) if model_line else float("nan"),
-            "schedule": chosen.group(1) if chosen else "?"}
+            "recheck": f" (cache ×{recheck.group(1)})" if recheck else "",
+            "schedule": chosen.group(1) + (f", {cut.group(1)}" if cut else "") if chosen else "?"}
 
 
 def main() -> None:
@@ -78,6 +83,8 @@ def main() -> None:
         ("pp=2 ZBVZeroBubble m=8", 2, dict(pp=2, micro_batches=8, schedule="ZBVZeroBubble")),
         ("sequential model parallel (device_map style)", 2, dict(pp=2, micro_batches=1, micro_batch_size=16, schedule="GPipe")),
         ("hfsplit auto m=8", 2, dict(pp=2, micro_batches=8, schedule="auto")),
+        # the same 16 rows per step, the cut (micro-batch size ≤ 2 × count) left to the time model too
+        ("hfsplit auto --global-batch 16", 2, dict(pp=2, global_batch=16, schedule="auto")),
     ]
     qlora = dict(method="qlora", lora_r=8)
     qlora_cases = [  # the same three set-ups with a 4-bit frozen base (how accelerate's device_map runs QLoRA)
@@ -101,7 +108,7 @@ def main() -> None:
         seq = results[f"{group}sequential model parallel (device_map style)"]["tokens_per_s"]
         print(f"| {name}{' → ' + r['schedule'] if 'auto' in name else ''} | {r['tokens_per_s']:.0f} "
               f"| {r['tokens_per_s'] / base:.2f}× | {r['tokens_per_s'] / seq:.2f}× "
-              f"| {r['bubble']:.1f}% | {r['theory']:.1f}% | {r['estimate_ms']:.0f} / {r['measured_ms']:.0f} ms |")
+              f"| {r['bubble']:.1f}% | {r['theory']:.1f}% | {r['estimate_ms']:.0f} / {r['measured_ms']:.0f} ms{r['recheck']} |")
     if "QLoRA pp=2 auto m=8" in results:
         ratio = (results["QLoRA pp=2 auto m=8"]["tokens_per_s"]
                  / results["QLoRA sequential model parallel (device_map style)"]["tokens_per_s"])

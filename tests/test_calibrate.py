@@ -48,7 +48,64 @@ def test_probe_times_a_gemma3_block_whose_rope_is_per_layer_type():
     from hfsplit.checkpoint.synthetic import tiny_config
 
     spec = TrainingSpec(method="full", seq_len=16, micro_batch_size=1, dtype="float32")
-    assert calibrate._time_block(tiny_config("gemma3_text"), spec, torch.device("cpu")) > 0
+    assert min(calibrate._time_block(tiny_config("gemma3_text"), spec, torch.device("cpu"))) > 0
+
+
+def _wrong_by(factor: float, config, spec, device) -> dict:
+    """Measure the block, then store a record `factor`× too fast (as a probe on a quieter machine would)."""
+    from hfsplit.trace_cache import write_cache
+
+    record = calibrate.speed_record(config, spec, device)
+    wrong = {**record, "seconds": record["seconds"] / factor, "split_seconds": record["split_seconds"] / factor}
+    write_cache("speed", calibrate.speed_key(config, spec, device), wrong)
+    return wrong
+
+
+def test_a_run_whose_busy_time_contradicts_the_cached_speed_replaces_it(tmp_path, monkeypatch):
+    from hfsplit.planner import make_plan
+    from hfsplit.trace_cache import read_cache
+
+    monkeypatch.setenv("HFSPLIT_CACHE", str(tmp_path))
+    config, cpu = _config(4), torch.device("cpu")
+    spec = TrainingSpec(method="full", seq_len=32, micro_batch_size=2, dtype="float32", reserve_bytes=0)
+    wrong = _wrong_by(4.0, config, spec, cpu)
+    key = calibrate.speed_key(config, spec, cpu)
+
+    def plan():
+        speeds = calibrate.calibrated_speeds(config, spec, {"0": 1, "1": 1}, cpu)
+        return make_plan(config, "2x1GiB", spec=spec, pp=2, micro_batches=4, schedule="1F1B", device_speeds=speeds)
+
+    before = plan()
+    estimates = [sum(s.time_s for s in before.stages_of_rank(r)) * before.micro_batches for r in (0, 1)]
+    steps = [9.0, 1.0, 1.0]  # busy seconds cover the two timed steps (the first builds the schedule)
+    agreeing = calibrate.recheck_speed(before, config, cpu, step_times_s=steps, busy_s=[2 * 1.2 * e for e in estimates])
+    assert agreeing is None and read_cache("speed", key) == wrong  # within RECHECK_FACTOR: kept
+    line = calibrate.recheck_speed(before, config, cpu, step_times_s=steps, busy_s=[2 * 4 * e for e in estimates])
+    assert line is not None and "4.00× the estimate" in line
+    fixed = read_cache("speed", key)
+    assert fixed["source"] == "run" and fixed["seconds"] == pytest.approx(4 * wrong["seconds"])
+    assert fixed["split_seconds"] / fixed["seconds"] == pytest.approx(wrong["split_seconds"] / wrong["seconds"])
+    after = plan()  # the next plan of this device and shape runs on the run's rate
+    assert after.step_time_s == pytest.approx(4 * before.step_time_s, rel=1e-2)  # (the sends do not scale)
+    assert calibrate.recheck_speed(after, config, cpu, step_times_s=steps,
+                                   busy_s=[2 * 4 * e for e in estimates]) is None
+    monkeypatch.setattr(calibrate, "MAX_AGE_S", 0.0)  # an aged record is measured again
+    assert calibrate.speed_record(config, spec, cpu)["source"] == "probe"
+
+
+def test_zero_bubble_slots_pay_the_measured_split_backward():
+    from hfsplit.links import Link
+    from hfsplit.planner import make_plan
+
+    spec = TrainingSpec(method="full", seq_len=8, micro_batch_size=1, dtype="float32", reserve_bytes=0)
+    options = dict(spec=spec, micro_batches=4, pp=2, device_speeds={"0": 1e-3, "1": 1e-3})
+    for schedule, charged in (("1F1B", 1.0), ("Interleaved1F1B", 1.0), ("ZBVZeroBubble", 1.5)):
+        one, split = (make_plan(_config(4), "2x1GiB", schedule=schedule, **options,
+                                link=Link(bandwidth=1e12, split_backward=f, measured=True)) for f in (1.0, 1.5))
+        assert [s.time_s for s in split.stages] == pytest.approx([charged * s.time_s for s in one.stages], rel=1e-3)
+    factor = calibrate.split_backward_factor(_config(), TrainingSpec(method="full", seq_len=32, dtype="float32"),
+                                             torch.device("cpu"))
+    assert 1.0 <= factor < 4.0
 
 
 def test_link_fit_through_two_sizes_and_its_costs():

@@ -28,6 +28,9 @@ class FinetuneOptions:
         seq_len: tokens per sequence.
         micro_batch_size: sequences per micro-batch.
         micro_batches: micro-batches per optimizer step (gradient accumulation).
+        global_batch: sequences per optimizer step over all replicas, instead of micro-batch size × micro-batches ×
+            replicas; under --schedule auto the planner also chooses how to cut it (a micro-batch size up to
+            --micro-batch-size × a count) by its time model, and the run trains on that cut.
         schedule: auto (the planner picks by its calibrated time model) | 1F1B | GPipe | Interleaved1F1B |
             ZBVZeroBubble | DualPipeV.
         activation_checkpointing: recompute block activations in backward.
@@ -65,6 +68,7 @@ class FinetuneOptions:
     seq_len: int = 128
     micro_batch_size: int = 2
     micro_batches: int = 4
+    global_batch: Optional[int] = None
     schedule: str = "auto"
     activation_checkpointing: bool = False
     dtype: Optional[str] = None
@@ -107,7 +111,7 @@ class FinetuneOptions:
             _check_number(self, name, low=0)
         _check_number(self, "learning_rate", low=0, above=True)
         _check_number(self, "lora_dropout", low=0, high=1)
-        for name in ("eval_every", "save_every", "epochs", "tp", "pp"):  # unset: off (or the planner's choice)
+        for name in ("eval_every", "save_every", "epochs", "tp", "pp", "global_batch"):  # unset: off (or the planner's choice)
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise HfsplitError(f"--{_flag(name)} must be at least 1, or left out (got {getattr(self, name)})")
 
@@ -151,8 +155,20 @@ def plan_arguments(options: FinetuneOptions, *, world_size: int) -> dict:
     `world_size` ranks: the trainer and `hfsplit plan --config` both plan with exactly these."""
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world_size if options.model is None and options.tp is None else None)
-    return dict(spec=training_spec(options), micro_batches=options.micro_batches, schedule=options.schedule,
+    return dict(spec=training_spec(options), **batch_arguments(options), schedule=options.schedule,
                 tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing)
+
+
+def batch_arguments(options: FinetuneOptions) -> dict:
+    """`make_plan`'s micro_batches / global_batch: the count, or a global batch the planner cuts (under auto)."""
+    if not options.global_batch:
+        return dict(micro_batches=options.micro_batches)
+    return dict(micro_batches="auto" if options.schedule == "auto" else None, global_batch=options.global_batch)
+
+
+def with_plan_batch(options: FinetuneOptions, plan) -> FinetuneOptions:
+    """`options` with the micro-batch size and count the plan runs (they differ where auto cut a global batch)."""
+    return dataclasses.replace(options, micro_batch_size=plan.spec.micro_batch_size, micro_batches=plan.micro_batches)
 
 
 def check_qlora_options(options: FinetuneOptions) -> None:

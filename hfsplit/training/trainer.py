@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..errors import HfsplitError, NonFiniteError, PeerLostError
 from .checkpointer import Checkpointer, TrainState
 from .metrics import Metrics, StepOutcome, TrainResult, summary_line
-from .options import FinetuneOptions
+from .options import FinetuneOptions, training_spec, with_plan_batch
 
 __all__ = ["Run", "TrainResult", "build_run", "train", "train_step"]
 
@@ -119,6 +119,7 @@ class Run:
     checkpointer: Checkpointer
     lora_config: object = None
     first_step: int = 1
+    calibration_spec: object = None  # the TrainingSpec the plan's FLOP/s was measured with
 
     @property
     def rows_per_replica(self) -> int:
@@ -175,8 +176,20 @@ def fit(run: Run) -> TrainResult:
         from ..calibrate import time_report
 
         print(time_report(run.model.plan, result.step_times_s, result.busy_s_per_rank), flush=True)
+        recheck_calibration(run, result)
         print(summary_line(result), flush=True)
     return result
+
+
+def recheck_calibration(run: Run, result: TrainResult) -> None:
+    """Rank 0, which planned: a cached FLOP/s this run's busy time contradicts is replaced by the run's rate."""
+    from ..calibrate import recheck_speed
+    from ..checkpoint import load_config
+
+    line = recheck_speed(run.model.plan, load_config(run.model_path), run.model.device,
+                         step_times_s=result.step_times_s, busy_s=result.busy_s_per_rank, spec=run.calibration_spec)
+    if line:
+        print(line, flush=True)
 
 
 def train_step(run: Run, batch: dict) -> StepOutcome:
@@ -234,13 +247,15 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
                                   lora=LoraSetup(config, seed=options.seed) if config is not None else None,
                                   quantization_config=qlora_config_of_run(options, plan, model_path=model_path))
     plan = model.plan
+    calibrated = training_spec(options)  # the shape its FLOP/s was probed at, which the run re-checks
+    options = with_plan_batch(options, plan)  # the cut --global-batch left to the planner, if it did
     if dist.get_rank() == 0:
         print(plan.table(), flush=True)  # its last lines say what the run applied to each stage
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
     run = Run(options=options, model=model, model_path=model_path, tokenizer=tokenizer, params=params,
               optimizer=optimizer, lora_config=config, loss_fn=causal_lm_loss(model.config.vocab_size),
-              **data_of_run(options, rows, plan=plan, optimizer=optimizer))
+              calibration_spec=calibrated, **data_of_run(options, rows, plan=plan, optimizer=optimizer))
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
     run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
                           tokens_per_step=run.rows_per_replica * plan.dp * options.seq_len,
@@ -368,7 +383,7 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Opti
         arguments.update(micro_batches=None, global_batch=global_batch)
     # Measured on this rank's own device (cached per device kind and dtype): the time model picks the schedule.
     arguments["device_speeds"] = run_speeds(model_path, arguments["spec"], budget)
-    arguments["link"] = run_link()  # one p2p probe between neighbours: pipeline sends and TP all-reduces
+    arguments["link"] = run_link(model_path, arguments["spec"])  # one p2p probe between neighbours: pipeline sends and TP all-reduces
     return shared_plan(model_path, budget, **arguments)
 
 
@@ -426,7 +441,7 @@ def split_eval_rows(rows, options: FinetuneOptions):
 
     if not options.eval_every:
         return rows, None
-    count = max(options.micro_batch_size * options.micro_batches, len(rows) // 20)
+    count = max(options.global_batch or options.micro_batch_size * options.micro_batches, len(rows) // 20)
     if count >= len(rows):
         raise HfsplitError(f"the dataset has {len(rows)} rows: too few to hold out {count} for --eval-every")
     train = TokenRows(rows.input_ids[count:], rows.labels[count:])

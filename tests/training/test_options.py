@@ -34,6 +34,7 @@ def test_bare_flags_mean_the_obvious():
     (["--warmup-steps", "-1"], "--warmup-steps must be a finite number at least 0"),
     (["--eval-every", "0"], "--eval-every must be at least 1"),
     (["--save-every", "-2"], "--save-every must be at least 1"),
+    (["--global-batch", "0"], "--global-batch must be at least 1"),
     (["--lora-dropout", "1.5"], "--lora-dropout must be a finite number at least 0 and at most 1"),
 ])
 def test_bad_options_are_refused_by_name(argv, message):
@@ -72,3 +73,14 @@ def test_the_recipe_refuses_bad_options_with_one_line_and_exit_2(argv, culprit, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("finetune: " + culprit), err
     assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_a_global_batch_is_cut_by_the_planner_under_auto_and_kept_whole_otherwise():
+    from hfsplit.training.options import plan_arguments
+
+    auto = plan_arguments(parse_options(["--global-batch", "16"]), world_size=2)
+    fixed = plan_arguments(parse_options(["--global-batch", "16", "--schedule", "1F1B"]), world_size=2)
+    count = plan_arguments(parse_options(["--micro-batches", "6"]), world_size=2)
+    assert (auto["micro_batches"], auto["global_batch"]) == ("auto", 16)
+    assert (fixed["micro_batches"], fixed["global_batch"]) == (None, 16)
+    assert count["micro_batches"] == 6 and "global_batch" not in count

@@ -144,11 +144,44 @@ def test_the_recipe_runs_without_a_launcher_as_one_rank(tiny_checkpoint, tmp_pat
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    cmd = [sys.executable, str(ROOT / "recipes/finetune.py"), "--model", str(tiny_checkpoint("llama")),
-           "--max-memory", "1GiB", "--max-steps", "3", "--seq-len", "64", "--output-dir", str(tmp_path / "out")]
+    model = str(tiny_checkpoint("llama"))
+    cmd = [sys.executable, str(ROOT / "recipes/finetune.py"), "--model", model,
+           "--max-memory", "1GiB", "--max-steps", "3", "--seq-len", "64", "--output-dir", str(tmp_path / "out"),
+           "--global-batch", "4"]
+    record = _calibration_wrong_by_4x(model, FinetuneOptions(model=model, seq_len=64, max_memory="1GiB"))
     proc = run_command(cmd, cwd=tmp_path, env=env, timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 3 steps" in proc.stdout and (tmp_path / "out" / "model" / "config.json").is_file()
+    # --global-batch under schedule auto: the planner cut the 4 rows (its note), and the run trained on that cut
+    cut = re.search(r"micro-batches auto cut 4 rows per replica as (\d+) × (\d+)", proc.stdout)
+    assert cut and int(cut.group(1)) * int(cut.group(2)) == 4 and int(cut.group(1)) <= 2
+    launch = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert launch["plan"]["micro_batches"] == int(cut.group(2)) and launch["tokens_per_step"] == 4 * 64
+    # The run planned with a FLOP/s 4× too high, measured its busy time, and put its own rate in the cache.
+    ratio = float(re.search(r"measured busy time was ([\d.]+)× the estimate", proc.stdout).group(1))
+    fixed = record()
+    assert ratio > 2 and fixed["source"] == "run" and fixed["seconds"] > 2 * fixed["wrong_seconds"]
+
+
+def _calibration_wrong_by_4x(model: str, options: FinetuneOptions):
+    """Store the calibration record a run of `options` on this CPU (one thread) reads, 4× too fast; returns a
+    function reading it back (with the wrong figure kept as `wrong_seconds`)."""
+    from hfsplit import calibrate
+    from hfsplit.checkpoint import load_config
+    from hfsplit.trace_cache import read_cache, write_cache
+    from hfsplit.training.options import training_spec
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the recipe's rank runs one thread: its device kind says so
+    try:
+        config, spec, cpu = load_config(model), training_spec(options), torch.device("cpu")
+        key = calibrate.speed_key(config, spec, cpu)
+        record = calibrate.speed_record(config, spec, cpu)
+    finally:
+        torch.set_num_threads(threads)
+    wrong = record["seconds"] / 4
+    write_cache("speed", key, {**record, "seconds": wrong, "split_seconds": record["split_seconds"] / 4})
+    return lambda: {**read_cache("speed", key), "wrong_seconds": wrong}
 
 
 @pytest.mark.slow
