@@ -68,9 +68,10 @@ def trace_spec(spec):
 
 def block_trace(key: str, spec, tp: int):
     """`costs._trace_block` for `spec` at TP degree `tp`, from memory, disk, or a new trace."""
-    from .costs import _BlockTrace, _trace_block
+    from .costs import _BlockTrace
+    from .trace_tp import block_trace_at  # degrees above the second one are derived from two traces
 
-    return _cached("block", key, trace_spec(spec), tp, _trace_block, _BlockTrace)
+    return _cached("block", key, trace_spec(spec), tp, block_trace_at, _BlockTrace)
 
 
 def ends_trace(key: str, spec):
