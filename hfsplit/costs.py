@@ -343,6 +343,19 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     return ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec, boundary_bytes=hidden_bytes)
 
 
+def weight_bytes(config, spec: TrainingSpec) -> int:
+    """Bytes of the model's weights held once, without a trace: every split of a `spec` run holds at least
+    this much across its devices (TP replicates norms, adapters and optimizer state come on top)."""
+    key = _config_key(config)
+    _CONFIGS.setdefault(key, config)
+    layout = _layout(key)
+    size = _dtype(spec.dtype).itemsize
+    block = (quantized_block_bytes(layout, spec) if spec.method == "qlora"
+             else (layout.block_numel_replicated + layout.block_numel_sharded) * size)
+    ends = layout.embed_numel + layout.head_numel - (layout.embed_numel if layout.tied else 0)
+    return config.num_hidden_layers * block + ends * size
+
+
 def quantized_block_bytes(layout: _Layout, spec: TrainingSpec) -> int:
     """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, the rest
     (norms, biases) in the spec's dtype."""
@@ -431,7 +444,7 @@ class _SavedBytes:
 class _BlockTrace:
     activations: int  # saved for backward by one block
     workspace: int  # transient beyond the saved activations and the block's own gradients
-    inference_peak: int  # peak of a no-grad forward, input and output included
+    inference_peak: int  # peak of a no-grad forward, input and output included (0 in a training trace)
 
 
 @dataclass(frozen=True)
@@ -565,13 +578,12 @@ def _block_events(key: str, spec: TrainingSpec, tp: int) -> _BlockEvents:
         _set_trainable(block, spec)
         params = list(block.parameters())
 
-        with _LiveBytes() as live, torch.no_grad():
-            x = torch.empty(shape, dtype=dtype)
-            y = _hidden(block(x, **kwargs))
-            del x, y
-        inference = tuple(live.history)
-        if spec.method == "inference":
-            return _BlockEvents(inference)
+        if spec.method == "inference":  # only inference plans read the no-grad peak: training skips that pass
+            with _LiveBytes() as live, torch.no_grad():
+                x = torch.empty(shape, dtype=dtype)  # held, as a caller holds a block's input
+                y = _hidden(block(x, **kwargs))
+                del x, y
+            return _BlockEvents(tuple(live.history))
 
         saved = _SavedBytes(exclude=params)
         with _LiveBytes() as live:
@@ -584,7 +596,7 @@ def _block_events(key: str, spec: TrainingSpec, tp: int) -> _BlockEvents:
             y.backward(grad_out)
             backward = tuple(live.history)
         grads = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
-        return _BlockEvents(inference, forward, backward, saved.bytes, grads, y.untyped_storage().nbytes())
+        return _BlockEvents((0,), forward, backward, saved.bytes, grads, y.untyped_storage().nbytes())
 
 
 @functools.lru_cache(maxsize=256)
