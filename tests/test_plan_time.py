@@ -88,3 +88,27 @@ def test_planning_imports_none_of_the_training_stack(tmp_path):
     code = PLAN_AND_LIST_IMPORTS.format(model=str(folder))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+def test_no_fit_diagnosis_traces_two_degrees_and_no_fix_the_weights_rule_out(tmp_path, monkeypatch):
+    """4 devices too small for the weights: the search traces tp 1 and 2 (tp=4 is derived), the shorter
+    sequence (128) and micro-batch (1) fixes trace nothing, and more devices add only tp=8 (one key-value head each)."""
+    from hfsplit import planner, trace_cache
+    from hfsplit.errors import PlanError
+
+    monkeypatch.setenv("HFSPLIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(trace_cache, "_MEMO", {})
+    config = tiny_config("llama", hidden=128, heads=16, kv_heads=8, intermediate=256, num_layers=8, vocab=4096)
+    spec = TrainingSpec(method="lora", seq_len=256, micro_batch_size=2, dtype="float32", reserve_bytes=0)
+    weights = costs.weight_bytes(config, spec)
+    traced, real = [], costs._block_events
+    monkeypatch.setattr(costs, "_block_events",
+                        lambda key, s, tp: traced.append((tp, s.seq_len, s.micro_batch_size)) or real(key, s, tp))
+    budget = f"4x{weights // 5}B"
+    assert not planner.could_fit(config, planner.parse_max_memory(budget), spec)
+    with pytest.raises(PlanError, match="devices"):
+        planner.make_plan(config, budget, spec=spec)
+    assert sorted(set(traced)) == [(1, 256, 2), (2, 256, 2), (8, 256, 2)]
+    # the bound is the weights the plan counts: a one-device plan of the full model holds exactly them
+    one = planner.make_plan(config, "64GiB", spec=TrainingSpec(method="inference", dtype="float32", reserve_bytes=0))
+    assert one.stages[0].memory.weights == costs.weight_bytes(config, one.spec)
