@@ -98,7 +98,7 @@ def test_no_fit_diagnosis_traces_two_degrees_and_no_fix_the_weights_rule_out(tmp
 
     monkeypatch.setenv("HFSPLIT_CACHE", str(tmp_path))
     monkeypatch.setattr(trace_cache, "_MEMO", {})
-    config = tiny_config("llama", hidden=128, heads=16, kv_heads=8, intermediate=256, num_layers=8, vocab=4096)
+    config = tiny_config("llama", hidden=128, heads=16, kv_heads=8, intermediate=256, num_layers=8, vocab=512)
     spec = TrainingSpec(method="lora", seq_len=256, micro_batch_size=2, dtype="float32", reserve_bytes=0)
     weights = costs.weight_bytes(config, spec)
     traced, real = [], costs._block_events
