@@ -343,6 +343,19 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     return ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec, boundary_bytes=hidden_bytes)
 
 
+def weight_bytes(config, spec: TrainingSpec) -> int:
+    """Bytes of the model's weights held once, without a trace: every split of a `spec` run holds at least
+    this much across its devices (TP replicates norms, adapters and optimizer state come on top)."""
+    key = _config_key(config)
+    _CONFIGS.setdefault(key, config)
+    layout = _layout(key)
+    size = _dtype(spec.dtype).itemsize
+    block = (quantized_block_bytes(layout, spec) if spec.method == "qlora"
+             else (layout.block_numel_replicated + layout.block_numel_sharded) * size)
+    ends = layout.embed_numel + layout.head_numel - (layout.embed_numel if layout.tied else 0)
+    return config.num_hidden_layers * block + ends * size
+
+
 def quantized_block_bytes(layout: _Layout, spec: TrainingSpec) -> int:
     """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, the rest
     (norms, biases) in the spec's dtype."""
@@ -370,10 +383,12 @@ class _LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.history: list[int] = [0]  # live bytes at the start and after each new storage: peak = max(history)
         self._seen: set[int] = set()
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.history = [self.live]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -393,6 +408,7 @@ class _LiveBytes(TorchDispatchMode):
         self._seen.add(sid)
         self.live += nbytes
         self.peak = max(self.peak, self.live)
+        self.history.append(self.live)
         weakref.finalize(storage, self._free, sid, nbytes)
 
     def _free(self, sid: int, nbytes: int) -> None:
@@ -428,7 +444,7 @@ class _SavedBytes:
 class _BlockTrace:
     activations: int  # saved for backward by one block
     workspace: int  # transient beyond the saved activations and the block's own gradients
-    inference_peak: int  # peak of a no-grad forward, input and output included
+    inference_peak: int  # peak of a no-grad forward, input and output included (0 in a training trace)
 
 
 @dataclass(frozen=True)
@@ -454,17 +470,27 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     base = getattr(model, model.base_model_prefix)
     block = _parts(model)[1]
     if spec.method == "lora":
-        from peft import LoraConfig, inject_adapter_in_model
-
-        targets = [lin.name.rsplit(".", 1)[-1] for lin in _lora_targets(_layout(key), spec)]
-        inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=targets), block)
-        for name, module in block.named_modules():
-            if name.endswith(("lora_A", "lora_B")):
-                module.to(_LORA_ADAPTER_DTYPE)
+        _add_lora(block, key, spec)
     with mode:
         _to_fake(model)
         kwargs, ids = _block_kwargs(base, block, spec)
     return model, block, kwargs, ids
+
+
+def _add_lora(block, key: str, spec: TrainingSpec, *, use_peft: bool = False) -> None:
+    """The spec's LoRA adapters on `block`: peft's own with `use_peft` (tests compare), else `trace_lora`'s,
+    which trace alike without importing peft (and through it bitsandbytes and torch._inductor)."""
+    targets = [lin.name.rsplit(".", 1)[-1] for lin in _lora_targets(_layout(key), spec)]
+    if not use_peft:
+        from .trace_lora import inject_trace_adapters
+
+        return inject_trace_adapters(block, targets, r=spec.lora_r, adapter_dtype=_LORA_ADAPTER_DTYPE)
+    from peft import LoraConfig, inject_adapter_in_model
+
+    inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=targets), block)
+    for name, module in block.named_modules():
+        if name.endswith(("lora_A", "lora_B")):
+            module.to(_LORA_ADAPTER_DTYPE)
 
 
 def _block_kwargs(base, block, spec: TrainingSpec):
@@ -514,8 +540,35 @@ def _hidden(output):
     return output[0] if isinstance(output, tuple) else output
 
 
+@dataclass(frozen=True)
+class _BlockEvents:
+    """One block trace before its figures are combined: the live bytes at each new storage of the no-grad
+    forward, the training forward and backward (`_LiveBytes.history`), and the byte counts they are taken
+    against. Each entry is a sum of tensor sizes, so `hfsplit.trace_tp` derives other TP degrees from two."""
+
+    inference: tuple[int, ...]
+    forward: tuple[int, ...] = ()
+    backward: tuple[int, ...] = ()
+    activations: int = 0  # saved for backward, parameters excluded
+    grads: int = 0  # the block's parameter gradients
+    out_bytes: int = 0  # the block's output, which belongs to the next part's activations
+
+    def trace(self) -> _BlockTrace:
+        inference_peak = max(self.inference)
+        if not self.forward:
+            return _BlockTrace(0, 0, inference_peak)
+        acts = self.activations
+        workspace = max(max(self.forward) - acts, max(self.backward) - acts - self.grads - self.out_bytes)
+        return _BlockTrace(acts, max(workspace, 0), inference_peak)
+
+
 @functools.lru_cache(maxsize=256)
 def _trace_block(key: str, spec: TrainingSpec, tp: int) -> _BlockTrace:
+    return _block_events(key, spec, tp).trace()
+
+
+@functools.lru_cache(maxsize=64)
+def _block_events(key: str, spec: TrainingSpec, tp: int) -> _BlockEvents:
     config = _CONFIGS[key]
     dtype = _dtype(spec.dtype)
     shape = (spec.micro_batch_size, spec.seq_len, config.hidden_size)
@@ -525,29 +578,25 @@ def _trace_block(key: str, spec: TrainingSpec, tp: int) -> _BlockTrace:
         _set_trainable(block, spec)
         params = list(block.parameters())
 
-        with _LiveBytes() as live, torch.no_grad():
-            x = torch.empty(shape, dtype=dtype)
-            y = _hidden(block(x, **kwargs))
-            del x, y
-        inference_peak = live.peak
-        if spec.method == "inference":
-            return _BlockTrace(0, 0, inference_peak)
+        if spec.method == "inference":  # only inference plans read the no-grad peak: training skips that pass
+            with _LiveBytes() as live, torch.no_grad():
+                x = torch.empty(shape, dtype=dtype)  # held, as a caller holds a block's input
+                y = _hidden(block(x, **kwargs))
+                del x, y
+            return _BlockEvents(tuple(live.history))
 
         saved = _SavedBytes(exclude=params)
         with _LiveBytes() as live:
             x = torch.empty(shape, dtype=dtype, requires_grad=True)
             with saved.hooks():
                 y = _hidden(block(x, **kwargs))
-            fwd_peak = live.peak
+            forward = tuple(live.history)
             grad_out = torch.empty_like(y)
             live.reset_peak()
             y.backward(grad_out)
-            bwd_peak = live.peak
-        activations = saved.bytes
+            backward = tuple(live.history)
         grads = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
-        out_bytes = y.untyped_storage().nbytes()  # the output belongs to the next part's activations
-        workspace = max(fwd_peak - activations, bwd_peak - activations - grads - out_bytes)
-        return _BlockTrace(activations, max(workspace, 0), inference_peak)
+        return _BlockEvents((0,), forward, backward, saved.bytes, grads, y.untyped_storage().nbytes())
 
 
 @functools.lru_cache(maxsize=256)

@@ -556,7 +556,7 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
 
 def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> list[str]:
     def fits(b, s) -> bool:
-        return best_plan(config, b, s, name="", **options) is not None
+        return could_fit(config, b, s) and best_plan(config, b, s, name="", **options) is not None
 
     fixes = []
     if spec.method == "full" and fits(budgets, replace(spec, method="lora")):
@@ -582,6 +582,14 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     if larger is not None:
         fixes.append(f"{len(budgets)} devices of {format_bytes(larger)} each")
     return fixes
+
+
+def could_fit(config, budgets: dict[str, int], spec: TrainingSpec) -> bool:
+    """False when the weights alone (held once) and each device's reserve exceed the budgets: no split of `spec`
+    fits, which the diagnosis learns without tracing a block (each trace is one per TP degree and shape)."""
+    from .costs import weight_bytes
+
+    return weight_bytes(config, spec) + len(budgets) * (spec.reserve_bytes or 0) <= sum(budgets.values())
 
 
 def tp_degrees_for(config, spec: TrainingSpec, devices: int) -> list[int]:

@@ -8,7 +8,9 @@ key, so `activation_checkpointing="auto"` traces once, not twice.
 
 A fit over token counts (trace twice, extrapolate) was measured and rejected: the bytes a
 block keeps are not linear in tokens (a seq² term that TP does not shard, and SDPA's CPU
-kernel changes what it keeps with the sequence length), so exact traces are cached instead.
+kernel changes what it keeps with the sequence length), so exact traces are cached instead. Across TP
+degrees the bytes are exact functions of the degree: degrees above the second one are derived from two
+traces (`hfsplit.trace_tp`), their profile cached here too.
 """
 from __future__ import annotations
 
@@ -68,9 +70,10 @@ def trace_spec(spec):
 
 def block_trace(key: str, spec, tp: int):
     """`costs._trace_block` for `spec` at TP degree `tp`, from memory, disk, or a new trace."""
-    from .costs import _BlockTrace, _trace_block
+    from .costs import _BlockTrace
+    from .trace_tp import block_trace_at  # degrees above the second one are derived from two traces
 
-    return _cached("block", key, trace_spec(spec), tp, _trace_block, _BlockTrace)
+    return _cached("block", key, trace_spec(spec), tp, block_trace_at, _BlockTrace)
 
 
 def ends_trace(key: str, spec):

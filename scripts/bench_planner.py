@@ -1,6 +1,7 @@
 """Planner speed, and our split next to accelerate's `infer_auto_device_map` on the same budgets.
 
-    python scripts/bench_planner.py
+    python scripts/bench_planner.py            # all tables
+    python scripts/bench_planner.py --timing   # only the planning-time tables
 
 Prints markdown tables (pasted into the README). Both splits are judged by the same
 cost model: weights, LoRA state and the activations a training step really keeps.
@@ -155,6 +156,10 @@ def comparison(model: str, budget: str) -> list[str]:
 
 
 def main() -> None:
+    import os
+    import sys
+
+    print(f"load average {os.getloadavg()[0]:.1f} at the start, {os.cpu_count()} cores")
     print("| model | budget | first plan in a fresh process, empty trace cache | same, trace cache warm "
           "| plan |\n|---|---|---|---|---|")
     for name, budget, cold, warm, shape in planning_times():
@@ -163,6 +168,9 @@ def main() -> None:
     print("| `hfsplit plan` | wall, empty trace cache | wall, cache warm |\n|---|---|---|")
     for case, cold, warm in cli_times():
         print(f"| `{case}` | {cold:.1f} s | {warm:.1f} s |")
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    if "--timing" in sys.argv[1:]:
+        return
     print()
     print("| model | budget | split | layers per device | weights per device (of budget) | max/mean weights "
           "| LoRA step bytes per device (seq 2048) | fits |")
