@@ -335,12 +335,9 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     else:
         block_acts, block_ws = trace.activations, trace.workspace
 
-    if spec.method == "qlora":
-        from .quantize import dequantize_costs
-
-        extra_ws, extra_flops = dequantize_costs([lin.in_features * lin.out_features for lin in layout.linears],
-                                                 spec, itemsize=size)
-        block_ws, block_flops = block_ws + extra_ws, block_flops + extra_flops
+    if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
+        from .quantize import with_dequantize
+        block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size)
     embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
     block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
     head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)

@@ -282,8 +282,8 @@ def quantized_linear_bytes(in_features: int, out_features: int, *, quant_type: s
 DEQUANTIZE_FLOPS_PER_VALUE = 250.0
 
 
-def dequantize_costs(weight_sizes: list[int], spec, *, itemsize: int) -> tuple[int, float]:
-    """What dequantizing adds to one QLoRA block per micro-batch: (workspace bytes, matmul-FLOP equivalent).
+def with_dequantize(workspace: int, flops: float, linears, spec, *, itemsize: int) -> tuple[int, float]:
+    """One QLoRA block's per-micro-batch (workspace bytes, FLOPs) with what dequantizing its `linears` adds.
 
     Forward and backward each dequantize one weight at a time to the compute dtype, so the workspace is the
     largest weight in 16 bits. bitsandbytes dequantizes every 4-bit weight afresh in forward, in backward (input
@@ -291,11 +291,12 @@ def dequantize_costs(weight_sizes: list[int], spec, *, itemsize: int) -> tuple[i
     micro-batch, not per token, so fewer and larger micro-batches pay it fewer times (what the time model's
     micro-batch choice weighs). 8-bit weights are not counted (not measured).
     """
-    workspace = max(weight_sizes) * itemsize
+    sizes = [lin.in_features * lin.out_features for lin in linears]
+    workspace += max(sizes) * itemsize
     if spec.load_in_8bit:
-        return workspace, 0.0
+        return workspace, flops
     passes = 3 if spec.activation_checkpointing else 2
-    return workspace, DEQUANTIZE_FLOPS_PER_VALUE * sum(weight_sizes) * passes
+    return workspace, flops + DEQUANTIZE_FLOPS_PER_VALUE * sum(sizes) * passes
 
 
 def dequantized(param: torch.Tensor) -> torch.Tensor:
