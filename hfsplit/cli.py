@@ -27,6 +27,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--bnb-4bit-quant-type", default="nf4", help="QLoRA: nf4 | fp4")
     p.add_argument("--bnb-4bit-use-double-quant", choices=("on", "off"), default="on", help="QLoRA: double quantization")
     p.add_argument("--load-in-8bit", action="store_true", help="QLoRA with an 8-bit base instead of 4-bit")
+    p.add_argument("--chunked-loss", action="store_true",
+                   help="last stage: lm_head + loss a chunk of tokens at a time, no whole-micro-batch logits")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: all projections)")
     p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {recipe.seq_len})")
     p.add_argument("--micro-batch-size", type=int, default=None, help=f"default {recipe.micro_batch_size}")
@@ -61,7 +63,8 @@ def spec_from_args(args) -> TrainingSpec:
                         micro_batch_size=_given(args.micro_batch_size, recipe.micro_batch_size),
                         dtype=args.dtype or "bfloat16", lora_r=_given(args.lora_r, recipe.lora_r),
                         lora_targets=targets, reserve_bytes=reserve, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
-                        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant == "on", load_in_8bit=args.load_in_8bit)
+                        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant == "on", load_in_8bit=args.load_in_8bit,
+                        chunked_loss=args.chunked_loss)
 
 
 def _given(value, default):
@@ -96,6 +99,7 @@ def recipe_request(args) -> tuple[str, object, dict]:
              "--global-batch": args.global_batch}
     argv = ["--config", args.config] + [x for k, v in flags.items() if v is not None for x in (k, str(v))]
     argv += ["--method", "full"] if args.full else ["--method", "qlora"] if args.qlora else []
+    argv += ["--chunked-loss"] if args.chunked_loss else []
     options = parse_options(argv)
     if args.inference or args.reserve:
         raise HfsplitError("--inference and --reserve do not apply to a recipe (--config); "

@@ -322,7 +322,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     heads_dim = config.num_attention_heads // tp * _head_dim(config)
     block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * spec.seq_len**2 * heads_dim
     block_flops = block_fwd * (passes + (1 if ckpt else 0))
-    head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * passes
+    head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * (passes + spec.chunked_loss)  # + recompute
     # Two all-reduces (after attention and after the MLP) each way; recompute repeats the forward ones.
     all_reduces = 2 if spec.method == "inference" else 4 + (2 if ckpt else 0)
     comm = all_reduces * hidden_bytes if tp > 1 else 0
@@ -335,8 +335,9 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     else:
         block_acts, block_ws = trace.activations, trace.workspace
 
-    if spec.method == "qlora":  # forward and backward each dequantize one weight at a time to the compute dtype
-        block_ws += max(lin.in_features * lin.out_features for lin in layout.linears) * size
+    if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
+        from .quantize import with_dequantize
+        block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size)
     embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
     block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
     head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
@@ -633,9 +634,16 @@ def _trace_ends(key: str, spec: TrainingSpec) -> _EndsTrace:
             x = torch.empty(shape, dtype=dtype, requires_grad=train)
             with torch.set_grad_enabled(train), saved.hooks():
                 # the family's logit scaling / soft-capping makes logits-sized temporaries of its own
-                logits = FAMILIES.get(config.model_type, Family()).output_side(config, lm_head(norm(x)))
-                if train:
-                    loss = model.loss_function(logits=logits, labels=ids, vocab_size=config.vocab_size)
+                head = lambda h: FAMILIES.get(config.model_type, Family()).output_side(config, lm_head(h))  # noqa: E731
+                if train and spec.chunked_loss:  # the stage outputs the normed states; the loss runs lm_head per chunk
+                    from .parallel.chunked_loss import chunked_causal_lm_loss
+
+                    logits = norm(x)
+                    loss = chunked_causal_lm_loss(logits, ids, head=head, vocab_size=config.vocab_size)
+                else:
+                    logits = head(norm(x))
+                    if train:
+                        loss = model.loss_function(logits=logits, labels=ids, vocab_size=config.vocab_size)
             head_fwd = live.peak
             if not train:
                 return _EndsTrace(0, embed_ws, 0, head_fwd)

@@ -33,6 +33,8 @@ class TrainingSpec:
         reserve_bytes: per-device reserve (context, fragmentation, comm buffers); None: measured for the
             budget's devices by `make_plan` (see `hfsplit.reserve`: 0 on the CPU).
         bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: the QLoRA base's `BitsAndBytesConfig`.
+        chunked_loss: the last stage runs lm_head and the loss a chunk of tokens at a time, never holding a whole
+            micro-batch's logits (`hfsplit.parallel.chunked_loss`).
     """
 
     method: Method = "lora"
@@ -46,6 +48,7 @@ class TrainingSpec:
     bnb_4bit_quant_type: str = "nf4"
     bnb_4bit_use_double_quant: bool = True
     load_in_8bit: bool = False
+    chunked_loss: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,8 @@ class Plan:
         head = (
             f"{self.model} ({self.model_type}, {self.num_layers} layers) — {self.spec.method}, "
             f"seq {self.spec.seq_len} × micro-batch {self.spec.micro_batch_size}, {self.micro_batches} micro-batches, "
-            f"{self.spec.dtype}, activation checkpointing {'on' if self.spec.activation_checkpointing else 'off'}\n"
+            f"{self.spec.dtype}, activation checkpointing {'on' if self.spec.activation_checkpointing else 'off'}"
+            f"{', chunked loss' if self.spec.chunked_loss else ''}\n"
             f"split: pp={self.pp} × tp={self.tp} × dp={self.dp}"
             + (f" (virtual stages {self.virtual_stages})" if self.virtual_stages > 1 else "")
             + f", schedule {self.schedule}\n"

@@ -276,6 +276,29 @@ def quantized_linear_bytes(in_features: int, out_features: int, *, quant_type: s
     return packed + blocks + 4 * nested + 256 * 4 + 4 + code
 
 
+# Dequantizing one 4-bit value (and its double-quantized absmax share) costs as much time as this many matmul
+# FLOPs on the CPU (scripts/profile_qlora.py, one thread: 2816×1024 and 14336×4096 NF4 weights dequantized at
+# 6.3–7.6 ns a value against matmuls at 31–39 GFLOP/s, 196–297 FLOPs a value). Not measured on a GPU.
+DEQUANTIZE_FLOPS_PER_VALUE = 250.0
+
+
+def with_dequantize(workspace: int, flops: float, linears, spec, *, itemsize: int) -> tuple[int, float]:
+    """One QLoRA block's per-micro-batch (workspace bytes, FLOPs) with what dequantizing its `linears` adds.
+
+    Forward and backward each dequantize one weight at a time to the compute dtype, so the workspace is the
+    largest weight in 16 bits. bitsandbytes dequantizes every 4-bit weight afresh in forward, in backward (input
+    gradient) and, under activation checkpointing, in the recompute, for each micro-batch: a fixed time per
+    micro-batch, not per token, so fewer and larger micro-batches pay it fewer times (what the time model's
+    micro-batch choice weighs). 8-bit weights are not counted (not measured).
+    """
+    sizes = [lin.in_features * lin.out_features for lin in linears]
+    workspace += max(sizes) * itemsize
+    if spec.load_in_8bit:
+        return workspace, flops
+    passes = 3 if spec.activation_checkpointing else 2
+    return workspace, flops + DEQUANTIZE_FLOPS_PER_VALUE * sum(sizes) * passes
+
+
 def dequantized(param: torch.Tensor) -> torch.Tensor:
     """A bitsandbytes weight back in 16 bits (its quant state's dtype); any other tensor as it is."""
     import bitsandbytes as bnb

@@ -84,3 +84,28 @@ def test_chunked_quantize_is_bitsandbytes_quantize_bit_for_bit(shape, double_qua
     assert torch.equal(packed, want) and stats.keys() == want_stats.keys()
     assert all(torch.equal(stats[k], want_stats[k]) for k in stats)
     assert shape != (2048, 1024) or weight.numel() > 4 * _CHUNK_VALUES
+
+
+def test_qlora_time_counts_a_dequantize_per_micro_batch():
+    """bitsandbytes dequantizes every weight afresh per micro-batch (forward, recompute, backward): QLoRA's block
+    FLOPs carry that fixed cost per micro-batch, so one micro-batch of 8 costs less than 8 of 1; LoRA's do not."""
+    from tests.test_costs import tiny_config
+
+    from hfsplit.costs import TrainingSpec, model_costs
+    from hfsplit.quantize import DEQUANTIZE_FLOPS_PER_VALUE
+
+    config = tiny_config("llama")
+    flops = {}
+    for method in ("lora", "qlora"):
+        for mb in (1, 8):
+            spec = TrainingSpec(method=method, seq_len=64, micro_batch_size=mb, dtype="float32", lora_r=8,
+                                activation_checkpointing=True)
+            flops[method, mb] = model_costs(config, spec).block.flops
+    per_layer = (config.hidden_size * (config.num_attention_heads + 2 * config.num_key_value_heads)
+                 * config.hidden_size // config.num_attention_heads + config.hidden_size ** 2
+                 + 3 * config.hidden_size * config.intermediate_size)
+    dequantize = DEQUANTIZE_FLOPS_PER_VALUE * per_layer * 3  # forward, recompute, backward
+    assert flops["lora", 8] == pytest.approx(8 * flops["lora", 1])
+    assert flops["qlora", 1] == pytest.approx(flops["lora", 1] + dequantize)
+    assert flops["qlora", 8] == pytest.approx(flops["lora", 8] + dequantize)
+    assert 8 * flops["qlora", 1] > flops["qlora", 8] * 1.05

@@ -35,6 +35,7 @@ class StageModule(nn.Module):
         self.stage_index = stage.index
         self.has_embed = stage.has_embed
         self.has_head = stage.has_head
+        self.head_in_loss = False
         # A stage is built from the blocks alone: only declared families, whose outside work it redoes, split right.
         self.family = family_of(config)
         full = meta_model(config)
@@ -76,7 +77,9 @@ class StageModule(nn.Module):
             x = layer(x, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=positions,
                       cache=cache, use_cache=cache is not None)
         if self.body.norm is not None:
-            x = self.family.output_side(self.config, self.lm_head(self.body.norm(x)))
+            x = self.body.norm(x)
+            if not self.head_in_loss:  # a chunked loss runs lm_head itself (hfsplit/parallel/chunked_loss.py)
+                x = self.family.output_side(self.config, self.lm_head(x))
         return x
 
 

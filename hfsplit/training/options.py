@@ -53,6 +53,8 @@ class FinetuneOptions:
         peer_timeout: seconds a rank waits for a peer before it gives up with an error (a dead or hung rank).
         bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: `--method qlora`'s `BitsAndBytesConfig`
             knobs under its own names (NF4 + double quantization by default; compute dtype is --dtype).
+        chunked_loss: the last stage runs lm_head and the loss a chunk of tokens at a time (never a whole
+            micro-batch's logits); the same loss and gradients.
     """
 
     model: Optional[str] = None
@@ -92,6 +94,7 @@ class FinetuneOptions:
     bnb_4bit_quant_type: str = "nf4"
     bnb_4bit_use_double_quant: bool = True
     load_in_8bit: bool = False
+    chunked_loss: bool = False
     config: Optional[str] = field(default=None, metadata={"help": "YAML recipe file; flags override it"})
 
     def validate(self) -> None:
@@ -147,7 +150,8 @@ def training_spec(options: FinetuneOptions):
                         activation_checkpointing=options.activation_checkpointing,
                         reserve_bytes=None if torch.cuda.is_available() else 0,
                         bnb_4bit_quant_type=options.bnb_4bit_quant_type,
-                        bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit)
+                        bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
+                        chunked_loss=options.chunked_loss)
 
 
 def plan_arguments(options: FinetuneOptions, *, world_size: int) -> dict:

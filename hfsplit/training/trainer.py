@@ -34,6 +34,7 @@ def causal_lm_loss(vocab_size: int):
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return ForCausalLMLoss(logits, labels, vocab_size)
 
+    loss_fn.causal_lm = True  # a chunked_loss plan may compute it chunk by chunk (parallel/chunked_loss.py)
     return loss_fn
 
 

@@ -39,11 +39,12 @@ def train_and_probe(run: dict, probe: torch.Tensor) -> tuple[list[float], torch.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, split", [(2, dict(pp=2, max_memory="2x1GiB")),
+@pytest.mark.parametrize("world, split", [(2, dict(pp=2, max_memory="2x1GiB", chunked_loss=True)),  # the chunked loss
                                           (4, dict(pp=2, tp=1, max_memory="4x1GiB"))])  # pp=2 × dp=2
 def test_split_qlora_losses_equal_transformers_bnb_peft_qlora(tiny_checkpoint, tmp_path, world, split):
-    """20 QLoRA steps split over pp=2 (and pp=2 × dp=2) equal the one-process reference; the adapter folder
-    loads with plain PeftModel on a base quantized by transformers; --merge writes a plain 16-bit folder."""
+    """20 QLoRA steps split over pp=2 (with the chunked loss) and pp=2 × dp=2 equal the one-process reference
+    (transformers' plain loss); the adapter folder loads with plain PeftModel on a base quantized by
+    transformers; --merge writes a plain 16-bit folder."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

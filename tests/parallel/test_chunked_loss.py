@@ -1,0 +1,63 @@
+"""The chunked causal-LM loss equals transformers' own loss and gradients, and the last stage holds less with it."""
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: the logit soft-cap runs per chunk
+def test_chunked_loss_equals_transformers_loss_and_gradients(family, monkeypatch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hfsplit.models import family_of
+    from hfsplit.parallel import chunked_loss
+    from hfsplit.training.trainer import causal_lm_loss
+
+    config = AutoConfig.for_model(family, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                  num_key_value_heads=1, num_hidden_layers=1, vocab_size=300, head_dim=16,
+                                  final_logit_softcapping=5.0 if family == "gemma2" else None)
+    model = AutoModelForCausalLM.from_config(config).float()
+    hidden = torch.randn(2, 37, 32, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 300, (2, 37), generator=torch.Generator().manual_seed(1))
+    labels[0, :5] = -100  # padding / prompt tokens do not count
+
+    def head(h):  # what the last stage runs after its norm: lm_head, then the family's scaling / soft-cap
+        return family_of(config).output_side(config, model.lm_head(h))
+
+    def loss_and_grads(fn):
+        h = hidden.clone().requires_grad_()
+        model.zero_grad()
+        loss = fn(h)
+        loss.backward()
+        return loss.detach(), h.grad, model.lm_head.weight.grad.clone()
+
+    monkeypatch.setattr(chunked_loss, "CHUNK_LOGIT_BYTES", 4 * 300 * 10)  # 10 tokens a chunk: 8 chunks, the last short
+    assert chunked_loss.chunk_tokens(300, 74) == 10
+    want = loss_and_grads(lambda h: causal_lm_loss(300)(head(h), labels))
+    got = loss_and_grads(lambda h: chunked_loss.chunked_causal_lm_loss(h, labels, head=head, vocab_size=300))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_chunked_loss_run_keeps_its_plan_and_its_losses(launch, tiny_checkpoint):
+    """pp=2, a vocabulary large enough that the logits weigh on the last stage: the chunked plan's figure matches
+    the measured peak of each rank, its saving is measured, and the loss curve is the plain one."""
+    checkpoint = str(tiny_checkpoint("llama", num_layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2,
+                                     vocab=8192))
+    results = launch("tests.parallel.chunked_loss_cases:chunked_vs_plain", world_size=2, timeout_s=400,
+                     kwargs=dict(checkpoint=checkpoint, seq_len=256, micro_batch_size=2, micro_batches=2, steps=3))
+    for rank, by_mode in enumerate(results):
+        for chunked, r in by_mode.items():
+            ratio = r["measured"] / r["planned"]
+            print(f"rank {rank} chunked {chunked}: planned {r['planned']}, measured {r['measured']} ({ratio:.3f})")
+            assert 0.85 <= ratio <= 1.15, f"rank {rank} chunked {chunked}: measured/planned = {ratio:.3f}"
+            assert r["probe_shape"] == (1, 16, 8192)
+        plain, chunked = by_mode[False], by_mode[True]
+        if plain["has_head"]:
+            planned_saving = plain["planned"] - chunked["planned"]
+            assert planned_saving > 0.3 * plain["planned"], planned_saving  # the head's logits dominate here
+            assert plain["measured"] - chunked["measured"] >= 0.7 * planned_saving
+            assert chunked["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+            assert chunked["losses"][-1] < chunked["losses"][0]
+            assert "chunked loss" in chunked["table"]
+        else:
+            assert chunked["planned"] == plain["planned"]
