@@ -33,8 +33,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {recipe.seq_len})")
     p.add_argument("--micro-batch-size", type=int, default=None, help=f"default {recipe.micro_batch_size}")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4 × stages)")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (sets --micro-batches; under "
-                                                                  "--schedule auto the time model also chooses the cut)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per step (sets --micro-batches; under --schedule auto the time model picks the cut)")
     p.add_argument("--schedule", default=None, help=f"auto (fastest by the time model; prints each candidate's step) | 1F1B | GPipe | "
                                                     f"Interleaved1F1B | ZBVZeroBubble | DualPipeV (default {recipe.schedule})")
     p.add_argument("--activation-checkpointing", choices=("on", "off", "auto"), default=None, help="default auto")

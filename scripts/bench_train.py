@@ -108,7 +108,8 @@ def main() -> None:
         seq = results[f"{group}sequential model parallel (device_map style)"]["tokens_per_s"]
         print(f"| {name}{' → ' + r['schedule'] if 'auto' in name else ''} | {r['tokens_per_s']:.0f} "
               f"| {r['tokens_per_s'] / base:.2f}× | {r['tokens_per_s'] / seq:.2f}× "
-              f"| {r['bubble']:.1f}% | {r['theory']:.1f}% | {r['estimate_ms']:.0f} / {r['measured_ms']:.0f} ms{r['recheck']} |")
+              f"| {r['bubble']:.1f}% | {r['theory']:.1f}% "
+              f"| {r['estimate_ms']:.0f} / {r['measured_ms']:.0f} ms{r['recheck']} |")
     if "QLoRA pp=2 auto m=8" in results:
         ratio = (results["QLoRA pp=2 auto m=8"]["tokens_per_s"]
                  / results["QLoRA sequential model parallel (device_map style)"]["tokens_per_s"])

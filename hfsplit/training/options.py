@@ -114,7 +114,8 @@ class FinetuneOptions:
             _check_number(self, name, low=0)
         _check_number(self, "learning_rate", low=0, above=True)
         _check_number(self, "lora_dropout", low=0, high=1)
-        for name in ("eval_every", "save_every", "epochs", "tp", "pp", "global_batch"):  # unset: off (or the planner's choice)
+        # unset: off (or the planner's choice)
+        for name in ("eval_every", "save_every", "epochs", "tp", "pp", "global_batch"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise HfsplitError(f"--{_flag(name)} must be at least 1, or left out (got {getattr(self, name)})")
 

@@ -384,7 +384,8 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Opti
         arguments.update(micro_batches=None, global_batch=global_batch)
     # Measured on this rank's own device (cached per device kind and dtype): the time model picks the schedule.
     arguments["device_speeds"] = run_speeds(model_path, arguments["spec"], budget)
-    arguments["link"] = run_link(model_path, arguments["spec"])  # one p2p probe between neighbours: pipeline sends and TP all-reduces
+    # One p2p probe between neighbours (pipeline sends, TP all-reduces), with the block's split-backward cost.
+    arguments["link"] = run_link(model_path, arguments["spec"])
     return shared_plan(model_path, budget, **arguments)
 
 
