@@ -26,7 +26,7 @@ FAMILIES = {
     "cohere": dict(TINY, logit_scale=0.25, tie_word_embeddings=True),
     "cohere2": dict(TINY, logit_scale=0.25, sliding_window=4, tie_word_embeddings=True,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
-    # Experts stored one by one: transformers merges them on load, so hfsplit hands the load to it.
+    # Experts stored one by one: hfsplit's reader merges them with transformers' own conversion operations.
     "mixtral": dict(TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen3_moe": dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
 }
