@@ -39,3 +39,34 @@ SPLITS = {
 @pytest.mark.parametrize("name", list(SPLITS))
 def test_family_split_matches_transformers(name, launch, tiny_checkpoint):
     check_split_matches_transformers(*SPLITS[name], launch=launch, tiny_checkpoint=tiny_checkpoint)
+
+
+# MoE (experts fused in the module, merged from per-expert checkpoint tensors, whole inside a stage): the split as
+# above, then one step with `output_router_logits` set, whose router auxiliary loss spans the layers of both stages.
+MOE_SPLITS = {
+    "mixtral-pp2-1f1b": ("mixtral", dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    # a first stage of one layer: three layers' router sums continue on the second stage
+    "qwen3_moe-pp2-gpipe": ("qwen3_moe", dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_SPLITS))
+def test_moe_split_matches_transformers_router_loss_included(name, launch, tiny_checkpoint):
+    from tests.parallel.test_split_model import assert_every_parameter_once
+
+    arch, split = MOE_SPLITS[name]
+    checkpoint = str(tiny_checkpoint(arch))
+    router_checkpoint = str(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5))
+    results = launch("tests.parallel.moe_cases:moe_split_matches_transformers", world_size=2,
+                     kwargs=dict(checkpoint=checkpoint, router_checkpoint=router_checkpoint, **split))
+    for r in results:
+        assert r["logits_diff"] <= 1e-5
+        assert r["generate_equal"], r["generated"]
+        for grads in (r["grad_rel_diff"], r["router"]["grad_rel_diff"]):
+            bad = {n: d for n, d in grads.items() if d > 1e-5}
+            assert not bad, bad
+        assert r["router"]["router_grads"]  # each stage's routers got the loss's gradient
+        assert min(r["router"]["aux"]) > 0.5  # ≥ 1 for any routing: at coefficient 0.5 a missed term shows
+    last = [r for r in results if "loss_diff" in r["router"]]
+    assert len(last) == 1 and last[0]["router"]["loss_diff"] <= 1e-5 and last[0]["loss_diff"] <= 1e-5
+    assert_every_parameter_once(results, checkpoint=checkpoint, tp=1, tied=False)

@@ -48,7 +48,9 @@ def reference_training(options: FinetuneOptions, *, replicas: int = 1, base=None
         labels = batch["labels"].split(options.micro_batch_size)
         step_losses = []
         for x, y in zip(ids, labels):
-            loss = loss_fn(model(input_ids=x).logits, y)
+            # an MoE with output_router_logits: transformers' own loss, router auxiliary loss included
+            routed = getattr(model.config, "output_router_logits", False)
+            loss = model(input_ids=x, labels=y).loss if routed else loss_fn(model(input_ids=x).logits, y)
             (loss / micro_batches).backward()
             step_losses.append(loss.detach())
         losses.append(float(torch.stack(step_losses).mean()))
@@ -364,3 +366,17 @@ def test_recipe_bad_checkpoint_data_budget_or_launch_is_one_clear_line_and_exit_
     """Each bad input is named with its fix in one line, exit code 2, nothing written (issue 6)."""
     flags, words = bad_input(tiny_checkpoint, tmp_path)
     assert_recipe_refuses(tmp_path, flags, words, nproc=nproc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, method, schedule", [("mixtral", "lora", "1F1B"), ("qwen3_moe", "full", "GPipe")])
+def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint, tmp_path, arch, method, schedule):
+    """20 steps with `output_router_logits` (the router auxiliary loss over the layers of both stages, coefficient
+    0.5), LoRA on one family and full training on the other (one run each keeps the suite short): every step's
+    loss equals transformers' own loss of the unsplit model."""
+    checkpoint = tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5)
+    run = run_options(checkpoint, tmp_path, method, tp=1, pp=2, schedule=schedule, max_memory="2x1GiB")
+    results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]}, timeout_s=300)
+    expected, _ = reference_training(FinetuneOptions(**run))
+    assert results[0][0] == pytest.approx(expected, rel=1e-5)
+    assert results[0] == results[-1]
