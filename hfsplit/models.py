@@ -315,6 +315,27 @@ def _block_linears(key: str) -> tuple[BlockLinear, ...]:
                  for name, m in block.named_modules() if isinstance(m, nn.Linear))
 
 
+def routed_expert_numel(config) -> int:
+    """Matmul weights one token passes through in one block's fused experts (MoE): `num_experts_per_tok` experts'
+    share of the 3-D expert tensors (Mixtral's `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]); 0 for a
+    dense block. Every expert's weights are held, only these are computed with."""
+    key = config.to_json_string(use_diff=False)
+    _CONFIGS.setdefault(key, config)
+    return _routed_expert_numel(key)
+
+
+@functools.lru_cache(maxsize=32)
+def _routed_expert_numel(key: str) -> int:
+    config = _CONFIGS[key]
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not top_k:
+        return 0
+    model = meta_model(one_layer_config(config))
+    block = model.get_submodule(decoder_layout(model).layers)[0]
+    per_expert = sum(p[0].numel() for p in block.parameters() if p.dim() == 3)  # [experts, out, in]
+    return top_k * per_expert
+
+
 def block_linear_names(config) -> list[str]:
     """The linear layers of one decoder block ("q_proj" … "down_proj", Phi-3's fused "qkv_proj" and
     "gate_up_proj"): LoRA's default targets, which the cost model counts when none are given."""

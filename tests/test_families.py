@@ -30,9 +30,6 @@ FAMILIES = {
     "mixtral": dict(TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen3_moe": dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
 }
-# fp32 MoE blocks are traced with batched_mm (torch's meta grouped_mm takes bf16 only), which
-# materialises each token's expert weights: the tiny models' fp32 estimate is far above what runs.
-BUDGET = {"mixtral": "64GiB", "qwen3_moe": "64GiB"}
 
 
 def write_family(folder, arch: str):
@@ -47,7 +44,7 @@ def write_family(folder, arch: str):
 def test_single_process_equals_transformers(tmp_path, arch):
     folder = write_family(tmp_path / arch, arch)
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ours = from_pretrained(folder, max_memory={"cpu": BUDGET.get(arch, "3GiB")})  # planned by the planner, not a given map
+    ours = from_pretrained(folder, max_memory={"cpu": "3GiB"})  # planned by the planner, not a given map
     layout = decoder_layout(ours)
     assert set(ours.hf_device_map) == {*layout.before, *layout.after, *layout.outside,
                                        *(f"{layout.layers}.{i}" for i in range(3))}
