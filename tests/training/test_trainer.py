@@ -369,13 +369,16 @@ def test_recipe_bad_checkpoint_data_budget_or_launch_is_one_clear_line_and_exit_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, method, schedule", [("mixtral", "lora", "1F1B"), ("qwen3_moe", "full", "GPipe")])
-def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint, tmp_path, arch, method, schedule):
+@pytest.mark.parametrize("arch, method, schedule, recompute", [("mixtral", "lora", "1F1B", False),
+                                                               ("qwen3_moe", "full", "GPipe", True)])
+def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint, tmp_path, arch, method, schedule,
+                                                                 recompute):
     """20 steps with `output_router_logits` (the router auxiliary loss over the layers of both stages, coefficient
-    0.5), LoRA on one family and full training on the other (one run each keeps the suite short): every step's
-    loss equals transformers' own loss of the unsplit model."""
+    0.5), LoRA on one family and full training with activation checkpointing (the routers run again in backward)
+    on the other, one run each to keep the suite short: every step's loss equals transformers' own loss."""
     checkpoint = tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5)
-    run = run_options(checkpoint, tmp_path, method, tp=1, pp=2, schedule=schedule, max_memory="2x1GiB")
+    run = run_options(checkpoint, tmp_path, method, tp=1, pp=2, schedule=schedule, max_memory="2x1GiB",
+                      activation_checkpointing=recompute)
     results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]}, timeout_s=300)
     expected, _ = reference_training(FinetuneOptions(**run))
     assert results[0][0] == pytest.approx(expected, rel=1e-5)
