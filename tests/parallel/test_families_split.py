@@ -44,7 +44,9 @@ def test_family_split_matches_transformers(name, launch, tiny_checkpoint):
 # MoE (experts fused in the module, merged from per-expert checkpoint tensors, whole inside a stage): the split as
 # above, then one step with `output_router_logits` set, whose router auxiliary loss spans the layers of both stages.
 MOE_SPLITS = {
-    "mixtral-pp2-1f1b": ("mixtral", dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    # four stages on two ranks: the sums pass rank 0 → 1 → 0 → 1, and a rank holds two stages' routers
+    "mixtral-pp2-interleaved1f1b": ("mixtral", dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)],
+                                                    schedule="Interleaved1F1B")),
     # a first stage of one layer: three layers' router sums continue on the second stage
     "qwen3_moe-pp2-gpipe": ("qwen3_moe", dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
 }
