@@ -6,6 +6,11 @@ import torch
 from tests.parallel.cases import hand_plan, reference_name, split_matches_transformers
 
 
+def moe_splits_match_transformers(*, cases: dict) -> dict:
+    """`moe_split_matches_transformers` of each case {name: its keyword arguments}, in one launch of ranks."""
+    return {name: moe_split_matches_transformers(**kwargs) for name, kwargs in cases.items()}
+
+
 def moe_split_matches_transformers(*, checkpoint: str, router_checkpoint: str, tp: int, pp: int, layers: list,
                                    schedule: str, micro_batches: int = 2) -> dict:
     """`split_matches_transformers` on `checkpoint` (logits, gradients, greedy generation), then one step

@@ -52,23 +52,24 @@ MOE_SPLITS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MOE_SPLITS))
-def test_moe_split_matches_transformers_router_loss_included(name, launch, tiny_checkpoint):
+def test_moe_splits_match_transformers_router_loss_included(launch, tiny_checkpoint):
+    """Both families in one launch of two ranks (each case builds its split models in turn)."""
     from tests.parallel.test_split_model import assert_every_parameter_once
 
-    arch, split = MOE_SPLITS[name]
-    checkpoint = str(tiny_checkpoint(arch))
-    router_checkpoint = str(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5))
-    results = launch("tests.parallel.moe_cases:moe_split_matches_transformers", world_size=2,
-                     kwargs=dict(checkpoint=checkpoint, router_checkpoint=router_checkpoint, **split))
-    for r in results:
-        assert r["logits_diff"] <= 1e-5
-        assert r["generate_equal"], r["generated"]
-        for grads in (r["grad_rel_diff"], r["router"]["grad_rel_diff"]):
-            bad = {n: d for n, d in grads.items() if d > 1e-5}
-            assert not bad, bad
-        assert r["router"]["router_grads"]  # each stage's routers got the loss's gradient
-        assert min(r["router"]["aux"]) > 0.5  # ≥ 1 for any routing: at coefficient 0.5 a missed term shows
-    last = [r for r in results if "loss_diff" in r["router"]]
-    assert len(last) == 1 and last[0]["router"]["loss_diff"] <= 1e-5 and last[0]["loss_diff"] <= 1e-5
-    assert_every_parameter_once(results, checkpoint=checkpoint, tp=1, tied=False)
+    cases = {name: dict(checkpoint=str(tiny_checkpoint(arch)), **split,
+                        router_checkpoint=str(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5)))
+             for name, (arch, split) in MOE_SPLITS.items()}
+    results = launch("tests.parallel.moe_cases:moe_splits_match_transformers", world_size=2, kwargs=dict(cases=cases))
+    for name, case in cases.items():
+        per_rank = [r[name] for r in results]
+        for r in per_rank:
+            assert r["logits_diff"] <= 1e-5, name
+            assert r["generate_equal"], (name, r["generated"])
+            for grads in (r["grad_rel_diff"], r["router"]["grad_rel_diff"]):
+                bad = {n: d for n, d in grads.items() if d > 1e-5}
+                assert not bad, (name, bad)
+            assert r["router"]["router_grads"], name  # each stage's routers got the loss's gradient
+            assert min(r["router"]["aux"]) > 0.5, name  # ≥ 1 for any routing: at coefficient 0.5 a missed term shows
+        last = [r for r in per_rank if "loss_diff" in r["router"]]
+        assert len(last) == 1 and last[0]["router"]["loss_diff"] <= 1e-5 and last[0]["loss_diff"] <= 1e-5, name
+        assert_every_parameter_once(per_rank, checkpoint=case["checkpoint"], tp=1, tied=False)

@@ -369,21 +369,20 @@ def test_recipe_bad_checkpoint_data_budget_or_launch_is_one_clear_line_and_exit_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, method, schedule, recompute", [("mixtral", "lora", "1F1B", False),
-                                                               ("qwen3_moe", "full", "GPipe", True)])
-def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint, tmp_path, arch, method, schedule,
-                                                                 recompute):
+def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint, tmp_path):
     """20 steps with `output_router_logits` (the router auxiliary loss over the layers of both stages, coefficient
-    0.5), LoRA on one family and full training with activation checkpointing (the routers run again in backward)
-    on the other, one run each to keep the suite short: every step's loss equals transformers' own loss."""
-    checkpoint = tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5)
-    run = run_options(checkpoint, tmp_path, method, tp=1, pp=2, schedule=schedule, max_memory="2x1GiB",
-                      activation_checkpointing=recompute)
-    results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]}, timeout_s=300)
-    expected, trained = reference_training(FinetuneOptions(**run))
-    assert results[0][0] == pytest.approx(expected, rel=1e-5)
-    assert results[0] == results[-1]
+    0.5): Mixtral with LoRA (1F1B), Qwen3-MoE fully trained with activation checkpointing (the routers run again in
+    backward; GPipe), one launch: every step's loss equals transformers' own loss of the unsplit model, and the
+    saved output (experts as fused tensors) loads with plain transformers / peft."""
+    runs = [run_options(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5), tmp_path, method,
+                        tp=1, pp=2, schedule=schedule, max_memory="2x1GiB", activation_checkpointing=recompute)
+            for arch, method, schedule, recompute in (("mixtral", "lora", "1F1B", False), ("qwen3_moe", "full", "GPipe", True))]
+    results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs}, timeout_s=400)
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():  # the saved output (experts as fused tensors) loads with plain transformers / peft
-        loaded = saved_model(Path(run["output_dir"]), FinetuneOptions(**run))
-        assert (loaded(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max() < 1e-4
+    for run, split_losses in zip(runs, results[0]):
+        expected, trained = reference_training(FinetuneOptions(**run))
+        assert split_losses == pytest.approx(expected, rel=1e-5), run["model"]
+        with torch.no_grad():
+            loaded = saved_model(Path(run["output_dir"]), FinetuneOptions(**run))
+            assert (loaded(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max() < 1e-4
+    assert results[0] == results[-1]
