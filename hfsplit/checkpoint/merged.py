@@ -93,3 +93,23 @@ def conversions_of(model: torch.nn.Module) -> tuple[list, list]:
         return [], []
     return ([t for t in transforms if isinstance(t, WeightRenaming)],
             [t for t in transforms if isinstance(t, WeightConverter)])
+
+
+def as_stored(config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state`, a stage's state dict (model names: experts fused; emptied here), in the layout transformers' own `save_pretrained`
+    writes, by its `revert_weight_conversion` (Mixtral's experts one by one as `block_sparse_moe.experts.N.w1`):
+    what older transformers and other tools read. Unchanged for models without a conversion mapping.
+
+    The pieces transformers returns are views of the fused tensors; each is copied out (safetensors writes no
+    tensors sharing memory), one fused tensor at a time, so a stage's experts are held about once more at most
+    by one layer's worth."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from ..models import meta_model, one_layer_config
+
+    reverted = revert_weight_conversion(meta_model(one_layer_config(config)), state)
+    if reverted is state:
+        return state
+    kept = {id(t) for t in state.values()}
+    state.clear()  # the fused tensors now live only through their pieces' views
+    return {key: reverted[key] if id(reverted[key]) in kept else reverted.pop(key).clone() for key in list(reverted)}

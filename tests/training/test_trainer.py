@@ -382,6 +382,10 @@ def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint
     for run, split_losses in zip(runs, results[0]):
         expected, trained = reference_training(FinetuneOptions(**run))
         assert split_losses == pytest.approx(expected, rel=1e-5), run["model"]
+        if run["method"] == "full":  # written as transformers' save_pretrained writes it: experts one by one
+            stored = json.loads((Path(run["output_dir"]) / "model" / "model.safetensors.index.json").read_text())
+            assert "model.layers.3.mlp.experts.3.up_proj.weight" in stored["weight_map"]
+            assert not [k for k in stored["weight_map"] if "gate_up_proj" in k]
         with torch.no_grad():
             loaded = saved_model(Path(run["output_dir"]), FinetuneOptions(**run))
             assert (loaded(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max() < 1e-4
