@@ -308,6 +308,15 @@ def test_experts_stored_one_by_one_read_merged_as_transformers_loads_them(tiny_c
                 assert torch.equal(reader.read(name), tensor), (source, name)
                 assert torch.equal(reader.read(name, dtype=torch.bfloat16), tensor.to(torch.bfloat16)), name
     experts = "model.layers.1.mlp.experts.gate_up_proj"
+    from hfsplit.checkpoint.merged import split_checkpoint_names
+
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    _, merged = split_checkpoint_names(weight_map, meta_model(folder))
+    pieces = {k: tuple(v.shape) for k, v in stored.items()}
+    # each expert's gate rows, then its up rows, preads straight into the fused tensor (no second copy)
+    placed = merged[experts].placement(pieces.__getitem__)
+    assert [(index, start) for _, index, _, start in placed] == [(e, 0) for e in range(4)] + [
+        (e, pieces[placed[0][0]][0]) for e in range(4)]
     with CheckpointReader.open(folder, model=meta_model(folder)) as reader:
         assert reader.nbytes(experts) == loaded[experts].nbytes
         assert torch.equal(reader.read_slice(experts, dim=1, index=1, parts=2), loaded[experts].chunk(2, dim=1)[1])

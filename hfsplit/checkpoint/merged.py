@@ -12,7 +12,7 @@ it read, so nothing here knows a family's names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -47,6 +47,28 @@ class MergedTensor:
                                    model=None, config=None, missing_keys=None)
         (tensor,) = collected.values()
         return tensor
+
+    def placement(self, shape_of: Callable[[str], tuple[int, ...]]) -> Optional[list[tuple[str, int, int, int]]]:
+        """Where each stored piece lands in the merged tensor, as (checkpoint key, index along dim 0, dim of that
+        slice, start): for transformers' stack-then-concatenate merges (`MergeModulelist(dim=0)`, then
+        optionally `Concatenate(dim≥1)`), so the reader preads each piece straight into its place. None for
+        other operations, which `merge` runs as transformers does."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+
+        ops = self.converter.operations
+        if not ops or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0:
+            return None
+        if len(ops) == 1 and len(self.sources) == 1:
+            dim = 0
+        elif len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim >= 1:
+            dim = ops[1].dim - 1  # the concatenated dim of one stacked piece
+        else:
+            return None
+        placed, start = [], 0
+        for keys in self.sources.values():  # Concatenate's order: the converter's source patterns
+            placed += [(key, index, dim, start) for index, key in enumerate(keys)]
+            start += shape_of(keys[0])[dim] if keys else 0
+        return placed
 
 
 def split_checkpoint_names(weight_map: dict[str, str], model: torch.nn.Module

@@ -153,8 +153,9 @@ class CheckpointReader:
         Host RAM beyond the result: at most one CHUNK_BYTES buffer (none for a CPU read in
         the stored dtype, which lands directly in the result).
         """
-        if name in self._merged:  # each stored piece read, then merged by transformers' own operations
-            return self._merged[name].merge(self._read_key).to(dtype=dtype, device=torch_device(device))
+        if name in self._merged:  # each stored piece read into its place of the merged tensor
+            out = torch.empty(self.shape(name), dtype=dtype or self.dtype(name), device=torch_device(device))
+            return self._merge_into(name, out)
         entry = self._entry(name)
         out = torch.empty(entry.shape, dtype=dtype or entry.dtype, device=torch_device(device))
         self._fill_rows(entry, out, name)
@@ -183,7 +184,7 @@ class CheckpointReader:
             if tuple(out.shape) != self.shape(name):
                 raise CheckpointError(f"{self._where()}: merged tensor {name!r} has shape {list(self.shape(name))}, "
                                       f"the destination {list(out.shape)}")
-            return out.copy_(self.read(name))
+            return self._merge_into(name, out)
         entry = self._entry(name)
         if tuple(out.shape) != entry.shape:
             raise CheckpointError(
@@ -345,6 +346,18 @@ class CheckpointReader:
         entry = self._key_entry(key)
         out = torch.empty(entry.shape, dtype=entry.dtype)
         self._fill_rows(entry, out, key)
+        return out
+
+    def _merge_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Merged tensor `name` into `out`: each piece pread into its slice (no host copy beyond a cast chunk),
+        or, for merges other than stack-then-concatenate, transformers' operations on the pieces read."""
+        merged = self._merged[name]
+        placed = merged.placement(lambda key: self._key_entry(key).shape) or []
+        slices = [(key, out[index].narrow(dim, start, self._key_entry(key).shape[dim])) for key, index, dim, start in placed]
+        if not slices or not all(view.is_contiguous() for _, view in slices):
+            return out.copy_(merged.merge(self._read_key))
+        for key, view in slices:
+            self._fill_rows(self._key_entry(key), view, key)
         return out
 
     def _merged_meta(self, name: str) -> torch.Tensor:
