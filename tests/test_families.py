@@ -83,11 +83,19 @@ def test_distributed_split_refuses_a_bidirectional_gemma3_by_name():
 def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
     """The stage builder redoes what the family declares outside its blocks (fast, in-process; the
     multi-process splits are in tests/parallel/test_families_split.py)."""
+    folder = str(tiny_checkpoint(arch, tied=arch.startswith("cohere")))
+    module, reference = one_stage_and_reference(folder)
+    ids = torch.randint(3, module.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(module(ids), reference(ids).logits, rtol=0, atol=1e-5)
+
+
+def one_stage_and_reference(folder: str):
+    """One stage holding every block and both ends, loaded by hfsplit's reader; the transformers model."""
     from hfsplit.checkpoint import load_config
     from hfsplit.parallel.stage import load_stage_weights
     from hfsplit.parallel.weights import open_reader
 
-    folder = str(tiny_checkpoint(arch, tied=arch.startswith("cohere")))
     config = load_config(folder)
     stage = Stage(index=0, pp_rank=0, devices=(("cpu",),), layers=(0, config.num_hidden_layers), has_embed=True,
                   has_head=True, memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)
@@ -95,10 +103,24 @@ def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
     needed = [name for name, _ in module.named_parameters()]
     with open_reader(folder, needed=needed, model=meta_model(config)) as reader:
         load_stage_weights(module, reader=reader, device=torch.device("cpu"), dtype=torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.randint(3, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    return module, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_one_stage_router_loss_equals_transformers(tiny_checkpoint, arch):
+    """While carrying (a training step), the stage returns its logits and transformers' router auxiliary loss of
+    the forward; otherwise (inference, generation) the logits alone."""
+    from hfsplit.parallel.router import carrying
+
+    module, reference = one_stage_and_reference(str(tiny_checkpoint(arch, output_router_logits=True)))
+    ids = torch.randint(3, module.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(module(ids), reference(ids).logits, rtol=0, atol=1e-5)
+        want = reference(ids)
+        with carrying([module]):
+            logits, aux = module(ids)
+        assert torch.is_tensor(module(ids))
+    torch.testing.assert_close(logits, want.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(aux, want.aux_loss, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])

@@ -21,6 +21,8 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
+
 
 class RouterStats:
     """Records the router logits of one stage's blocks during a forward and folds them into the running sums.
@@ -82,8 +84,10 @@ def router_stats_of(config, model: nn.Module, blocks: Iterable[nn.Module]) -> Op
     if not getattr(config, "output_router_logits", False):
         return None
     recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
-    if recorder is None:
-        return None
+    if recorder is None:  # the loss would silently lack its router term
+        raise UnsupportedModelError(f"{type(model).__name__} declares no router_logits recorder, so hfsplit cannot add "
+                                    "its router auxiliary loss; set output_router_logits=False or train it with "
+                                    "transformers itself")
     routers = [m for block in blocks for m in block.modules() if isinstance(m, recorder.target_class)]
     return RouterStats(config=config, routers=routers, index=recorder.index)
 
