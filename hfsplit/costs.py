@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -22,8 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .errors import PlanError
 from .models import (  # noqa: F401  (re-exported: the planner's and older callers' names)
     FAMILIES, REPLICATED_SUMMED, SUPPORTED_MODEL_TYPES, TP_STYLES, BlockLinear, Family, block_linear_names, block_linears,
-    check_causal_lm, check_supported, decoder_layout, meta_model, one_layer_config, tp_degree_error, tp_style_of,
-    tp_supported, valid_tp_degrees,
+    check_causal_lm, check_supported, decoder_layout, meta_model, one_layer_config, routed_expert_numel, tp_degree_error,
+    tp_style_of, tp_supported, valid_tp_degrees,
 )
 from .plan import Method, TrainingSpec  # noqa: F401 (re-exported: TrainingSpec lives with the Plan)
 
@@ -318,7 +319,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     # Block FLOPs: every matmul parameter (base + adapter) × 2 per token, plus QKᵀ and AV.
     matmul_numel = sum(
         lin.in_features * lin.out_features // (tp if lin.shard else 1) for lin in layout.linears
-    ) + lora_numel
+    ) + lora_numel + routed_expert_numel(config)  # MoE: only the top-k experts a token is routed to
     heads_dim = config.num_attention_heads // tp * _head_dim(config)
     block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * spec.seq_len**2 * heads_dim
     block_flops = block_fwd * (passes + (1 if ckpt else 0))
@@ -368,6 +369,25 @@ def quantized_block_bytes(layout: _Layout, spec: TrainingSpec) -> int:
         quantized_linear_bytes(lin.in_features, lin.out_features, quant_type=spec.bnb_4bit_quant_type,
                                double_quant=spec.bnb_4bit_use_double_quant, load_in_8bit=spec.load_in_8bit)
         for lin in layout.linears)
+
+
+@contextmanager
+def _grouped_experts_on_fake_tensors():
+    """MoE blocks traced as they run: transformers' grouped experts (`grouped_mm`, the tokens × top-k routed rows
+    only) go through its own fallback op, whose fake kernel takes every dtype, where torch's meta kernel of
+    `grouped_mm` takes bf16 only. Both save the same tensors for backward (the routed rows and the weights); the
+    `batched_mm` alternative would gather each routed row's expert matrices (5-17x the measured peak)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # a transformers without fused experts: nothing to route
+        yield
+        return
+    can_use = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and can_use(input, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = can_use
 
 
 def _head_dim(config) -> int:
@@ -465,9 +485,6 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     forward passes to the block (rotary embeddings, mask), captured by running it once."""
     config = _CONFIGS[key]
     model = meta_model(_one_layer_config(config, tp=tp), dtype=_dtype(spec.dtype))
-    if getattr(model.config, "_experts_implementation", None) == "grouped_mm" and spec.dtype != "bfloat16":
-        # torch's meta kernel of grouped_mm accepts only bf16 (the real CPU kernel takes fp32 too)
-        model.config._experts_implementation = "batched_mm"
     base = getattr(model, model.base_model_prefix)
     block = _parts(model)[1]
     if spec.method == "lora":
@@ -575,7 +592,7 @@ def _block_events(key: str, spec: TrainingSpec, tp: int) -> _BlockEvents:
     shape = (spec.micro_batch_size, spec.seq_len, config.hidden_size)
     mode = FakeTensorMode()
     model, block, kwargs, _ = _fake_model(key, spec, tp, mode)
-    with mode:
+    with mode, _grouped_experts_on_fake_tensors():
         _set_trainable(block, spec)
         params = list(block.parameters())
 

@@ -24,8 +24,8 @@ class UnsupportedModelError(HfsplitError):
 
 
 class ConvertedOnLoadError(UnsupportedModelError):
-    """A checkpoint whose tensors transformers merges or splits on load (MoE experts): the lazy reader
-    cannot read them one by one, so single-process loading hands them to transformers itself."""
+    """A checkpoint whose tensors transformers splits into several on load: the lazy reader only merges
+    (MoE experts), so single-process loading hands such checkpoints to transformers itself."""
 
 
 class TrainingFault(HfsplitError):

@@ -48,6 +48,9 @@ class Family:
         tp_refused_flags: config flags under which the model's own TP plan is wrong, so tp > 1 is refused
             (pipeline stages still split it): Cohere's `use_qk_norm` adds q/k norms holding a weight per head,
             which the plan leaves whole while the heads are sharded.
+        router_aux_loss: an MoE whose training loss adds `router_aux_loss_coef` × transformers'
+            load-balancing loss over every layer's router logits when `output_router_logits` is set; the
+            stages carry its running sums and the last stage adds it (parallel/router.py).
     """
 
     embed_multiplier: Optional[str] = None
@@ -57,6 +60,7 @@ class Family:
     rope_per_layer_type: bool = False
     refused_flags: tuple[str, ...] = ()
     tp_refused_flags: tuple[str, ...] = ()
+    router_aux_loss: bool = False
 
     def position_embeddings(self, rotary_emb: nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
                             kinds) -> dict:
@@ -100,12 +104,13 @@ FAMILIES = {
     "gemma3_text": Family(final_softcap="final_logit_softcapping", rope_per_layer_type=True,
                           refused_flags=("use_bidirectional_attention",)),
     "cohere2": Family(logit_multiplier="logit_scale"),  # sliding layers come from layer_types, as Gemma 2's
+    # experts fused in the module, merged on read (checkpoint/merged.py), whole inside a stage; tp=1 (their TP plan
+    # shards experts with styles hfsplit does not implement)
+    "mixtral": Family(router_aux_loss=True), "qwen3_moe": Family(router_aux_loss=True),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # Families asked for whose split is not built yet, and what is missing (the README's "Model families" says more).
-_MOE_MISSING = ("MoE: the reader does not merge experts stored one by one, the cost model's MoE estimate is "
-                "not checked against a measured peak, and the router auxiliary loss couples the layers of all stages")
-NOT_YET = {"mixtral": _MOE_MISSING, "qwen3_moe": _MOE_MISSING}
+NOT_YET: dict[str, str] = {}
 
 
 def family_of(config) -> Family:
@@ -323,6 +328,27 @@ def _block_linears(key: str) -> tuple[BlockLinear, ...]:
     block = model.get_submodule(decoder_layout(model).layers)[0]
     return tuple(BlockLinear(name, m.in_features, m.out_features, tp_style_of(config, f"layers.0.{name}"))
                  for name, m in block.named_modules() if isinstance(m, nn.Linear))
+
+
+def routed_expert_numel(config) -> int:
+    """Matmul weights one token passes through in one block's fused experts (MoE): `num_experts_per_tok` experts'
+    share of the 3-D expert tensors (Mixtral's `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]); 0 for a
+    dense block. Every expert's weights are held, only these are computed with."""
+    key = config.to_json_string(use_diff=False)
+    _CONFIGS.setdefault(key, config)
+    return _routed_expert_numel(key)
+
+
+@functools.lru_cache(maxsize=32)
+def _routed_expert_numel(key: str) -> int:
+    config = _CONFIGS[key]
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not top_k:
+        return 0
+    model = meta_model(one_layer_config(config))
+    block = model.get_submodule(decoder_layout(model).layers)[0]
+    per_expert = sum(p[0].numel() for p in block.parameters() if p.dim() == 3)  # [experts, out, in]
+    return top_k * per_expert
 
 
 def block_linear_names(config) -> list[str]:

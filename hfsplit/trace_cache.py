@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: MoE blocks traced with grouped experts (routed rows only)
 
 
 def cache_dir() -> Path:

@@ -281,3 +281,60 @@ def test_hub_name_resolves_offline_and_downloads_only_needed_shards(tiny_checkpo
         print("ok", len(needed))
     """, {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     assert out.split()[0] == "ok"
+
+
+# ---- tensors transformers merges on load (MoE experts) -------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_experts_stored_one_by_one_read_merged_as_transformers_loads_them(tiny_checkpoint, tmp_path, arch):
+    """`save_pretrained` writes each expert's matrices apart (as the published checkpoints are); the reader
+    merges them with transformers' own conversion operations, and a checkpoint stored fused reads as is."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_checkpoint(arch)
+    stored = stored_tensors(folder)
+    assert any(re.search(r"experts\.3\.", k) for k in stored) and not any(k.endswith("gate_up_proj") for k in stored)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copy(folder / "config.json", fused / "config.json")
+    save_file({k: v.contiguous() for k, v in loaded.items()}, str(fused / "model.safetensors"))
+    for source in (folder, fused):
+        with CheckpointReader.open(source, model=meta_model(source)) as reader:
+            assert set(loaded) <= set(reader.keys())
+            for name, tensor in loaded.items():
+                assert reader.shape(name) == tuple(tensor.shape), name
+                assert torch.equal(reader.read(name), tensor), (source, name)
+                assert torch.equal(reader.read(name, dtype=torch.bfloat16), tensor.to(torch.bfloat16)), name
+    experts = "model.layers.1.mlp.experts.gate_up_proj"
+    from hfsplit.checkpoint.merged import split_checkpoint_names
+
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    _, merged = split_checkpoint_names(weight_map, meta_model(folder))
+    pieces = {k: tuple(v.shape) for k, v in stored.items()}
+    # each expert's gate rows, then its up rows, preads straight into the fused tensor (no second copy)
+    placed = merged[experts].placement(pieces.__getitem__)
+    assert [(index, start) for _, index, _, start in placed] == [(e, 0) for e in range(4)] + [
+        (e, pieces[placed[0][0]][0]) for e in range(4)]
+    with CheckpointReader.open(folder, model=meta_model(folder)) as reader:
+        assert reader.nbytes(experts) == loaded[experts].nbytes
+        assert torch.equal(reader.read_slice(experts, dim=1, index=1, parts=2), loaded[experts].chunk(2, dim=1)[1])
+        needed = [n for n in loaded if n.startswith("model.layers.1.")]
+        keep = reader.shards_for(needed)  # every shard holding one of layer 1's experts, only those
+    assert keep == {shard_of for k, shard_of in json.loads((folder / "model.safetensors.index.json").read_text())[
+        "weight_map"].items() if k.startswith("model.layers.1.")}
+    copied = copy_checkpoint(folder, tmp_path / "stage")
+    for shard in set(shard_files(copied)) - keep:
+        (copied / shard).unlink()
+    with CheckpointReader.open(copied, needed=needed, model=meta_model(copied)) as reader:
+        assert torch.equal(reader.read(experts), loaded[experts])
+
+
+def test_a_missing_expert_is_named(tiny_checkpoint, tmp_path):
+    folder = copy_checkpoint(tiny_checkpoint("mixtral", sharded=False), tmp_path / "ckpt")
+    tensors = {k: v for k, v in stored_tensors(folder).items() if "layers.0.block_sparse_moe.experts.3.w1" not in k}
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' is merged on load from "
+                                              r"3 × experts\.\*\.w1\.weight, 4 × experts\.\*\.w3\.weight.*is the checkpoint complete"):
+        CheckpointReader.open(folder, model=meta_model(folder))

@@ -100,9 +100,15 @@ def tiny_config(family: str):
         return MistralConfig(hidden_size=128, intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, sliding_window=None, **common)
     from transformers import AutoConfig
 
-    extra = {"head_dim": 16} if family in ("qwen3", "gemma", "gemma2", "gemma3_text") else {}  # their defaults: 128 / 256
+    extra = {"head_dim": 16} if family in ("qwen3", "gemma", "gemma2", "gemma3_text", "qwen3_moe") else {}  # defaults: 128 / 256
+    extra.update(MOE.get(family, {}))
     return AutoConfig.for_model(family, hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
                                 vocab_size=2000, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra, **common)
+
+
+# 4 experts, top-2: every expert's weights held, two experts' rows computed per token
+MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=88, decoder_sparse_step=1)}
 
 
 class FrozenAwareMemTracker(MemTracker):
@@ -169,7 +175,7 @@ def estimated_peak(config, method: str, seq_len: int, checkpointing: bool = Fals
 @pytest.mark.parametrize("seq_len", [64, 256])
 @pytest.mark.parametrize("method", ["inference", "lora", "full"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2",
-                                    "gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2"])
+                                    "gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2", "mixtral", "qwen3_moe"])
 def test_estimated_peak_matches_a_real_step(family, method, seq_len):
     config = tiny_config(family)
     measured, estimated = measured_peak(config, method, seq_len), estimated_peak(config, method, seq_len)
@@ -199,3 +205,16 @@ def test_model_costs_is_fast_for_70b():
         model_costs(config, TrainingSpec(method="lora", seq_len=4096, dtype="bfloat16", lora_r=32), tp=tp)
     # Generous for a shared CI core; a single call takes ~0.3 s on a laptop core.
     assert time.perf_counter() - start < 8
+
+
+@pytest.mark.parametrize("name, experts_in_flops", [("mistralai--Mixtral-8x7B-v0.1", 2 * 3 * 4096 * 14336),
+                                                     ("Qwen--Qwen3-30B-A3B", 8 * 3 * 2048 * 768)])
+def test_moe_flops_count_the_routed_experts_only(name, experts_in_flops):
+    """Weights: all experts (the published counts above); FLOPs: `num_experts_per_tok` experts per token."""
+    config = bundled(name)
+    spec = TrainingSpec(method="lora", seq_len=128, dtype="bfloat16")
+    wider = config.__class__.from_dict({**config.to_dict(), "num_experts_per_tok": 2 * config.num_experts_per_tok})
+    tokens, passes = 128, 3
+    routed = model_costs(wider, spec).block.flops - model_costs(config, spec).block.flops
+    assert routed == pytest.approx(2.0 * experts_in_flops * tokens * passes)
+    assert model_costs(wider, spec).block.param_bytes == model_costs(config, spec).block.param_bytes

@@ -24,7 +24,8 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..budget import torch_device
-from ..errors import CheckpointError, ConvertedOnLoadError, UnsupportedModelError
+from ..errors import CheckpointError
+from .merged import MergedTensor, split_checkpoint_names
 from .resolve import resolve_file
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -66,12 +67,14 @@ class CheckpointReader:
     """
 
     def __init__(self, source: str, weight_map: dict[str, str], names: dict[str, str],
-                 revision: Optional[str] = None, layout_file: Optional[Path] = None):
+                 revision: Optional[str] = None, layout_file: Optional[Path] = None,
+                 merged: Optional[dict[str, MergedTensor]] = None):
         self.source = source
         self.revision = revision
         self.layout_file = layout_file  # the index, or the single file: where tensor names come from
         self._weight_map = weight_map  # checkpoint name → shard file name
         self._names = names  # model name → checkpoint name
+        self._merged = merged or {}  # model name → the checkpoint tensors transformers merges into it on load
         self._paths: dict[str, Path] = {}
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._fds: dict[Path, int] = {}
@@ -99,10 +102,10 @@ class CheckpointReader:
         """
         source = str(name_or_path)
         layout_file, weight_map = _weight_map(source, revision)
-        names = parameter_to_checkpoint_names(weight_map, model)
-        reader = cls(source, weight_map, names, revision, layout_file)
+        names, merged = parameter_to_checkpoint_names(weight_map, model)
+        reader = cls(source, weight_map, names, revision, layout_file, merged)
         wanted = set(needed) if needed is not None else (
-            set(names) | set(_persistent_state_names(model)) if model is not None else set(names))
+            set(names) | set(merged) | set(_persistent_state_names(model)) if model is not None else set(names))
         reader._validate(wanted, model)
         return reader
 
@@ -110,7 +113,7 @@ class CheckpointReader:
 
     def keys(self) -> list[str]:
         """Model parameter names this checkpoint provides (tied aliases included)."""
-        return sorted(self._names)
+        return sorted({*self._names, *self._merged})
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint's key for model parameter `name`."""
@@ -120,22 +123,27 @@ class CheckpointReader:
             raise CheckpointError(f"{self._where()}: no tensor {name!r} in the checkpoint") from None
 
     def shard_of(self, name: str) -> str:
-        """File name of the shard holding `name`."""
+        """File name of the shard holding `name` (of its first stored piece, for a merged tensor)."""
+        if name in self._merged:
+            return self._weight_map[self._merged[name].keys()[0]]
         return self._weight_map[self.checkpoint_name(name)]
 
     def shards_for(self, names: Iterable[str]) -> set[str]:
-        """File names of the shards holding `names`."""
-        return {self.shard_of(n) for n in names}
+        """File names of the shards holding `names` (every piece of a merged tensor)."""
+        return {self._weight_map[key] for n in names for key in self._keys_of(n)}
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._merged:
+            return tuple(self._merged_meta(name).shape)
         return self._entry(name).shape
 
     def dtype(self, name: str) -> torch.dtype:
+        if name in self._merged:
+            return self._merged_meta(name).dtype
         return self._entry(name).dtype
 
     def nbytes(self, name: str) -> int:
-        entry = self._entry(name)
-        return entry.stop - entry.start
+        return sum(entry.stop - entry.start for entry in map(self._key_entry, self._keys_of(name)))
 
     # ---- reading ----------------------------------------------------------------------
 
@@ -145,6 +153,9 @@ class CheckpointReader:
         Host RAM beyond the result: at most one CHUNK_BYTES buffer (none for a CPU read in
         the stored dtype, which lands directly in the result).
         """
+        if name in self._merged:  # each stored piece read into its place of the merged tensor
+            out = torch.empty(self.shape(name), dtype=dtype or self.dtype(name), device=torch_device(device))
+            return self._merge_into(name, out)
         entry = self._entry(name)
         out = torch.empty(entry.shape, dtype=dtype or entry.dtype, device=torch_device(device))
         self._fill_rows(entry, out, name)
@@ -158,6 +169,8 @@ class CheckpointReader:
         """
         from safetensors import safe_open
 
+        if name in self._merged:  # built from several stored tensors: no single view of the file holds it
+            return self.read(name)
         entry = self._entry(name)
         path = str(entry.file)
         handle = self._mapped_files.get(path)
@@ -167,6 +180,11 @@ class CheckpointReader:
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """Copy tensor `name` into `out` (any device and floating dtype; shape must match)."""
+        if name in self._merged:
+            if tuple(out.shape) != self.shape(name):
+                raise CheckpointError(f"{self._where()}: merged tensor {name!r} has shape {list(self.shape(name))}, "
+                                      f"the destination {list(out.shape)}")
+            return self._merge_into(name, out)
         entry = self._entry(name)
         if tuple(out.shape) != entry.shape:
             raise CheckpointError(
@@ -190,6 +208,8 @@ class CheckpointReader:
             dtype: result dtype (default: as stored).
             device: result device.
         """
+        if name in self._merged:  # merged on load: its pieces hold no contiguous slice, so merge, then slice
+            return self._merged_slice(name, dim, index, parts, dtype=dtype, device=device)
         entry = self._entry(name)
         if not 0 <= dim < len(entry.shape):
             raise ValueError(f"read_slice({name!r}): dim {dim} out of range for shape {list(entry.shape)}")
@@ -260,7 +280,7 @@ class CheckpointReader:
 
     def _validate(self, wanted: set[str], model: Optional[torch.nn.Module]) -> None:
         """Raise CheckpointError for the first problem among the `wanted` tensors."""
-        missing = sorted(n for n in wanted if n not in self._names)
+        missing = sorted(n for n in wanted if n not in self._names and n not in self._merged)
         if missing:
             what = f"{type(model).__name__} needs" if model is not None else "was asked for"
             shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -276,18 +296,19 @@ class CheckpointReader:
                 raise CheckpointError(f"{exc}; it holds needed tensor(s) {', '.join(map(repr, held[:3]))}{more}") from exc
         params = _meta_state(model) if model is not None else {}
         for name in sorted(wanted):
-            entry = self._entry(name)
+            shape, dtype = self.shape(name), self.dtype(name)
             ref = params.get(name)
             if ref is None or self.packed_state_keys(name):  # packed by bitsandbytes: its quant state has the shape
                 continue
-            where = f"{entry.file}: tensor {self.checkpoint_name(name)!r}"
-            if entry.shape != tuple(ref.shape):
+            where = (f"{self._where()}: tensor {name!r} merged on load from {len(self._keys_of(name))} stored tensors"
+                     if name in self._merged else f"{self._entry(name).file}: tensor {self.checkpoint_name(name)!r}")
+            if shape != tuple(ref.shape):
                 raise CheckpointError(
-                    f"{where} has shape {list(entry.shape)} but the config gives {name!r} shape "
+                    f"{where} has shape {list(shape)} but the config gives {name!r} shape "
                     f"{list(ref.shape)}; the checkpoint and config.json disagree")
-            if ref.is_floating_point() != entry.dtype.is_floating_point:
+            if ref.is_floating_point() != dtype.is_floating_point:
                 raise CheckpointError(
-                    f"{where} has dtype {entry.dtype} but {name!r} is {ref.dtype}; "
+                    f"{where} has dtype {dtype} but {name!r} is {ref.dtype}; "
                     "a floating-point parameter cannot be loaded from an integer tensor (or the reverse)")
 
     def _path(self, shard: str) -> Path:
@@ -306,7 +327,9 @@ class CheckpointReader:
         return self._headers[shard]
 
     def _entry(self, name: str) -> TensorEntry:
-        key = self.checkpoint_name(name)
+        return self._key_entry(self.checkpoint_name(name))
+
+    def _key_entry(self, key: str) -> TensorEntry:
         shard = self._weight_map[key]
         header = self._header(shard)
         if key not in header:
@@ -314,6 +337,51 @@ class CheckpointReader:
                 f"{self._path(shard)}: the index places tensor {key!r} in this shard but the shard lacks it; "
                 "the index and shards are out of step (re-download or re-save the checkpoint)")
         return header[key]
+
+    def _keys_of(self, name: str) -> list[str]:
+        """The checkpoint keys model tensor `name` is read from (several for a merged tensor)."""
+        return self._merged[name].keys() if name in self._merged else [self.checkpoint_name(name)]
+
+    def _read_key(self, key: str) -> torch.Tensor:
+        entry = self._key_entry(key)
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        self._fill_rows(entry, out, key)
+        return out
+
+    def _merge_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Merged tensor `name` into `out`: each piece pread into its slice (no host copy beyond a cast chunk),
+        or, for merges other than stack-then-concatenate, transformers' operations on the pieces read."""
+        merged = self._merged[name]
+        placed = merged.placement(lambda key: self._key_entry(key).shape) or []
+        slices = [(key, out[index].narrow(dim, start, self._key_entry(key).shape[dim])) for key, index, dim, start in placed]
+        if not slices or not all(view.is_contiguous() for _, view in slices):
+            return out.copy_(merged.merge(self._read_key))
+        for key, view in slices:
+            self._fill_rows(self._key_entry(key), view, key)
+        return out
+
+    def _merged_meta(self, name: str) -> torch.Tensor:
+        """Merged tensor `name` on the meta device: its shape and dtype, from the stored pieces' headers."""
+        def meta(key: str) -> torch.Tensor:
+            entry = self._key_entry(key)
+            return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+
+        merged = self._merged[name]
+        try:
+            return merged.merge(meta)
+        except (RuntimeError, ValueError) as exc:  # pieces that do not stack or concatenate: an expert is missing
+            counts = ", ".join(f"{len(keys)} × {pattern.strip('.')}" for pattern, keys in merged.sources.items())
+            raise CheckpointError(
+                f"{self._where()}: tensor {name!r} is merged on load from {counts}, which do not merge ({exc}); "
+                "is the checkpoint complete and of the same architecture as config.json?") from None
+
+    def _merged_slice(self, name: str, dim: int, index: int, parts: int, *, dtype, device) -> torch.Tensor:
+        size = self.shape(name)[dim]
+        if size % parts:
+            raise CheckpointError(f"{self._where()}: merged tensor {name!r} has {size} entries along dim {dim}, "
+                                  f"not divisible into {parts} tensor-parallel parts; choose a TP degree that divides {size}")
+        full = self.read(name, dtype=dtype)
+        return full.narrow(dim, index * (size // parts), size // parts).to(torch_device(device), copy=True).contiguous()
 
     def _fd(self, path: Path) -> int:
         if path not in self._fds:
@@ -419,53 +487,22 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
 
 
 def parameter_to_checkpoint_names(weight_map: dict[str, str], model: Optional[torch.nn.Module] = None
-                                  ) -> dict[str, str]:
-    """Model parameter name → checkpoint name.
+                                  ) -> tuple[dict[str, str], dict[str, MergedTensor]]:
+    """(model parameter name → checkpoint name, model name → MergedTensor).
 
     Applies the renames transformers applies on load for the model's class (none for
-    dense Llama/Qwen2/Mistral), and maps tied weights absent from the checkpoint
-    (`lm_head.weight`) to their source (`model.embed_tokens.weight`).
+    dense Llama/Qwen2/Mistral), groups the tensors it merges on load (MoE experts stored one by
+    one), and maps tied weights absent from the checkpoint (`lm_head.weight`) to their source
+    (`model.embed_tokens.weight`).
 
     Raises:
-        UnsupportedModelError: a tensor needs merging or splitting on load (MoE experts...).
+        ConvertedOnLoadError: a tensor is split into several on load (only merges are read).
     """
-    if model is None:
-        names = {key: key for key in weight_map}
-    else:
-        renamings, converters = _conversions(model)
-        state = _meta_state(model) if renamings or converters else {}
-        names = {_renamed(key, model, renamings, converters, state): key for key in weight_map}
+    names, merged = ({key: key for key in weight_map}, {}) if model is None else split_checkpoint_names(weight_map, model)
     for target, source in _tied_pairs(model).items():
         if target not in names and source in names:
             names[target] = names[source]
-    return names
-
-
-def _renamed(key: str, model: torch.nn.Module, renamings: list, converters: list,
-             state: dict[str, torch.Tensor]) -> str:
-    if not renamings and not converters:
-        return key
-    from transformers.core_model_loading import rename_source_key
-
-    renamed, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
-    if converter is not None:
-        raise ConvertedOnLoadError(
-            f"{type(model).__name__}: checkpoint tensor {key!r} is converted on load ({converter!r}: merged or split "
-            "with others); hfsplit's lazy reader only handles renames; load this model with transformers")
-    return renamed
-
-
-def _conversions(model: torch.nn.Module) -> tuple[list, list]:
-    """transformers' (renamings, converters) for the model class; empty when the API is absent."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
-
-        transforms = get_model_conversion_mapping(model)
-    except (ImportError, AttributeError, TypeError):  # a transformers without this API renames nothing
-        return [], []
-    return ([t for t in transforms if isinstance(t, WeightRenaming)],
-            [t for t in transforms if isinstance(t, WeightConverter)])
+    return names, merged
 
 
 def _tied_pairs(model: Optional[torch.nn.Module]) -> dict[str, str]:

@@ -26,6 +26,9 @@ FAMILY_OVERRIDES = {
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                                          "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "cohere2": dict(logit_scale=0.25, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2),
+    # MoE: `save_pretrained` writes the experts one by one (transformers merges them on load); top-2 of 4
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
 }
 
 

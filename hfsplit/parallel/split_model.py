@@ -20,6 +20,7 @@ from .apply import LoraSetup, apply_plan
 from .chunked_loss import chunked_or, head_in_loss
 from .mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
 from .pipeline import StageTimer, build_schedule, pipeline_stages
+from .router import carrying, with_router_loss
 from .stage import StageModule, load_stage_weights
 from .tensor import grad_summed_over_tp, local_tensor, tp_shard_dim
 from .weights import open_reader
@@ -131,7 +132,8 @@ class SplitModel(nn.Module):
         target = labels.to(self.device) if self.has_last else None
         # return_outputs=False: otherwise the last stage keeps every micro-batch's logits until the step ends
         # and concatenates them (vocab-sized, the largest tensors of the step; measured +0.46 GiB on SmolLM2).
-        with head_in_loss(self.stages, enabled=self.plan.spec.chunked_loss):
+        # MoE: the router sums travel with the hidden states (parallel/router.py)
+        with head_in_loss(self.stages, enabled=self.plan.spec.chunked_loss), carrying(self.stages):
             schedule.step(*args, target=target, losses=losses, return_outputs=False)
         if sync:
             self.sync_grads()
@@ -251,6 +253,7 @@ class SplitModel(nn.Module):
             micro = micro_batches_for(batch=shape[0], planned=self.plan.micro_batches)
             stages = pipeline_stages(list(self.stages), indices=self.stage_indices, num_stages=self.num_stages,
                                      device=self.device, group=self.ctx.pp_group)
+            loss_fn = with_router_loss(loss_fn, self.stages) if loss_fn is not None else None
             self._schedules[key] = build_schedule(name, self._timer.watch(stages), micro_batches=micro, loss_fn=loss_fn)
         return self._schedules[key]
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..models import check_pp_plan, family_of, meta_model, recompute_buffers
 from ..plan import Stage
+from .router import router_stats_of
 
 
 class StageModule(nn.Module):
@@ -56,14 +57,21 @@ class StageModule(nn.Module):
         if self.lm_head is not None and tied and not self.shares_embedding:
             self.lm_head.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
         self.rotary_emb = base.rotary_emb  # rebuilt on the real device by `materialize_buffers`
+        # MoE: the running router sums the training loss needs travel with the hidden states (parallel/router.py)
+        self.router = router_stats_of(config, full, body.layers.values()) if self.family.router_aux_loss else None
 
     @property
     def body(self) -> nn.Module:
         return getattr(self, self.body_name)
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_sums: Optional[torch.Tensor] = None, cache=None):
         """`cache` (a transformers Cache of this stage's layers, for generation) continues after the
-        positions it holds; without it the sequence starts at position 0."""
+        positions it holds; without it the sequence starts at position 0. While `router.active` (a training
+        step of an MoE model adding its router loss) it also takes and returns the router sums (the last
+        stage: the logits and the auxiliary loss)."""
+        carry = self.router is not None and self.router.active
+        if carry:
+            self.router.begin()
         if self.body.embed_tokens is not None:
             x = self.family.input_side(self.config, self.body.embed_tokens(x))
         layers = [int(name) for name in self.body.layers]
@@ -80,6 +88,9 @@ class StageModule(nn.Module):
             x = self.body.norm(x)
             if not self.head_in_loss:  # a chunked loss runs lm_head itself (hfsplit/parallel/chunked_loss.py)
                 x = self.family.output_side(self.config, self.lm_head(x))
+        if carry:
+            sums = self.router.finish(router_sums, device=x.device)
+            return (x, self.router.loss(sums)) if self.body.norm is not None else (x, sums)
         return x
 
 

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.merged import as_stored
 from ..errors import HfsplitError
 
 _ADAPTER_NAME = re.compile(r"\.default(?=\.)")
@@ -148,7 +149,8 @@ def _write_full(model, tmp: Path, *, merge_lora: bool, base_model: Optional[str]
 
     pieces = {}
     for index, module in zip(model.stage_indices, model.stages):
-        pieces[index] = full_state_of_stage(model, module, merge_lora=merge_lora)  # collective: every TP rank takes part
+        state = full_state_of_stage(model, module, merge_lora=merge_lora)  # collective: every TP rank takes part
+        pieces[index] = as_stored(model.config, state)  # MoE experts one by one, as transformers saves them
     writer = _writes(model)
     if writer:
         total = len(model.plan.stages)

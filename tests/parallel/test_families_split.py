@@ -133,3 +133,37 @@ def check_saved(run: dict, *, base: str, method: str) -> None:
         with torch.no_grad():
             diff = (model(input_ids=PROBE).logits - run["probe_logits"]).abs().max().item()
         assert diff < 1e-4, f"{method}: {kind}/ loads {diff:.2e} away from the trained split"
+
+
+# MoE (experts fused in the module, merged from per-expert checkpoint tensors, whole inside a stage): the split as
+# above, then one step with `output_router_logits` set, whose router auxiliary loss spans the layers of both stages.
+MOE_SPLITS = {
+    # four stages on two ranks: the sums pass rank 0 → 1 → 0 → 1, and a rank holds two stages' routers
+    "mixtral-pp2-interleaved1f1b": ("mixtral", dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)],
+                                                    schedule="Interleaved1F1B")),
+    # a first stage of one layer: three layers' router sums continue on the second stage
+    "qwen3_moe-pp2-gpipe": ("qwen3_moe", dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
+}
+
+
+def test_moe_splits_match_transformers_router_loss_included(launch, tiny_checkpoint):
+    """Both families in one launch of two ranks (each case builds its split models in turn)."""
+    from tests.parallel.test_split_model import assert_every_parameter_once
+
+    cases = {name: dict(checkpoint=str(tiny_checkpoint(arch)), **split,
+                        router_checkpoint=str(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5)))
+             for name, (arch, split) in MOE_SPLITS.items()}
+    results = launch("tests.parallel.moe_cases:moe_splits_match_transformers", world_size=2, kwargs=dict(cases=cases))
+    for name, case in cases.items():
+        per_rank = [r[name] for r in results]
+        for r in per_rank:
+            assert r["logits_diff"] <= 1e-5, name
+            assert r["generate_equal"], (name, r["generated"])
+            for grads in (r["grad_rel_diff"], r["router"]["grad_rel_diff"]):
+                bad = {n: d for n, d in grads.items() if d > 1e-5}
+                assert not bad, (name, bad)
+            assert r["router"]["router_grads"], name  # each stage's routers got the loss's gradient
+            assert min(r["router"]["aux"]) > 0.5, name  # ≥ 1 for any routing: at coefficient 0.5 a missed term shows
+        last = [r for r in per_rank if "loss_diff" in r["router"]]
+        assert len(last) == 1 and last[0]["router"]["loss_diff"] <= 1e-5 and last[0]["loss_diff"] <= 1e-5, name
+        assert_every_parameter_once(per_rank, checkpoint=case["checkpoint"], tp=1, tied=False)

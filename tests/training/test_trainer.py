@@ -48,7 +48,9 @@ def reference_training(options: FinetuneOptions, *, replicas: int = 1, base=None
         labels = batch["labels"].split(options.micro_batch_size)
         step_losses = []
         for x, y in zip(ids, labels):
-            loss = loss_fn(model(input_ids=x).logits, y)
+            # an MoE with output_router_logits: transformers' own loss, router auxiliary loss included
+            routed = getattr(model.config, "output_router_logits", False)
+            loss = model(input_ids=x, labels=y).loss if routed else loss_fn(model(input_ids=x).logits, y)
             (loss / micro_batches).backward()
             step_losses.append(loss.detach())
         losses.append(float(torch.stack(step_losses).mean()))
@@ -393,3 +395,27 @@ def test_recipe_bad_checkpoint_data_budget_or_launch_is_one_clear_line_and_exit_
     """Each bad input is named with its fix in one line, exit code 2, nothing written (issue 6)."""
     flags, words = bad_input(tiny_checkpoint, tmp_path)
     assert_recipe_refuses(tmp_path, flags, words, nproc=nproc)
+
+
+@pytest.mark.slow
+def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint, tmp_path):
+    """20 steps with `output_router_logits` (the router auxiliary loss over the layers of both stages, coefficient
+    0.5): Mixtral with LoRA (1F1B), Qwen3-MoE fully trained with activation checkpointing (the routers run again in
+    backward; GPipe), one launch: every step's loss equals transformers' own loss of the unsplit model, and the
+    saved output (experts as fused tensors) loads with plain transformers / peft."""
+    runs = [run_options(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5), tmp_path, method,
+                        tp=1, pp=2, schedule=schedule, max_memory="2x1GiB", activation_checkpointing=recompute)
+            for arch, method, schedule, recompute in (("mixtral", "lora", "1F1B", False), ("qwen3_moe", "full", "GPipe", True))]
+    results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs}, timeout_s=400)
+    probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    for run, split_losses in zip(runs, results[0]):
+        expected, trained = reference_training(FinetuneOptions(**run))
+        assert split_losses == pytest.approx(expected, rel=1e-5), run["model"]
+        if run["method"] == "full":  # written as transformers' save_pretrained writes it: experts one by one
+            stored = json.loads((Path(run["output_dir"]) / "model" / "model.safetensors.index.json").read_text())
+            assert "model.layers.3.mlp.experts.3.up_proj.weight" in stored["weight_map"]
+            assert not [k for k in stored["weight_map"] if "gate_up_proj" in k]
+        with torch.no_grad():
+            loaded = saved_model(Path(run["output_dir"]), FinetuneOptions(**run))
+            assert (loaded(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max() < 1e-4
+    assert results[0] == results[-1]

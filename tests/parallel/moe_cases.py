@@ -1,0 +1,56 @@
+"""MoE checks that run inside each rank: the split against transformers, router auxiliary loss included."""
+from __future__ import annotations
+
+import torch
+
+from tests.parallel.cases import hand_plan, reference_name, split_matches_transformers
+
+
+def moe_splits_match_transformers(*, cases: dict) -> dict:
+    """`moe_split_matches_transformers` of each case {name: its keyword arguments}, in one launch of ranks."""
+    return {name: moe_split_matches_transformers(**kwargs) for name, kwargs in cases.items()}
+
+
+def moe_split_matches_transformers(*, checkpoint: str, router_checkpoint: str, tp: int, pp: int, layers: list,
+                                   schedule: str, micro_batches: int = 2) -> dict:
+    """`split_matches_transformers` on `checkpoint` (logits, gradients, greedy generation), then one step
+    on `router_checkpoint` (`output_router_logits` set): the loss and gradients against transformers' own
+    loss, which adds `router_aux_loss_coef` × aux over all layers of each micro-batch's forward."""
+    split = dict(tp=tp, pp=pp, layers=layers, schedule=schedule, micro_batches=micro_batches)
+    out = split_matches_transformers(checkpoint=checkpoint, **split)
+    out["router"] = router_loss_matches(checkpoint=router_checkpoint, **split)
+    return out
+
+
+def router_loss_matches(*, checkpoint: str, tp: int, pp: int, layers: list, schedule: str, micro_batches: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from hfsplit.checkpoint import load_config
+    from hfsplit.parallel.mesh import init_parallel
+    from hfsplit.parallel.split_model import build_split_model
+    from hfsplit.parallel.tensor import full_tensor
+    from hfsplit.training.trainer import causal_lm_loss
+
+    config = load_config(checkpoint)
+    plan = hand_plan(config, tp=tp, pp=pp, layers=layers, schedule=schedule, micro_batches=micro_batches)
+    model = build_split_model(plan, checkpoint, ctx=init_parallel(plan), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    ids = torch.randint(3, config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(3))
+    loss = model.step(ids, ids, causal_lm_loss(config.vocab_size))
+    ref_losses, aux = [], []
+    for chunk in ids.chunk(micro_batches):  # the schedule's micro-batches, each its own transformers forward
+        ref = reference(input_ids=chunk, labels=chunk)
+        (ref.loss / micro_batches).backward()
+        ref_losses.append(ref.loss.detach())
+        aux.append(float(ref.aux_loss))
+    out = {"aux": aux, "grad_rel_diff": {}}
+    if loss is not None:
+        out["loss_diff"] = (loss - torch.stack(ref_losses).mean()).abs().item()
+    for stage in model.stages:
+        for name, p in stage.named_parameters():
+            ref = reference.get_parameter(reference_name(name, tied=plan.tied_embeddings))
+            out["grad_rel_diff"][name] = ((full_tensor(p.grad) - ref.grad).abs().max()
+                                          / ref.grad.abs().max().clamp_min(1e-12)).item()
+    # the router loss reaches every router: its gradient differs from the cross-entropy-only one
+    out["router_grads"] = [name for name in out["grad_rel_diff"] if name.endswith("mlp.gate.weight")]
+    return out
