@@ -70,7 +70,8 @@ def block_trace(key: str, spec, tp: int):
     """`costs._trace_block` for `spec` at TP degree `tp`, from memory, disk, or a new trace."""
     from .costs import _BlockTrace, _trace_block
 
-    return _cached("block", key, trace_spec(spec), tp, _trace_block, _BlockTrace)
+    # the chunked loss changes only the head: a block trace serves both
+    return _cached("block", key, replace(trace_spec(spec), chunked_loss=False), tp, _trace_block, _BlockTrace)
 
 
 def ends_trace(key: str, spec):
