@@ -123,13 +123,20 @@ def quantize_4bit_in_chunks(weight: torch.Tensor, qconfig) -> tuple[torch.Tensor
 
 
 def prequantized_linear(linear: nn.Module, data: torch.Tensor, stats: dict, qconfig, *, device: torch.device) -> nn.Module:
-    """A `Linear4bit` holding a pre-quantized checkpoint's packed bytes and quant state as stored (nothing is
-    re-quantized), computing in `qconfig`'s compute dtype."""
+    """A `Linear4bit` (or, 8-bit, `Linear8bitLt`) holding a pre-quantized checkpoint's packed bytes and quant state
+    as stored (nothing is re-quantized), computing in `qconfig`'s compute dtype."""
     import bitsandbytes as bnb
 
-    layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                              compute_dtype=qconfig.bnb_4bit_compute_dtype, device="meta")
-    layer.weight = bnb.nn.Params4bit.from_prequantized(data, stats, requires_grad=False, device=device, module=layer)
+    if qconfig.load_in_8bit:  # int8 rows and their per-row scales (SCB), as transformers' 8-bit save_pretrained writes
+        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                    has_fp16_weights=False, threshold=qconfig.llm_int8_threshold, device="meta")
+        data = data.to(device)  # CB set as bitsandbytes' own quantize sets it: the first forward moves it to the state
+        layer.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False, CB=data,
+                                         SCB=stats["SCB"].to(device))
+    else:
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                  compute_dtype=qconfig.bnb_4bit_compute_dtype, device="meta")
+        layer.weight = bnb.nn.Params4bit.from_prequantized(data, stats, requires_grad=False, device=device, module=layer)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.data.to(device), requires_grad=False)
     return layer
@@ -156,10 +163,9 @@ def stored_quantization(config, *, where: str):
     if raw is None:
         return None
     raw = raw if isinstance(raw, dict) else raw.to_dict()
-    if raw.get("quant_method") != "bitsandbytes" or raw.get("load_in_8bit"):
-        what = "8-bit bitsandbytes" if raw.get("quant_method") == "bitsandbytes" else repr(raw.get("quant_method"))
-        raise QuantizationError(f"{where} is pre-quantized with {what}; hfsplit loads 4-bit bitsandbytes "
-                                "checkpoints only: use the 16-bit checkpoint and --method qlora")
+    if raw.get("quant_method") != "bitsandbytes":
+        raise QuantizationError(f"{where} is pre-quantized with {raw.get('quant_method')!r}; hfsplit loads bitsandbytes "
+                                "4-bit and 8-bit checkpoints only: use the 16-bit checkpoint and --method qlora")
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig.from_dict(dict(raw))
@@ -174,7 +180,7 @@ def quantization_of_checkpoint(source: str, requested, *, method: str):
     if stored is None:
         return requested
     if method != "qlora":
-        raise QuantizationError(f"{source} is pre-quantized (4-bit bitsandbytes); train it with --method qlora, "
+        raise QuantizationError(f"{source} is pre-quantized (bitsandbytes); train it with --method qlora, "
                                 "or use its 16-bit checkpoint")
     return for_stored(requested, stored, where=source)
 

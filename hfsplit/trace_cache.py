@@ -73,7 +73,8 @@ def block_trace(key: str, spec, tp: int):
     from .costs import _BlockTrace
     from .trace_tp import block_trace_at  # degrees above the second one are derived from two traces
 
-    return _cached("block", key, trace_spec(spec), tp, block_trace_at, _BlockTrace)
+    # the chunked loss changes only the head: a block trace serves both
+    return _cached("block", key, replace(trace_spec(spec), chunked_loss=False), tp, block_trace_at, _BlockTrace)
 
 
 def ends_trace(key: str, spec):

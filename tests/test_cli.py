@@ -1,5 +1,6 @@
 """`hfsplit plan` end to end on the bundled public configs (no weights, no network)."""
 import json
+from dataclasses import replace
 import re
 import subprocess
 import sys
@@ -188,3 +189,19 @@ def test_plan_prints_the_schedule_auto_chose_and_each_candidates_step(capsys):
         assert re.search(rf"{name} [\d.]+ ms", line) or re.search(rf"\(.*{name}.*: nothing fits", line), line
     assert main(["plan", "meta-llama/Llama-3.1-8B", "--max-memory", "4x24GiB", "--pp", "4", "--schedule", "1F1B"]) == 0
     assert "schedule auto" not in capsys.readouterr().out
+
+
+def test_chunked_loss_flag_plans_a_lighter_last_stage(capsys):
+    """`--chunked-loss` reaches the plan, and the head it plans no longer counts a micro-batch's fp32 logits."""
+    from hfsplit.costs import model_costs
+
+    assert main(["plan", "Qwen/Qwen2.5-0.5B", "--max-memory", "2x8GiB", "--seq-len", "2048", "--qlora",
+                 "--micro-batch-size", "1", "--pp", "2", "--json", "--chunked-loss"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.spec.chunked_loss and "chunked loss" in plan.table()
+    config = load_config("Qwen/Qwen2.5-0.5B")
+    plain, chunked = (model_costs(config, replace(plan.spec, chunked_loss=c)).head for c in (False, True))
+    logits = 2048 * config.vocab_size * 4  # one micro-batch's fp32 logits
+    assert plain.activation_bytes - chunked.activation_bytes > logits
+    assert chunked.workspace_bytes < plain.workspace_bytes / 4
+    assert chunked.flops == pytest.approx(plain.flops * 4 / 3)  # backward recomputes each chunk's logits

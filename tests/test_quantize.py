@@ -109,3 +109,38 @@ def test_qlora_time_counts_a_dequantize_per_micro_batch():
     assert flops["qlora", 1] == pytest.approx(flops["lora", 1] + dequantize)
     assert flops["qlora", 8] == pytest.approx(flops["lora", 8] + dequantize)
     assert 8 * flops["qlora", 1] > flops["qlora", 8] * 1.05
+
+
+def test_8bit_base_and_8bit_prequantized_checkpoint_load_like_transformers(tiny_checkpoint, tmp_path):
+    """load_in_8bit (bitsandbytes 0.50.2 runs Linear8bitLt forward and backward on CPU): quantized as read, the
+    logits equal transformers' own 8-bit load; the bytes held are the cost model's; an 8-bit pre-quantized folder
+    loads its int8 rows and scales as stored; a 4-bit request on it is refused in one line."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import hfsplit
+    from hfsplit.errors import QuantizationError
+    from hfsplit.quantize import held_bytes, quantization_config, quantized_linear_bytes
+
+    source = tiny_checkpoint("llama")
+    eight = quantization_config(load_in_8bit=True, compute_dtype="float32")
+    ours = hfsplit.from_pretrained(source, max_memory={"cpu": "2GiB"}, dtype=torch.float32, quantization_config=eight)
+    theirs = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map="cpu", quantization_config=eight)
+    layer = ours.model.layers[0].mlp.up_proj
+    assert type(layer).__name__ == "Linear8bitLt" and ours.is_loaded_in_8bit and not ours.is_loaded_in_4bit
+    assert held_bytes(layer) == quantized_linear_bytes(layer.in_features, layer.out_features, load_in_8bit=True)
+    probe = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours.train()(input_ids=probe).logits, theirs.train()(input_ids=probe).logits)
+    path = prequantized_checkpoint(source, tmp_path / "int8", load_in_8bit=True)
+    stored = load_file(path / "model.safetensors")
+    loaded = hfsplit.from_pretrained(path, max_memory={"cpu": "2GiB"}, dtype=torch.float32)  # its config says 8-bit
+    again = loaded.model.layers[0].mlp.up_proj
+    assert torch.equal(again.weight.data, stored["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(again.weight.SCB, stored["model.layers.0.mlp.up_proj.SCB"])
+    with torch.no_grad():
+        reread = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu").train()
+        assert torch.equal(loaded.train()(input_ids=probe).logits, reread(input_ids=probe).logits)
+    with pytest.raises(QuantizationError, match="load_in_8bit=True but load_in_8bit=False was asked"):
+        hfsplit.from_pretrained(path, max_memory={"cpu": "2GiB"}, dtype=torch.float32,
+                                quantization_config=quantization_config(compute_dtype="float32"))

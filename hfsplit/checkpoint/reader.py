@@ -236,20 +236,26 @@ class CheckpointReader:
         return out
 
     def packed_state_keys(self, name: str) -> list[str]:
-        """Checkpoint keys of the bitsandbytes quant state stored beside weight `name` (absmax, quant_map,
-        `quant_state.bitsandbytes__nf4`, ...): empty unless the checkpoint stores `name` pre-quantized."""
+        """Checkpoint keys of the bitsandbytes quant state stored beside weight `name` (4-bit: absmax, quant_map,
+        `quant_state.bitsandbytes__nf4`, ...; 8-bit: the layer's `SCB` and `weight_format`): empty unless the
+        checkpoint stores `name` pre-quantized."""
         if not hasattr(self, "_packed"):
             weights = {k.split(".quant_state.bitsandbytes__")[0] for k in self._weight_map if ".quant_state.bitsandbytes__" in k}
             self._packed = {w: sorted(k for k in self._weight_map if k.startswith(w + ".")) for w in weights}
+            layers = {k[:-len(".SCB")] for k in self._weight_map if k.endswith(".SCB")}  # 8-bit: state on the layer
+            self._packed.update({f"{w}.weight": [f"{w}.{s}" for s in ("SCB", "weight_format") if f"{w}.{s}" in self._weight_map]
+                                 for w in layers})
         return self._packed.get(self._names.get(name, name), [])
 
     def read_packed(self, name: str, device: Device = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Pre-quantized weight `name` as stored (packed bytes) and its quant state {key suffix: tensor},
-        the `quantized_stats` bitsandbytes' `Params4bit.from_prequantized` takes."""
+        """Pre-quantized weight `name` as stored (packed bytes) and its quant state {key suffix: tensor}: the
+        `quantized_stats` bitsandbytes' `Params4bit.from_prequantized` takes, or an 8-bit layer's {"SCB", ...}."""
         stats = {}
         for key in self.packed_state_keys(name):
             entry = self._header(self._weight_map[key])[key]
-            stats[key[len(self.checkpoint_name(name)) + 1:]] = out = torch.empty(entry.shape, dtype=entry.dtype)
+            owner = self.checkpoint_name(name)
+            suffix = key[len(owner) + 1:] if key.startswith(owner + ".") else key.rsplit(".", 1)[-1]  # 8-bit: the layer's
+            stats[suffix] = out = torch.empty(entry.shape, dtype=entry.dtype)
             self._fill_rows(entry, out, key)
         return self.read(name, device=device), stats
 
