@@ -123,11 +123,14 @@ def check_saved(run: dict, *, base: str, method: str) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    folders = {"model": None} if method == "full" else {"adapter": None, "merged": None}
-    for kind in folders:
+    for kind in ("model",) if method == "full" else ("adapter", "merged"):
         folder = Path(run["saved"][kind])
         if kind == "adapter":
-            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), folder)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            with torch.no_grad():  # else an adapter or a merge that changed nothing would pass
+                moved = (model(input_ids=PROBE).logits - run["probe_logits"]).abs().max().item()
+            assert moved > 1e-3, f"{method}: training moved the logits by only {moved:.2e}"
+            model = PeftModel.from_pretrained(model, folder)
         else:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         with torch.no_grad():
