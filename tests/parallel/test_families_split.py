@@ -30,6 +30,12 @@ CASES = {
     # q/k norms with a weight per head (Command R+): pipeline stages only, its tp is refused (test_families.py)
     "cohere-qknorm-pp2-1f1b": ("cohere", dict(use_qk_norm=True), dict(tp=1, pp=2, layers=[(0, 2), (2, 4)],
                                                                        schedule="1F1B")),
+    # V schedule: the first and the last stage on one rank, embedding multiplier and logits divisor both there
+    "granite-pp2-zbv": ("granite", {}, dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)],
+                                           schedule="ZBVZeroBubble")),
+    # looped schedule: two stages per rank, each with one layer type's rope and mask
+    "gemma3_text-pp2-interleaved1f1b": ("gemma3_text", {}, dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)],
+                                                                schedule="Interleaved1F1B")),
     # embedding scale on the first stage only (its module's buffer), head on the last
     "gemma-pp2-gpipe": ("gemma", {}, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="GPipe")),
     # soft-capping with heads sharded over TP ranks
