@@ -14,6 +14,9 @@ from tests.parallel.test_split_model import assert_split_matches
 
 pytestmark = pytest.mark.slow
 
+# Two layers (one sliding, one full where the family alternates them) where TP's many per-layer messages are
+# the cost: tp=2 alone, and one layer per stage for the pp2×tp2 cases added after the first two
+TP_ONLY = dict(num_layers=2)
 # name: (family, tiny_checkpoint options, split). pp=2, tp=2 and pp2×tp2 for every family, on the schedules
 # and uneven layer splits that reach its particular work.
 CASES = {
@@ -30,38 +33,56 @@ CASES = {
     # q/k norms with a weight per head (Command R+): pipeline stages only, its tp is refused (test_families.py)
     "cohere-qknorm-pp2-1f1b": ("cohere", dict(use_qk_norm=True), dict(tp=1, pp=2, layers=[(0, 2), (2, 4)],
                                                                        schedule="1F1B")),
+    # V schedule: the first and the last stage on one rank, embedding multiplier and logits divisor both there
+    "granite-pp2-zbv": ("granite", {}, dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)],
+                                           schedule="ZBVZeroBubble")),
+    # looped schedule: two stages per rank, each with one layer type's rope and mask
+    "gemma3_text-pp2-interleaved1f1b": ("gemma3_text", {}, dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)],
+                                                                schedule="Interleaved1F1B")),
     # embedding scale on the first stage only (its module's buffer), head on the last
     "gemma-pp2-gpipe": ("gemma", {}, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="GPipe")),
     # soft-capping with heads sharded over TP ranks
-    "gemma2-tp2": ("gemma2", {}, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    "gemma2-tp2": ("gemma2", TP_ONLY, dict(tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")),
     # embedding scale under a vocabulary-sharded embedding
-    "gemma-tp2": ("gemma", {}, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
-    "cohere2-tp2": ("cohere2", {}, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    "gemma-tp2": ("gemma", TP_ONLY, dict(tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")),
+    "cohere2-tp2": ("cohere2", TP_ONLY, dict(tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")),
     # multipliers inside sharded blocks (residual, attention) and outside them (embedding, logits)
-    "granite-tp2": ("granite", {}, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    "granite-tp2": ("granite", TP_ONLY, dict(tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")),
     # parallel attention/MLP blocks with both halves sharded, logit scale on the full logits
-    "cohere-tp2": ("cohere", {}, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    "cohere-tp2": ("cohere", TP_ONLY, dict(tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")),
     # q/k norms replicated over the TP ranks, their gradients summed
-    "gemma3_text-tp2": ("gemma3_text", {}, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
+    "gemma3_text-tp2": ("gemma3_text", TP_ONLY, dict(tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")),
     # per-type rope and masks on 4 ranks, two stages of two TP ranks
     "gemma3_text-pp2xtp2-1f1b": ("gemma3_text", {}, dict(tp=2, pp=2, layers=[(0, 1), (1, 4)], schedule="1F1B")),
     # soft-capping and sliding masks on 4 ranks: two stages of two TP ranks
     "gemma2-pp2xtp2-1f1b": ("gemma2", {}, dict(tp=2, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
     # embedding scale on a vocabulary-sharded first stage only
-    "gemma-pp2xtp2-gpipe": ("gemma", {}, dict(tp=2, pp=2, layers=[(0, 2), (2, 4)], schedule="GPipe")),
+    "gemma-pp2xtp2-gpipe": ("gemma", TP_ONLY, dict(tp=2, pp=2, layers=[(0, 1), (1, 2)], schedule="GPipe")),
     # embedding multiplier and logits divisor on different stages, multipliers inside sharded blocks
-    "granite-pp2xtp2-1f1b": ("granite", {}, dict(tp=2, pp=2, layers=[(0, 3), (3, 4)], schedule="1F1B")),
+    "granite-pp2xtp2-1f1b": ("granite", TP_ONLY, dict(tp=2, pp=2, layers=[(0, 1), (1, 2)], schedule="1F1B")),
     # tied head sharded over the vocabulary on the last stage, its gradient summed with the first stage's
-    "cohere-tied-pp2xtp2-gpipe": ("cohere", dict(tied=True), dict(tp=2, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
-    "cohere2-tied-pp2xtp2-1f1b": ("cohere2", dict(tied=True), dict(tp=2, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    "cohere-tied-pp2xtp2-gpipe": ("cohere", dict(TP_ONLY, tied=True), dict(tp=2, pp=2, layers=[(0, 1), (1, 2)],
+                                                                         schedule="GPipe")),
+    "cohere2-tied-pp2xtp2-1f1b": ("cohere2", dict(TP_ONLY, tied=True), dict(tp=2, pp=2, layers=[(0, 1), (1, 2)],
+                                                                           schedule="1F1B")),
 }
 SHAPES = {"pp2": (1, 2), "tp2": (2, 1), "pp2xtp2": (2, 2)}  # name: (tp, pp)
 STEPS = 20
-# FinetuneOptions by method, as tests/training/test_trainer.py trains but with two micro-batches a step (a tiny
-# model's step costs its pipeline and TP messages, one set per micro-batch)
+# FinetuneOptions by method, as tests/training/test_trainer.py trains but with four rows a step in two
+# micro-batches (a tiny model's step costs its pipeline and TP messages, one set per micro-batch), in one
+# under tp alone (gradient accumulation under TP: test_trainer.py's qwen2 and qwen3 rows)
 TRAINING = {method: dict(seq_len=64, micro_batch_size=2, micro_batches=2, max_steps=STEPS, warmup_steps=3,
                          max_grad_norm=0.5, dtype="float32", learning_rate=lr)
             for method, lr in (("lora", 3e-3), ("full", 1e-3))}
+
+
+def training_of(tp: int, pp: int) -> dict:
+    """The FinetuneOptions fields by method of a split shape's training runs."""
+    if pp > 1:
+        return TRAINING
+    return {method: dict(options, micro_batch_size=4, micro_batches=1) for method, options in TRAINING.items()}
+
+
 PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
 
 
@@ -74,12 +95,13 @@ def reference():
 
     made = {}
 
-    def get(checkpoint: str, method: str):
-        if (checkpoint, method) not in made:
-            losses, model = reference_training(FinetuneOptions(model=checkpoint, method=method, **TRAINING[method]))
+    def get(checkpoint: str, method: str, options: dict):
+        key = (checkpoint, method, tuple(sorted(options.items())))
+        if key not in made:
+            losses, model = reference_training(FinetuneOptions(model=checkpoint, method=method, **options))
             with torch.no_grad():
-                made[checkpoint, method] = losses, model(input_ids=PROBE).logits
-        return made[checkpoint, method]
+                made[key] = losses, model(input_ids=PROBE).logits
+        return made[key]
 
     return get
 
@@ -93,23 +115,24 @@ def test_families_split_equal_transformers_and_train_as_one_process(shape, launc
                   save=tp > 1 and pp > 1, **split)
              for name, (family, options, split) in CASES.items() if (split["tp"], split["pp"]) == (tp, pp)]
     assert {c["name"].split("-")[0] for c in cases} == {family for family, _, _ in CASES.values()}
+    training = training_of(tp, pp)
     results = launch("tests.parallel.family_cases:families_on_split", world_size=tp * pp, timeout_s=900,
-                     kwargs=dict(cases=cases, training=TRAINING, probe=PROBE.tolist(), out_dir=str(tmp_path)))
+                     kwargs=dict(cases=cases, training=training, probe=PROBE.tolist(), out_dir=str(tmp_path)))
     failures = {}
     for case in cases:
         try:
-            check_case(case, [r[case["name"]] for r in results], reference)
+            check_case(case, [r[case["name"]] for r in results], reference, training=training)
         except AssertionError as exc:
             failures[case["name"]] = f"{exc}"[:600]
     assert not failures, failures
 
 
-def check_case(case: dict, results: list, reference) -> None:
+def check_case(case: dict, results: list, reference, *, training: dict) -> None:
     """One family's split: equal to transformers, and trained as one process would train it."""
     assert_split_matches(results, checkpoint=case["checkpoint"], tp=case["tp"], tied=case["tied"])
-    for method in TRAINING:
+    for method, options in training.items():
         runs = [r["training"][method] for r in results]
-        losses, logits = reference(case["checkpoint"], method)
+        losses, logits = reference(case["checkpoint"], method, options)
         assert all(run["losses"] == runs[0]["losses"] for run in runs), f"{method}: ranks disagree on the losses"
         assert runs[0]["losses"] == pytest.approx(losses, rel=1e-4), method
         diff = (runs[0]["probe_logits"] - logits).abs().max().item()
@@ -123,11 +146,14 @@ def check_saved(run: dict, *, base: str, method: str) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    folders = {"model": None} if method == "full" else {"adapter": None, "merged": None}
-    for kind in folders:
+    for kind in ("model",) if method == "full" else ("adapter", "merged"):
         folder = Path(run["saved"][kind])
         if kind == "adapter":
-            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), folder)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            with torch.no_grad():  # else an adapter or a merge that changed nothing would pass
+                moved = (model(input_ids=PROBE).logits - run["probe_logits"]).abs().max().item()
+            assert moved > 1e-3, f"{method}: training moved the logits by only {moved:.2e}"
+            model = PeftModel.from_pretrained(model, folder)
         else:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         with torch.no_grad():
