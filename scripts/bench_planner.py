@@ -38,7 +38,8 @@ config = llama_405b_config() if {model!r} == "405b" else load_config({model!r})
 load_config("Qwen/Qwen2.5-0.5B")  # imports, not planning
 start, cpu = time.perf_counter(), time.process_time()
 plan = make_plan(config, {budget!r}, spec=TrainingSpec(method="lora", seq_len={seq}))
-print(time.perf_counter() - start, time.process_time() - cpu, f"pp={{plan.pp}} tp={{plan.tp}} dp={{plan.dp}} {{plan.schedule}}")
+shape = f"pp={{plan.pp}} tp={{plan.tp}} dp={{plan.dp}} {{plan.schedule}}"
+print(time.perf_counter() - start, time.process_time() - cpu, shape)
 """
 CLI_CASES = [
     "meta-llama/Llama-3.1-70B --max-memory 4x24GiB --seq-len 2048 --lora-r 16",
@@ -165,8 +166,8 @@ def main() -> None:
     import sys
 
     print(f"load average {os.getloadavg()[0]:.1f} at the start, {os.cpu_count()} cores")
-    print("| model | budget | first plan in a fresh process, empty trace cache (wall / CPU) | same, trace cache warm "
-          "| plan |\n|---|---|---|---|---|")
+    print("| model | budget | first plan in a fresh process, empty trace cache (wall / CPU) "
+          "| same, trace cache warm (wall / CPU) | plan |\n|---|---|---|---|---|")
     for name, budget, cold, warm, shape in planning_times():
         print(f"| {name} | {budget} | {cold[0] * 1e3:.0f} / {cold[1] * 1e3:.0f} ms | {warm[0] * 1e3:.0f} / "
               f"{warm[1] * 1e3:.0f} ms | {shape} |")
