@@ -585,11 +585,12 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
 
 
 def could_fit(config, budgets: dict[str, int], spec: TrainingSpec) -> bool:
-    """False when the weights alone (held once) and each device's reserve exceed the budgets: no split of `spec`
-    fits, which the diagnosis learns without tracing a block (each trace is one per TP degree and shape)."""
+    """False when the weights alone (held once) exceed what the devices hold beyond their reserves: no split of
+    `spec` fits, which the diagnosis learns without tracing a block (each trace is one per TP degree and shape)."""
     from .costs import weight_bytes
 
-    return weight_bytes(config, spec) + len(budgets) * (spec.reserve_bytes or 0) <= sum(budgets.values())
+    reserve = spec.reserve_bytes or 0
+    return weight_bytes(config, spec) <= sum(max(b - reserve, 0) for b in budgets.values())
 
 
 def tp_degrees_for(config, spec: TrainingSpec, devices: int) -> list[int]:

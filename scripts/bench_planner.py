@@ -36,9 +36,10 @@ sys.path.insert(0, {scripts!r})
 from bench_planner import llama_405b_config
 config = llama_405b_config() if {model!r} == "405b" else load_config({model!r})
 load_config("Qwen/Qwen2.5-0.5B")  # imports, not planning
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 plan = make_plan(config, {budget!r}, spec=TrainingSpec(method="lora", seq_len={seq}))
-print(time.perf_counter() - start, f"pp={{plan.pp}} tp={{plan.tp}} dp={{plan.dp}} {{plan.schedule}}")
+shape = f"pp={{plan.pp}} tp={{plan.tp}} dp={{plan.dp}} {{plan.schedule}}"
+print(time.perf_counter() - start, time.process_time() - cpu, shape)
 """
 CLI_CASES = [
     "meta-llama/Llama-3.1-70B --max-memory 4x24GiB --seq-len 2048 --lora-r 16",
@@ -55,8 +56,9 @@ def _fresh(code: str, cache: str) -> str:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
 
 
-def planning_times() -> list[tuple[str, str, float, float, str]]:
-    """make_plan in a fresh process: first with an empty trace cache (cold), then with the one it left."""
+def planning_times() -> list[tuple[str, str, tuple, tuple, str]]:
+    """make_plan in a fresh process, (wall, CPU) seconds: first with an empty trace cache (cold), then with the
+    one it left. One thread: on a quiet machine wall ≈ CPU; on a shared one the CPU time is the steadier figure."""
     import tempfile
     from pathlib import Path
 
@@ -66,14 +68,16 @@ def planning_times() -> list[tuple[str, str, float, float, str]]:
     for name, model, budget, seq in cases:
         cache = tempfile.mkdtemp(prefix="bench_planner_")
         code = PLAN_IN_FRESH_PROCESS.format(scripts=str(Path(__file__).parent), model=model, budget=budget, seq=seq)
-        cold, shape = _fresh(code, cache).split(" ", 1)
-        warm, _ = _fresh(code, cache).split(" ", 1)
-        rows.append((f"{name}, seq {seq}", budget, float(cold), float(warm), shape.strip()))
+        cold_wall, cold_cpu, shape = _fresh(code, cache).split(" ", 2)
+        warm_wall, warm_cpu, _ = _fresh(code, cache).split(" ", 2)
+        rows.append((f"{name}, seq {seq}", budget, (float(cold_wall), float(cold_cpu)),
+                     (float(warm_wall), float(warm_cpu)), shape.strip()))
     return rows
 
 
-def cli_times() -> list[tuple[str, float, float]]:
-    """Wall time of `hfsplit plan` as a user runs it (no-fit diagnosis included): empty cache, then warm."""
+def cli_times() -> list[tuple[str, tuple, tuple]]:
+    """(wall, CPU) seconds of `hfsplit plan` as a user runs it (no-fit diagnosis included): empty cache, then warm."""
+    import resource
     import shlex
     import subprocess
     import sys
@@ -84,12 +88,14 @@ def cli_times() -> list[tuple[str, float, float]]:
     for case in CLI_CASES:
         cache = tempfile.mkdtemp(prefix="bench_planner_cli_")
         env = {**os.environ, "HFSPLIT_CACHE": cache, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        walls = []
+        runs = []
         for _ in range(2):
-            start = time.perf_counter()
+            start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
             subprocess.run([sys.executable, "-m", "hfsplit.cli", "plan", *shlex.split(case)], capture_output=True, env=env)
-            walls.append(time.perf_counter() - start)
-        rows.append((case, *walls))
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+            runs.append((time.perf_counter() - start, cpu))
+        rows.append((case, *runs))
     return rows
 
 
@@ -160,14 +166,15 @@ def main() -> None:
     import sys
 
     print(f"load average {os.getloadavg()[0]:.1f} at the start, {os.cpu_count()} cores")
-    print("| model | budget | first plan in a fresh process, empty trace cache | same, trace cache warm "
-          "| plan |\n|---|---|---|---|---|")
+    print("| model | budget | first plan in a fresh process, empty trace cache (wall / CPU) "
+          "| same, trace cache warm (wall / CPU) | plan |\n|---|---|---|---|---|")
     for name, budget, cold, warm, shape in planning_times():
-        print(f"| {name} | {budget} | {cold * 1e3:.0f} ms | {warm * 1e3:.0f} ms | {shape} |")
+        print(f"| {name} | {budget} | {cold[0] * 1e3:.0f} / {cold[1] * 1e3:.0f} ms | {warm[0] * 1e3:.0f} / "
+              f"{warm[1] * 1e3:.0f} ms | {shape} |")
     print()
-    print("| `hfsplit plan` | wall, empty trace cache | wall, cache warm |\n|---|---|---|")
+    print("| `hfsplit plan` | empty trace cache (wall / CPU) | cache warm (wall / CPU) |\n|---|---|---|")
     for case, cold, warm in cli_times():
-        print(f"| `{case}` | {cold:.1f} s | {warm:.1f} s |")
+        print(f"| `{case}` | {cold[0]:.1f} / {cold[1]:.1f} s | {warm[0]:.1f} / {warm[1]:.1f} s |")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     if "--timing" in sys.argv[1:]:
         return

@@ -57,14 +57,13 @@ def test_profile_refuses_traces_that_do_not_follow_the_tp_law():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma2"])
 def test_trace_adapters_trace_as_peft_adapters(arch, monkeypatch):
     key = _key(arch)
-    specs = [SPECS[0], SPECS[3]] if arch == "llama" else [SPECS[0]]
-    for spec in specs:
-        for tp in (1, 2) if arch == "llama" else (2,):
-            ours = costs._block_events.__wrapped__(key, spec, tp)
-            with monkeypatch.context() as m:
-                m.setattr(costs, "_add_lora", functools.partial(costs._add_lora, use_peft=True))
-                theirs = costs._block_events.__wrapped__(key, spec, tp)
-            assert ours == theirs, (arch, spec, tp)
+    cases = [(SPECS[0], 1), (SPECS[0], 2), (SPECS[3], 2)] if arch == "llama" else [(SPECS[0], 1)]
+    for spec, tp in cases:
+        ours = costs._block_events.__wrapped__(key, spec, tp)
+        with monkeypatch.context() as m:
+            m.setattr(costs, "_add_lora", functools.partial(costs._add_lora, use_peft=True))
+            theirs = costs._block_events.__wrapped__(key, spec, tp)
+        assert ours == theirs, (arch, spec, tp)
 
 
 PLAN_AND_LIST_IMPORTS = """
