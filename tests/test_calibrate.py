@@ -103,9 +103,12 @@ def test_zero_bubble_slots_pay_the_measured_split_backward():
         one, split = (make_plan(_config(4), "2x1GiB", schedule=schedule, **options,
                                 link=Link(bandwidth=1e12, split_backward=f, measured=True)) for f in (1.0, 1.5))
         assert [s.time_s for s in split.stages] == pytest.approx([charged * s.time_s for s in one.stages], rel=1e-3)
-    factor = calibrate.split_backward_factor(_config(), TrainingSpec(method="full", seq_len=32, dtype="float32"),
-                                             torch.device("cpu"))
-    assert 1.0 <= factor < 4.0
+    # the probe's own figure is a timing (no bound on it here: under load it swings); it is the cached record's
+    spec = TrainingSpec(method="full", seq_len=32, dtype="float32")
+    factor = calibrate.split_backward_factor(_config(), spec, torch.device("cpu"))
+    record = calibrate.speed_record(_config(), spec, torch.device("cpu"))
+    assert record["split_seconds"] > 0 and record["seconds"] > 0
+    assert factor == max(1.0, record["split_seconds"] / record["seconds"])
 
 
 def test_link_fit_through_two_sizes_and_its_costs():
