@@ -109,9 +109,19 @@ def make_plan(
         found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
         if found is not None:
             return found
-    options["schedule"] = "1F1B" if schedule == AUTO else schedule  # the diagnosis needs no schedule search
+    options["schedule"] = _diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
     raise PlanError(_explain_no_fit(config, budgets, replace(spec, activation_checkpointing=checkpointing[-1]),
                                     name=name, options=options))
+
+
+def _diagnosis_schedule(schedule: str, micro_batches, devices: int) -> str:
+    """The one schedule a no-fit diagnosis plans with: the given one, or under auto 1F1B — GPipe when the
+    micro-batches are fewer than the devices, as 1F1B cannot run them over that many stages (and auto would
+    fall back to GPipe there too, `_runnable`)."""
+    if schedule != AUTO:
+        return schedule
+    count = _count(micro_batches)
+    return "GPipe" if count is not None and count < devices else "1F1B"
 
 
 def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, micro_batches, global_batch,
@@ -127,7 +137,7 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
             costs = model_costs(config, replace(spec, micro_batch_size=b), tp=t)
             if p > costs.num_layers:
                 continue
-            for sched in candidates if p > 1 else candidates[:1]:
+            for sched in _runnable(candidates, schedule, m=m, p=p):
                 if p > 1 and (m < min_micro_batches(sched, p) or _recompute_kept(sched, spec)):
                     continue  # torch refuses fewer micro-batches; or checkpointing would save nothing here
                 for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
@@ -166,6 +176,17 @@ def _auto_notes(best: dict, plan: Plan, candidates: list[str], *, schedule: str,
         notes.append(f"micro-batches auto cut {plan.spec.micro_batch_size * plan.micro_batches} rows per replica as "
                      f"{plan.spec.micro_batch_size} × {plan.micro_batches}: estimated step {per}")
     return tuple(notes)
+
+
+def _runnable(candidates: list[str], schedule: str, *, m: int, p: int) -> list[str]:
+    """The candidates to try for `m` micro-batches over `p` stages. Under auto with fewer micro-batches than
+    any candidate needs, GPipe (any count: with one, sequential model parallelism, the least memory a
+    pipeline can hold) rather than no plan at all."""
+    if p == 1:
+        return candidates[:1]
+    if schedule == AUTO and all(m < min_micro_batches(c, p) for c in candidates):
+        return ["GPipe"]
+    return candidates
 
 
 def _schedule_candidates(schedule: str) -> list[str]:
@@ -490,7 +511,7 @@ def _check_degrees(config, devices: int, *, tp, pp, dp, micro_batches=None, sche
     if needed > devices:
         raise PlanError(f"tp={tp or 1} × pp={pp or 1} × dp={dp or 1} needs {needed} devices but the budget names "
                         f"{devices}; add devices to max_memory or lower the degrees")
-    need = min(min_micro_batches(c, pp) for c in _schedule_candidates(schedule)) if pp else 1
+    need = 1 if schedule == AUTO else min_micro_batches(schedule, pp) if pp else 1
     if pp is not None and pp > 1 and micro_batches is not None and micro_batches < need:
         raise PlanError(f"micro_batches={micro_batches} < {need} with pp={pp}: schedule {schedule} needs at least one "
                         f"micro-batch per stage; raise --micro-batches to at least {need} or use --schedule GPipe")

@@ -83,3 +83,15 @@ def test_the_split_backward_is_why_zbv_lost_to_interleaved_on_cpu_ranks():
         assert min(steps, key=steps.get) == first, steps
     measured = {"1F1B": 1.345, "Interleaved1F1B": 1.191, "ZBVZeroBubble": 1.303}
     assert all(0.67 < steps[s] / measured[s] < 1.5 for s in steps), steps  # within the 1.5× target, each
+
+
+def test_auto_runs_fewer_micro_batches_than_stages_as_gpipe_and_a_named_schedule_is_refused():
+    """One micro-batch over two stages (sequential model parallelism, the least a pipeline holds): 1F1B and the
+    other candidates cannot run it, so auto plans GPipe and says why; a named 1F1B is refused with the fix."""
+    plan = make_plan(CONFIG, "2x1GiB", spec=SPEC, pp=2, micro_batches=1, device_speeds=SPEEDS)
+    assert (plan.pp, plan.micro_batches, plan.schedule) == (2, 1, "GPipe")
+    assert any(n.startswith("schedule auto chose GPipe") and "too few micro-batches" in n for n in plan.notes)
+    assert plan.stages[0].memory.total < make_plan(CONFIG, "2x1GiB", spec=SPEC, pp=2, micro_batches=2,
+                                                   schedule="GPipe", device_speeds=SPEEDS).stages[0].memory.total
+    with pytest.raises(PlanError, match=r"micro_batches=1 < 2 with pp=2: schedule 1F1B .* --schedule GPipe"):
+        make_plan(CONFIG, "2x1GiB", spec=SPEC, pp=2, micro_batches=1, schedule="1F1B")
