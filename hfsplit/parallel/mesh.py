@@ -123,7 +123,7 @@ def init_distributed(*, timeout_s: float = 600.0) -> None:
     else:
         from ..host_memory import fix_mmap_threshold
 
-        fix_mmap_threshold()  # a CPU rank's tensors are malloc'ed: its RSS then follows them (hfsplit/host_memory.py)
+        fix_mmap_threshold()  # opt-in: a CPU rank's RSS then follows its live tensors (hfsplit/host_memory.py)
     timeout = timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend_for(device), timeout=timeout)

@@ -90,12 +90,10 @@ def layer_attention_type(config, index: int) -> str:
 
 def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, cache=None,
                  layers: tuple[int, ...] | list[int] = ()) -> dict[str, torch.Tensor]:
-    """Attention masks by attention type, as the model's own forward builds them; with `cache`, over the cached
-    positions too (sized from the first of this stage's `layers` of each type: a stage's cache holds only its own).
+    """Attention masks by attention type, always real tensors; with `cache`, over the cached positions
+    too (sized from the first of this stage's `layers` of each type: a stage's cache holds only its own).
 
-    Under sdpa without padding the mask is None and sdpa runs causal by itself, as in transformers (eager always
-    gets a tensor): a materialised mask made sdpa keep a float copy of it and two query-sized clones per layer
-    for backward, +0.4 GiB over transformers on SmolLM2 at seq 512 x 4 (scripts/bench_memory.py).
+    `allow_is_causal_skip=False`: with eager attention a None mask means non-causal.
     """
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -103,7 +101,7 @@ def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, ca
         return next((i for i in layers if layer_attention_type(config, i) == kind), None) if cache is not None else None
 
     kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, cache=cache,
-                  position_ids=position_ids)
+                  position_ids=position_ids, allow_is_causal_skip=False)
     masks = {"full_attention": create_causal_mask(**kwargs, layer_idx=first_layer("full_attention"))}
     if getattr(config, "sliding_window", None):
         masks["sliding_attention"] = create_sliding_window_causal_mask(
