@@ -120,6 +120,10 @@ def init_distributed(*, timeout_s: float = 600.0) -> None:
     device = device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's first collective needs one GPU per rank
+    else:
+        from ..host_memory import fix_mmap_threshold
+
+        fix_mmap_threshold()  # opt-in: a CPU rank's RSS then follows its live tensors (hfsplit/host_memory.py)
     timeout = timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend_for(device), timeout=timeout)
