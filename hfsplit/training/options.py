@@ -101,6 +101,10 @@ class FinetuneOptions:
         if self.method not in ("lora", "qlora", "full"):
             raise HfsplitError(f"--method {self.method!r}: choose lora, qlora or full")
         check_qlora_options(self)
+        for f in dataclasses.fields(self):  # a string is truthy: "off" would silently turn a switch on
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise HfsplitError(f"--{_flag(f.name)} is on or off (True or False in Python); "
+                                   f"got {getattr(self, f.name)!r}")
         if self.on_nonfinite not in ("skip", "stop"):
             raise HfsplitError(f"--on-nonfinite {self.on_nonfinite!r}: choose skip or stop")
         if self.merge and self.method not in ("lora", "qlora"):

@@ -49,6 +49,18 @@ def test_an_unknown_yaml_key_is_named(tmp_path):
         parse_options(["--config", str(recipe)])
 
 
+def test_a_switch_given_as_a_string_in_python_is_refused_not_taken_as_on(tmp_path):
+    from hfsplit.training.options import FinetuneOptions
+
+    with pytest.raises(HfsplitError, match=r"--activation-checkpointing is on or off .* got 'off'"):
+        FinetuneOptions(activation_checkpointing="off").validate()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("activation_checkpointing: off\nchunked_loss: 'no'\n")  # YAML 1.1: off is False, 'no' a string
+    with pytest.raises(HfsplitError, match=r"--chunked-loss is on or off .* got 'no'"):
+        parse_options(["--config", str(recipe)])
+    FinetuneOptions(activation_checkpointing=True).validate()
+
+
 def test_warmup_zero_and_unset_intervals_are_valid():
     options = parse_options(["--warmup-steps", "0"])
     assert (options.warmup_steps, options.eval_every, options.save_every) == (0, None, None)
