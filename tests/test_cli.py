@@ -102,10 +102,12 @@ def test_console_script_runs():
     assert "no split fits" in out.stderr
 
 
-def test_fewer_micro_batches_than_stages_is_refused_with_the_fix():
+def test_fewer_micro_batches_than_stages_is_refused_with_the_fix_under_a_named_schedule():
     with pytest.raises(PlanError, match="raise --micro-batches to at least 2"):
-        make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=2, micro_batches=1)
+        make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=2, micro_batches=1, schedule="1F1B")
     assert make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=2, micro_batches=1, schedule="GPipe").pp == 2
+    # under auto (the default) the one schedule that runs it
+    assert make_plan("meta-llama/Llama-3.1-8B", "2x80GiB", pp=2, micro_batches=1).schedule == "GPipe"
 
 
 @pytest.mark.parametrize("degrees, world, message", [

@@ -106,7 +106,7 @@ def planned_split_runs(*, checkpoint: str, max_memory: str, pp: int, tp: int, sc
 
     import hfsplit
 
-    model = hfsplit.from_pretrained(checkpoint, max_memory, spec=TrainingSpec(method=method, seq_len=seq_len, dtype="float32"),
+    model = hfsplit.from_pretrained(checkpoint, max_memory, spec=TrainingSpec(method="full", seq_len=8, dtype="float32"),
                                   micro_batches=2, schedule=schedule, pp=pp, tp=tp, dp=1)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     ids = torch.randint(3, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
