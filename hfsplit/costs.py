@@ -26,6 +26,7 @@ from .models import (  # noqa: F401  (re-exported: the planner's and older calle
     check_causal_lm, check_supported, decoder_layout, meta_model, one_layer_config, routed_expert_numel, tp_degree_error,
     tp_style_of, tp_supported, valid_tp_degrees,
 )
+from .layer_kinds import kind_config, layer_kinds
 from .plan import Method, TrainingSpec  # noqa: F401 (re-exported: TrainingSpec lives with the Plan)
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class ModelCosts:
             head's param_bytes include the shared matrix again, since the last stage holds a copy.
         tied: whether lm_head shares the embedding matrix.
         boundary_bytes: one micro-batch's hidden states, what a stage sends its pipeline neighbour.
+        layer_blocks: each layer's own block cost where the layers are of several kinds (Qwen3-MoE's
+            `mlp_only_layers`, `hfsplit.layer_kinds`); empty when every layer costs `block` (layer 0's kind).
     """
 
     num_layers: int
@@ -82,6 +85,7 @@ class ModelCosts:
     tied: bool
     spec: TrainingSpec = field(default_factory=TrainingSpec)
     boundary_bytes: int = 0
+    layer_blocks: tuple[PartCost, ...] = ()
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,7 +113,18 @@ def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
     _dtype(spec.dtype)  # fail early on an unknown dtype
     key = _config_key(config)
     _CONFIGS.setdefault(key, config)
-    return _model_costs(key, spec, tp)
+    return _with_layer_kinds(config, _model_costs(key, spec, tp), spec, tp)
+
+
+def _with_layer_kinds(config, costs: ModelCosts, spec: TrainingSpec, tp: int) -> ModelCosts:
+    """`costs` with each layer's block costed by its own kind, where the layers are not all alike."""
+    kinds = layer_kinds(config)
+    if kinds is None:
+        return costs
+    blocks = {}
+    for kind in set(kinds):
+        blocks[kind] = _model_costs(_keyed(kind_config(config, kind)), spec, tp).block
+    return replace(costs, layer_blocks=tuple(blocks[kind] for kind in kinds))
 
 
 def estimate_peak_bytes(costs: ModelCosts) -> int:
@@ -120,23 +135,24 @@ def estimate_peak_bytes(costs: ModelCosts) -> int:
     (its activations freed as its gradients appear) and the optimizer step. Inference is one
     forward without a KV cache (`use_cache=False`).
     """
-    embed, block, head, n = costs.embed, costs.block, costs.head, costs.num_layers
+    embed, head = costs.embed, costs.head
+    blocks = list(costs.layer_blocks) or [costs.block] * costs.num_layers
     shared = embed if costs.tied else None  # the tied matrix is held once in one process
 
     def total(field_name: str) -> int:
-        value = getattr(embed, field_name) + n * getattr(block, field_name) + getattr(head, field_name)
+        value = getattr(embed, field_name) + sum(getattr(b, field_name) for b in blocks) + getattr(head, field_name)
         return value - (getattr(shared, field_name) if shared is not None else 0)
 
     params, grads, optim = total("param_bytes"), total("grad_bytes"), total("optimizer_bytes")
     if costs.spec.method == "inference":
         # The model's forward keeps `inputs_embeds` (the embedding output) alive to the end.
-        return params + embed.workspace_bytes + max(block.workspace_bytes, head.workspace_bytes)
+        return params + embed.workspace_bytes + max(*(b.workspace_bytes for b in blocks), head.workspace_bytes)
 
     held = params + optim
-    activations = embed.activation_bytes + n * block.activation_bytes + head.activation_bytes
+    activations = embed.activation_bytes + sum(b.activation_bytes for b in blocks) + head.activation_bytes
     phases = [held + activations + head.workspace_bytes]  # forward done, loss computed
     # Backward walks head → blocks → embed; each part's activations go as its gradients arrive.
-    order = [head] + [block] * n + [embed]
+    order = [head] + blocks[::-1] + [embed]
     live_acts, live_grads = activations, 0
     for part in order:
         grad = part.grad_bytes
@@ -348,14 +364,25 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
 def weight_bytes(config, spec: TrainingSpec) -> int:
     """Bytes of the model's weights held once, without a trace: every split of a `spec` run holds at least
     this much across its devices (TP replicates norms, adapters and optimizer state come on top)."""
+    layout = _layout(_keyed(config))
+    kinds = layer_kinds(config)
+    blocks = ([_block_weight_bytes(kind_config(config, k), spec) for k in kinds] if kinds
+              else [_block_weight_bytes(config, spec)] * config.num_hidden_layers)
+    ends = layout.embed_numel + layout.head_numel - (layout.embed_numel if layout.tied else 0)
+    return sum(blocks) + ends * _dtype(spec.dtype).itemsize
+
+
+def _keyed(config) -> str:
     key = _config_key(config)
     _CONFIGS.setdefault(key, config)
-    layout = _layout(key)
-    size = _dtype(spec.dtype).itemsize
-    block = (quantized_block_bytes(layout, spec) if spec.method == "qlora"
-             else (layout.block_numel_replicated + layout.block_numel_sharded) * size)
-    ends = layout.embed_numel + layout.head_numel - (layout.embed_numel if layout.tied else 0)
-    return config.num_hidden_layers * block + ends * size
+    return key
+
+
+def _block_weight_bytes(config, spec: TrainingSpec) -> int:
+    layout = _layout(_keyed(config))
+    if spec.method == "qlora":
+        return quantized_block_bytes(layout, spec)
+    return (layout.block_numel_replicated + layout.block_numel_sharded) * _dtype(spec.dtype).itemsize
 
 
 def quantized_block_bytes(layout: _Layout, spec: TrainingSpec) -> int:

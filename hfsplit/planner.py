@@ -8,7 +8,9 @@ depend only on how many blocks it holds, and the programme collapses to giving e
 stage a count. Handing out blocks one at a time to the stage whose time grows least
 (within its memory cap) reaches the min-max optimum exactly for nondecreasing stage
 costs (tests check it against brute force) in O(L log P) instead of O(P L²), which is
-what keeps 126 layers × 16 devices well under a second.
+what keeps 126 layers × 16 devices well under a second. Where the layers are of several kinds (Qwen3-MoE's
+dense `mlp_only_layers`), a stage's costs are those of the layer range it holds, and the same greedy hands out
+blocks checking every rank (a block more on one stage shifts the ranges of the later ones).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from .errors import PlanError
 from .links import DEFAULT_LINK, Link
 from .plan import SCHEDULES, Plan, Stage, StageMemory, rank_total
 from .reserve import reserve_for
+from .layer_kinds import runs_of
 from .schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages
 
 # Effective dense throughput of a device of speed 1 and the TP link bandwidth. Only
@@ -230,14 +233,16 @@ def split_layers(costs: ModelCosts, slots: Sequence[Slot]) -> Optional[list[int]
     counts = [1] * len(slots)
     if any(not _fits(costs, mine, counts) for mine in by_rank.values()):
         return None
-    heap = [(_slot_time(costs, s, 2), s.index) for s in slots]
+    heap = [(_slot_time(costs, s, stage_layers(costs, counts, s.index, 1)), s.index) for s in slots]
     heapq.heapify(heap)
     for _ in range(L - len(slots)):
         while heap:
             _, k = heapq.heappop(heap)
             counts[k] += 1
-            if _fits(costs, by_rank[slots[k].pp_rank], counts):
-                heapq.heappush(heap, (_slot_time(costs, slots[k], counts[k] + 1), k))
+            # layers of several kinds: a layer more here shifts which layers every later stage holds
+            ranks = by_rank.values() if costs.layer_blocks else [by_rank[slots[k].pp_rank]]
+            if all(_fits(costs, mine, counts) for mine in ranks):
+                heapq.heappush(heap, (_slot_time(costs, slots[k], stage_layers(costs, counts, k, 1)), k))
                 break
             counts[k] -= 1  # full: this slot takes no more layers
         else:
@@ -278,8 +283,9 @@ def in_flight(schedule: str, *, p: int, m: int, v: int, pp_rank: int, index: int
     return min(p - pp_rank, m)
 
 
-def stage_memory(costs: ModelCosts, slot: Slot, layers: int) -> StageMemory:
-    """Estimated peak bytes of one rank of `slot` holding `layers` blocks (reserve excluded from sharing)."""
+def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> StageMemory:
+    """Estimated peak bytes of one rank of `slot` holding `layers` blocks (a count, or the range of layer indices
+    where the layers are of several kinds: `costs.layer_blocks`), reserve excluded from sharing."""
     parts = _parts(costs, slot, layers)
     weights = sum(c.param_bytes * k for c, k in parts)
     grads = sum(c.grad_bytes * k for c, k in parts)
@@ -290,7 +296,16 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: int) -> StageMemory:
                        reserve=costs.spec.reserve_bytes, workspace=int(workspace))
 
 
-def stage_transient(costs: ModelCosts, slot: Slot, layers: int) -> int:
+def stage_layers(costs: ModelCosts, counts: Sequence[int], index: int, more: int = 0) -> Union[int, range]:
+    """What stage `index` holds under `counts` (+ `more` layers): a count where every block costs the same,
+    else the range of its layer indices (stages hold consecutive layers in stage order)."""
+    if not costs.layer_blocks:
+        return counts[index] + more
+    start = sum(counts[:index])
+    return range(start, min(start + counts[index] + more, costs.num_layers))
+
+
+def stage_transient(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> int:
     """Peak bytes beyond the kept activations of the micro-batches in flight, while one part of the stage runs.
 
     A part's workspace never meets the activations of the parts behind it on the stage for the same micro-batch:
@@ -298,7 +313,7 @@ def stage_transient(costs: ModelCosts, slot: Slot, layers: int) -> int:
     recompute (its whole activations) comes after the head's logits are gone (measured: tests/parallel/test_apply.py,
     full tp=2 with checkpointing, which counting both at once overestimated by 19%)."""
     order = [(costs.embed, 1)] if slot.has_embed else []
-    order += [(costs.block, layers)] if layers else []
+    order += runs_of(costs.layer_blocks, layers, costs.block) if layers else []
     order += [(costs.head, 1)] if slot.has_head else []
     if slot.actions > 2:  # zero bubble: what a part's input gradient leaves stays until its deferred weight gradient
         return max((part.workspace_bytes for part, _ in order), default=0)
@@ -309,8 +324,8 @@ def stage_transient(costs: ModelCosts, slot: Slot, layers: int) -> int:
     return transient
 
 
-def _parts(costs: ModelCosts, slot: Slot, layers: int) -> list[tuple[PartCost, int]]:
-    parts = [(costs.block, layers)]
+def _parts(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> list[tuple[PartCost, int]]:
+    parts = runs_of(costs.layer_blocks, layers, costs.block)
     if slot.has_embed:
         parts.append((costs.embed, 1))
     if slot.has_head:
@@ -322,7 +337,7 @@ def _parts(costs: ModelCosts, slot: Slot, layers: int) -> list[tuple[PartCost, i
     return parts
 
 
-def _slot_time(costs: ModelCosts, slot: Slot, layers: int) -> float:
+def _slot_time(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float:
     parts = _parts(costs, slot, layers)
     flops = sum(c.flops * k for c, k in parts)
     return flops / (DEVICE_FLOPS * slot.speed) * _split_factor(costs, slot) + _comm_time(costs, slot, parts)
@@ -352,13 +367,13 @@ def _rank_fits(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], 
 
 def _fits(costs: ModelCosts, mine: Sequence[Slot], counts: Sequence[int]) -> bool:
     """Whether the slots of one pipeline rank fit its budget together (one reserve per device)."""
-    return rank_total(stage_memory(costs, s, counts[s.index]) for s in mine) <= mine[0].budget
+    return rank_total(stage_memory(costs, s, stage_layers(costs, counts, s.index)) for s in mine) <= mine[0].budget
 
 
 def _rank_times(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int]) -> dict[int, float]:
     times: dict[int, float] = {}
     for s in slots:
-        times[s.pp_rank] = times.get(s.pp_rank, 0.0) + _slot_time(costs, s, counts[s.index])
+        times[s.pp_rank] = times.get(s.pp_rank, 0.0) + _slot_time(costs, s, stage_layers(costs, counts, s.index))
     return times
 
 
@@ -368,8 +383,9 @@ def _plan(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], *, na
     for slot, count in zip(slots, counts):
         stages.append(Stage(
             index=slot.index, pp_rank=slot.pp_rank, devices=slot.devices, layers=(start, start + count),
-            has_embed=slot.has_embed, has_head=slot.has_head, memory=stage_memory(costs, slot, count),
-            budget=slot.budget, time_s=_slot_time(costs, slot, count),
+            has_embed=slot.has_embed, has_head=slot.has_head,
+            memory=stage_memory(costs, slot, stage_layers(costs, counts, slot.index)),
+            budget=slot.budget, time_s=_slot_time(costs, slot, stage_layers(costs, counts, slot.index)),
         ))
         start += count
     bubble = bubble_fraction(schedule, p, m, v)
