@@ -19,7 +19,7 @@ def tiny_checkpoint(tmp_path_factory):
     made = {}
 
     def make(arch="llama", *, tied=False, sharded=True, **overrides):
-        key = (arch, tied, sharded, tuple(sorted(overrides.items())))
+        key = (arch, tied, sharded, repr(sorted(overrides.items())))  # repr: list values (mlp_only_layers)
         if key not in made:
             folder = tmp_path_factory.mktemp(f"{arch}-{'tied' if tied else 'untied'}-{'sharded' if sharded else 'single'}")
             made[key] = write_tiny_checkpoint(folder, arch, tied=tied, sharded=sharded, **overrides)
