@@ -1,5 +1,6 @@
 """MoE training beyond one pipeline: data-parallel replicas, and resuming under another split."""
 import pytest
+import torch
 
 from hfsplit.training.options import FinetuneOptions
 from tests.parallel.launcher import launch
@@ -28,3 +29,52 @@ def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(t
                  output_dir=str(tmp_path / "moved"))
     (resumed,) = launch("tests.training.cases:finetune_losses", world_size=1, kwargs={"runs": [moved]}, timeout_s=300)[0]
     assert resumed == pytest.approx(results[0][0][4:], rel=1e-5)
+
+
+def qlora_moe_run(run: dict, probe: torch.Tensor) -> dict:
+    """On every rank: the recipe's QLoRA run (`build_run` then `fit`), its losses, the trained split's logits on
+    `probe`, and how this rank's stages hold their block weights (4-bit linears, 16-bit fused experts)."""
+    import bitsandbytes as bnb
+
+    from hfsplit.training.trainer import build_run, fit
+
+    run = build_run(FinetuneOptions(**run), progress=False)
+    losses = fit(run).losses
+    modules = [m for stage in run.model.stages for m in stage.modules()]
+    experts = {n: (type(p).__name__, str(p.dtype)) for stage in run.model.stages for n, p in stage.named_parameters()
+               if p.dim() == 3}
+    return {"losses": losses, "logits": run.model.forward(probe, broadcast=True), "experts": experts,
+            "linear4bit": sum(isinstance(m, bnb.nn.Linear4bit) for m in modules),
+            "linear": sum(type(m) is torch.nn.Linear for m in modules if not _adapter(m, modules))}
+
+
+def _adapter(linear, modules) -> bool:
+    """Whether `linear` is a peft adapter matrix (lora_A / lora_B) or the head, not a block's base weight."""
+    return any(linear is getattr(m, "lm_head", None) for m in modules) or any(
+        linear in list(d.values()) for m in modules for d in (getattr(m, "lora_A", {}), getattr(m, "lora_B", {})))
+
+
+@pytest.mark.slow
+def test_moe_qlora_split_equals_transformers_bnb_peft(tiny_checkpoint, tmp_path):
+    """Mixtral QLoRA on pp=2 (router auxiliary loss on) equals one process of transformers + bitsandbytes + peft:
+    transformers quantizes the nn.Linear layers (attention) and leaves the fused 3-D experts and the router in the
+    compute dtype, and so does hfsplit; every step's loss, and the trained logits."""
+    from tests.training.test_qlora import quantized_base
+
+    run = dict(run_options(tiny_checkpoint("mixtral", **ROUTED), tmp_path, "qlora", tp=1, pp=2, max_memory="2x1GiB"),
+               max_steps=8, output_dir=str(tmp_path / "qlora"))
+    options = FinetuneOptions(**run)
+    probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    results = launch("tests.training.test_moe_training:qlora_moe_run", world_size=2,
+                     kwargs={"run": run, "probe": probe}, timeout_s=300)
+    base = quantized_base(options)
+    held = {n: (type(p).__name__, str(p.dtype)) for n, p in base.named_parameters() if p.dim() == 3}
+    expected, trained = reference_training(options, base=base)
+    assert results[0]["losses"] == pytest.approx(expected, rel=1e-5)
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    with torch.no_grad():
+        assert (trained(input_ids=probe).logits - results[0]["logits"]).abs().max() < 1e-4
+    assert set(held.values()) == {("Parameter", "torch.float32")}  # transformers: experts not quantized
+    split = {n: v for r in results for n, v in r["experts"].items()}
+    assert len(split) == len(held) and set(split.values()) == set(held.values())
+    assert all(r["linear4bit"] == 2 * 4 and r["linear"] == 0 for r in results)  # q/k/v/o of each rank's 2 blocks
