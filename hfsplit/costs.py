@@ -121,6 +121,9 @@ def _with_layer_kinds(config, costs: ModelCosts, spec: TrainingSpec, tp: int) ->
     kinds = layer_kinds(config)
     if kinds is None:
         return costs
+    if spec.method in ("lora", "qlora") and spec.lora_targets is None:  # the default every kind shares
+        spec = replace(spec, lora_targets=tuple(block_linear_names(config)))
+        costs = replace(_model_costs(_keyed(config), spec, tp), spec=costs.spec)
     blocks = {}
     for kind in set(kinds):
         blocks[kind] = _model_costs(_keyed(kind_config(config, kind)), spec, tp).block

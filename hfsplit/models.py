@@ -353,8 +353,16 @@ def _routed_expert_numel(key: str) -> int:
 
 def block_linear_names(config) -> list[str]:
     """The linear layers of one decoder block ("q_proj" … "down_proj", Phi-3's fused "qkv_proj" and
-    "gate_up_proj"): LoRA's default targets, which the cost model counts when none are given."""
-    return sorted({lin.name.rsplit(".", 1)[-1] for lin in block_linears(config)})
+    "gate_up_proj"): LoRA's default targets, which the cost model counts when none are given. Where the layers are
+    of several kinds (Qwen3-MoE's dense `mlp_only_layers`), those every kind has (attention): a dense layer's
+    `gate_proj`/`up_proj`/`down_proj` would also make peft adapt the other layers' fused experts (its v4-to-v5 MoE
+    target conversion), and name no module of a stage holding expert layers only."""
+    from .layer_kinds import kind_config, layer_kinds
+
+    kinds = layer_kinds(config)
+    configs = [kind_config(config, kind) for kind in sorted(set(kinds))] if kinds else [config]
+    names = [{lin.name.rsplit(".", 1)[-1] for lin in block_linears(c)} for c in configs]
+    return sorted(set.intersection(*names))
 
 
 def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] = None) -> None:

@@ -33,12 +33,12 @@ def test_layer_kinds_are_those_transformers_builds(overrides):
     assert (kinds is None) == (len(set(built)) == 1)
 
 
-@pytest.mark.parametrize("method", ["inference", "full"])  # LoRA's default targets on mixed layers: see README
+@pytest.mark.parametrize("method", ["inference", "lora", "full"])
 def test_mixed_layers_estimated_peak_matches_a_real_step(method):
     """Two dense layers then two expert layers: the real step against the estimate that costs each layer by its
     kind; costing all four as layer 0 (dense), as before, misses the experts by far more than the band."""
     config = qwen3_moe(mlp_only_layers=[0, 1])
-    spec = TrainingSpec(method=method, seq_len=64, dtype="float32")
+    spec = TrainingSpec(method=method, seq_len=64, dtype="float32", lora_r=8)  # measured_peak's rank
     costs = model_costs(config, spec)
     assert [b.param_bytes > costs.block.param_bytes for b in costs.layer_blocks] == [False, False, True, True]
     measured, estimated = measured_peak(config, method, 64), estimate_peak_bytes(costs)
@@ -71,3 +71,26 @@ def test_a_stage_of_dense_layers_takes_more_layers_than_one_of_expert_layers():
             p.state_bytes for p in (*blocks, *ends)), s.index
     # costed as layer 0 (dense) throughout, as before, stage 1 would look like it held a third of its weights
     assert stage_memory(replace(costs, layer_blocks=()), slots[1], 3).weights < 0.5 * plan.stages[1].memory.weights
+
+
+def test_lora_default_targets_on_mixed_layers_are_the_attention_every_kind_has():
+    """A dense layer's MLP names would make peft adapt the expert layers' fused experts too (its MoE target
+    conversion) and name no module of an expert-only stage: the default is what every kind holds, and the cost
+    model counts those adapters in every layer."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hfsplit.costs import block_linear_names
+    from hfsplit.training.lora import lora_config
+
+    config = qwen3_moe(mlp_only_layers=[0, 1])
+    assert block_linear_names(config) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert "down_proj" in block_linear_names(qwen3_moe(mlp_only_layers=[0, 1, 2, 3]))
+    model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           lora_config(r=8, alpha=16, dropout=0.0, targets=None, model_config=config))
+    adapted = {n.split(".lora_")[0].split("layers.")[1] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert adapted == {f"{i}.self_attn.{p}" for i in range(4) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    costs = model_costs(config, TrainingSpec(method="lora", seq_len=64, dtype="float32", lora_r=8))
+    assert {b.grad_bytes for b in costs.layer_blocks} == {costs.block.grad_bytes}  # the same adapters per layer
+    attention = 8 * (64 + 64) + 8 * (64 + 32) * 2 + 8 * (64 + 64)  # r × (in + out): q, k, v, o
+    assert costs.block.grad_bytes == 4 * attention
