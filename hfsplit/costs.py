@@ -26,6 +26,7 @@ from .models import (  # noqa: F401  (re-exported: the planner's and older calle
     check_causal_lm, check_supported, decoder_layout, meta_model, one_layer_config, routed_expert_numel, tp_degree_error,
     tp_style_of, tp_supported, valid_tp_degrees,
 )
+from .expert_lora import expert_lora_numel, expert_parameters
 from .layer_kinds import kind_config, layer_kinds
 from .plan import Method, TrainingSpec  # noqa: F401 (re-exported: TrainingSpec lives with the Plan)
 
@@ -278,23 +279,25 @@ def _build_layout(key: str) -> _Layout:
     )
 
 
-def _lora_targets(layout: _Layout, spec: TrainingSpec) -> list[_Linear]:
+def _lora_targets(layout: _Layout, spec: TrainingSpec, experts=()) -> list[_Linear]:
+    """The block's linears LoRA wraps (`experts`: names of fused expert parameters, targeted apart)."""
     if spec.lora_targets is None:
         return list(layout.linears)
     # peft matches a target name against the end of the module path
     def matches(lin: _Linear, target: str) -> bool:
         return lin.name == target or lin.name.endswith("." + target)
 
-    missing = [t for t in spec.lora_targets if not any(matches(lin, t) for lin in layout.linears)]
+    missing = [t for t in spec.lora_targets if t not in experts and not any(matches(lin, t) for lin in layout.linears)]
     if missing:
         raise PlanError(f"LoRA target(s) {', '.join(missing)} name no module of the model; "
                         f"linear layers here: {', '.join(sorted({lin.name.rsplit('.', 1)[-1] for lin in layout.linears}))}")
     return [lin for lin in layout.linears if any(matches(lin, t) for t in spec.lora_targets)]
 
 
-def _lora_numel(layout: _Layout, spec: TrainingSpec, tp: int) -> int:
-    numel = 0
-    for lin in _lora_targets(layout, spec):
+def _lora_numel(layout: _Layout, spec: TrainingSpec, tp: int, config) -> int:
+    """Adapter elements of one block: its targeted linears' and (MoE) its targeted fused experts'."""
+    numel = expert_lora_numel(config, spec.lora_targets, spec.lora_r)
+    for lin in _lora_targets(layout, spec, expert_parameters(config)):
         in_f = lin.in_features // tp if lin.shard == "row" else lin.in_features  # A is r × in
         out_f = lin.out_features // tp if lin.shard == "col" else lin.out_features  # B is out × r
         numel += spec.lora_r * (in_f + out_f)
@@ -311,7 +314,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     # final norm stays whole), so each TP rank holds 1/tp of both matrices.
     head_numel = layout.norm_numel + (layout.head_numel - layout.norm_numel) // tp
     numels = {"embed": layout.embed_numel // tp, "block": block_numel, "head": head_numel}
-    lora_numel = _lora_numel(layout, spec, tp) if spec.method in ("lora", "qlora") else 0
+    lora_numel = _lora_numel(layout, spec, tp, config) if spec.method in ("lora", "qlora") else 0
 
     from .trace_cache import block_trace, ends_trace  # traced once per config and shape, kept on disk
 
@@ -528,14 +531,19 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
 def _add_lora(block, key: str, spec: TrainingSpec, *, use_peft: bool = False) -> None:
     """The spec's LoRA adapters on `block`: peft's own with `use_peft` (tests compare), else `trace_lora`'s,
     which trace alike without importing peft (and through it bitsandbytes and torch._inductor)."""
-    targets = [lin.name.rsplit(".", 1)[-1] for lin in _lora_targets(_layout(key), spec)]
+    experts = expert_parameters(_CONFIGS[key])
+    targets = [lin.name.rsplit(".", 1)[-1] for lin in _lora_targets(_layout(key), spec, experts)]
+    parameters = [experts[t][0] for t in spec.lora_targets or () if t in experts]
+    if parameters:  # adapters on fused experts: peft's own ParamWrapper (trace_lora builds linears' only)
+        use_peft = True
     if not use_peft:
         from .trace_lora import inject_trace_adapters
 
         return inject_trace_adapters(block, targets, r=spec.lora_r, adapter_dtype=_LORA_ADAPTER_DTYPE)
     from peft import LoraConfig, inject_adapter_in_model
 
-    inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=targets), block)
+    inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=targets, target_parameters=parameters or None),
+                            block)
     for name, module in block.named_modules():
         if name.endswith(("lora_A", "lora_B")):
             module.to(_LORA_ADAPTER_DTYPE)

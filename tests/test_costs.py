@@ -122,7 +122,7 @@ class FrozenAwareMemTracker(MemTracker):
         return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks and trains)
 
 
-def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False) -> int:
+def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False, lora_targets=None) -> int:
     """Peak bytes over the first two real steps (the second is the steady state with AdamW state)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -135,11 +135,11 @@ def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False
             quantize_module(block, quantization_config(compute_dtype="float32"), device=torch.device("cpu"))
         model.is_loaded_in_4bit = True  # peft picks its bitsandbytes LoRA layers by this flag
     if method in ("lora", "qlora"):
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        from hfsplit.costs import block_linear_names
+        from hfsplit.training.lora import lora_config  # the targets a run uses (MoE experts: target parameters)
 
-        model = get_peft_model(model, LoraConfig(r=8, target_modules=block_linear_names(config)))
+        model = get_peft_model(model, lora_config(r=8, alpha=8, dropout=0.0, targets=lora_targets, model_config=config))
     ids = torch.randint(0, config.vocab_size, (1, seq_len))
     optimizer = None
     if method == "inference":

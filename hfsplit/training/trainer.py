@@ -324,8 +324,12 @@ def lora_of_run(options: FinetuneOptions, *, model_path: str):
 
     if options.method not in ("lora", "qlora"):
         return None
-    return lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
-                       targets=options.lora_targets, model_config=load_config(model_path))
+    config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
+                         targets=options.lora_targets, model_config=load_config(model_path))
+    if options.merge and config.target_parameters:
+        raise HfsplitError(f"--merge folds adapters of linear layers; LoRA on fused experts "
+                           f"({', '.join(config.target_parameters)}) is saved as a peft adapter only: drop --merge")
+    return config
 
 
 def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
