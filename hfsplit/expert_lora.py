@@ -16,6 +16,8 @@ from .errors import HfsplitError
 
 def expert_parameters(config) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{leaf name: (path within a block, shape)} of the 3-D expert parameters of `config`'s blocks ({} if dense)."""
+    if not getattr(config, "num_experts_per_tok", None):  # not an MoE: no model to build
+        return {}
     key = config.to_json_string(use_diff=False)
     _CONFIGS.setdefault(key, config)
     return dict(_expert_parameters(key))
@@ -50,6 +52,8 @@ def split_lora_targets(targets: Sequence[str], config) -> tuple[list[str], list[
     from .models import block_linears
 
     experts = expert_parameters(config)
+    if not experts:
+        return list(targets), []
     kinds = layer_kinds(config)
     linear_names = {lin.name.rsplit(".", 1)[-1] for c in ([kind_config(config, k) for k in set(kinds)] if kinds
                                                           else [config]) for lin in block_linears(c)}

@@ -25,17 +25,22 @@ def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(t
                 max_steps=8, save_every=4, output_dir=str(tmp_path / "full"))
     lora = dict(run_options(tiny_checkpoint("mixtral", **ROUTED), tmp_path, "lora", tp=1, pp=2, max_memory="4x1GiB"),
                 max_steps=6, output_dir=str(tmp_path / "lora"), lora_targets=EXPERT_TARGETS)
-    results = launch("tests.training.cases:finetune_losses", world_size=4, kwargs={"runs": [full, lora]}, timeout_s=400)
+    # two dense layers, then two expert layers: LoRA's default targets (attention) on a stage of expert layers only
+    mixed = dict(run_options(tiny_checkpoint("qwen3_moe", mlp_only_layers=[0, 1], **ROUTED), tmp_path, "lora", tp=1,
+                             pp=2, max_memory="4x1GiB"), max_steps=4, output_dir=str(tmp_path / "mixed"))
+    results = launch("tests.training.cases:finetune_losses", world_size=4, kwargs={"runs": [full, lora, mixed]},
+                     timeout_s=400)
     assert all(r == results[0] for r in results)  # every rank reports the global loss
-    for run, split_losses in zip((full, lora), results[0]):
-        expected, trained = reference_training(FinetuneOptions(**run), replicas=2)
+    trained = {}
+    for run, split_losses in zip((full, lora, mixed), results[0]):
+        expected, trained[run["output_dir"]] = reference_training(FinetuneOptions(**run), replicas=2)
         assert split_losses == pytest.approx(expected, rel=1e-5), run["model"]
     # LoRA on the fused experts: the adapter folder loads with plain peft, experts adapted, the trained logits
     loaded = saved_model(Path(lora["output_dir"]), FinetuneOptions(**lora))
     assert [n for n, _ in loaded.named_parameters() if "experts" in n and ".lora_B." in n]
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert (loaded(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max() < 1e-4
+        assert (loaded(input_ids=probe).logits - trained[lora["output_dir"]](input_ids=probe).logits).abs().max() < 1e-4
     moved = dict(full, pp=1, micro_batches=8, max_memory="1GiB", resume=str(tmp_path / "full" / "checkpoint-4"),
                  output_dir=str(tmp_path / "moved"))
     (resumed,) = launch("tests.training.cases:finetune_losses", world_size=1, kwargs={"runs": [moved]}, timeout_s=300)[0]
