@@ -132,8 +132,12 @@ def _probe_block(config, spec, device: torch.device):
         from peft import LoraConfig, inject_adapter_in_model
 
         from .costs import block_linear_names
+        from .expert_lora import split_lora_targets
 
-        inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=block_linear_names(config)), block)
+        # the run's targets, fused MoE experts included (peft target parameters)
+        modules, params = split_lora_targets(list(spec.lora_targets or block_linear_names(config)), config)
+        inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=modules, target_parameters=params or None),
+                                block)
     _set_trainable(block, replace(spec, method="lora") if spec.method == "qlora" else spec)
     pos = torch.arange(spec.seq_len, device=device).unsqueeze(0)
     x = torch.randn(spec.micro_batch_size, spec.seq_len, config.hidden_size, dtype=dtype, device=device)

@@ -63,3 +63,19 @@ def test_expert_lora_targets_refused_where_ambiguous_or_merged(tiny_checkpoint):
     options = FinetuneOptions(model=path, method="lora", lora_targets=["q_proj", "gate_up_proj"], merge=True)
     with pytest.raises(HfsplitError, match=r"LoRA on fused experts \(mlp.experts.gate_up_proj\) .* drop --merge"):
         lora_of_run(options, model_path=path)
+
+
+def test_calibration_probe_adapts_the_runs_expert_targets():
+    """The time probe's block carries the run's adapters, fused experts included, and runs forward and backward."""
+    import torch
+
+    from hfsplit.calibrate import _probe_block
+
+    spec = TrainingSpec(method="lora", seq_len=16, dtype="float32", lora_r=8,
+                        lora_targets=("q_proj", "gate_up_proj", "down_proj"))
+    run = _probe_block(tiny_config("mixtral"), spec, torch.device("cpu"))
+    block = dict(zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__)))["block"]
+    adapted = sorted(n for n, p in block.named_parameters() if p.requires_grad)
+    assert [n for n in adapted if "experts" in n] and [n for n in adapted if "q_proj" in n]
+    run(False)
+    assert all(p.grad is not None for p in block.parameters() if p.requires_grad)
