@@ -17,7 +17,7 @@ same `to_local(grad_placements=[Partial()])` and `Partial → Replicate` redistr
 """
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -53,14 +53,20 @@ class ExpertsParallel(ParallelStyle):
 
         def prepare_input(sub, inputs, mesh):
             hidden, index, weights, *rest = inputs
-            _swap_in_local(sub, tuple(placements))
             return (_grad_summed(hidden, mesh), index, _grad_summed(weights, mesh), *rest)
 
         def prepare_output(sub, output, mesh):
-            _swap_back(sub)
             return _summed(output, mesh)
 
-        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+        distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+        own_forward = module.forward
+
+        def forward(*args, **kwargs):
+            with _local_params(module, tuple(placements)):
+                return own_forward(*args, **kwargs)
+
+        module.forward = forward
+        return module
 
 
 def packed_placement():
@@ -77,16 +83,18 @@ def _distribute(module: nn.Module, name: str, placement, mesh) -> None:
                                                  requires_grad=param.requires_grad))
 
 
-def _swap_in_local(module: nn.Module, names: tuple[str, ...]) -> None:
-    """Run the experts' own forward (its expert loop, or transformers' grouped kernels) on this rank's pieces:
-    each DTensor parameter is replaced by its local tensor, whose gradient flows back into the DTensor's."""
-    module._hfsplit_sharded = {name: module._parameters[name] for name in names}
-    for name, param in module._hfsplit_sharded.items():
-        module._parameters[name] = param.to_local()
-
-
-def _swap_back(module: nn.Module) -> None:
-    module._parameters.update(module.__dict__.pop("_hfsplit_sharded", {}))
+@contextmanager
+def _local_params(module: nn.Module, names: tuple[str, ...]):
+    """Within: each DTensor parameter `names` of `module` replaced by its local tensor (whose gradient flows back
+    into the DTensor's), so the experts' own forward (its expert loop, or transformers' grouped kernels) runs on
+    this rank's pieces. Restored however the forward ends: activation checkpointing stops a recompute early by
+    raising once it has what backward needs, which a forward hook would never see."""
+    sharded = {name: module._parameters[name] for name in names}
+    module._parameters.update({name: param.to_local() for name, param in sharded.items()})
+    try:
+        yield
+    finally:
+        module._parameters.update(sharded)
 
 
 def _grad_summed(x: torch.Tensor, mesh) -> torch.Tensor:
