@@ -24,3 +24,11 @@ def moe_tp_on_split(*, cases: list[dict], training: dict, probe: list, out_dir: 
             raise RuntimeError(f"moe tp case {case['name']}: {type(exc).__name__}: {exc}") from exc
         results[case["name"]] = out
     return results
+
+
+def moe_tp_step_memory(*, cases: dict, **step) -> dict:
+    """{name: `apply_cases.step_memory_and_losses` of the case's checkpoint and method} at tp=2, one launch."""
+    from tests.parallel.apply_cases import step_memory_and_losses
+
+    return {name: step_memory_and_losses(checkpoint=checkpoint, method=method, tp=2, pp=1, **step)
+            for name, (checkpoint, method) in cases.items()}
