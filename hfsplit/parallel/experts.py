@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..errors import UnsupportedModelError
+
 # The packed parameter holds the gate and the up projection one after the other along its output dim.
 PACKED_HALVES = 2
 
@@ -77,8 +79,9 @@ def packed_placement():
 def _distribute(module: nn.Module, name: str, placement, mesh) -> None:
     param = module._parameters[name]
     if param is None or param.dim() != 3:
-        raise ValueError(f"{type(module).__name__}.{name}: the experts' tensor-parallel style shards 3-D "
-                         f"[experts, out, in] parameters, found {None if param is None else list(param.shape)}")
+        raise UnsupportedModelError(f"{type(module).__name__}.{name}: the experts' tensor-parallel style shards 3-D "
+                                    f"[experts, out, in] parameters, found "
+                                    f"{None if param is None else list(param.shape)}; use tp=1")
     module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement], src_data_rank=None),
                                                  requires_grad=param.requires_grad))
 
