@@ -200,6 +200,8 @@ def _one_layer_config(config, *, tp: int = 1):
         cfg.num_attention_heads = heads // tp
         cfg.num_key_value_heads = (getattr(config, "num_key_value_heads", None) or heads) // tp
         cfg.intermediate_size = config.intermediate_size // tp
+        if getattr(config, "moe_intermediate_size", None):  # each expert's width, split as the dense MLP's
+            cfg.moe_intermediate_size = config.moe_intermediate_size // tp
         cfg.head_dim = _head_dim(config)  # hidden_size // heads would change once heads are divided
     return cfg  # attention as transformers picks it by default (sdpa where the class supports it)
 
@@ -261,8 +263,10 @@ def _build_layout(key: str) -> _Layout:
     for name, module in block.named_modules():
         shard = _shard(tp_style_of(config, f"layers.0.{name}")) if name else None
         for pname, p in module.named_parameters(recurse=False):
+            # fused experts: the plan styles each 3-D parameter itself (packed_colwise, rowwise)
+            own = _shard(tp_style_of(config, f"layers.0.{name}.{pname}")) if name else None
             # A rowwise layer's bias is added after the all-reduce, so each rank holds it whole.
-            if shard == "col" or (shard == "row" and pname == "weight"):
+            if own or shard == "col" or (shard == "row" and pname == "weight"):
                 sharded += p.numel()
             else:
                 replicated += p.numel()
@@ -341,7 +345,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     # Block FLOPs: every matmul parameter (base + adapter) × 2 per token, plus QKᵀ and AV.
     matmul_numel = sum(
         lin.in_features * lin.out_features // (tp if lin.shard else 1) for lin in layout.linears
-    ) + lora_numel + routed_expert_numel(config)  # MoE: only the top-k experts a token is routed to
+    ) + lora_numel + routed_expert_numel(config) // tp  # MoE: only the top-k experts a token is routed to
     heads_dim = config.num_attention_heads // tp * _head_dim(config)
     block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * spec.seq_len**2 * heads_dim
     block_flops = block_fwd * (passes + (1 if ckpt else 0))

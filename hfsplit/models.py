@@ -104,8 +104,8 @@ FAMILIES = {
     "gemma3_text": Family(final_softcap="final_logit_softcapping", rope_per_layer_type=True,
                           refused_flags=("use_bidirectional_attention",)),
     "cohere2": Family(logit_multiplier="logit_scale"),  # sliding layers come from layer_types, as Gemma 2's
-    # experts fused in the module, merged on read (checkpoint/merged.py), whole inside a stage; tp=1 (their TP plan
-    # shards experts with styles hfsplit does not implement)
+    # experts fused in the module, merged on read (checkpoint/merged.py), every expert on every TP rank, each
+    # expert's intermediate dim sharded over TP (parallel/experts.py)
     "mixtral": Family(router_aux_loss=True), "qwen3_moe": Family(router_aux_loss=True),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -124,10 +124,14 @@ def family_of(config) -> Family:
     return family
 
 
-# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1. The last kind
-# stays whole on every rank, its gradient summed over the TP group.
+# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1. The third kind
+# stays whole on every rank, its gradient summed over the TP group. The MoE kinds: a fused experts module
+# (`moe_tp_experts`) whose `gate_up_proj` is packed column-wise and `down_proj` row-wise (parallel/experts.py);
+# "packed_colwise" is accepted only there.
 REPLICATED_SUMMED = "replicated_with_grad_allreduce"
-TP_STYLES = ("colwise", "rowwise", REPLICATED_SUMMED)
+MOE_EXPERTS = "moe_tp_experts"
+PACKED_COLWISE = "packed_colwise"
+TP_STYLES = ("colwise", "rowwise", REPLICATED_SUMMED, MOE_EXPERTS, PACKED_COLWISE)
 # The pipeline plan a stage builder follows: embeddings → blocks → final norm.
 PP_PLAN = ["embed_tokens", "layers", "norm"]
 
@@ -183,10 +187,26 @@ def tp_plan_of(config) -> dict[str, str]:
 
 
 def tp_supported(config) -> bool:
-    """Whether hfsplit can shard `config`'s model: it has a TP plan made only of the styles it implements,
-    and no flag its family declares the plan wrong under (`Family.tp_refused_flags`)."""
+    """Whether hfsplit can shard `config`'s model: it has a TP plan made only of the styles it implements
+    (packed column-wise parameters only inside fused experts), and no flag its family declares the plan wrong
+    under (`Family.tp_refused_flags`)."""
     styles = set(tp_plan_of(config).values())
-    return bool(styles) and styles <= set(TP_STYLES) and tp_refused_flag(config) is None
+    return (bool(styles) and styles <= set(TP_STYLES) and tp_refused_flag(config) is None
+            and _unplaced_packed(config) is None)
+
+
+def expert_tp_params(config) -> dict[str, dict[str, str]]:
+    """{fused experts module pattern ("layers.*.mlp.experts"): {its parameter: "packed_colwise" or "rowwise"}}
+    from the TP plan's `moe_tp_experts` entries and the parameter entries below them."""
+    plan = tp_plan_of(config)
+    return {module: {key[len(module) + 1:]: style for key, style in plan.items() if key.startswith(module + ".")}
+            for module, style in plan.items() if style == MOE_EXPERTS}
+
+
+def _unplaced_packed(config) -> Optional[str]:
+    """A `packed_colwise` pattern outside every fused experts module (hfsplit packs only experts), or None."""
+    inside = {f"{module}.{name}" for module, params in expert_tp_params(config).items() for name in params}
+    return next((k for k, s in tp_plan_of(config).items() if s == PACKED_COLWISE and k not in inside), None)
 
 
 def tp_refused_flag(config) -> Optional[str]:
@@ -210,8 +230,14 @@ def valid_tp_degrees(config, max_degree: int) -> list[int]:
         return [1]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    widths = (heads, kv_heads, config.intermediate_size)
+    widths = (heads, kv_heads, *mlp_widths(config))
     return [t for t in range(1, max_degree + 1) if all(w % t == 0 for w in widths)]
+
+
+def mlp_widths(config) -> tuple[int, ...]:
+    """The MLP widths TP splits: the dense MLP's, and each expert's where it differs (Qwen3-MoE)."""
+    moe = getattr(config, "moe_intermediate_size", None)
+    return (config.intermediate_size,) + ((moe,) if moe and moe != config.intermediate_size else ())
 
 
 def tp_degree_error(config, tp: int) -> Optional[str]:
@@ -222,13 +248,15 @@ def tp_degree_error(config, tp: int) -> Optional[str]:
                 "stages split it)")
     if tp > 1 and not tp_supported(config):
         styles = sorted(set(tp_plan_of(config).values()) - set(TP_STYLES))
-        return (f"tp={tp}: {config.model_type}'s tensor-parallel plan uses {', '.join(styles) or 'no styles'}, "
+        packed = _unplaced_packed(config)
+        what = ", ".join(styles) or (f"{PACKED_COLWISE} on {packed} outside fused experts" if packed else "no styles")
+        return (f"tp={tp}: {config.model_type}'s tensor-parallel plan uses {what}, "
                 f"which hfsplit does not shard yet (it shards {', '.join(TP_STYLES)}); use tp=1")
     valid = valid_tp_degrees(config, max(tp, 1))
     if tp not in valid:
         return (f"tp={tp} does not divide the model's attention heads ({config.num_attention_heads}), key-value heads "
                 f"({getattr(config, 'num_key_value_heads', None) or config.num_attention_heads}) and MLP width "
-                f"({config.intermediate_size}); valid degrees: {', '.join(map(str, valid))}")
+                f"({', '.join(map(str, mlp_widths(config)))}); valid degrees: {', '.join(map(str, valid))}")
     return None
 
 

@@ -331,6 +331,40 @@ def test_experts_stored_one_by_one_read_merged_as_transformers_loads_them(tiny_c
         assert torch.equal(reader.read(experts), loaded[experts])
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_expert_tensor_parallel_slices_read_only_their_rows_in_both_layouts(tiny_checkpoint, tmp_path, arch,
+                                                                            monkeypatch):
+    """A TP rank's pieces of fused experts (parallel/experts.py): `gate_up_proj` [E, 2I, H] packed (rank r: its
+    part of the gate half, then of the up half), `down_proj` [E, H, I] split on dim 2, from the experts stored one by
+    one and stored fused; the packed pieces are preads of exactly their rows (no expert read whole)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_checkpoint(arch)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copy(folder / "config.json", fused / "config.json")
+    save_file({k: v.contiguous() for k, v in loaded.items()}, str(fused / "model.safetensors"))
+    gate_up, down = (loaded[f"model.layers.1.mlp.experts.{n}"] for n in ("gate_up_proj", "down_proj"))
+    read = []
+    real_pread = reader_module._pread_into
+    monkeypatch.setattr(reader_module, "_pread_into", lambda fd, buf, *a: read.append(len(buf)) or real_pread(fd, buf, *a))
+    for source in (folder, fused):
+        with CheckpointReader.open(source, model=meta_model(source)) as reader:
+            for tp in (2, 4):
+                for rank in range(tp):
+                    gate, up = (half.chunk(tp, dim=1)[rank] for half in gate_up.chunk(2, dim=1))
+                    read.clear()
+                    got = reader.read_slice("model.layers.1.mlp.experts.gate_up_proj", 1, rank, tp, packed=2)
+                    assert torch.equal(got, torch.cat([gate, up], dim=1)), (source, tp, rank)
+                    if tp == 2:  # runs of a page or more: straight preads of the slice
+                        assert sum(read) == got.nbytes, (source, sum(read), got.nbytes)
+                    got = reader.read_slice("model.layers.1.mlp.experts.down_proj", 2, rank, tp, dtype=torch.bfloat16)
+                    assert torch.equal(got, down.chunk(tp, dim=2)[rank].to(torch.bfloat16)), (source, tp, rank)
+            with pytest.raises(CheckpointError, match=r"not divisible into 2 packed blocks of 3 tensor-parallel parts"):
+                reader.read_slice("model.layers.1.mlp.experts.gate_up_proj", 1, 0, 3, packed=2)
+
+
 def test_a_missing_expert_is_named(tiny_checkpoint, tmp_path):
     folder = copy_checkpoint(tiny_checkpoint("mixtral", sharded=False), tmp_path / "ckpt")
     tensors = {k: v for k, v in stored_tensors(folder).items() if "layers.0.block_sparse_moe.experts.3.w1" not in k}

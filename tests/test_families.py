@@ -124,16 +124,24 @@ def test_one_stage_router_loss_equals_transformers(tiny_checkpoint, arch):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_moe_tensor_parallel_is_refused_naming_the_expert_styles(arch):
-    """Their TP plans shard the fused experts (packed_colwise, moe_tp_experts), which hfsplit does not implement:
-    tp>1 is refused before anything is built, the experts stay whole inside each pipeline stage."""
+def test_moe_tensor_parallel_plans_and_packed_styles_elsewhere_are_refused(arch):
+    """Their TP plans shard the fused experts (packed_colwise gate_up_proj, rowwise down_proj under a
+    moe_tp_experts module): tp=2 plans, each rank holding half of every expert. packed_colwise anywhere else (a
+    fused nn.Linear) is refused by name before anything is built."""
     from hfsplit.errors import PlanError
     from hfsplit.planner import make_plan
     from hfsplit.plan import TrainingSpec
 
     config = AutoConfig.for_model(arch, **FAMILIES[arch])
-    with pytest.raises(PlanError, match=rf"tp=2: {arch}'s tensor-parallel plan uses moe_tp_experts, packed_colwise.*use tp=1"):
-        make_plan(config, "2x64GiB", spec=TrainingSpec(method="lora", seq_len=8, dtype="float32"), tp=2)
+    spec = TrainingSpec(method="lora", seq_len=8, dtype="float32")
+    one, two = make_plan(config, "64GiB", spec=spec, tp=1), make_plan(config, "2x64GiB", spec=spec, tp=2)
+    assert two.tp == 2 and two.stages[0].memory.weights < 0.6 * one.stages[0].memory.weights
+    plan = dict(config.base_model_tp_plan)
+    plan["layers.*.self_attn.q_proj"] = "packed_colwise"
+    config.base_model_tp_plan = plan
+    with pytest.raises(PlanError, match=rf"tp=2: {arch}'s tensor-parallel plan uses packed_colwise on "
+                                        r"layers\.\*\.self_attn\.q_proj outside fused experts.*use tp=1"):
+        make_plan(config, "2x64GiB", spec=spec, tp=2)
 
 
 def test_tensor_parallel_is_refused_where_the_family_tp_plan_is_wrong(tiny_checkpoint):

@@ -29,8 +29,9 @@ NO_TP = ("phi3", "olmo2")  # hfsplit does not shard them: only tp=1 is ever trac
 
 
 # Blocks that differ: biases (qwen2), q/k norms (qwen3), soft-capping and sliding windows (gemma2, gemma3),
-# a parallel attention + MLP block (cohere); the other declared families share Llama's block.
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "cohere"])
+# a parallel attention + MLP block (cohere), fused experts split per expert (mixtral, qwen3_moe); the other
+# declared families share Llama's block.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "cohere", "mixtral", "qwen3_moe"])
 def test_derived_tp_traces_equal_real_traces(arch):
     key = _key(arch)
     for spec in SPECS if arch == "llama" else SPECS[:1]:

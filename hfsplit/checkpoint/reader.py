@@ -33,6 +33,9 @@ SINGLE_FILE = "model.safetensors"
 # Bytes of file read per pread when a tensor is cast, sliced by columns, or sent to a
 # device: bounds the host RAM a read needs beyond its result.
 CHUNK_BYTES = 8 * 2**20
+# A column slice whose contiguous runs are at least this long is read run by run (one pread each, straight into
+# the result) rather than by whole rows: an expert's rows of a fused [E, 2I, H] tensor.
+RUN_BYTES = 4096
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -194,11 +197,13 @@ class CheckpointReader:
         return out
 
     def read_slice(self, name: str, dim: int, index: int, parts: int, dtype: Optional[torch.dtype] = None,
-                   device: Device = "cpu") -> torch.Tensor:
+                   device: Device = "cpu", *, packed: int = 1) -> torch.Tensor:
         """Part `index` of `parts` equal parts of tensor `name` along `dim` (a TP shard).
 
-        dim=0 takes rows (contiguous bytes); dim>=1 takes columns, read in row chunks of at
-        most CHUNK_BYTES so host RAM stays at the slice plus one chunk.
+        dim=0 takes rows (contiguous bytes); dim>=1 takes columns: each run of at least a page is one pread
+        (an expert's rows of a fused `[E, 2I, H]` tensor), shorter ones are read in row chunks of at most
+        CHUNK_BYTES, so host RAM stays at the slice plus one chunk. A tensor merged on load from stored pieces
+        (MoE experts) is read piece by piece, each piece's slice only.
 
         Args:
             name: model parameter name.
@@ -207,32 +212,28 @@ class CheckpointReader:
             parts: the number of parts (the TP degree); must divide `shape[dim]`.
             dtype: result dtype (default: as stored).
             device: result device.
+            packed: `dim` holds this many equal blocks (fused experts' gate and up halves), each split in
+                `parts`; the result is part `index` of every block, in order (transformers' packed column-wise
+                layout).
         """
-        if name in self._merged:  # merged on load: its pieces hold no contiguous slice, so merge, then slice
-            return self._merged_slice(name, dim, index, parts, dtype=dtype, device=device)
-        entry = self._entry(name)
-        if not 0 <= dim < len(entry.shape):
-            raise ValueError(f"read_slice({name!r}): dim {dim} out of range for shape {list(entry.shape)}")
+        shape = self.shape(name)
+        if not 0 <= dim < len(shape):
+            raise ValueError(f"read_slice({name!r}): dim {dim} out of range for shape {list(shape)}")
         if not 0 <= index < parts:
             raise ValueError(f"read_slice({name!r}): index {index} not in [0, {parts})")
-        size = entry.shape[dim]
-        if size % parts:
+        if shape[dim] % (parts * packed):
+            what = f"{packed} packed blocks of " if packed > 1 else ""
             raise CheckpointError(
-                f"{entry.file}: tensor {self.checkpoint_name(name)!r} has {size} entries along dim {dim}, "
-                f"not divisible into {parts} tensor-parallel parts; choose a TP degree that divides {size}")
-        step = size // parts
-        shape = list(entry.shape)
-        shape[dim] = step
-        out = torch.empty(shape, dtype=dtype or entry.dtype, device=torch_device(device))
-        outer = math.prod(entry.shape[:dim])
-        inner = math.prod(entry.shape[dim + 1:])
-        if outer == 1:  # contiguous bytes: treat as rows of the slice
-            item = entry.dtype.itemsize
-            start = entry.start + index * step * inner * item
-            sub = TensorEntry(entry.file, entry.dtype, tuple(shape), start, start + step * inner * item)
-            self._fill_rows(sub, out, name)
-        else:
-            self._fill_columns(entry, out.view(outer, step, inner), index * step, step, size, inner)
+                f"{self._where()}: tensor {name!r} has {shape[dim]} entries along dim {dim}, not divisible into "
+                f"{what}{parts} tensor-parallel parts; choose a TP degree that divides {shape[dim] // packed}")
+        step = shape[dim] // (parts * packed)
+        ranges = [(block * step * parts + index * step, step) for block in range(packed)]
+        out_shape = list(shape)
+        out_shape[dim] = step * packed
+        out = torch.empty(out_shape, dtype=dtype or self.dtype(name), device=torch_device(device))
+        if name in self._merged:
+            return self._merged_slice_into(name, dim, ranges, out)
+        self._read_ranges(self._entry(name), dim, ranges, out, name)
         return out
 
     def packed_state_keys(self, name: str) -> list[str]:
@@ -381,13 +382,57 @@ class CheckpointReader:
                 f"{self._where()}: tensor {name!r} is merged on load from {counts}, which do not merge ({exc}); "
                 "is the checkpoint complete and of the same architecture as config.json?") from None
 
-    def _merged_slice(self, name: str, dim: int, index: int, parts: int, *, dtype, device) -> torch.Tensor:
-        size = self.shape(name)[dim]
-        if size % parts:
-            raise CheckpointError(f"{self._where()}: merged tensor {name!r} has {size} entries along dim {dim}, "
-                                  f"not divisible into {parts} tensor-parallel parts; choose a TP degree that divides {size}")
-        full = self.read(name, dtype=dtype)
-        return full.narrow(dim, index * (size // parts), size // parts).to(torch_device(device), copy=True).contiguous()
+    def _merged_slice_into(self, name: str, dim: int, ranges: list[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
+        """`ranges` of merged tensor `name` along `dim` into `out`, each stored piece's part read alone (no piece,
+        nor the merged tensor, is read whole); merges other than stack-then-concatenate merge first, then slice."""
+        merged = self._merged[name]
+        placed = merged.placement(lambda key: self._key_entry(key).shape) if dim >= 1 else None
+        if placed is None:
+            full = self.read(name, dtype=out.dtype)
+            return out.copy_(torch.cat([full.narrow(dim, first, n) for first, n in ranges], dim))
+        for key, expert, piece_dim, start in placed:
+            entry = self._key_entry(key)
+            self._piece_slice_into(entry, key, out[expert], dim - 1, ranges, piece_dim=piece_dim, start=start)
+        return out
+
+    def _piece_slice_into(self, entry: TensorEntry, key: str, dest: torch.Tensor, dim: int,
+                          ranges: list[tuple[int, int]], *, piece_dim: int, start: int) -> None:
+        """One stored piece's share of `ranges` (of the merged dim `dim`) into `dest`, the merged tensor's slice at
+        the piece's index; the piece lands at `start` along `piece_dim` of the merged tensor."""
+        def read(sub_ranges):
+            part = list(entry.shape)
+            part[dim] = sum(n for _, n in sub_ranges)
+            tmp = torch.empty(part, dtype=dest.dtype)
+            self._read_ranges(entry, dim, sub_ranges, tmp, key)
+            return tmp
+
+        if piece_dim != dim:  # the piece spans the sliced dim whole: take every range of it
+            dest.narrow(piece_dim, start, entry.shape[piece_dim]).copy_(read(ranges))
+            return
+        local = 0
+        for first, n in ranges:  # the piece covers [start, start + its length) of the sliced dim
+            lo, hi = max(first, start), min(first + n, start + entry.shape[dim])
+            if lo < hi:
+                dest.narrow(dim, local + lo - first, hi - lo).copy_(read([(lo - start, hi - lo)]))
+            local += n
+
+    def _read_ranges(self, entry: TensorEntry, dim: int, ranges: list[tuple[int, int]], out: torch.Tensor,
+                     name: str) -> None:
+        """`ranges` [(first, length), ...] of `entry` along `dim`, concatenated, into `out` (contiguous)."""
+        outer, size = math.prod(entry.shape[:dim]), entry.shape[dim]
+        inner = math.prod(entry.shape[dim + 1:])
+        item = entry.dtype.itemsize
+        view = out.view(outer, sum(n for _, n in ranges), inner)
+        if outer > 1 and min(n for _, n in ranges) * inner * item < RUN_BYTES:  # short runs: whole rows, chunked
+            self._fill_columns(entry, view, ranges, size, inner)
+            return
+        for row in range(outer):  # each (row, range) is one contiguous run of the file and of `out`
+            local = 0
+            for first, n in ranges:
+                begin = entry.start + (row * size + first) * inner * item
+                sub = TensorEntry(entry.file, entry.dtype, (n * inner,), begin, begin + n * inner * item)
+                self._fill_rows(sub, view[row, local:local + n], name)
+                local += n
 
     def _fd(self, path: Path) -> int:
         if path not in self._fds:
@@ -412,9 +457,10 @@ class CheckpointReader:
             _pread_into(fd, _bytes_of(part), entry.start + first * item, entry.file)
             flat[first:first + count].copy_(part)
 
-    def _fill_columns(self, entry: TensorEntry, out: torch.Tensor, first: int, step: int, size: int,
+    def _fill_columns(self, entry: TensorEntry, out: torch.Tensor, ranges: list[tuple[int, int]], size: int,
                       inner: int) -> None:
-        """Fill `out` (outer, step, inner) from columns [first, first+step) of entry viewed (outer, size, inner)."""
+        """Fill `out` (outer, Σ length, inner) from the column `ranges` [(first, length), ...] of entry viewed
+        (outer, size, inner)."""
         fd = self._fd(entry.file)
         row_bytes = size * inner * entry.dtype.itemsize
         rows_per_chunk = max(CHUNK_BYTES // row_bytes, 1)
@@ -424,7 +470,10 @@ class CheckpointReader:
             count = min(rows_per_chunk, outer - row)
             part = buffer[:count * size * inner]
             _pread_into(fd, _bytes_of(part), entry.start + row * row_bytes, entry.file)
-            out[row:row + count].copy_(part.view(count, size, inner)[:, first:first + step])
+            rows, local = part.view(count, size, inner), 0
+            for first, n in ranges:
+                out[row:row + count, local:local + n].copy_(rows[:, first:first + n])
+                local += n
 
 
 # ---- checkpoint layout ------------------------------------------------------------------

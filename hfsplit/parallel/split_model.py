@@ -22,7 +22,7 @@ from .mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
 from .pipeline import StageTimer, build_schedule, pipeline_stages
 from .router import carrying, with_router_loss
 from .stage import StageModule, load_stage_weights
-from .tensor import grad_summed_over_tp, local_tensor, tp_shard_dim
+from .tensor import grad_summed_over_tp, local_tensor, shard_layout, tp_shard_dim
 from .weights import open_reader
 
 
@@ -170,8 +170,6 @@ class SplitModel(nn.Module):
         (norms) only from TP rank 0; a tied lm_head copy only from the first stage; replicas
         hold equal gradients after averaging and are divided out.
         """
-        from torch.distributed.tensor import DTensor, Shard
-
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         # A tied lm_head copy holds the same (summed) gradient as the embedding: count the embedding only.
         head = self._head_weight() if self.plan.tied_embeddings else None
@@ -179,8 +177,7 @@ class SplitModel(nn.Module):
             if p.grad is None or p is head:
                 continue
             grad = p.grad
-            sharded = (isinstance(grad, DTensor) and any(isinstance(x, Shard) for x in grad.placements)) or \
-                tp_shard_dim(p) is not None
+            sharded = shard_layout(grad) is not None or tp_shard_dim(p) is not None
             if sharded or self.ctx.coords.tp == 0:
                 total += local_tensor(grad).double().pow(2).sum()
         dist.all_reduce(total)

@@ -137,13 +137,15 @@ def load_stage_weights(module: StageModule, *, reader, device: torch.device, dty
     Parameters that TP turned into DTensors are read as this rank's slice only. A tied
     lm_head reads the embedding matrix (the reader maps the name).
     """
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
+
+    from .tensor import shard_layout
 
     for key, param in list(module.named_parameters()):
         if isinstance(param, DTensor):
-            shards = [p.dim for p in param.placements if isinstance(p, Shard)]
-            if shards:
-                local = reader.read_slice(key, shards[0], tp_rank, tp_size, dtype=dtype, device=device)
+            if layout := shard_layout(param):  # (dim, packed halves): fused experts' gate_up_proj holds [gate_r; up_r]
+                local = reader.read_slice(key, layout[0], tp_rank, tp_size, dtype=dtype, device=device,
+                                          packed=layout[1])
             else:
                 local = reader.read(key, dtype=dtype, device=device)
             value = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..models import REPLICATED_SUMMED
+from ..models import MOE_EXPERTS, REPLICATED_SUMMED, expert_tp_params
 from ..errors import UnsupportedModelError
 
 
@@ -37,9 +37,14 @@ def block_styles(config) -> dict[str, object]:
     tp_plan = getattr(config, "base_model_tp_plan", None)
     if not tp_plan:
         raise UnsupportedModelError(f"{type(config).__name__} declares no base_model_tp_plan; use tp=1")
-    styles = {}
+    styles, experts = {}, expert_tp_params(config)
+    inside = {f"{module}.{name}" for module, params in experts.items() for name in params}
     for pattern, kind in tp_plan.items():
-        if kind == "colwise":
+        if pattern in inside:
+            continue  # a fused experts module's own parameter: its module's style shards it
+        if kind == MOE_EXPERTS:
+            styles[pattern] = expert_style(config, pattern, experts[pattern])
+        elif kind == "colwise":
             styles[pattern] = ColwiseParallel()
         elif kind == "rowwise":
             styles[pattern] = RowwiseParallel()
@@ -51,6 +56,18 @@ def block_styles(config) -> dict[str, object]:
             )
     styles["embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
     return styles
+
+
+def expert_style(config, pattern: str, params: dict[str, str]):
+    """The ParallelStyle of fused experts `pattern` whose parameters the plan packs column-wise or splits row-wise."""
+    from .experts import ExpertsParallel
+
+    packed = tuple(name for name, kind in params.items() if kind == "packed_colwise")
+    rowwise = tuple(name for name, kind in params.items() if kind == "rowwise")
+    if len(packed) + len(rowwise) != len(params) or not packed or not rowwise:
+        raise UnsupportedModelError(f"{type(config).__name__}: fused experts {pattern} with parameter styles {params} "
+                                    "(hfsplit shards one packed_colwise and one rowwise parameter); use tp=1")
+    return ExpertsParallel(packed=packed, rowwise=rowwise)
 
 
 def mark_grad_summed(body: nn.Module, config) -> None:
@@ -122,3 +139,18 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def shard_layout(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(dim, packed) of a TP-sharded DTensor: this rank holds part `tp_rank` of each of `packed` equal blocks along
+    `dim` (packed=1: a plain `Shard(dim)`; 2: fused experts' `[gate_r; up_r]`, parallel/experts.py). None when
+    it is not sharded."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for p in t.placements if isinstance(t, DTensor) else ():
+        if isinstance(p, _StridedShard):  # not a Shard subclass
+            return p.dim, p.split_factor
+        if isinstance(p, Shard):
+            return p.dim, 1
+    return None

@@ -67,10 +67,10 @@ def write_trainer_state(folder: Path, *, model, params, optimizer, scheduler, ba
     tensors = {}
     for p in params:
         state = optimizer.state.get(p, {})
-        tensors[f"param/{names[p]}"] = _global(model, p.detach(), param=p)
+        tensors[f"param/{names[p]}"] = _global(model, p.detach(), param=p, name=names[p])
         for key in _MOMENTS:
             if key in state:
-                tensors[f"{key}/{names[p]}"] = _global(model, state[key], param=p)
+                tensors[f"{key}/{names[p]}"] = _global(model, state[key], param=p, name=names[p])
         if "step" in state:
             tensors[f"step/{names[p]}"] = state["step"].detach().reshape(()).float().cpu()
     dcp.save(tensors, checkpoint_id=str(folder / STATE / "tensors"))
@@ -102,13 +102,13 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
     # DCP reads in place: straight into the parameters, and into fresh moments that become the optimizer state.
     targets, moments = {}, {}
     for p in params:
-        targets[f"param/{names[p]}"] = _global(model, p.detach(), param=p)
+        targets[f"param/{names[p]}"] = _global(model, p.detach(), param=p, name=names[p])
         if f"step/{names[p]}" not in saved:
             continue
         moments[p] = {"step": torch.zeros(()), **{key: torch.zeros_like(p.detach()) for key in _MOMENTS}}
         targets[f"step/{names[p]}"] = moments[p]["step"]
         for key in _MOMENTS:
-            targets[f"{key}/{names[p]}"] = _global(model, moments[p][key], param=p)
+            targets[f"{key}/{names[p]}"] = _global(model, moments[p][key], param=p, name=names[p])
     dcp.load(targets, checkpoint_id=str(folder / STATE / "tensors"))
     optimizer.state.update(moments)
     scheduler.load_state_dict(small["scheduler"])
@@ -156,16 +156,44 @@ def data_position_for(small: dict, batches, *, folder: Path) -> dict:
     return state
 
 
-def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter) -> torch.Tensor:
-    """`t` (`param` or a tensor shaped like it) as DCP should see it: DTensors as they are,
-    hand-sharded adapter pieces as the DTensor shards they are."""
+def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter, name: str) -> torch.Tensor:
+    """`t` (`param` or a tensor shaped like it) as DCP should see it: DTensors as they are, hand-sharded adapter
+    pieces as the DTensor shards they are, fused experts' packed `gate_up_proj` as `[E, 2, I, H]` under every
+    split (see `_packed_halves_apart`)."""
     from torch.distributed.tensor import DTensor, Shard
 
     from ..parallel.tensor import tp_shard_dim
 
+    halves = _packed_halves(model, name)
+    if halves > 1:
+        return _packed_halves_apart(model, t, halves)
     if isinstance(t, DTensor):
         return t
     dim = tp_shard_dim(param)
     if dim is None or model.plan.tp == 1:
         return t
     return DTensor.from_local(t, model.ctx.tp_mesh, [Shard(dim)], run_check=False)
+
+
+def _packed_halves(model, name: str) -> int:
+    """How many packed blocks parameter `name` holds along its TP-split dim (2 for fused experts' gate and up
+    halves, `models.PACKED_COLWISE`), else 1; the same under every split, tp=1 included."""
+    from ..models import PACKED_COLWISE, tp_style_of
+
+    prefix = model.stages[0].body_name + "."
+    inner = name[len(prefix):] if name.startswith(prefix) else name
+    return 2 if tp_style_of(model.config, inner) == PACKED_COLWISE else 1
+
+
+def _packed_halves_apart(model, t: torch.Tensor, halves: int) -> torch.Tensor:
+    """A view of packed `t` ([E, 2I, H]; under TP this rank's [E, 2I/tp, H] = [gate_r; up_r]) as [E, 2, I, H], each
+    rank's piece then a plain `Shard(2)`: DCP cannot describe torch's `_StridedShard` (its chunks overlap in the
+    plan), and one layout under every split lets a resume under another tp read the slices it needs."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def apart(x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], halves, x.shape[1] // halves, *x.shape[2:])
+
+    if not isinstance(t, DTensor):
+        return apart(t)
+    return DTensor.from_local(apart(t.to_local()), model.ctx.tp_mesh, [Shard(2)], run_check=False)

@@ -193,3 +193,57 @@ def test_moe_splits_match_transformers_router_loss_included(launch, tiny_checkpo
         last = [r for r in per_rank if "loss_diff" in r["router"]]
         assert len(last) == 1 and last[0]["router"]["loss_diff"] <= 1e-5 and last[0]["loss_diff"] <= 1e-5, name
         assert_every_parameter_once(per_rank, checkpoint=case["checkpoint"], tp=1, tied=False)
+
+
+# MoE under tensor parallelism: every expert on every TP rank, each expert's intermediate dim split
+# (hfsplit/parallel/experts.py); two layers, as the dense tp cases. name: (tp, pp, layers, schedule)
+MOE_TP_SHAPES = {"tp2": (2, 1, [(0, 2)], "GPipe"), "pp2xtp2": (2, 2, [(0, 1), (1, 2)], "1F1B")}
+
+
+@pytest.mark.parametrize("shape", list(MOE_TP_SHAPES))
+def test_moe_tensor_parallel_equal_transformers_and_train_as_one_process(shape, launch, tiny_checkpoint, reference,
+                                                                         tmp_path):
+    """Both families in one launch per shape: logits, gradients and generation equal transformers, the experts held
+    at 1/tp on every rank and the router whole, the router auxiliary loss and its gradients as transformers', and
+    20 steps of LoRA and of full training equal to one process, the saved output loading in transformers / peft
+    (pp2×tp2); tp=2's trainer state resumed exactly under pp=2."""
+    tp, pp, layers, schedule = MOE_TP_SHAPES[shape]
+    # the saved output where all of it happens (as the dense cases): stages and TP pieces joined
+    cases = [dict(name=f"{arch}-{shape}", checkpoint=str(tiny_checkpoint(arch, **TP_ONLY)), tied=False, save=pp > 1,
+                  router_checkpoint=str(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5,
+                                                        **TP_ONLY)),
+                  tp=tp, pp=pp, layers=layers, schedule=schedule) for arch in ("mixtral", "qwen3_moe")]
+    training = training_of(tp, pp)
+    # tp=2's trainer state (experts' packed halves as plain DCP shards) read by pp=2 on the same two ranks
+    resume = dict(other=dict(tp=1, pp=2, layers=[(0, 1), (1, 2)], schedule="1F1B"),
+                  options=dict(TRAINING["full"], max_steps=2)) if pp == 1 else None
+    results = launch("tests.parallel.moe_tp_cases:moe_tp_on_split", world_size=tp * pp, timeout_s=900,
+                     kwargs=dict(cases=cases, training=training, probe=PROBE.tolist(), out_dir=str(tmp_path),
+                                 resume=resume))
+    failures = {}
+    for case in cases:
+        per_rank = [r[case["name"]] for r in results]
+        try:
+            check_case(case, per_rank, reference, training=training)
+            check_moe_tp(case, per_rank)
+        except AssertionError as exc:
+            failures[case["name"]] = f"{exc}"[:600]
+    assert not failures, failures
+
+
+def check_moe_tp(case: dict, per_rank: list) -> None:
+    """Experts at 1/tp of their elements, routers whole; the router loss's step as transformers'."""
+    for r in per_rank:
+        experts = {n: v for n, v in r["numels"].items() if ".mlp.experts." in n}
+        routers = {n: v for n, v in r["numels"].items() if n.endswith(".mlp.gate.weight")}
+        assert experts and all(local * case["tp"] == full for local, full in experts.values()), experts
+        assert routers and all(local == full for local, full in routers.values()), routers
+        bad = {n: d for n, d in r["router"]["grad_rel_diff"].items() if d > 1e-5}
+        assert not bad, ("router loss", bad)
+        assert r["router"]["router_grads"] and min(r["router"]["aux"]) > 0.5
+    last = [r["router"] for r in per_rank if "loss_diff" in r["router"]]
+    assert len(last) == case["tp"] and all(x["loss_diff"] <= 1e-5 for x in last), last
+    resumed = [r["resume"] for r in per_rank if "resume" in r]
+    if resumed:  # every trainable tensor and AdamW moment as saved, the experts' included
+        assert all(r["moved"] > 1e-5 and max(r["diffs"].values()) == 0.0 for r in resumed), resumed
+        assert {n for r in resumed for n in r["diffs"]} >= {n for n in per_rank[0]["numels"] if ".mlp.experts." in n}
