@@ -38,7 +38,8 @@ class TrainingSpec:
         autocast: QLoRA with a 16-bit compute dtype runs its stage forwards (and their checkpointed recompute)
             under `torch.autocast` to that dtype, as transformers' Trainer does with bf16/fp16, so peft's fp32
             adapters take the 16-bit inputs instead of keeping fp32 copies of them (`hfsplit.parallel.autocast`).
-            None: on for 16-bit QLoRA; False: off. No effect in float32 or for other methods.
+            None: on for 16-bit 4-bit QLoRA; False: off. No effect in float32, on an 8-bit base (not measured
+            under autocast) or for other methods.
     """
 
     method: Method = "lora"
@@ -58,7 +59,7 @@ class TrainingSpec:
     @property
     def autocast_dtype(self) -> Optional[str]:
         """The dtype this run's stage forwards autocast to (see `autocast`), or None when they do not."""
-        on = self.method == "qlora" and self.dtype != "float32" and self.autocast is not False
+        on = self.method == "qlora" and not self.load_in_8bit and self.dtype != "float32" and self.autocast is not False
         return self.dtype if on else None
 
 
