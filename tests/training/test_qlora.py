@@ -1,4 +1,5 @@
 """QLoRA on split stages equals transformers + bitsandbytes + peft QLoRA in one process, step by step."""
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -114,6 +115,23 @@ def test_70b_qlora_plans_on_4x24gib_and_is_a_listed_fix_for_lora():
         make_plan("meta-llama/Llama-3.1-70B", "4x24GiB", spec=TrainingSpec(method="lora", seq_len=2048))
     with pytest.raises(PlanError, match="tp=2 with QLoRA"):
         make_plan("meta-llama/Llama-3.1-70B", "4x24GiB", spec=TrainingSpec(method="qlora"), tp=2)
+
+
+def test_70b_qlora_plans_on_2x24gib_at_seq_2048_under_autocast_only():
+    """Issue 11's target on plan: r=8, micro-batch 1, chunked loss fits 2×24GiB (no offload) because 16-bit QLoRA
+    runs under autocast (0.72 GiB less workspace per stage); without it, or at r=16, it does not."""
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.errors import PlanError
+    from hfsplit.plan import rank_total
+    from hfsplit.planner import make_plan
+
+    spec = TrainingSpec(method="qlora", seq_len=2048, micro_batch_size=1, lora_r=8, chunked_loss=True)
+    plan = make_plan("meta-llama/Llama-3.1-70B", "2x24GiB", spec=spec)
+    assert (plan.pp, plan.tp) == (2, 1) and plan.spec.autocast_dtype == "bfloat16"
+    assert all(rank_total([s.memory]) <= 24 << 30 for s in plan.stages)
+    for other in (replace(spec, autocast=False), replace(spec, lora_r=16)):
+        with pytest.raises(PlanError, match="no split fits"):
+            make_plan("meta-llama/Llama-3.1-70B", "2x24GiB", spec=other)
 
 
 @pytest.mark.slow
