@@ -2,8 +2,8 @@
 
 peft keeps LoRA adapters in fp32 (`autocast_adapter_dtype=True`). Outside autocast its bitsandbytes layer
 casts every target module's input to fp32 and lora_A saves that copy for backward: q, k and v each keep their
-own fp32 copy of the same normed input, and down_proj's is intermediate-sized (for Llama-3.1-70B at seq 2048,
-0.6 GiB of one block's 1.6 GiB of activations). Under autocast peft skips the cast on CUDA
+own fp32 copy of the same normed input, and down_proj's is intermediate-sized (Llama-3.1-70B at seq 2048: 608 MiB
+of one block's 1210 MiB of saved activations, `scripts/qlora_workspace.py`). Under autocast peft skips the cast on CUDA
 (`not torch.is_autocast_enabled()`); that check reads CUDA's state only, so here the adapters' input casting is
 turned off by peft's own switch (`cast_input_dtype_enabled`, what `peft.helpers.disable_input_dtype_casting`
 sets), and the CPU run does what the CUDA one does. The values are the same either way: autocast casts the fp32

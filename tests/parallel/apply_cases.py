@@ -10,9 +10,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, seq_len: int, micro_batch_size: int,
-                           micro_batches: int, steps: int) -> dict:
+                           micro_batches: int, steps: int, qlora_bf16: bool = False) -> dict:
     """For activation checkpointing off, then on: the plan's figure for this rank's stage, the peak MemTracker
-    measures over one steady-state training step, the loss curve and what the run applied."""
+    measures over one steady-state training step, the loss curve and what the run applied; with `qlora_bf16`,
+    also `qlora_autocast_memory`'s figures (under that key), in the same launch."""
     out = {}
     for ac in (False, True):
         model, optimizer = _built(checkpoint, method=method, tp=tp, pp=pp, seq_len=seq_len, ac=ac,
@@ -31,6 +32,9 @@ def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, se
                    "checkpointed_blocks": sum(getattr(b, "gradient_checkpointing", False)
                                               for s in model.stages for b in s.body.layers.values())}
         del model, optimizer
+    if qlora_bf16:
+        out["qlora_bf16"] = qlora_autocast_memory(checkpoint=checkpoint, seq_len=seq_len, micro_batches=micro_batches,
+                                                  micro_batch_size=micro_batch_size, steps=steps)
     return out
 
 
