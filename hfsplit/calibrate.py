@@ -138,6 +138,14 @@ def _probe_block(config, spec, device: torch.device):
         modules, params = split_lora_targets(list(spec.lora_targets or block_linear_names(config)), config)
         inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=modules, target_parameters=params or None),
                                 block)
+    if spec.method == "qlora":  # fp32 adapters and, in 16 bits, autocast forwards, as hfsplit.parallel.apply runs them
+        from peft.tuners.tuners_utils import cast_adapter_dtype
+
+        cast_adapter_dtype(block, "default")
+        if spec.autocast_dtype is not None:
+            from .parallel.autocast import autocast_forwards
+
+            autocast_forwards([block], dtype=spec.autocast_dtype)
     _set_trainable(block, replace(spec, method="lora") if spec.method == "qlora" else spec)
     pos = torch.arange(spec.seq_len, device=device).unsqueeze(0)
     x = torch.randn(spec.micro_batch_size, spec.seq_len, config.hidden_size, dtype=dtype, device=device)

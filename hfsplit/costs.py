@@ -322,7 +322,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
 
     from .trace_cache import block_trace, ends_trace  # traced once per config and shape, kept on disk
 
-    traced = replace(spec, method="lora") if spec.method == "qlora" else spec  # activations as LoRA's
+    traced = _traced_spec(spec)
     trace = block_trace(key, traced, tp)
     ends = ends_trace(key, traced)
     tokens = spec.micro_batch_size * spec.seq_len
@@ -369,6 +369,14 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
     head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
     return ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec, boundary_bytes=hidden_bytes)
+
+
+def _traced_spec(spec: TrainingSpec) -> TrainingSpec:
+    """The spec a run's parts are traced with: QLoRA's activations as LoRA's, under autocast where the run
+    autocasts (`TrainingSpec.autocast_dtype`; other methods never do)."""
+    if spec.method == "qlora":
+        return replace(spec, method="lora", autocast=spec.autocast_dtype is not None)
+    return replace(spec, autocast=None)
 
 
 def weight_bytes(config, spec: TrainingSpec) -> int:
@@ -543,7 +551,8 @@ def _add_lora(block, key: str, spec: TrainingSpec, *, use_peft: bool = False) ->
     if not use_peft:
         from .trace_lora import inject_trace_adapters
 
-        return inject_trace_adapters(block, targets, r=spec.lora_r, adapter_dtype=_LORA_ADAPTER_DTYPE)
+        return inject_trace_adapters(block, targets, r=spec.lora_r, adapter_dtype=_LORA_ADAPTER_DTYPE,
+                                     cast_input=_traced_autocast(spec) is None)
     from peft import LoraConfig, inject_adapter_in_model
 
     inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=targets, target_parameters=parameters or None),
@@ -551,6 +560,14 @@ def _add_lora(block, key: str, spec: TrainingSpec, *, use_peft: bool = False) ->
     for name, module in block.named_modules():
         if name.endswith(("lora_A", "lora_B")):
             module.to(_LORA_ADAPTER_DTYPE)
+        if hasattr(module, "lora_A"):  # as hfsplit.parallel.autocast turns it off
+            module.cast_input_dtype_enabled = _traced_autocast(spec) is None
+
+
+def _traced_autocast(spec: TrainingSpec):
+    """The dtype a traced block's forward autocasts to, or None: `_model_costs` sets a traced spec's `autocast`
+    to whether the run autocasts (`TrainingSpec.autocast_dtype` of the spec it plans)."""
+    return _dtype(spec.dtype) if spec.autocast and spec.dtype != "float32" else None
 
 
 def _block_kwargs(base, block, spec: TrainingSpec):
@@ -648,7 +665,8 @@ def _block_events(key: str, spec: TrainingSpec, tp: int) -> _BlockEvents:
         saved = _SavedBytes(exclude=params)
         with _LiveBytes() as live:
             x = torch.empty(shape, dtype=dtype, requires_grad=True)
-            with saved.hooks():
+            cast = _traced_autocast(spec)
+            with saved.hooks(), torch.autocast("cpu", dtype=cast, enabled=cast is not None):
                 y = _hidden(block(x, **kwargs))
             forward = tuple(live.history)
             grad_out = torch.empty_like(y)

@@ -35,6 +35,11 @@ class TrainingSpec:
         bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: the QLoRA base's `BitsAndBytesConfig`.
         chunked_loss: the last stage runs lm_head and the loss a chunk of tokens at a time, never holding a whole
             micro-batch's logits (`hfsplit.parallel.chunked_loss`).
+        autocast: QLoRA with a 16-bit compute dtype runs its stage forwards (and their checkpointed recompute)
+            under `torch.autocast` to that dtype, as transformers' Trainer does with bf16/fp16, so peft's fp32
+            adapters take the 16-bit inputs instead of keeping fp32 copies of them (`hfsplit.parallel.autocast`).
+            None: on for 16-bit 4-bit QLoRA; False: off. No effect in float32, on an 8-bit base (not measured
+            under autocast) or for other methods.
     """
 
     method: Method = "lora"
@@ -49,6 +54,13 @@ class TrainingSpec:
     bnb_4bit_use_double_quant: bool = True
     load_in_8bit: bool = False
     chunked_loss: bool = False
+    autocast: Optional[bool] = None
+
+    @property
+    def autocast_dtype(self) -> Optional[str]:
+        """The dtype this run's stage forwards autocast to (see `autocast`), or None when they do not."""
+        on = self.method == "qlora" and not self.load_in_8bit and self.dtype != "float32" and self.autocast is not False
+        return self.dtype if on else None
 
 
 @dataclass(frozen=True)
@@ -157,6 +169,8 @@ class Plan:
             out.append(quantize_label(self.spec))
         if self.spec.method in ("lora", "qlora"):
             out.append(lora_label(self.spec.lora_r))
+        if self.spec.autocast_dtype is not None:
+            out.append(autocast_label(self.spec.autocast_dtype))
         return tuple(out)
 
     @property
@@ -265,6 +279,10 @@ def lora_label(r: int) -> str:
 def quantize_label(spec: TrainingSpec) -> str:
     kind = "int8" if spec.load_in_8bit else f"{spec.bnb_4bit_quant_type}{' + double quant' if spec.bnb_4bit_use_double_quant else ''}"
     return f"base quantized to {kind} (bitsandbytes, per block as read)"
+
+
+def autocast_label(dtype: str) -> str:
+    return f"forwards under autocast to {dtype} (adapters take 16-bit inputs)"
 
 
 def _tuple_or_none(value):

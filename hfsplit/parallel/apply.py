@@ -1,6 +1,6 @@
 """Apply a Plan to this rank's stages, in one place and one order (as torchtitan's `parallelize_llama`):
 
-    tensor parallelism → activation checkpointing → load weights → quantization → LoRA
+    tensor parallelism → activation checkpointing → load weights → quantization → LoRA → autocast (16-bit QLoRA)
 
 TP and checkpointing act on the stage while it is still on the meta device (TP so each rank
 reads only its slices); quantization needs real weights; LoRA comes last because peft wraps
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import PlanError, UnsupportedModelError
-from ..plan import Plan, activation_checkpointing_label, lora_label, quantize_label, tp_label
+from ..plan import Plan, activation_checkpointing_label, autocast_label, lora_label, quantize_label, tp_label
 from .tensor import apply_tp
 
 
@@ -60,6 +60,11 @@ def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx, load: Callable[
         lora = lora or default_lora(plan, modules[0].config)
         apply_lora(modules, lora, plan=plan, ctx=ctx)
         applied.append(lora_label(lora.config.r))
+    if plan.spec.autocast_dtype is not None:  # after LoRA: it turns off the adapters' input casts
+        from .autocast import autocast_forwards
+
+        autocast_forwards(modules, dtype=plan.spec.autocast_dtype)
+        applied.append(autocast_label(plan.spec.autocast_dtype))
     return tuple(applied)
 
 
@@ -108,7 +113,8 @@ def apply_lora(modules: Sequence[nn.Module], lora: LoraSetup, *, plan: Plan, ctx
     tp_group = ctx.tp_mesh.get_group() if plan.tp > 1 else None
     for module in modules:
         add_lora(module, lora.config, seed=lora.seed, tp_group=tp_group, tp_rank=ctx.coords.tp, tp_size=plan.tp,
-                 tp_plan=getattr(module.config, "base_model_tp_plan", None))
+                 tp_plan=getattr(module.config, "base_model_tp_plan", None),
+                 fp32_adapters=plan.spec.method == "qlora")  # as peft's get_peft_model on a 4-bit base
 
 
 def default_lora(plan: Plan, model_config) -> LoraSetup:

@@ -1,5 +1,7 @@
 """QLoRA on split stages equals transformers + bitsandbytes + peft QLoRA in one process, step by step."""
+from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -20,22 +22,25 @@ def quantized_base(options: FinetuneOptions):
     """The base as users load it: transformers' own bitsandbytes integration, the same BitsAndBytesConfig."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32, device_map="cpu",
+    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=getattr(torch, options.dtype), device_map="cpu",
                                                  quantization_config=bnb_config(options))
     # Train mode, as a training run is: in eval mode bitsandbytes' CPU kernel repacks the weights for a bf16
     # AVX-512 path on the first forward, whose logits differ from the fp32 dequantize-and-matmul by ~4e-3.
     return model.train()
 
 
-def train_and_probe(run: dict, probe: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+def train_and_probe(run: dict, probe: torch.Tensor, also: Optional[dict] = None):
     """On every rank: QLoRA-train `run` as the recipe does (`build_run` then `fit`); the losses and the trained
-    split model's logits on `probe`."""
+    split model's logits on `probe`, then (`also`) the losses of a second run in the same launch."""
     from hfsplit.training.trainer import build_run, fit
 
     run = build_run(FinetuneOptions(**run), progress=False)
     losses = fit(run).losses
     model = run.model
-    return losses, model.forward(probe, broadcast=True)
+    logits = model.forward(probe, broadcast=True)
+    if also is None:
+        return losses, logits
+    return losses, logits, fit(build_run(FinetuneOptions(**also), progress=False)).losses
 
 
 @pytest.mark.slow
@@ -51,10 +56,20 @@ def test_split_qlora_losses_equal_transformers_bnb_peft_qlora(tiny_checkpoint, t
     run = run_options(tiny_checkpoint("llama"), tmp_path, "qlora", merge=world == 2, **split)
     options = FinetuneOptions(**run)
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    # pp=2 also runs bf16 QLoRA, its forwards under autocast (hfsplit.parallel.autocast): against the reference
+    # under autocast too, as transformers' Trainer runs bf16
+    bf16 = dict(run, dtype="bfloat16", merge=False, output_dir=run["output_dir"] + "-bf16") if world == 2 else None
     results = launch("tests.training.test_qlora:train_and_probe", world_size=world,
-                     kwargs={"run": run, "probe": probe}, timeout_s=300)
+                     kwargs={"run": run, "probe": probe, "also": bf16}, timeout_s=300)
+    if bf16 is not None:
+        bf16_options = FinetuneOptions(**bf16)
+        want, _ = reference_training(bf16_options, base=quantized_base(bf16_options), autocast=torch.bfloat16)
+        got = results[0][2]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+        print(f"bf16 QLoRA under autocast {split}: worst per-step loss rel diff {worst:.2e}")
+        assert got == pytest.approx(want, rel=1e-3)
     expected, trained = reference_training(options, replicas=world // 2, base=quantized_base(options))
-    losses, split_logits = results[0]
+    losses, split_logits = results[0][:2]
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, expected))
     print(f"QLoRA {split}: worst per-step loss rel diff {worst:.2e}")
     assert losses == pytest.approx(expected, rel=1e-5)
@@ -100,6 +115,23 @@ def test_70b_qlora_plans_on_4x24gib_and_is_a_listed_fix_for_lora():
         make_plan("meta-llama/Llama-3.1-70B", "4x24GiB", spec=TrainingSpec(method="lora", seq_len=2048))
     with pytest.raises(PlanError, match="tp=2 with QLoRA"):
         make_plan("meta-llama/Llama-3.1-70B", "4x24GiB", spec=TrainingSpec(method="qlora"), tp=2)
+
+
+def test_70b_qlora_plans_on_2x24gib_at_seq_2048_under_autocast_only():
+    """Issue 11's target on plan: r=8, micro-batch 1, chunked loss fits 2×24GiB (no offload) because 16-bit QLoRA
+    runs under autocast (0.72 GiB less workspace per stage); without it, or at r=16, it does not."""
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.errors import PlanError
+    from hfsplit.plan import rank_total
+    from hfsplit.planner import make_plan
+
+    spec = TrainingSpec(method="qlora", seq_len=2048, micro_batch_size=1, lora_r=8, chunked_loss=True)
+    plan = make_plan("meta-llama/Llama-3.1-70B", "2x24GiB", spec=spec)
+    assert (plan.pp, plan.tp) == (2, 1) and plan.spec.autocast_dtype == "bfloat16"
+    assert all(rank_total([s.memory]) <= 24 << 30 for s in plan.stages)
+    for other in (replace(spec, autocast=False), replace(spec, lora_r=16)):
+        with pytest.raises(PlanError, match="no split fits"):
+            make_plan("meta-llama/Llama-3.1-70B", "2x24GiB", spec=other)
 
 
 @pytest.mark.slow

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
 
 
-def reference_training(options: FinetuneOptions, *, replicas: int = 1, base=None):
-    """(per-step losses, trained model) of plain transformers (+ peft) training (`base`: a ready base model)."""
+def reference_training(options: FinetuneOptions, *, replicas: int = 1, base=None, autocast=None):
+    """(per-step losses, trained model) of plain transformers (+ peft) training (`base`: a ready base model;
+    `autocast`: a dtype the forwards run under `torch.autocast` to, as transformers' Trainer with bf16/fp16)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
@@ -50,7 +51,9 @@ def reference_training(options: FinetuneOptions, *, replicas: int = 1, base=None
         for x, y in zip(ids, labels):
             # an MoE with output_router_logits: transformers' own loss, router auxiliary loss included
             routed = getattr(model.config, "output_router_logits", False)
-            loss = model(input_ids=x, labels=y).loss if routed else loss_fn(model(input_ids=x).logits, y)
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                out = model(input_ids=x, labels=y) if routed else model(input_ids=x)
+            loss = out.loss if routed else loss_fn(out.logits, y)
             (loss / micro_batches).backward()
             step_losses.append(loss.detach())
         losses.append(float(torch.stack(step_losses).mean()))
