@@ -113,8 +113,7 @@ def apply_lora(modules: Sequence[nn.Module], lora: LoraSetup, *, plan: Plan, ctx
     tp_group = ctx.tp_mesh.get_group() if plan.tp > 1 else None
     for module in modules:
         add_lora(module, lora.config, seed=lora.seed, tp_group=tp_group, tp_rank=ctx.coords.tp, tp_size=plan.tp,
-                 tp_plan=getattr(module.config, "base_model_tp_plan", None),
-                 fp32_adapters=plan.spec.method == "qlora")  # as peft's get_peft_model on a 4-bit base
+                 tp_plan=getattr(module.config, "base_model_tp_plan", None))
 
 
 def default_lora(plan: Plan, model_config) -> LoraSetup:

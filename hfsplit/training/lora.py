@@ -76,7 +76,7 @@ class _SumOverTP(torch.autograd.Function):
 
 
 def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: int = 0, tp_size: int = 1,
-             tp_plan: Optional[dict] = None, fp32_adapters: bool = False) -> nn.Module:
+             tp_plan: Optional[dict] = None) -> nn.Module:
     """Inject LoRA adapters into `module`, freeze everything else, seed the adapters.
 
     Args:
@@ -84,8 +84,6 @@ def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: in
         config: from `lora_config`.
         seed: keys the A matrices' values.
         tp_group, tp_rank, tp_size, tp_plan: the TP group and the model's `base_model_tp_plan` when sharded.
-        fp32_adapters: 16-bit adapters upcast to fp32 before seeding, as peft's `get_peft_model` does
-            (`autocast_adapter_dtype=True`); `inject_adapter_in_model` leaves them in the base layer's dtype.
 
     Raises:
         HfsplitError: a target names no module of the model.
@@ -100,10 +98,11 @@ def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: in
     for p in module.parameters():
         p.requires_grad_(False)
     inject_adapter_in_model(config, module)
-    if fp32_adapters:
-        from peft.tuners.tuners_utils import cast_adapter_dtype
+    # 16-bit adapters (and their AdamW state) in fp32, as peft's get_peft_model keeps them
+    # (autocast_adapter_dtype=True) and the cost model counts them; inject_adapter_in_model leaves the base's dtype.
+    from peft.tuners.tuners_utils import cast_adapter_dtype
 
-        cast_adapter_dtype(module, "default")
+    cast_adapter_dtype(module, "default")
     for name, sub in lora_layers(module):
         style = _tp_style(name, tp_plan) if tp_size > 1 else None
         a, b = sub.lora_A["default"], sub.lora_B["default"]
