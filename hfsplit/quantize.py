@@ -66,7 +66,8 @@ def check_quantization(qconfig, *, device: torch.device) -> None:
         layer(x).float().sum().backward()
     except Exception as exc:  # bitsandbytes reports unsupported backends/types with assorted error types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        fix = "use --bnb-4bit-quant-type nf4" if not qconfig.load_in_8bit else "use 4-bit (drop --load-in-8bit)"
+        fix = ("use 4-bit (drop --load-in-8bit)" if qconfig.load_in_8bit else "use --bnb-4bit-quant-type nf4"
+               if qconfig.bnb_4bit_quant_type != "nf4" else "run QLoRA on a device bitsandbytes serves (cuda, cpu)")
         raise QuantizationError(f"{what} on {device.type}: bitsandbytes refuses it ({first[:160]}); {fix}") from None
 
 
