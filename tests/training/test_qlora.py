@@ -132,6 +132,8 @@ def merged_reference(trained) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.parametrize("shape", [(64, 64), (1000, 384), (4096, 11008)])
+@pytest.mark.parametrize("double_quant", [True, False])
 def test_quantized_bytes_are_exactly_what_bitsandbytes_holds(shape, double_quant):
     from torch import nn
 
