@@ -254,14 +254,15 @@ class BlockQuantizer:
         """`module.to_empty(device)`, except that plain linears' weights are views of the staging buffer."""
         from torch import nn
 
-        from .quantize import _Staging
+        from .quantize import Staging
 
         linears = [sub for sub in module.modules() if type(sub) is nn.Linear]
         numel = sum(sub.weight.numel() for sub in linears)
         dtype = linears[0].weight.dtype if linears else torch.float32
         staging = self.staging
-        if staging is None or staging.buffer.numel() < numel or (staging.buffer.dtype, staging.buffer.device) != (dtype, device):
-            staging = self.staging = _Staging(numel, dtype=dtype, device=device)
+        fits = staging is not None and staging.buffer.numel() >= numel
+        if not fits or (staging.buffer.dtype, staging.buffer.device) != (dtype, device):
+            staging = self.staging = Staging(numel, dtype=dtype, device=device)  # grown for a larger block
         staging.reset()
         for sub in linears:
             sub.weight = nn.Parameter(staging.take(tuple(sub.weight.shape)), requires_grad=False)

@@ -220,7 +220,7 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
     from .parallel.stage import materialize_buffers, set_parameter
 
     dense = _linear_weights(module)
-    staging = _Staging(max((sum(math.prod(dense[k]) for k in dense if k.startswith(b + ".")) for b in
+    staging = Staging(max((sum(math.prod(dense[k]) for k in dense if k.startswith(b + ".")) for b in
                             {_LAYER.match(k).group(1) for k in dense}), default=0), dtype=dtype, device=device)
     current: Optional[str] = None
     for key, param in list(module.named_parameters()):
@@ -251,7 +251,7 @@ def _linear_weights(module: nn.Module) -> dict[str, tuple[int, ...]]:
             if type(sub) is nn.Linear and _LAYER.match(f"{name}.")}
 
 
-class _Staging:
+class Staging:
     """One buffer, the size of the largest block's linear weights, that every block's 16-bit weights are read
     into in turn. Fresh tensors per weight would leave the freed 16-bit blocks in glibc's heap, between the
     quantized bytes kept (its mmap threshold rises to the largest freed chunk, up to 32 MiB, so such weights

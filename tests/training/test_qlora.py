@@ -32,7 +32,6 @@ def train_and_probe(runs: list[dict], probe: torch.Tensor) -> list[dict]:
     losses, the trained split model's logits on `probe`, and this rank's planned bytes against the peak of one
     more step (held bytes, quant state included, + the peak of the storages the step creates)."""
     from hfsplit.plan import rank_total
-    from hfsplit.quantize import held_bytes
     from hfsplit.training.trainer import build_run, fit, train_step
     from tests.parallel.apply_cases import LiveStorages
 
@@ -42,8 +41,8 @@ def train_and_probe(runs: list[dict], probe: torch.Tensor) -> list[dict]:
         losses = fit(run).losses
         model = run.model
         logits = model.forward(probe, broadcast=True)
-        held = sum(held_bytes(stage) for stage in model.stages) + sum(t.nbytes for state in run.optimizer.state.values() for t in state.values()
-                                       if isinstance(t, torch.Tensor))
+        held = held_bytes_of(model) + sum(t.nbytes for state in run.optimizer.state.values() for t in state.values()
+                                          if isinstance(t, torch.Tensor))
         with LiveStorages() as live:
             train_step(run, next(run.batches))
         planned = rank_total(model.plan.stages[i].memory for i in model.stage_indices)
@@ -249,7 +248,7 @@ def load_peaks(checkpoint: str, warmup: str, split: bool) -> dict:
     from hfsplit.costs import TrainingSpec
     from hfsplit.parallel.launch import split_from_pretrained
     from hfsplit.planner import make_plan
-    from hfsplit.quantize import check_quantization, held_bytes, quantization_config
+    from hfsplit.quantize import check_quantization, quantization_config
 
     qconfig = quantization_config(compute_dtype="float32")
     check_quantization(qconfig, device=torch.device("cpu"))  # bitsandbytes' import belongs to the baseline
