@@ -173,16 +173,18 @@ def test_qlora_bad_input_is_one_line_exit_2_nothing_written(tiny_checkpoint, tmp
 
 @pytest.mark.slow
 def test_qlora_resume_under_another_split_continues_the_curve(tiny_checkpoint, tmp_path):
-    """QLoRA on pp=2 (2 ranks), checkpoint at step 5, resumed on one rank: the same loss curve."""
-    run = dict(run_options(tiny_checkpoint("llama"), tmp_path, "qlora", pp=2, max_memory="2x1GiB"), max_steps=10,
-               save_every=5, output_dir=str(tmp_path / "run"))
-    (whole,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]}, timeout_s=300)[0]
-    moved = dict(run, pp=1, max_memory="1GiB", resume=str(tmp_path / "run" / "checkpoint-5"),
-                 output_dir=str(tmp_path / "moved"))
-    (resumed,) = launch("tests.training.cases:finetune_losses", world_size=1, kwargs={"runs": [moved]},
-                        timeout_s=300)[0]
-    assert resumed == pytest.approx(whole[5:], rel=1e-5)
-    assert (tmp_path / "moved" / "adapter" / "adapter_model.safetensors").is_file()
+    """QLoRA on pp=2 (2 ranks), checkpoint at step 5, resumed on one rank: the same loss curve, for a 4-bit and an
+    8-bit base (one launch of each world size trains both)."""
+    runs = [dict(run_options(tiny_checkpoint("llama"), tmp_path, "qlora", pp=2, max_memory="2x1GiB", **knobs),
+                 max_steps=10, save_every=5, output_dir=str(tmp_path / f"run{bits}"))
+            for bits, knobs in ((4, {}), (8, dict(load_in_8bit=True)))]
+    wholes = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs}, timeout_s=300)[0]
+    moved = [dict(run, pp=1, max_memory="1GiB", resume=str(Path(run["output_dir"]) / "checkpoint-5"),
+                  output_dir=run["output_dir"] + "-moved") for run in runs]
+    resumed = launch("tests.training.cases:finetune_losses", world_size=1, kwargs={"runs": moved}, timeout_s=300)[0]
+    for run, whole, again in zip(moved, wholes, resumed):
+        assert again == pytest.approx(whole[5:], rel=1e-5), run["load_in_8bit"]
+        assert (Path(run["output_dir"]) / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def prequantized_split_logits(checkpoint: str, probe: torch.Tensor) -> tuple[torch.Tensor, bool]:
