@@ -172,10 +172,9 @@ def _quantize_probe(block, spec, device: torch.device) -> None:
     """Quantize the probe block's linears as the run does (without it a QLoRA probe timed a frozen 16-bit
     block: no dequantize, no weight-gradient pass, and a split-backward factor of about 1 where zero-bubble
     schedules measured 1.3x slower than 1F1B)."""
-    from .quantize import check_quantization, quantization_config, quantize_module
+    from .quantize import check_quantization, quantization_config_of, quantize_module
 
-    qconfig = quantization_config(load_in_8bit=spec.load_in_8bit, quant_type=spec.bnb_4bit_quant_type,
-                                  double_quant=spec.bnb_4bit_use_double_quant, compute_dtype=spec.dtype)
+    qconfig = quantization_config_of(spec)
     check_quantization(qconfig, device=device)  # a quant type bitsandbytes refuses: the run's one-line error
     quantize_module(block, qconfig, device=device)
 

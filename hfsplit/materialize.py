@@ -231,21 +231,58 @@ def block_of(name: str, device_map: DeviceMap) -> Optional[str]:
 def quantizer_of(quantization_config, reader=None):
     """`after_block` for `materialize_blocks`: quantize a decoder block's linears on its device (QLoRA), or
     read them as `reader`'s pre-quantized checkpoint stores them."""
-    if quantization_config is None:
-        return None
-    from .quantize import check_quantization, quantize_module
+    return None if quantization_config is None else BlockQuantizer(quantization_config, reader)
 
-    checked: set = set()
 
-    def quantize(prefix: str, module: torch.nn.Module, device: torch.device) -> None:
-        if ".layers." not in f".{prefix}.":
-            return  # embeddings, norm and lm_head stay 16-bit, as in transformers' bitsandbytes integration
-        if device not in checked:
-            check_quantization(quantization_config, device=device)
-            checked.add(device)
-        quantize_module(module, quantization_config, device=device, prefix=prefix, reader=reader)
+class BlockQuantizer:
+    """Quantizes each decoder block right after it is read (embeddings, norm and lm_head stay 16-bit, as in
+    transformers' bitsandbytes integration). Its blocks' 16-bit linear weights are read into one staging
+    buffer that every block reuses (`empty`), not mapped from the file nor given fresh tensors: mapped pages
+    stay in the process's RSS until the file closes, and freed per-weight tensors stay in glibc's heap between
+    the quantized bytes kept, so either way the 16-bit model piled up in host RAM while loading."""
 
-    return quantize
+    def __init__(self, quantization_config, reader=None):
+        self.config, self.reader = quantization_config, reader
+        self.checked: set = set()
+        self.staging = None
+
+    @staticmethod
+    def quantizes(prefix: str) -> bool:
+        return ".layers." in f".{prefix}."
+
+    def empty(self, module: torch.nn.Module, device: torch.device) -> None:
+        """`module.to_empty(device)`, except that plain linears' weights are views of the staging buffer."""
+        from torch import nn
+
+        from .quantize import Staging
+
+        linears = [sub for sub in module.modules() if type(sub) is nn.Linear]
+        numel = sum(sub.weight.numel() for sub in linears)
+        dtype = linears[0].weight.dtype if linears else torch.float32
+        staging = self.staging
+        fits = staging is not None and staging.buffer.numel() >= numel
+        if not fits or (staging.buffer.dtype, staging.buffer.device) != (dtype, device):
+            staging = self.staging = Staging(numel, dtype=dtype, device=device)  # grown for a larger block
+        staging.reset()
+        for sub in linears:
+            sub.weight = nn.Parameter(staging.take(tuple(sub.weight.shape)), requires_grad=False)
+        for sub in module.modules():  # the rest (norms, biases, buffers) as to_empty gives them
+            for table in (sub._parameters, sub._buffers):
+                for key, value in table.items():
+                    if value is not None and value.is_meta:
+                        fresh = torch.empty_like(value, device=device)
+                        table[key] = nn.Parameter(fresh, requires_grad=value.requires_grad) \
+                            if isinstance(value, nn.Parameter) else fresh
+
+    def __call__(self, prefix: str, module: torch.nn.Module, device: torch.device) -> None:
+        from .quantize import check_quantization, quantize_module
+
+        if not self.quantizes(prefix):
+            return
+        if device not in self.checked:
+            check_quantization(self.config, device=device)
+            self.checked.add(device)
+        quantize_module(module, self.config, device=device, prefix=prefix, reader=self.reader)
 
 
 def materialize_blocks(model: torch.nn.Module, reader: CheckpointReader, device_map: DeviceMap,
@@ -257,14 +294,19 @@ def materialize_blocks(model: torch.nn.Module, reader: CheckpointReader, device_
     for prefix, device in _progress(blocks, desc="hfsplit: loading blocks"):
         module = model.get_submodule(prefix)
         target = torch_device(device)
-        module.to_empty(device=target, recurse=True)
+        # A block quantized as read goes through the quantizer's staging buffer, never mapped (BlockQuantizer).
+        mapping = not isinstance(after_block, BlockQuantizer) or not after_block.quantizes(prefix)
+        if mapping:
+            module.to_empty(device=target, recurse=True)
+        else:
+            after_block.empty(module, target)
         persistent = module.state_dict(prefix=f"{prefix}." if prefix else "", keep_vars=True)
         with torch.no_grad():
             for name, tensor in persistent.items():
                 # nested blocks load their own tensors
                 # (a pre-quantized weight is read by `after_block`, packed as stored)
                 if name not in retied and block_of(name, device_map) == prefix and not reader.packed_state_keys(name):
-                    if target.type == "cpu" and reader.dtype(name) == tensor.dtype:
+                    if mapping and target.type == "cpu" and reader.dtype(name) == tensor.dtype:
                         # CPU weights in the stored dtype: a copy-on-write view of the file, no copy
                         tensor.data = reader.mapped(name)
                     else:

@@ -5,7 +5,8 @@ integration does; every `nn.Linear` inside its decoder blocks becomes a `bnb.nn.
 (or `Linear8bitLt` with `load_in_8bit`). A block is quantized right after its tensors are read,
 so a rank holds at most one block in 16 bits on top of what it already quantized.
 
-Entry points: `quantization_config` (options → transformers' `BitsAndBytesConfig`),
+Entry points: `quantization_config` (knobs → transformers' `BitsAndBytesConfig`; `quantization_config_of` from a
+TrainingSpec),
 `check_quantization` (a one-line refusal where bitsandbytes cannot serve the request),
 `quantize_module` (replace the linears of one block; a pre-quantized checkpoint's packed weights and
 quant state are read as stored, `stored_quantization` / `for_stored`), `load_quantized_stage` (read + quantize a
@@ -39,6 +40,13 @@ def quantization_config(*, load_in_8bit: bool = False, quant_type: str = "nf4", 
                               bnb_4bit_quant_storage=getattr(torch, quant_storage))
 
 
+def quantization_config_of(spec):
+    """The `BitsAndBytesConfig` a QLoRA `TrainingSpec` describes (its knobs, computing in its dtype): the one
+    builder the run's loader and the calibration probe share, so the probe times the block the run trains."""
+    return quantization_config(load_in_8bit=spec.load_in_8bit, quant_type=spec.bnb_4bit_quant_type,
+                               double_quant=spec.bnb_4bit_use_double_quant, compute_dtype=spec.dtype)
+
+
 def check_quantization(qconfig, *, device: torch.device) -> None:
     """Raise QuantizationError in one line unless bitsandbytes quantizes, runs forward and backward
     through one small layer of `qconfig` on `device` (so a refusal comes before any weight is read)."""
@@ -58,7 +66,8 @@ def check_quantization(qconfig, *, device: torch.device) -> None:
         layer(x).float().sum().backward()
     except Exception as exc:  # bitsandbytes reports unsupported backends/types with assorted error types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        fix = "use --bnb-4bit-quant-type nf4" if not qconfig.load_in_8bit else "use 4-bit (drop --load-in-8bit)"
+        fix = ("use 4-bit (drop --load-in-8bit)" if qconfig.load_in_8bit else "use --bnb-4bit-quant-type nf4"
+               if qconfig.bnb_4bit_quant_type != "nf4" else "run QLoRA on a device bitsandbytes serves (cuda, cpu)")
         raise QuantizationError(f"{what} on {device.type}: bitsandbytes refuses it ({first[:160]}); {fix}") from None
 
 
@@ -211,7 +220,7 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
     from .parallel.stage import materialize_buffers, set_parameter
 
     dense = _linear_weights(module)
-    staging = _Staging(max((sum(math.prod(dense[k]) for k in dense if k.startswith(b + ".")) for b in
+    staging = Staging(max((sum(math.prod(dense[k]) for k in dense if k.startswith(b + ".")) for b in
                             {_LAYER.match(k).group(1) for k in dense}), default=0), dtype=dtype, device=device)
     current: Optional[str] = None
     for key, param in list(module.named_parameters()):
@@ -242,7 +251,7 @@ def _linear_weights(module: nn.Module) -> dict[str, tuple[int, ...]]:
             if type(sub) is nn.Linear and _LAYER.match(f"{name}.")}
 
 
-class _Staging:
+class Staging:
     """One buffer, the size of the largest block's linear weights, that every block's 16-bit weights are read
     into in turn. Fresh tensors per weight would leave the freed 16-bit blocks in glibc's heap, between the
     quantized bytes kept (its mmap threshold rises to the largest freed chunk, up to 32 MiB, so such weights
@@ -305,8 +314,11 @@ def with_dequantize(workspace: int, flops: float, linears, spec, *, itemsize: in
     return workspace, flops + DEQUANTIZE_FLOPS_PER_VALUE * sum(sizes) * passes
 
 
-def dequantized(param: torch.Tensor) -> torch.Tensor:
-    """A bitsandbytes weight back in 16 bits (its quant state's dtype); any other tensor as it is."""
+def dequantized(param: torch.Tensor, layer: Optional[nn.Module] = None) -> torch.Tensor:
+    """A bitsandbytes weight back in 16 bits (its quant state's dtype; 8-bit: fp32); any other tensor as it is.
+
+    `layer` is the module holding `param`: a `Linear8bitLt`'s first forward moves the row scales (SCB) off its
+    weight onto `layer.state`, so an 8-bit weight that has run is read with the layer's scales."""
     import bitsandbytes as bnb
 
     if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
@@ -316,8 +328,12 @@ def dequantized(param: torch.Tensor) -> torch.Tensor:
 
             data, state = _convert_weight_packed_for_cpu_inverse(data, state)
         return bnb.functional.dequantize_4bit(data, state).to(state.dtype)
-    if isinstance(param, bnb.nn.Int8Params) and getattr(param, "SCB", None) is not None:
-        return param.data.float() * param.SCB.float()[:, None] / 127
+    if isinstance(param, bnb.nn.Int8Params) and param.data.dtype == torch.int8:
+        scales = param.SCB if param.SCB is not None else getattr(getattr(layer, "state", None), "SCB", None)
+        if scales is None:
+            raise QuantizationError("an 8-bit weight has no row scales (SCB) on it or on its layer's state: "
+                                    "pass the Linear8bitLt holding it to dequantized(param, layer)")
+        return bnb.functional.int8_vectorwise_dequant(param.data, scales.to(param.device))
     return param
 
 
@@ -331,6 +347,10 @@ def held_bytes(module: nn.Module) -> int:
         extra = [getattr(state, "absmax", None), getattr(state, "code", None), getattr(state, "offset", None),
                  getattr(nested, "absmax", None), getattr(nested, "code", None), getattr(p, "SCB", None)]
         total += sum(t.nbytes for t in extra if isinstance(t, torch.Tensor))
+    for sub in module.modules():  # a Linear8bitLt that has run keeps its row scales on its state, not its weight
+        scales = getattr(getattr(sub, "state", None), "SCB", None)
+        if isinstance(scales, torch.Tensor) and getattr(sub.weight, "SCB", None) is None:
+            total += scales.nbytes
     return total
 
 

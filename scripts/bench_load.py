@@ -32,7 +32,7 @@ SIZES = {
     "default": dict(hidden=2048, num_layers=16, heads=16, kv_heads=16, intermediate=5632, vocab=32000, shard="400MB"),
 }
 METHODS = ("raw", "transformers", "accelerate", "hfsplit", "hfsplit_half", "hfsplit_tp2", "transformers_4bit",
-           "hfsplit_4bit")
+           "hfsplit_4bit", "hfsplit_4bit_rank")
 LABELS = {
     "raw": "raw read of shard files",
     "transformers": "transformers from_pretrained",
@@ -42,6 +42,7 @@ LABELS = {
     "hfsplit_tp2": "hfsplit reader, TP rank 0 of 2 (read_slice)",
     "transformers_4bit": "transformers from_pretrained, NF4 (BitsAndBytesConfig)",
     "hfsplit_4bit": "hfsplit.from_pretrained, NF4, quantized block by block",
+    "hfsplit_4bit_rank": "hfsplit split rank (pp=1, one gloo rank), NF4, block by block",
 }
 
 
@@ -52,6 +53,7 @@ def _warm_up(ckpt: Path) -> None:
     """Import the libraries and the model's modeling code (transformers imports lazily), so that
     neither the timings nor the RAM figures count them."""
     import accelerate  # noqa: F401
+    import bitsandbytes  # noqa: F401  (imported by the NF4 rows' loads, ~50 MiB of RSS: not the load's cost)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -144,6 +146,37 @@ def worker_hfsplit_4bit(ckpt: Path) -> dict:
     return {"bytes": held_bytes(model)}
 
 
+_RANK = {}  # the split rank's plan, made before the timed load (prepare_hfsplit_4bit_rank)
+
+
+def prepare_hfsplit_4bit_rank(ckpt: Path) -> None:
+    """Join a one-rank gloo group and plan the QLoRA stage (untimed, like the imports)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.planner import make_plan
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                      HFSPLIT_NO_CALIBRATION="1")
+    dist.init_process_group("gloo")
+    _RANK["plan"] = make_plan(str(ckpt), "64GiB", spec=TrainingSpec(method="qlora", seq_len=8, dtype="bfloat16"),
+                              micro_batches=1, pp=1, world_size=1)
+
+
+def worker_hfsplit_4bit_rank(ckpt: Path) -> dict:
+    from hfsplit.parallel.launch import split_from_pretrained
+    from hfsplit.quantize import held_bytes
+
+    model = split_from_pretrained(str(ckpt), plan=_RANK["plan"], quantization_config=_nf4())
+    _touch([p for stage in model.stages for p in stage.state_dict().values()])
+    return {"bytes": sum(held_bytes(stage) for stage in model.stages)}
+
+
 def _cpu_device_map(num_layers: int) -> dict:
     return {"model.embed_tokens": "cpu", **{f"model.layers.{i}": "cpu" for i in range(num_layers)},
             "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
@@ -212,6 +245,8 @@ def run_worker(method: str, ckpt: Path, size: str) -> None:
     torch.set_num_threads(1)
     if method != "write":
         _warm_up(ckpt)
+    if f"prepare_{method}" in globals():
+        globals()[f"prepare_{method}"](ckpt)
     warm_rss = _current_rss()
     start = time.perf_counter()
     if method == "write":

@@ -122,7 +122,8 @@ class FrozenAwareMemTracker(MemTracker):
         return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks and trains)
 
 
-def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False, lora_targets=None) -> int:
+def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False, lora_targets=None,
+                  load_in_8bit: bool = False) -> int:
     """Peak bytes over the first two real steps (the second is the steady state with AdamW state)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -132,8 +133,9 @@ def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False
         from hfsplit.quantize import quantization_config, quantize_module
 
         for block in model.model.layers:
-            quantize_module(block, quantization_config(compute_dtype="float32"), device=torch.device("cpu"))
-        model.is_loaded_in_4bit = True  # peft picks its bitsandbytes LoRA layers by this flag
+            quantize_module(block, quantization_config(compute_dtype="float32", load_in_8bit=load_in_8bit),
+                            device=torch.device("cpu"))
+        model.is_loaded_in_4bit, model.is_loaded_in_8bit = not load_in_8bit, load_in_8bit  # peft picks its layers by them
     if method in ("lora", "qlora"):
         from peft import get_peft_model
 

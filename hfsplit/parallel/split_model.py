@@ -19,7 +19,7 @@ from ..plan import Plan
 from .apply import LoraSetup, apply_plan
 from .chunked_loss import chunked_or, head_in_loss
 from .mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
-from .pipeline import StageTimer, build_schedule, pipeline_stages
+from .pipeline import StageTimer, build_schedule, pipeline_stages, releasing_graph
 from .router import carrying, with_router_loss
 from .stage import StageModule, load_stage_weights
 from .tensor import grad_summed_over_tp, local_tensor, shard_layout, tp_shard_dim
@@ -250,7 +250,7 @@ class SplitModel(nn.Module):
             micro = micro_batches_for(batch=shape[0], planned=self.plan.micro_batches)
             stages = pipeline_stages(list(self.stages), indices=self.stage_indices, num_stages=self.num_stages,
                                      device=self.device, group=self.ctx.pp_group)
-            loss_fn = with_router_loss(loss_fn, self.stages) if loss_fn is not None else None
+            loss_fn = releasing_graph(with_router_loss(loss_fn, self.stages)) if loss_fn is not None else None
             self._schedules[key] = build_schedule(name, self._timer.watch(stages), micro_batches=micro, loss_fn=loss_fn)
         return self._schedules[key]
 

@@ -54,7 +54,8 @@ def full_state_of_stage(model, module, *, merge_lora: bool = False) -> dict[str,
             continue
         if model.plan.tied_embeddings and name == "lm_head.weight":
             continue  # stored once, as the embedding
-        value = merged[name] if name in merged else dequantized(param).detach()  # QLoRA: merged in 16 bits
+        owner = module.get_submodule(name.rpartition(".")[0])  # an 8-bit layer keeps its scales on itself
+        value = merged[name] if name in merged else dequantized(param, owner).detach()  # QLoRA: merged in 16 bits
         state[name.replace(".base_layer.", ".")] = full_tensor(value).to(dtype).cpu().contiguous()
     return state
 
@@ -73,7 +74,7 @@ def merged_lora_weights(module) -> dict[str, torch.Tensor]:
 
     merged = {}
     for prefix, sub in lora_layers(module):
-        weight = dequantized(sub.base_layer.weight).detach()
+        weight = dequantized(sub.base_layer.weight, sub.base_layer).detach()
         delta = sub.lora_B["default"].weight.detach().float() @ sub.lora_A["default"].weight.detach().float()
         local = (local_tensor(weight).float() + delta * sub.scaling["default"]).to(weight.dtype)
         if isinstance(weight, DTensor):

@@ -406,10 +406,9 @@ def qlora_config_of_run(options: FinetuneOptions, plan, *, model_path: str):
     if options.method != "qlora":
         return quantization_of_checkpoint(model_path, None, method=options.method)  # refuses a pre-quantized one
     from ..parallel.mesh import device_of_rank
-    from ..quantize import check_quantization, quantization_config
+    from ..quantize import check_quantization, quantization_config_of
 
-    qconfig = quantization_config(load_in_8bit=options.load_in_8bit, quant_type=options.bnb_4bit_quant_type,
-                                  double_quant=options.bnb_4bit_use_double_quant, compute_dtype=plan.spec.dtype)
+    qconfig = quantization_config_of(plan.spec)  # the spec carries the options' knobs (options.training_spec)
     qconfig = quantization_of_checkpoint(model_path, qconfig, method="qlora")  # as a pre-quantized one stores
     check_quantization(qconfig, device=device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0"))))
     return qconfig
