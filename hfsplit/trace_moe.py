@@ -21,18 +21,17 @@ def _fallback(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> 
 class _GroupedMm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, offs):
-        # the weights (parameters, or a view of them) are always kept, as torch keeps them
-        ctx.save_for_backward(input if ctx.needs_input_grad[1] else None, weight)
-        ctx.offs = offs
+        # the weights (parameters, or a view of them) and the offsets are always kept, as torch keeps them
+        ctx.save_for_backward(input if ctx.needs_input_grad[1] else None, weight, offs)
         return _fallback(input, weight, offs)
 
     @staticmethod
     def backward(ctx, grad):
-        input, weight = ctx.saved_tensors
+        input, weight, offs = ctx.saved_tensors
         if ctx.needs_input_grad[1]:  # full training or adapters merged into the experts: both, as before
-            grad_input, grad_weight = torch.ops.transformers.grouped_mm_fallback_backward(input, weight, ctx.offs, grad)
+            grad_input, grad_weight = torch.ops.transformers.grouped_mm_fallback_backward(input, weight, offs, grad)
             return (grad_input if ctx.needs_input_grad[0] else None), grad_weight, None
-        return _fallback(grad, weight.transpose(-2, -1), ctx.offs), None, None
+        return _fallback(grad, weight.transpose(-2, -1), offs), None, None
 
 
 def grouped_mm_as_torch_saves(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
