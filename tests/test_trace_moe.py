@@ -15,7 +15,7 @@ def real_saved_bytes(key: str, spec: TrainingSpec) -> int:
     """One real block of the trace's one-layer model, its LoRA (peft's) and kwargs built the trace's way: the
     unique storages autograd saves in a forward, parameters excluded (costs._SavedBytes, as the trace counts)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(costs._one_layer_config(costs._CONFIGS[key]))
+    model = AutoModelForCausalLM.from_config(costs._one_layer_config(costs._CONFIGS[key]), dtype=costs._dtype(spec.dtype))
     block = costs._parts(model)[1]
     if spec.method == "lora":
         costs._add_lora(block, key, spec, use_peft=True)
@@ -23,7 +23,8 @@ def real_saved_bytes(key: str, spec: TrainingSpec) -> int:
     kwargs, _ = costs._block_kwargs(getattr(model, model.base_model_prefix), block, spec)
     kwargs["attention_mask"] = traced_mask(key, spec)  # the attention's share is the dense blocks' (test_costs.py)
     saved = costs._SavedBytes(exclude=list(block.parameters()))
-    x = torch.randn(spec.micro_batch_size, spec.seq_len, model.config.hidden_size, requires_grad=True)
+    x = torch.randn(spec.micro_batch_size, spec.seq_len, model.config.hidden_size, dtype=costs._dtype(spec.dtype),
+                    requires_grad=True)
     with saved.hooks():
         y = costs._hidden(block(x, **kwargs))
     y.sum().backward()  # the step runs (the saved tensors were real ones)
@@ -42,12 +43,13 @@ def traced_mask(key: str, spec: TrainingSpec):
         ~causal, torch.finfo(mask.dtype).min)
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("method, dtype", [("lora", "float32"), ("full", "float32"), ("lora", "bfloat16")])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_moe_block_trace_saves_what_a_real_block_saves(family, method):
+def test_moe_block_trace_saves_what_a_real_block_saves(family, method, dtype):
+    """fp32 traces through trace_moe; bf16 traces through torch's own meta `grouped_mm` (was right before)."""
     config = tiny_config(family)
     key = costs._keyed(config)
-    spec = TrainingSpec(method=method, seq_len=256, micro_batch_size=2, dtype="float32", lora_r=8, lora_targets=None)
+    spec = TrainingSpec(method=method, seq_len=256, micro_batch_size=2, dtype=dtype, lora_r=8, lora_targets=None)
     traced = costs._block_events(key, spec, 1).activations
     real = real_saved_bytes(key, spec)
     assert traced == real, f"traced / real saved bytes = {traced / real:.3f}"
