@@ -1,13 +1,14 @@
 """Grouped experts for the cost model's fake-tensor traces, saving for backward what torch's own op saves.
 
-At run time transformers' fused experts call `torch.nn.functional.grouped_mm` (CPU and CUDA, every dtype on
-torch ≥ 2.10). Its autograd saves the routed input rows only when the expert weights need a gradient: with
+At run time transformers' fused experts call `torch.nn.functional.grouped_mm` (on CPU, and on CUDA from compute
+capability 8.0; torch ≥ 2.10, every dtype). Its autograd saves the routed input rows only when the expert weights need a gradient: with
 frozen experts (LoRA on the attention or on other linears, QLoRA) it keeps the weights and the offsets alone.
 Under FakeTensorMode torch's meta kernel of `grouped_mm` takes bf16 only, so the trace runs transformers'
 fallback op instead, whose autograd always saves the input: for LoRA on a MoE block that counted the gathered
 rows (tokens × top-k × hidden) and the down projection's input (tokens × top-k × intermediate), which the real
 run never keeps (measured/planned read 0.82-0.86 with checkpointing off). `grouped_mm_as_torch_saves` runs the
 same fallback op but saves like torch's, and computes only the gradients that are needed, as torch's does.
+Pre-Ampere GPUs run the fallback op itself and so keep those rows: there a frozen-expert plan is short by them.
 """
 from __future__ import annotations
 
