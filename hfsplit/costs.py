@@ -419,20 +419,25 @@ def quantized_block_bytes(layout: _Layout, spec: TrainingSpec) -> int:
 @contextmanager
 def _grouped_experts_on_fake_tensors():
     """MoE blocks traced as they run: transformers' grouped experts (`grouped_mm`, the tokens × top-k routed rows
-    only) go through its own fallback op, whose fake kernel takes every dtype, where torch's meta kernel of
-    `grouped_mm` takes bf16 only. Both save the same tensors for backward (the routed rows and the weights); the
-    `batched_mm` alternative would gather each routed row's expert matrices (5-17x the measured peak)."""
+    only). Torch's meta kernel of `grouped_mm` takes bf16 only, so other dtypes go through transformers' fallback op
+    (its fake kernel takes every dtype), wrapped by `trace_moe` to save for backward what torch's op saves: with
+    frozen experts, not the routed rows. The `batched_mm` alternative would gather each routed row's expert
+    matrices (5-17x the measured peak)."""
     try:
         from transformers.integrations import moe
     except ImportError:  # a transformers without fused experts: nothing to route
         yield
         return
-    can_use = moe._can_use_grouped_mm
-    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and can_use(input, weight, offs)
+    from .trace_moe import grouped_mm_as_torch_saves
+
+    grouped_mm = moe._grouped_mm
+    moe._grouped_mm = lambda input, weight, offs: (
+        grouped_mm(input, weight, offs) if weight.dtype == torch.bfloat16 and moe._can_use_grouped_mm(input, weight, offs)
+        else grouped_mm_as_torch_saves(input, weight, offs))
     try:
         yield
     finally:
-        moe._can_use_grouped_mm = can_use
+        moe._grouped_mm = grouped_mm
 
 
 def _head_dim(config) -> int:

@@ -189,8 +189,8 @@ def test_estimated_peak_matches_a_real_step(family, method, seq_len):
 def test_moe_tp2_estimate_matches_each_rank_of_a_real_step(tiny_checkpoint):
     """MoE at tp=2 (each rank: every expert, half of each expert's width): the plan's stage total against each
     rank's measured peak of a real training step, activation checkpointing off and on, in one launch of two ranks
-    (the dense tp=2 rows: tests/parallel/test_apply.py). LoRA with checkpointing off over-estimates as much at
-    tp=1 (pp=2: 0.82-0.86 measured/planned), so the known lower edge there is MoE LoRA's, not TP's."""
+    (the dense tp=2 rows: tests/parallel/test_apply.py). LoRA with checkpointing off read 0.82-0.83 while the trace
+    saved the routed rows for frozen experts' weight gradients (hfsplit/trace_moe.py): every case holds ±15%."""
     from tests.parallel.launcher import launch
 
     dims = dict(num_layers=4, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=256)
@@ -200,8 +200,7 @@ def test_moe_tp2_estimate_matches_each_rank_of_a_real_step(tiny_checkpoint):
                      kwargs=dict(cases=cases, seq_len=512, micro_batch_size=2, micro_batches=2, steps=2))
     ratios = {(name, rank, ac): r["measured"] / r["planned"]
               for rank, by_case in enumerate(results) for name, by_ac in by_case.items() for ac, r in by_ac.items()}
-    lower = {("qwen3_moe-lora", False): 0.78}
-    bad = {k: round(v, 3) for k, v in ratios.items() if not lower.get((k[0], k[2]), 0.85) <= v <= 1.15}
+    bad = {k: round(v, 3) for k, v in ratios.items() if not 0.85 <= v <= 1.15}
     assert not bad, f"measured/planned outside the band: {bad}"
     for name in cases:  # checkpointing changes the memory, not the step
         by_ac = results[0][name]
