@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
-CACHE_VERSION = 2  # 2: MoE blocks traced with grouped experts (routed rows only)
+CACHE_VERSION = 3  # 2: MoE blocks traced with grouped experts (routed rows only); 3: sdpa blocks without a mask where the run has none
 
 
 def cache_dir() -> Path:
