@@ -371,7 +371,7 @@ def _deferred_grad_bytes(layout: _Layout, spec: TrainingSpec, config, tp: int) -
         adapters = sum(out(lin) + spec.lora_r for lin in _lora_targets(layout, spec))
         return {"embed": 0, "block": adapters * tokens * _LORA_ADAPTER_DTYPE.itemsize, "head": 0}
     size = _dtype(spec.dtype).itemsize
-    norms = layout.block_numel_replicated // hidden  # hidden-sized vectors: the block's norms (and biases)
+    norms = layout.block_numel_replicated // hidden  # the norms (a whole bias: a row too many)
     block = sum(out(lin) for lin in layout.linears) + norms * hidden
     head = config.vocab_size // tp + (hidden if layout.norm_numel else 0)  # lm_head's logits, the final norm
     return {"embed": hidden * tokens * size, "block": block * tokens * size, "head": head * tokens * size}

@@ -21,7 +21,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
-CACHE_VERSION = 3  # 2: MoE blocks traced with grouped experts (routed rows only); 3: sdpa blocks without a mask where the run has none
+# 2: MoE blocks traced with grouped experts (routed rows only); 3: sdpa blocks without a mask where the run has none
+CACHE_VERSION = 3
 
 
 def cache_dir() -> Path:

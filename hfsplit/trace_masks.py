@@ -4,7 +4,8 @@ The cost model traces a block on fake tensors, and transformers never skips a ca
 tensor (`masking_utils._ignore_causal_mask_sdpa` reads one as tracing), while a real stage under sdpa gets None
 where there is no padding (`parallel.stage.causal_masks`, as the model's own forward): sdpa's causal flag then
 replaces the mask, and the block makes none of the mask's float copies. So the mask is decided as the stage
-decides it, on a meta hidden state of the traced shape, and the trace drops the captured fake mask where the run has none.
+decides it, on a meta hidden state of the traced shape, and the trace drops the captured fake mask where the run
+has none.
 """
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ def row(name: str, checkpoint: str) -> str:
         return " / ".join(f"{figure(r):.2f}" for r in results)
 
     ratio = {ac: per_rank(lambda r, ac=ac: r[ac]["measured"] / r[ac]["planned"]) for ac in (False, True)}
-    saving = per_rank(lambda r: (r[False]["measured"] - r[True]["measured"]) / (r[False]["planned"] - r[True]["planned"]))
+    saving = per_rank(lambda r: (r[False]["measured"] - r[True]["measured"])
+                      / (r[False]["planned"] - r[True]["planned"]))
     growth = max(r[ac]["growth"] for r in results for ac in (False, True))
     schedules = {ac: results[0][ac]["schedule"] for ac in (False, True)}
     split = f"pp={pp}" if pp > 1 else f"tp={tp}"

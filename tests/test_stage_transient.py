@@ -47,7 +47,8 @@ def test_zero_bubble_stage_keeps_every_parts_deferred_gradients():
 
     costs = _costs(head_acts=4 * MIB, block_ws=11 * MIB, head_ws=3 * MIB)
     costs = replace(costs, embed=replace(costs.embed, deferred_bytes=1 * MIB),
-                    block=replace(costs.block, deferred_bytes=2 * MIB), head=replace(costs.head, deferred_bytes=3 * MIB))
+                    block=replace(costs.block, deferred_bytes=2 * MIB),
+                    head=replace(costs.head, deferred_bytes=3 * MIB))
     assert stage_transient(costs, _slot(actions=3), 4) == (11 + 1 + 4 * 2 + 3) * MIB
     assert stage_transient(costs, _slot(actions=3, has_head=False), 4) == (11 + 1 + 4 * 2) * MIB
     assert stage_transient(costs, _slot(), 4) == 7 * MIB
