@@ -45,6 +45,8 @@ class PartCost:
         workspace_bytes: transient peak while the part runs once (not multiplied by in-flight micro-batches).
         flops: forward + backward (+ recompute) FLOPs per micro-batch.
         comm_bytes: bytes all-reduced across the TP group per micro-batch (forward + backward).
+        deferred_bytes: what a split backward (zero-bubble schedules) keeps from the part's input pass to its
+            weight pass: the gradient of each trainable weight's output (see `_deferred_grad_bytes`).
     """
 
     param_bytes: int
@@ -54,6 +56,7 @@ class PartCost:
     workspace_bytes: int
     flops: float
     comm_bytes: int = 0
+    deferred_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -368,7 +371,37 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
     block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
     head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
-    return ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec, boundary_bytes=hidden_bytes)
+    return _with_deferred_grads(ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec,
+                                           boundary_bytes=hidden_bytes), layout, config)
+
+
+def _with_deferred_grads(costs: ModelCosts, layout: _Layout, config) -> ModelCosts:
+    """`costs` with each part's `deferred_bytes` set."""
+    deferred = _deferred_grad_bytes(layout, costs.spec, config, costs.tp)
+    return replace(costs, **{name: replace(getattr(costs, name), deferred_bytes=deferred[name]) for name in deferred})
+
+
+def _deferred_grad_bytes(layout: _Layout, spec: TrainingSpec, config, tp: int) -> dict[str, int]:
+    """Bytes per part that torch's split backward (`stage_backward_input`, then `stage_backward_weight`) keeps
+    between its two passes: each trainable weight's gradient needs the gradient of that weight's output, so
+    the input pass keeps one per trainable matmul or norm (activations it also needs are already kept).
+    Measured: tests/parallel/test_apply.py, full fine-tuning under ZB-V, whose rank 0 held 6.7 MiB beyond the
+    plan during its last stage's input pass; this counts 6.5 MiB there (a block's 5, the head's 1.5)."""
+    if spec.method == "inference":
+        return {"embed": 0, "block": 0, "head": 0}
+    tokens, hidden = spec.micro_batch_size * spec.seq_len, config.hidden_size
+
+    def out(lin: _Linear) -> int:
+        return lin.out_features // tp if lin.shard == "col" else lin.out_features
+
+    if spec.method != "full":  # LoRA: B's output is its base layer's, A's is the rank; adapters in their dtype
+        adapters = sum(out(lin) + spec.lora_r for lin in _lora_targets(layout, spec))
+        return {"embed": 0, "block": adapters * tokens * _LORA_ADAPTER_DTYPE.itemsize, "head": 0}
+    size = _dtype(spec.dtype).itemsize
+    norms = layout.block_numel_replicated // hidden  # the norms (a whole bias: a row too many)
+    block = sum(out(lin) for lin in layout.linears) + norms * hidden
+    head = config.vocab_size // tp + (hidden if layout.norm_numel else 0)  # lm_head's logits, the final norm
+    return {"embed": hidden * tokens * size, "block": block * tokens * size, "head": head * tokens * size}
 
 
 def _traced_spec(spec: TrainingSpec) -> TrainingSpec:
@@ -542,7 +575,9 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     with mode:
         _to_fake(model)
         kwargs, ids = _block_kwargs(base, block, spec)
-    return model, block, kwargs, ids
+    from .trace_masks import mask_as_run
+
+    return model, block, mask_as_run(model.config, kwargs, batch=spec.micro_batch_size, seq=spec.seq_len), ids
 
 
 def _add_lora(block, key: str, spec: TrainingSpec, *, use_peft: bool = False) -> None:

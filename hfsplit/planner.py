@@ -316,7 +316,8 @@ def stage_transient(costs: ModelCosts, slot: Slot, layers: Union[int, range]) ->
     order += runs_of(costs.layer_blocks, layers, costs.block) if layers else []
     order += [(costs.head, 1)] if slot.has_head else []
     if slot.actions > 2:  # zero bubble: what a part's input gradient leaves stays until its deferred weight gradient
-        return max((part.workspace_bytes for part, _ in order), default=0)
+        deferred = sum(part.deferred_bytes * count for part, count in order)  # the stage's input pass runs whole
+        return max((part.workspace_bytes for part, _ in order), default=0) + deferred
     transient = behind = 0
     for part, count in reversed(order):
         transient = max(transient, part.workspace_bytes - behind)  # the last of `count` blocks has least behind it

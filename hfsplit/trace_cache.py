@@ -21,8 +21,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
-CACHE_VERSION = 4  # 2: MoE blocks traced with grouped experts (routed rows only); 3: MoE experts sharded by TP;
-# 4: frozen experts save no routed rows (trace_moe)
+CACHE_VERSION = 5  # 2: MoE blocks traced with grouped experts (routed rows only); 3: MoE experts sharded by TP;
+# 4: frozen experts save no routed rows (trace_moe); 5: sdpa blocks without a mask where the run has none
 
 
 def cache_dir() -> Path:

@@ -75,6 +75,13 @@ def apply_activation_checkpointing(blocks) -> int:
     block's kwargs (rotary embeddings, masks) reach the recompute, dropout replays the same RNG
     state (`preserve_rng_state`), and a forward without gradients (KV-cache generation, eval)
     runs the block plainly with its cache. Returns the number of blocks wrapped.
+
+    The recompute runs the whole block (`early_stop=False`, torchtitan's default since its issue 1467):
+    stopping at the last saved tensor drops whatever collective the block issued after it unwaited, and
+    torch's functional-collective registry keeps each such output for good. Under TP with LoRA that is
+    the recomputed down_proj all-reduce, one hidden-sized tensor per block and micro-batch leaked every
+    step (measured: tests/parallel/test_apply.py, LoRA tp=2, 1.13-1.17× the plan after one step, growing).
+    The time model already counts the recompute's two all-reduces per block.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -85,7 +92,8 @@ def apply_activation_checkpointing(blocks) -> int:
                 f"{type(block).__name__} is not a transformers GradientCheckpointingLayer, so hfsplit cannot "
                 "recompute it; plan with activation_checkpointing=False")
         block.gradient_checkpointing = True
-        block._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        block._gradient_checkpointing_func = functools.partial(
+            torch.utils.checkpoint.checkpoint, use_reentrant=False, early_stop=False)
         count += 1
     return count
 

@@ -20,7 +20,7 @@ def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, se
                                   micro_batch_size=micro_batch_size, micro_batches=micro_batches)
         ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches, seq_len),
                             generator=torch.Generator().manual_seed(0))
-        losses, peak = _train(model, optimizer, ids, steps=steps)
+        losses, peak, growth = _train(model, optimizer, ids, steps=steps)
         # A rank of a V or interleaved schedule runs several stages: their figures add up (one reserve).
         from hfsplit.plan import rank_total
 
@@ -28,7 +28,8 @@ def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, se
         planned = rank_total(mine)
         out[ac] = {"planned": planned, "planned_activations": sum(m.activations for m in mine),
                    "schedule": model.plan.schedule,
-                   "measured": peak, "losses": losses, "applied": model.plan.applied, "steps": model.plan.steps(),
+                   "measured": peak, "growth": growth, "losses": losses,
+                   "applied": model.plan.applied, "steps": model.plan.steps(),
                    "checkpointed_blocks": sum(getattr(b, "gradient_checkpointing", False)
                                               for s in model.stages for b in s.body.layers.values())}
         del model, optimizer
@@ -55,9 +56,9 @@ def qlora_autocast_memory(*, checkpoint: str, seq_len: int, micro_batch_size: in
                                   dtype="bfloat16", autocast=autocast, schedule="1F1B")
         ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches, seq_len),
                             generator=torch.Generator().manual_seed(0))
-        losses, peak = _train(model, optimizer, ids, steps=steps)
+        losses, peak, growth = _train(model, optimizer, ids, steps=steps)
         out[autocast] = {"planned": rank_total(model.plan.stages[i].memory for i in model.stage_indices),
-                         "measured": peak, "losses": losses, "applied": model.plan.applied,
+                         "measured": peak, "growth": growth, "losses": losses, "applied": model.plan.applied,
                          "steps": model.plan.steps()}
         del model, optimizer
     return out
@@ -82,22 +83,27 @@ def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_b
 
 
 def _train(model, optimizer, ids, *, steps: int):
-    """`steps` optimizer steps; the peak over the second (AdamW state exists, as the plan assumes): the
-    bytes held when it starts (weights, AdamW state) plus the peak of the storages it creates."""
+    """`steps` (at least 3) optimizer steps; the peak over the second (AdamW state exists, as the plan
+    assumes): the bytes held when it starts (weights, AdamW state) plus the peak of the storages it creates.
+    And the bytes the third step leaves alive beyond what the second left (a leak grows it; 0 when each step
+    frees what the one before kept), from one tracker over both."""
     from hfsplit.training.trainer import causal_lm_loss
 
     loss_fn = causal_lm_loss(model.config.vocab_size)
-    losses, peak = [], 0
+    losses, peak, left = [], 0, []
+    live = LiveStorages()
     for step in range(steps):
         held = _held_bytes(model, optimizer)
-        with LiveStorages() if step == 1 else contextlib.nullcontext() as live:
+        with live if step in (1, 2) else contextlib.nullcontext():
             loss = model.step(ids, ids, loss_fn)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if live is not None:
+        if step == 1:
             peak = held + live.peak
+        if step in (1, 2):
+            left.append(live.live)
         losses.append(None if loss is None else float(loss))
-    return losses, peak
+    return losses, peak, left[1] - left[0]
 
 
 def _held_bytes(model, optimizer) -> int:
