@@ -324,7 +324,6 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     lora_numel = _lora_numel(layout, spec, tp, config) if spec.method in ("lora", "qlora") else 0
 
     from .trace_cache import block_trace, ends_trace  # traced once per config and shape, kept on disk
-
     traced = _traced_spec(spec)
     trace = block_trace(key, traced, tp)
     ends = ends_trace(key, traced)
@@ -395,7 +394,7 @@ def _deferred_grad_bytes(layout: _Layout, spec: TrainingSpec, config, tp: int) -
         return lin.out_features // tp if lin.shard == "col" else lin.out_features
 
     if spec.method != "full":  # LoRA: B's output is its base layer's, A's is the rank; adapters in their dtype
-        adapters = sum(out(lin) + spec.lora_r for lin in _lora_targets(layout, spec))
+        adapters = sum(out(lin) + spec.lora_r for lin in _lora_targets(layout, spec, expert_parameters(config)))
         return {"embed": 0, "block": adapters * tokens * _LORA_ADAPTER_DTYPE.itemsize, "head": 0}
     size = _dtype(spec.dtype).itemsize
     norms = layout.block_numel_replicated // hidden  # the norms (a whole bias: a row too many)
