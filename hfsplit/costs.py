@@ -356,14 +356,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     all_reduces = 2 if spec.method == "inference" else 4 + (2 if ckpt else 0)
     comm = all_reduces * hidden_bytes if tp > 1 else 0
 
-    if spec.method == "inference":
-        block_acts, block_ws = 0, trace.inference_peak
-    elif ckpt:
-        # Only the block input is kept; backward recomputes the block's activations transiently.
-        block_acts, block_ws = hidden_bytes, trace.activations + trace.workspace
-    else:
-        block_acts, block_ws = trace.activations, trace.workspace
-
+    block_acts, block_ws = _block_memory(trace, spec, ckpt=ckpt, hidden_bytes=hidden_bytes, tp=tp)
     if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
         from .quantize import with_dequantize
         block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size)
@@ -372,6 +365,19 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
     return _with_deferred_grads(ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec,
                                            boundary_bytes=hidden_bytes), layout, config)
+
+
+def _block_memory(trace: _BlockTrace, spec: TrainingSpec, *, ckpt: bool, hidden_bytes: int, tp: int) -> tuple[int, int]:
+    """A block's (kept activations, workspace) from its trace, before QLoRA's dequantized weight."""
+    if spec.method == "inference":
+        return 0, trace.inference_peak
+    # The single-process trace has no collectives: backward's input-gradient all-reduce
+    # (`_c10d_functional.all_reduce`, DTensor's Partial -> Replicate) copies the partial sum out of place, and
+    # both are alive at once (measured: +1 hidden state at that op, LoRA tp=2 with checkpointing).
+    reduce_copy = hidden_bytes if tp > 1 else 0
+    if ckpt:  # only the block input is kept; backward recomputes the block's activations transiently
+        return hidden_bytes, trace.activations + trace.workspace + reduce_copy
+    return trace.activations, trace.workspace + reduce_copy
 
 
 def _with_deferred_grads(costs: ModelCosts, layout: _Layout, config) -> ModelCosts:
@@ -542,6 +548,12 @@ class _SavedBytes:
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
+    def release(self) -> int:
+        """The bytes saved so far, and the storages let go (autograd alone holds them from here)."""
+        nbytes = self.bytes
+        self._storages.clear()
+        return nbytes
+
 
 @dataclass(frozen=True)
 class _BlockTrace:
@@ -708,12 +720,15 @@ def _block_events(key: str, spec: TrainingSpec, tp: int) -> _BlockEvents:
             with saved.hooks(), torch.autocast("cpu", dtype=cast, enabled=cast is not None):
                 y = _hidden(block(x, **kwargs))
             forward = tuple(live.history)
+            # autograd frees each node's saved tensors as its backward runs: held on (`saved` does, for unique
+            # ids, and every saved tensor's hooks hold `saved`) all of them would count at the backward peak
+            activations = saved.release()
             grad_out = torch.empty_like(y)
             live.reset_peak()
             y.backward(grad_out)
             backward = tuple(live.history)
         grads = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
-        return _BlockEvents((0,), forward, backward, saved.bytes, grads, y.untyped_storage().nbytes())
+        return _BlockEvents((0,), forward, backward, activations, grads, y.untyped_storage().nbytes())
 
 
 @functools.lru_cache(maxsize=256)

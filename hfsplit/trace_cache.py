@@ -21,8 +21,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
-CACHE_VERSION = 5  # 2: MoE blocks traced with grouped experts (routed rows only); 3: MoE experts sharded by TP;
-# 4: frozen experts save no routed rows (trace_moe); 5: sdpa blocks without a mask where the run has none
+CACHE_VERSION = 6  # 2: MoE blocks traced with grouped experts (routed rows only); 3: MoE experts sharded by TP;
+# 4: frozen experts save no routed rows (trace_moe); 5: sdpa blocks without a mask where the run has none;
+# 6: a block's backward peak without the saved tensors autograd has already freed
 
 
 def cache_dir() -> Path:
