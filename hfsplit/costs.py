@@ -115,9 +115,7 @@ def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
         raise PlanError(f"tp={tp} with QLoRA: a bitsandbytes 4-bit weight cannot be sharded by tensor parallelism "
                         "here; use tp=1 (the planner splits QLoRA runs over pipeline stages × data parallelism)")
     _dtype(spec.dtype)  # fail early on an unknown dtype
-    key = _config_key(config)
-    _CONFIGS.setdefault(key, config)
-    return _with_layer_kinds(config, _model_costs(key, spec, tp), spec, tp)
+    return _with_layer_kinds(config, _model_costs(_keyed(config), spec, tp), spec, tp)
 
 
 def _with_layer_kinds(config, costs: ModelCosts, spec: TrainingSpec, tp: int) -> ModelCosts:

@@ -382,11 +382,11 @@ def _plan(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], *, na
           d: int, v: int, m: int, schedule: str) -> Plan:
     stages, start = [], 0
     for slot, count in zip(slots, counts):
+        held = stage_layers(costs, counts, slot.index)
         stages.append(Stage(
             index=slot.index, pp_rank=slot.pp_rank, devices=slot.devices, layers=(start, start + count),
-            has_embed=slot.has_embed, has_head=slot.has_head,
-            memory=stage_memory(costs, slot, stage_layers(costs, counts, slot.index)),
-            budget=slot.budget, time_s=_slot_time(costs, slot, stage_layers(costs, counts, slot.index)),
+            has_embed=slot.has_embed, has_head=slot.has_head, memory=stage_memory(costs, slot, held),
+            budget=slot.budget, time_s=_slot_time(costs, slot, held),
         ))
         start += count
     bubble = bubble_fraction(schedule, p, m, v)

@@ -179,10 +179,11 @@ def _packed_halves(model, name: str) -> int:
     """How many packed blocks parameter `name` holds along its TP-split dim (2 for fused experts' gate and up
     halves, `models.PACKED_COLWISE`), else 1; the same under every split, tp=1 included."""
     from ..models import PACKED_COLWISE, tp_style_of
+    from ..parallel.experts import PACKED_HALVES
 
     prefix = model.stages[0].body_name + "."
     inner = name[len(prefix):] if name.startswith(prefix) else name
-    return 2 if tp_style_of(model.config, inner) == PACKED_COLWISE else 1
+    return PACKED_HALVES if tp_style_of(model.config, inner) == PACKED_COLWISE else 1
 
 
 def _packed_halves_apart(model, t: torch.Tensor, halves: int) -> torch.Tensor:
