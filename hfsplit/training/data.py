@@ -1,17 +1,20 @@
 """Data for fine-tuning: datasets → fixed-length token rows → deterministic micro-batches.
 
-Three formats, each turned into rows of `input_ids` and `labels` of length `seq_len`
-(labels equal the inputs where the loss counts and -100 elsewhere; the model shifts
-them itself, as transformers' `ForCausalLMLoss` does):
+Three formats, each turned into examples of `input_ids` and `labels` (labels equal the inputs where the loss
+counts and -100 elsewhere; the model shifts them itself, as transformers' `ForCausalLMLoss` does):
 
-- "text": documents joined with EOS and cut into full blocks; the remainder is dropped.
-- "instruction": alpaca columns `instruction` / `input` / `output`; loss on the response only.
+- "text": documents, each followed by EOS;
+- "instruction": alpaca columns `instruction` / `input` / `output`; loss on the response only;
 - "chat": a `messages` list rendered with the tokenizer's chat template; loss on assistant turns only.
+
+and then into rows of `seq_len` (`hfsplit.training.packing`): instruction and chat examples are packed by default,
+several a row by best-fit decreasing, each isolated by its position ids; without packing one example a row, padded.
+Text documents are joined and cut into full blocks by default (the remainder is dropped); with packing each is an
+example of its own.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -20,8 +23,10 @@ import torch
 
 from hfsplit.checkpoint.synthetic import TINY_TOKENIZER_DIR, tiny_tokenizer  # noqa: F401  (re-exported)
 from hfsplit.errors import HfsplitError
+from hfsplit.training.packing import (  # noqa: F401  (TokenRows, IGNORE_INDEX re-exported)
+    IGNORE_INDEX, Example, TokenRows, packed_rows, padded_rows,
+)
 
-IGNORE_INDEX = -100
 BUNDLED_DIR = Path(__file__).parent / "bundled"
 
 BUILDER_BY_SUFFIX = {
@@ -164,21 +169,6 @@ def check_columns(columns: Sequence[str], format: str) -> None:
 # token rows
 
 
-@dataclass(frozen=True)
-class TokenRows:
-    """Fixed-length training rows: `input_ids` and `labels`, both (num_rows, seq_len) int64."""
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.input_ids.shape[1]
-
-
 def eos_id(tokenizer) -> int:
     """The tokenizer's EOS id, or a `DatasetError` saying it needs one."""
     if tokenizer.eos_token_id is None:
@@ -191,7 +181,15 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id(tokenizer)
 
 
-def packed_text_rows(texts: Sequence[str], tokenizer, *, seq_len: int) -> TokenRows:
+def encoded_documents(texts: Sequence[str], tokenizer) -> list[list[int]]:
+    """Each non-empty document's tokens followed by EOS."""
+    eos = eos_id(tokenizer)
+    docs = [t for t in texts if t]
+    encoded = tokenizer(docs, add_special_tokens=False)["input_ids"] if docs else []
+    return [[*ids, eos] for ids in encoded]
+
+
+def concatenated_text_rows(texts: Sequence[str], tokenizer, *, seq_len: int) -> TokenRows:
     """Documents joined with EOS after each one and cut into full blocks of `seq_len`; the rest is dropped.
 
     Args:
@@ -199,10 +197,7 @@ def packed_text_rows(texts: Sequence[str], tokenizer, *, seq_len: int) -> TokenR
         tokenizer: a Hugging Face tokenizer with an EOS token.
         seq_len: tokens per row.
     """
-    eos = eos_id(tokenizer)
-    docs = [t for t in texts if t]
-    encoded = tokenizer(docs, add_special_tokens=False)["input_ids"] if docs else []
-    stream = np.fromiter((i for ids in encoded for i in (*ids, eos)), dtype=np.int64)
+    stream = np.fromiter((i for ids in encoded_documents(texts, tokenizer) for i in ids), dtype=np.int64)
     num_rows = len(stream) // seq_len
     if num_rows == 0:
         raise DatasetError(
@@ -213,6 +208,45 @@ def packed_text_rows(texts: Sequence[str], tokenizer, *, seq_len: int) -> TokenR
     return TokenRows(input_ids=blocks, labels=blocks.clone())
 
 
+def document_examples(texts: Sequence[str], tokenizer, *, seq_len: int) -> list[Example]:
+    """Documents as examples of their own (text with packing: isolated documents), each with its EOS; a
+    document longer than `seq_len` becomes several examples of `seq_len` tokens (and the rest)."""
+    return [(piece, piece) for ids in encoded_documents(texts, tokenizer)
+            for piece in (ids[i:i + seq_len] for i in range(0, len(ids), seq_len))]
+
+
+def supervised(labels: Sequence[int], seq_len: int) -> bool:
+    """Whether a row of `labels` cut to `seq_len` has a token the loss counts (the first label never does:
+    the shift makes label i the target of position i - 1)."""
+    return any(label != IGNORE_INDEX for label in labels[1:seq_len])
+
+
+def layout_rows(examples: Sequence[Example], tokenizer, *, format: str, seq_len: int, packing: bool,
+                seed: int = 0) -> TokenRows:
+    """Examples with at least one supervised token as rows: packed by best-fit decreasing, or one a row padded;
+    an error when none has one.
+
+    Args:
+        examples: (ids, labels) pairs.
+        tokenizer: gives the padding id.
+        format: the dataset format (for the error message).
+        seq_len: tokens per row.
+        packing: pack several examples a row (`hfsplit.training.packing.packed_rows`).
+        seed: the packer's tie-breaking seed.
+    """
+    # An example whose response was cut off entirely teaches nothing and would make an all -100 batch (NaN loss).
+    kept = [e for e in examples if supervised(e[1], seq_len)]
+    if not kept:
+        raise DatasetError(
+            f"no {format} example has a response token within seq_len={seq_len} "
+            f"({len(examples)} examples); raise seq_len or shorten the prompts"
+        )
+    pad = pad_id(tokenizer)
+    if packing:
+        return packed_rows(kept, seq_len=seq_len, pad=pad, seed=seed)
+    return padded_rows(kept, seq_len=seq_len, pad=pad)
+
+
 def alpaca_prompt(instruction: str, input: str | None = None) -> str:
     """The alpaca prompt for one example, with or without its `input` section."""
     if input:
@@ -220,49 +254,22 @@ def alpaca_prompt(instruction: str, input: str | None = None) -> str:
     return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
 
 
-def padded_row(ids: list[int], labels: list[int], *, seq_len: int, pad: int) -> tuple[list[int], list[int]]:
-    """`ids` and `labels` cut to `seq_len`, then padded on the right (pad ids, -100 labels)."""
-    ids, labels = ids[:seq_len], labels[:seq_len]
-    fill = seq_len - len(ids)
-    return ids + [pad] * fill, labels + [IGNORE_INDEX] * fill
-
-
-def stacked_rows(rows: list[tuple[list[int], list[int]]], *, format: str, seq_len: int) -> TokenRows:
-    """Rows with at least one supervised token, stacked; an error when none has one."""
-    # A row whose response was cut off entirely teaches nothing and would make an all -100 batch (NaN loss).
-    kept = [r for r in rows if any(label != IGNORE_INDEX for label in r[1])]
-    if not kept:
-        raise DatasetError(
-            f"no {format} example has a response token within seq_len={seq_len} "
-            f"({len(rows)} examples); raise seq_len or shorten the prompts"
-        )
-    return TokenRows(
-        input_ids=torch.tensor([r[0] for r in kept], dtype=torch.int64),
-        labels=torch.tensor([r[1] for r in kept], dtype=torch.int64),
-    )
-
-
-def instruction_rows(examples: Sequence[dict], tokenizer, *, seq_len: int) -> TokenRows:
-    """Alpaca examples as rows: prompt tokens masked, response tokens and the closing EOS supervised.
+def instruction_examples(examples: Sequence[dict], tokenizer) -> list[Example]:
+    """Alpaca examples as (ids, labels): prompt tokens masked, response tokens and the closing EOS supervised.
 
     Prompt and response are tokenized apart, so the mask is exact whatever merges the tokenizer makes
-    (the prompt is tokenized the same way at generation time). Rows are cut and padded to `seq_len`.
+    (the prompt is tokenized the same way at generation time).
 
     Args:
         examples: dicts with "instruction", "output" and optionally "input".
         tokenizer: a Hugging Face tokenizer with an EOS token; its BOS (if it adds one) starts the prompt.
-        seq_len: tokens per row.
     """
-    eos, pad = eos_id(tokenizer), pad_id(tokenizer)
+    eos = eos_id(tokenizer)
     prompts = [alpaca_prompt(e["instruction"] or "", e.get("input")) for e in examples]
     responses = [e["output"] or "" for e in examples]
     prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
     response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
-    rows = []
-    for p, r in zip(prompt_ids, response_ids):
-        response = [*r, eos]
-        rows.append(padded_row([*p, *response], [IGNORE_INDEX] * len(p) + response, seq_len=seq_len, pad=pad))
-    return stacked_rows(rows, format="instruction", seq_len=seq_len)
+    return [([*p, *r, eos], [IGNORE_INDEX] * len(p) + [*r, eos]) for p, r in zip(prompt_ids, response_ids)]
 
 
 def rendered_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
@@ -295,8 +302,8 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
     return full, spans
 
 
-def chat_row(tokenizer, messages: list[dict], *, seq_len: int, pad: int) -> tuple[list[int], list[int]]:
-    """One conversation as a row: tokens of assistant replies supervised, the rest masked."""
+def chat_example(tokenizer, messages: list[dict]) -> Example:
+    """One conversation as (ids, labels): tokens of assistant replies supervised, the rest masked."""
     text, spans = assistant_char_spans(tokenizer, messages)
     # The template writes special tokens (BOS included) itself, so the tokenizer must add none.
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -305,7 +312,7 @@ def chat_row(tokenizer, messages: list[dict], *, seq_len: int, pad: int) -> tupl
         tok if any(start <= begin < end for start, end in spans) else IGNORE_INDEX
         for tok, (begin, _) in zip(ids, encoded["offset_mapping"])
     ]
-    return padded_row(ids, labels, seq_len=seq_len, pad=pad)
+    return ids, labels
 
 
 def checked_messages(messages: Any, index: int) -> list[dict]:
@@ -322,27 +329,28 @@ def checked_messages(messages: Any, index: int) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def chat_rows(conversations: Sequence[Any], tokenizer, *, seq_len: int) -> TokenRows:
-    """Conversations as rows: only assistant replies and their end token supervised.
+def chat_examples(conversations: Sequence[Any], tokenizer) -> list[Example]:
+    """Conversations as (ids, labels): only assistant replies and their end token supervised.
 
     Args:
         conversations: each a list of {"role", "content"} dicts.
         tokenizer: a fast Hugging Face tokenizer with a chat template.
-        seq_len: tokens per row.
     """
     if not tokenizer.chat_template:
         raise DatasetError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; set tokenizer.chat_template")
     if not tokenizer.is_fast:
         raise DatasetError("chat format needs a fast tokenizer (character offsets locate the assistant turns)")
-    pad = pad_id(tokenizer)
-    rows = [
-        chat_row(tokenizer, checked_messages(messages, i), seq_len=seq_len, pad=pad)
-        for i, messages in enumerate(conversations)
-    ]
-    return stacked_rows(rows, format="chat", seq_len=seq_len)
+    return [chat_example(tokenizer, checked_messages(messages, i)) for i, messages in enumerate(conversations)]
 
 
-def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None) -> TokenRows:
+def packs_by_default(format: str) -> bool:
+    """Whether rows of `format` are packed when the run does not say: instruction and chat examples are, text
+    keeps its concatenation into full blocks."""
+    return format in ("instruction", "chat")
+
+
+def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None, packing: bool | None = None,
+               seed: int = 0) -> TokenRows:
     """A loaded dataset turned into training rows of `seq_len` tokens.
 
     Args:
@@ -350,6 +358,9 @@ def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None) -
         tokenizer: a Hugging Face tokenizer.
         seq_len: tokens per row.
         format: "text", "instruction" or "chat"; None detects it from the columns.
+        packing: pack several examples a row, each isolated (text: each document its own example); False: one
+            example a row, padded (text: documents joined and cut into blocks); None: `packs_by_default`.
+        seed: the packer's tie-breaking seed.
     """
     if len(dataset) == 0:
         raise DatasetError("the dataset has no examples")
@@ -358,20 +369,25 @@ def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None) -
     columns = list(dataset.column_names)
     format = format or detect_format(columns)
     check_columns(columns, format)
+    packing = packs_by_default(format) if packing is None else packing
+    if format == "text" and not packing:
+        return concatenated_text_rows(dataset["text"], tokenizer, seq_len=seq_len)
     if format == "text":
-        return packed_text_rows(dataset["text"], tokenizer, seq_len=seq_len)
-    if format == "instruction":
+        examples = document_examples(dataset["text"], tokenizer, seq_len=seq_len)
+    elif format == "instruction":
         inputs = dataset["input"] if "input" in columns else [None] * len(dataset)
-        examples = [
+        examples = instruction_examples([
             {"instruction": i, "input": x, "output": o}
             for i, x, o in zip(dataset["instruction"], inputs, dataset["output"])
-        ]
-        return instruction_rows(examples, tokenizer, seq_len=seq_len)
-    return chat_rows(dataset["messages"], tokenizer, seq_len=seq_len)
+        ], tokenizer)
+    else:
+        examples = chat_examples(dataset["messages"], tokenizer)
+    return layout_rows(examples, tokenizer, format=format, seq_len=seq_len, packing=packing, seed=seed)
 
 
 def load_token_rows(
-    source: str, tokenizer, *, seq_len: int, format: str | None = None, split: str = "train", **load_kwargs: Any
+    source: str, tokenizer, *, seq_len: int, format: str | None = None, packing: bool | None = None, seed: int = 0,
+    split: str = "train", **load_kwargs: Any
 ) -> TokenRows:
     """Load a dataset (file, folder or hub name) and turn it into training rows; see `token_rows`.
 
@@ -380,12 +396,13 @@ def load_token_rows(
         tokenizer: a Hugging Face tokenizer.
         seq_len: tokens per row.
         format: "text", "instruction", "chat", or None to detect from the columns.
+        packing, seed: see `token_rows`.
         split: the split to load.
         load_kwargs: passed on to `datasets.load_dataset`.
     """
     dataset = load_examples(source, split=split, **load_kwargs)
     try:
-        return token_rows(dataset, tokenizer, seq_len=seq_len, format=format)
+        return token_rows(dataset, tokenizer, seq_len=seq_len, format=format, packing=packing, seed=seed)
     except DatasetError as err:
         raise DatasetError(f"{source}: {err}") from err
 
@@ -431,6 +448,8 @@ class MicroBatches:
         self._order = epoch_order(len(rows), seed=seed, epoch=epoch)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches of `input_ids`, `labels`, `position_ids` (restarting at each packed example) and `lengths`
+        (each row's real tokens)."""
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -438,7 +457,9 @@ class MicroBatches:
             self._start_epoch(self.epoch + 1)
         index = torch.from_numpy(self._order[self.step * self.batch_size : (self.step + 1) * self.batch_size])
         self.step += 1
-        return {"input_ids": self.rows.input_ids[index], "labels": self.rows.labels[index]}
+        rows = self.rows.select(index)
+        return {"input_ids": rows.input_ids, "labels": rows.labels, "position_ids": rows.positions(),
+                "lengths": rows.real_tokens()}
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch, self.step = epoch, 0

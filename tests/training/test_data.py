@@ -18,7 +18,7 @@ from hfsplit.training.data import (
     detect_format,
     load_token_rows,
     micro_batches,
-    packed_text_rows,
+    concatenated_text_rows,
     tiny_tokenizer,
     token_rows,
 )
@@ -71,7 +71,7 @@ def tiny():
 
 
 def test_text_is_packed_into_full_blocks_with_eos_between_documents(chars):
-    rows = packed_text_rows(["ab", "cde", "", "fg"], chars, seq_len=4)
+    rows = concatenated_text_rows(["ab", "cde", "", "fg"], chars, seq_len=4)
     # stream: a b EOS c | d e EOS f | g EOS  ← remainder dropped
     expected = torch.tensor([[*ids("ab"), EOS, *ids("c")], [*ids("de"), EOS, *ids("f")]])
     assert torch.equal(rows.input_ids, expected)
@@ -80,7 +80,7 @@ def test_text_is_packed_into_full_blocks_with_eos_between_documents(chars):
 
 def test_text_shorter_than_one_block_is_an_error(chars):
     with pytest.raises(DatasetError, match="fewer than one block of seq_len=8"):
-        packed_text_rows(["abc"], chars, seq_len=8)
+        concatenated_text_rows(["abc"], chars, seq_len=8)
 
 
 # --- instruction ------------------------------------------------------------------------------
@@ -290,8 +290,8 @@ def test_tiny_tokenizer_fits_the_tiny_models(tiny):
 def test_bundled_datasets_load_with_the_tiny_tokenizer(tiny, tmp_path, name, count):
     rows = load_token_rows(str(bundled_dataset_path(name)), tiny, seq_len=128, cache_dir=str(tmp_path / "cache"))
     assert rows.input_ids.max() < 256 and rows.seq_len == 128
-    if count is not None:
-        assert len(rows) == count
+    if count is not None:  # every example kept (packed several a row)
+        assert rows.examples == count and len(rows) < count
     assert sum(p.stat().st_size for p in BUNDLED_DIR.iterdir()) < 200_000
 
 
