@@ -40,6 +40,9 @@ class TrainingSpec:
             adapters take the 16-bit inputs instead of keeping fp32 copies of them (`hfsplit.parallel.autocast`).
             None: on for 16-bit 4-bit QLoRA; False: off. No effect in float32, on an 8-bit base (not measured
             under autocast) or for other methods.
+        packing: rows hold several examples, each isolated by its position ids: every stage builds transformers'
+            block-diagonal causal mask (under sdpa and eager a materialised `seq_len²` mask per micro-batch,
+            where unpacked rows under sdpa need none), which the costs count and the calibration times.
     """
 
     method: Method = "lora"
@@ -55,6 +58,7 @@ class TrainingSpec:
     load_in_8bit: bool = False
     chunked_loss: bool = False
     autocast: Optional[bool] = None
+    packing: bool = False
 
     @property
     def autocast_dtype(self) -> Optional[str]:

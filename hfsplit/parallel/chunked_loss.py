@@ -5,8 +5,8 @@ that copy for backward: for Llama-3.1-70B at seq 2048 that is 1.5 GiB per micro-
 With `TrainingSpec.chunked_loss` the last stage stops after its final norm; the loss runs lm_head (and the
 family's logit scaling / soft-cap) on `chunk_tokens(...)` tokens at a time, each chunk under activation
 checkpointing, so only the normed hidden states stay for backward and one chunk's logits exist at a time
-(backward recomputes them). The loss is transformers' `ForCausalLMLoss` (shift, ignore -100, mean over the
-tokens that count), summed chunk by chunk: the same loss and gradients up to summation order (tested).
+(backward recomputes them). The loss is transformers' `ForCausalLMLoss` (shift, ignore -100, the summed token
+loss over `num_items_in_batch`, or over the tokens that count), summed chunk by chunk: the same loss and gradients up to summation order (tested).
 """
 from __future__ import annotations
 
@@ -31,13 +31,15 @@ def chunk_tokens(vocab_size: int, tokens: int) -> int:
 
 
 def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, *, head: Callable[[torch.Tensor], torch.Tensor],
-                           vocab_size: int) -> torch.Tensor:
-    """transformers' `ForCausalLMLoss(head(hidden), labels, vocab_size)`, computed `chunk_tokens` tokens at a time.
+                           vocab_size: int, num_items_in_batch=None) -> torch.Tensor:
+    """transformers' `ForCausalLMLoss(head(hidden), labels, vocab_size, num_items_in_batch)`, computed
+    `chunk_tokens` tokens at a time.
 
     Args:
         hidden: the final norm's output, `(batch, seq, hidden)`.
         labels: `(batch, seq)`, unshifted (as the model's own loss takes them); -100 is ignored.
         head: hidden states → logits (lm_head plus the family's output side); must act token by token.
+        num_items_in_batch: the summed loss is divided by it; None: by this micro-batch's label tokens.
     """
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -46,7 +48,8 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, *, head: 
     for first in range(0, flat.shape[0], step):
         total = total + checkpoint(_summed_loss, flat[first:first + step], shifted[first:first + step], head,
                                    vocab_size, use_reentrant=False)
-    return total / (shifted != IGNORE_INDEX).sum()
+    items = num_items_in_batch if num_items_in_batch is not None else (shifted != IGNORE_INDEX).sum()
+    return total / (items.to(total.device) if torch.is_tensor(items) else items)
 
 
 def _summed_loss(hidden: torch.Tensor, labels: torch.Tensor, head, vocab_size: int) -> torch.Tensor:
@@ -61,10 +64,10 @@ class ChunkedHeadLoss:
     def __init__(self, stage):
         self.stage = stage
 
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         stage = self.stage
         return chunked_causal_lm_loss(hidden, labels, head=lambda h: stage.family.output_side(stage.config, stage.lm_head(h)),
-                                      vocab_size=stage.config.vocab_size)
+                                      vocab_size=stage.config.vocab_size, num_items_in_batch=num_items_in_batch)
 
 
 def chunked_or(loss_fn: Optional[Callable], stages, *, plan) -> Optional[Callable]:

@@ -59,14 +59,16 @@ def releasing_graph(loss_fn: Callable) -> Callable:
 def build_schedule(name: str, stages: list, *, micro_batches: int, loss_fn: Optional[Callable]):
     """The schedule `name` over `stages` (a list even for single-stage schedules).
 
-    `loss_fn=None` gives a forward-only schedule whose `step` returns the last stage's outputs.
+    `loss_fn=None` gives a forward-only schedule whose `step` returns the last stage's outputs. Gradients are not
+    scaled by the micro-batch count (`scale_grads=False`): each micro-batch's loss is already its part of the
+    step's mean (a sum over the step's label tokens, `SplitModel.step`).
     """
     cls = schedule_class(name)
     if TABLE[name].stages_per_rank == 1:
         if len(stages) != 1:
             raise PlanError(f"schedule {name} runs one stage per rank, this rank has {len(stages)}")
-        return cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
-    return cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn)
+        return cls(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
 
 
 class StageTimer:

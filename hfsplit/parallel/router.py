@@ -109,16 +109,18 @@ def carrying(stages: Iterable[nn.Module]):
             s.active = False
 
 
-def with_router_loss(loss_fn: Callable, stages: Iterable[nn.Module]) -> Callable:
-    """`loss_fn` plus `router_aux_loss_coef` × the auxiliary loss the last stage returns beside its logits,
-    as transformers' forward adds it (`loss_fn` itself when the model carries no router loss)."""
+def with_router_loss(loss_fn: Callable, stages: Iterable[nn.Module], *, forwards: int = 1) -> Callable:
+    """`loss_fn` plus `router_aux_loss_coef` × the auxiliary loss the last stage returns beside its logits, as
+    transformers' forward adds it, divided by `forwards` (the step's micro-batches × replicas: the step's router
+    term is the mean of its forwards', while `loss_fn` gives each micro-batch's part of the step's token mean);
+    `loss_fn` itself when the model carries no router loss."""
     stats = stats_of(stages)
     if not stats:
         return loss_fn
     coef = stats[0].coef
 
-    def loss(output, target):
+    def loss(output, target, **kwargs):
         logits, aux = output
-        return loss_fn(logits, target) + coef * aux.to(logits.device)
+        return loss_fn(logits, target, **kwargs) + coef * aux.to(logits.device) / forwards
 
     return loss

@@ -2,7 +2,17 @@
 
 Every rank runs the same program (SPMD) and passes the same batch to `forward`,
 `generate` and `step`; the pipeline decides who uses it (the first stage reads the
-ids, the last stage the labels).
+ids, the last stage the labels, every stage the position ids).
+
+Position ids reach every stage as a keyword argument of the schedule's `step`, which torch.distributed.pipelining
+splits into micro-batches and hands to each stage on its own rank ("kwargs can be passed to all stages"), rather
+than as a tensor sent along with the hidden states: every rank already holds the batch, so nothing more crosses
+the links, the p2p buffers keep one shape, and backward sends no gradient for them (torch keeps kwargs local).
+
+The training loss is the token mean of the global batch, as transformers' Trainer computes it with
+`num_items_in_batch`: each micro-batch's loss is its summed token loss divided by the label tokens of the whole
+step (every micro-batch of every data-parallel replica), the schedule adds them up unscaled, and data-parallel
+gradients are summed.
 """
 from __future__ import annotations
 
@@ -17,7 +27,7 @@ from ..errors import PlanError
 from ..models import meta_model, tp_degree_error
 from ..plan import Plan
 from .apply import LoraSetup, apply_plan
-from .chunked_loss import chunked_or, head_in_loss
+from .chunked_loss import IGNORE_INDEX, chunked_or, head_in_loss
 from .mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
 from .pipeline import StageTimer, build_schedule, pipeline_stages, releasing_graph
 from .router import carrying, with_router_loss
@@ -75,14 +85,19 @@ class SplitModel(nn.Module):
     # --- inference -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, *, broadcast: bool = False) -> Optional[torch.Tensor]:
-        """Logits `(batch, seq, vocab)` on the last stage's ranks (every rank with `broadcast=True`), else None."""
+    def forward(self, input_ids: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
+                broadcast: bool = False) -> Optional[torch.Tensor]:
+        """Logits `(batch, seq, vocab)` on the last stage's ranks (every rank with `broadcast=True`), else None.
+
+        `position_ids` `(batch, seq)`: each token's position within its example (a packed row restarts at 0 for
+        each, and attention stays inside each example); None: every row is one sequence."""
         input_ids = input_ids.to(self.device)
+        positions = positions_of(input_ids, position_ids)
         if len(self.stages) == 1:
             schedule = self._schedule(tuple(input_ids.shape), loss_fn=None, name="GPipe")
-            logits = schedule.step(*((input_ids,) if self.has_first else ()))
+            logits = schedule.step(*((input_ids,) if self.has_first else ()), position_ids=positions)
         else:
-            logits = self._relay_forward(input_ids)
+            logits = self._relay_forward(input_ids, position_ids=positions)
         if not broadcast:
             return logits if self.has_last else None
         return self._broadcast_logits(logits, shape=(*input_ids.shape, self.config.vocab_size))
@@ -118,14 +133,28 @@ class SplitModel(nn.Module):
     # --- training ----------------------------------------------------------------------------
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: Callable, *,
+             position_ids: Optional[torch.Tensor] = None, num_items_in_batch: Optional[int] = None,
              sync: bool = True) -> Optional[torch.Tensor]:
-        """One schedule step (forward + backward over all micro-batches); the mean micro-batch loss on the last stage.
+        """One schedule step (forward + backward over all micro-batches) of this replica's rows.
 
-        Gradients accumulate into `.grad` (divided by the micro-batch count, as the schedule
-        scales the loss). With `sync=True` tied-embedding and data-parallel gradients are
-        reduced afterwards; pass False when accumulating several steps and call `sync_grads()` once.
+        Args:
+            input_ids, labels: `(batch, seq)`; labels unshifted, -100 where the loss does not count.
+            loss_fn: `loss_fn(output, labels, num_items_in_batch=N)`: a micro-batch's summed loss over N, as
+                transformers' loss functions take it (`hfsplit.training.trainer.causal_lm_loss`).
+            position_ids: `(batch, seq)` positions within each example (packed rows); None: one sequence a row.
+            num_items_in_batch: N, what the loss is a mean over in the whole step (every micro-batch of every
+                data-parallel replica); None: the label tokens of every replica's `labels` (a collective over
+                the data-parallel group).
+            sync: reduce tied-embedding and data-parallel gradients afterwards; pass False when accumulating
+                several steps and call `sync_grads()` once.
+
+        Returns:
+            On the last stage, this replica's part of the step's loss (the sum of its micro-batch losses: summed
+            over replicas by `reduce_loss`, the mean over the N items), else None. Gradients accumulate into
+            `.grad` unscaled: they are those of that mean.
         """
         input_ids = input_ids.to(self.device)
+        items = num_items_in_batch if num_items_in_batch is not None else self.label_tokens(labels)
         schedule = self._schedule(tuple(input_ids.shape), loss_fn=chunked_or(loss_fn, self.stages, plan=self.plan))
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
@@ -134,14 +163,24 @@ class SplitModel(nn.Module):
         # and concatenates them (vocab-sized, the largest tensors of the step; measured +0.46 GiB on SmolLM2).
         # MoE: the router sums travel with the hidden states (parallel/router.py)
         with head_in_loss(self.stages, enabled=self.plan.spec.chunked_loss), carrying(self.stages):
-            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False,
+                          loss_kwargs={"num_items_in_batch": items}, position_ids=positions_of(input_ids, position_ids))
         if sync:
             self.sync_grads()
-        return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last else None
+        return torch.stack([loss.detach() for loss in losses]).sum() if self.has_last else None
+
+    def label_tokens(self, labels: torch.Tensor) -> int:
+        """The tokens the causal-LM loss counts in `labels` (after the shift), summed over the data-parallel
+        replicas (collective): the step's `num_items_in_batch`."""
+        count = (labels[..., 1:] != IGNORE_INDEX).sum().to(device=self.device, dtype=torch.int64)
+        if self.plan.dp > 1:
+            dist.all_reduce(count, group=self.ctx.dp_group)
+        return int(count)
 
     @torch.no_grad()
     def sync_grads(self) -> None:
-        """Sum tied-embedding gradients between the first and last stage; average over data-parallel replicas."""
+        """Sum tied-embedding gradients between the first and last stage, and over data-parallel replicas (each
+        replica's loss is its part of the global batch's mean)."""
         for p in self.parameters():
             place_grad_like_param(p)
         if self.plan.tied_embeddings:
@@ -156,7 +195,6 @@ class SplitModel(nn.Module):
             for p in self.parameters():
                 if p.grad is not None:
                     dist.all_reduce(local_tensor(p.grad), group=self.ctx.dp_group)
-                    p.grad.div_(self.plan.dp)
 
     def busy_seconds(self) -> float:
         """Seconds this rank has spent computing inside its pipeline stages so far (waits excluded)."""
@@ -168,7 +206,7 @@ class SplitModel(nn.Module):
 
         TP-sharded parameters contribute their local piece from every TP rank; replicated ones
         (norms) only from TP rank 0; a tied lm_head copy only from the first stage; replicas
-        hold equal gradients after averaging and are divided out.
+        hold equal gradients after summing and are divided out.
         """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         # A tied lm_head copy holds the same (summed) gradient as the embedding: count the embedding only.
@@ -184,13 +222,14 @@ class SplitModel(nn.Module):
         return (total / self.plan.dp).sqrt()
 
     def reduce_loss(self, loss: Optional[torch.Tensor], *, replicas: bool = True) -> float:
-        """The last stage's loss on every rank (collective): averaged over data-parallel replicas, or,
-        with `replicas=False`, the one of replica 0 (every replica saw the same rows)."""
+        """The last stage's loss on every rank (collective): summed over data-parallel replicas (each holds its
+        part of the global batch's mean, `step`), or, with `replicas=False`, the one of replica 0 (every
+        replica saw the same rows)."""
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.has_last and self.ctx.coords.tp == 0 and (replicas or self.ctx.coords.dp == 0):
             value += loss.double()
         dist.all_reduce(value)
-        return float(value) / (self.plan.dp if replicas else 1)
+        return float(value)
 
     def _sum_tied_grads(self) -> None:
         ends = [p for p in (self._embed_weight(), self._head_weight()) if p is not None and p.grad is not None]
@@ -219,7 +258,8 @@ class SplitModel(nn.Module):
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _relay_forward(self, input_ids: torch.Tensor, *, caches: Optional[list] = None) -> Optional[torch.Tensor]:
+    def _relay_forward(self, input_ids: torch.Tensor, *, caches: Optional[list] = None,
+                       position_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Forward through the stages in order, passing hidden states rank to rank (no micro-batches).
 
         Used for inference when a rank holds several stages (torch's interleaved and V
@@ -237,7 +277,7 @@ class SplitModel(nn.Module):
             if index > 0 and owner[index - 1] != self.ctx.coords.pp:
                 x = torch.empty(hidden_shape, dtype=self._dtype(), device=self.device)
                 dist.recv(x, src=self.ctx.global_rank(pp=owner[index - 1]), group=self.ctx.pp_group)
-            x = mine[index](x, cache=cache_of[index])
+            x = mine[index](x, cache=cache_of[index], position_ids=position_ids)
             if index + 1 < self.num_stages and owner[index + 1] != self.ctx.coords.pp:
                 dist.send(x.contiguous(), dst=self.ctx.global_rank(pp=owner[index + 1]), group=self.ctx.pp_group)
         return x if self.has_last else None
@@ -250,7 +290,9 @@ class SplitModel(nn.Module):
             micro = micro_batches_for(batch=shape[0], planned=self.plan.micro_batches)
             stages = pipeline_stages(list(self.stages), indices=self.stage_indices, num_stages=self.num_stages,
                                      device=self.device, group=self.ctx.pp_group)
-            loss_fn = releasing_graph(with_router_loss(loss_fn, self.stages)) if loss_fn is not None else None
+            # the router term is a mean over the step's forwards, as the mean of per-micro-batch losses had it
+            loss_fn = releasing_graph(with_router_loss(loss_fn, self.stages, forwards=micro * self.plan.dp)) \
+                if loss_fn is not None else None
             self._schedules[key] = build_schedule(name, self._timer.watch(stages), micro_batches=micro, loss_fn=loss_fn)
         return self._schedules[key]
 
@@ -278,6 +320,13 @@ def place_grad_like_param(p: nn.Parameter) -> None:
 
     if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
         p.grad = p.grad.redistribute(placements=p.placements)
+
+
+def positions_of(input_ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """`position_ids` on the ids' device, or, where None, 0, 1, ... for every row (one sequence a row)."""
+    if position_ids is not None:
+        return position_ids.to(input_ids.device)
+    return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
 
 
 def micro_batches_for(*, batch: int, planned: int) -> int:

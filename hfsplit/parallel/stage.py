@@ -6,8 +6,9 @@ then are this rank's parameters materialised from the checkpoint. Parameter name
 equal checkpoint keys ("model.layers.7.mlp.up_proj.weight"), so loading, saving and
 comparing against transformers need no renaming.
 
-Each stage recomputes the position ids, rotary embeddings and causal mask itself:
-only hidden states travel between stages.
+Each stage builds its rotary embeddings and attention masks itself, from the position ids every stage is given
+(the pipeline hands them to each stage as a keyword argument: they restart at 0 for each example of a packed row,
+and transformers' mask builders keep attention inside each example): only hidden states travel between stages.
 """
 from __future__ import annotations
 
@@ -64,19 +65,21 @@ class StageModule(nn.Module):
     def body(self) -> nn.Module:
         return getattr(self, self.body_name)
 
-    def forward(self, x: torch.Tensor, router_sums: Optional[torch.Tensor] = None, cache=None):
-        """`cache` (a transformers Cache of this stage's layers, for generation) continues after the
-        positions it holds; without it the sequence starts at position 0. While `router.active` (a training
-        step of an MoE model adding its router loss) it also takes and returns the router sums (the last
-        stage: the logits and the auxiliary loss)."""
+    def forward(self, x: torch.Tensor, router_sums: Optional[torch.Tensor] = None, cache=None,
+                position_ids: Optional[torch.Tensor] = None):
+        """`position_ids` `(batch, seq)`: each token's position within its example (a packed row restarts at 0
+        for each); None: one sequence per row, from 0 or, with `cache` (a transformers Cache of this stage's
+        layers, for generation), after the positions it holds. While `router.active` (a training step of an
+        MoE model adding its router loss) it also takes and returns the router sums (the last stage: the
+        logits and the auxiliary loss)."""
         carry = self.router is not None and self.router.active
         if carry:
             self.router.begin()
         if self.body.embed_tokens is not None:
             x = self.family.input_side(self.config, self.body.embed_tokens(x))
         layers = [int(name) for name in self.body.layers]
-        past = cache.get_seq_length(layers[0]) if cache is not None and layers else 0
-        positions = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
+        positions = position_ids if position_ids is not None else \
+            default_positions(x, past=cache.get_seq_length(layers[0]) if cache is not None and layers else 0)
         masks = causal_masks(self.config, hidden=x, position_ids=positions, cache=cache, layers=layers)
         kinds = {index: layer_attention_type(self.config, index) for index in layers}
         rotary = self.family.position_embeddings(self.rotary_emb, x, positions, set(kinds.values()))
@@ -92,6 +95,11 @@ class StageModule(nn.Module):
             sums = self.router.finish(router_sums, device=x.device)
             return (x, self.router.loss(sums)) if self.body.norm is not None else (x, sums)
         return x
+
+
+def default_positions(x: torch.Tensor, *, past: int = 0) -> torch.Tensor:
+    """Position ids `(1, seq)` of rows that are one sequence each, continuing after `past` cached positions."""
+    return torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
 
 
 def layer_attention_type(config, index: int) -> str:
@@ -110,7 +118,8 @@ def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, ca
     Under sdpa a causal mask without padding is None, as in transformers: sdpa's causal flag replaces it, and a
     materialised mask costs a float copy per block that backward keeps (measured: ~0.29 GiB on SmolLM2 at seq
     512 × 4). Eager attention always gets a tensor (transformers' `eager_mask` never skips), so None never means
-    non-causal there.
+    non-causal there. Packed rows (position ids restarting inside a row, no cache) get transformers' block-diagonal
+    causal mask, sliding windows inside each example: materialised under sdpa and eager, a BlockMask under flex.
     """
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 

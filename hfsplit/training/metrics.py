@@ -10,6 +10,7 @@ import json
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,10 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # real (non-padding) tokens, over the timed steps
+    trained_tokens_per_s: float = 0.0  # label tokens (those the loss counts)
+    padding: float = 0.0  # the fraction of the steps' positions that were padding
+    padded_padding: Optional[float] = None  # what it would have been with one example a row (packed runs)
     bubble_measured: float = 0.0
     bubble_theory: float = 0.0
     skipped_steps: list[int] = field(default_factory=list)
@@ -39,6 +43,9 @@ class StepOutcome:
     grad_norm: float
     seconds: float
     busy_s: float  # of `seconds`, the time this rank spent computing inside its pipeline stages
+    tokens: int = 0  # real (non-padding) tokens of the global batch
+    trained_tokens: int = 0  # its label tokens
+    positions: int = 0  # its positions (rows × seq_len)
 
     @property
     def finite(self) -> bool:
@@ -60,24 +67,25 @@ class Metrics:
     Args:
         output_dir: where `metrics.jsonl` and `tensorboard/` go.
         total_steps, first_step: the bar's length and starting point (a resumed run starts later).
-        tokens_per_step: tokens of one optimizer step over all replicas (for tokens/s).
         bubble_theory: the plan's bubble fraction, reported beside the measured one.
+        padded_padding: the padding fraction the run's examples would have one a row (a packed run), for the
+            final line's account of what packing removed; None when the rows are not packed.
         holds_loss: this rank holds the loss: it writes notes (eval loss, skipped steps) under the bar.
         progress: it also shows the progress bar.
         append: append to an existing `metrics.jsonl` (a resumed run).
     """
 
-    def __init__(self, output_dir: str, *, total_steps: int, tokens_per_step: int, bubble_theory: float,
-                 holds_loss: bool, progress: bool = True, append: bool = False) -> None:
+    def __init__(self, output_dir: str, *, total_steps: int, bubble_theory: float, holds_loss: bool,
+                 padded_padding: Optional[float] = None, progress: bool = True, append: bool = False) -> None:
         self.log = MetricsLog(output_dir, enabled=dist.get_rank() == 0, append=append)
         self.total_steps = total_steps
-        self.tokens_per_step = tokens_per_step
         self.holds_loss = holds_loss
         self.show_bar = progress and holds_loss
-        self.result = TrainResult(bubble_theory=bubble_theory)
+        self.result = TrainResult(bubble_theory=bubble_theory, padded_padding=padded_padding)
         self.bar = None
         self.first_step = 1
         self._busy_total = self._wall_total = 0.0
+        self._steps: list[tuple[int, int, int]] = []  # each step's (real tokens, label tokens, positions)
 
     def begin(self, first_step: int) -> None:
         """Show the bar from `first_step` (after a resume, the step after the checkpoint's)."""
@@ -106,12 +114,15 @@ class Metrics:
             self._wall_total += outcome.seconds
         self.result.losses.append(outcome.loss)
         self.result.step_times_s.append(outcome.seconds)
-        rate = self.tokens_per_step / outcome.seconds
+        self._steps.append((outcome.tokens, outcome.trained_tokens, outcome.positions))
+        rate, trained = outcome.tokens / outcome.seconds, outcome.trained_tokens / outcome.seconds
+        padding = 1 - outcome.tokens / outcome.positions if outcome.positions else 0.0
         peaks = gather(int(peak_memory_bytes(device)))
         self.log.write({"step": step, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm,
-                        "tokens_per_s": rate, "peak_memory_bytes": peaks})
-        self.bar.set_postfix(loss=f"{outcome.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}",
-                             peak_mib="/".join(str(p >> 20) for p in peaks))
+                        "tokens_per_s": rate, "trained_tokens_per_s": trained, "padding": padding,
+                        "step_s": outcome.seconds, "peak_memory_bytes": peaks})
+        self.bar.set_postfix(loss=f"{outcome.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", trained_s=f"{trained:.0f}",
+                             pad=f"{100 * padding:.0f}%", peak_mib="/".join(str(p >> 20) for p in peaks))
         self.bar.update(1)
         self.result.peak_memory_bytes = peaks
 
@@ -139,17 +150,33 @@ class Metrics:
         busy = gather(float(self._busy_total))
         result.busy_s_per_rank = busy
         result.bubble_measured = 1 - (sum(busy) / len(busy)) / self._wall_total if self._wall_total else 0.0
-        timed = result.step_times_s[1:] or result.step_times_s
-        result.tokens_per_s = self.tokens_per_step / (sum(timed) / len(timed)) if timed else 0.0
+        first = 1 if len(result.step_times_s) > 1 else 0  # the first step builds the schedule and warms up
+        seconds = sum(result.step_times_s[first:])
+        tokens, trained, _ = (sum(column) for column in zip(*self._steps[first:])) if self._steps else (0, 0, 0)
+        result.tokens_per_s = tokens / seconds if seconds else 0.0
+        result.trained_tokens_per_s = trained / seconds if seconds else 0.0
+        positions = sum(p for _, _, p in self._steps)
+        result.padding = 1 - sum(t for t, _, _ in self._steps) / positions if positions else 0.0
         self.log.close()
         return result
 
 
 def summary_line(result: TrainResult) -> str:
     final = result.losses[-1] if result.losses else float("nan")
-    return (f"done: {len(result.losses)} steps, final loss {final:.4f}, {result.tokens_per_s:.0f} tokens/s, "
+    return (f"done: {len(result.losses)} steps, final loss {final:.4f}, {result.tokens_per_s:.0f} tokens/s "
+            f"({result.trained_tokens_per_s:.0f} trained), {padding_text(result)}, "
             f"bubble measured {100 * result.bubble_measured:.1f}% (theory {100 * result.bubble_theory:.1f}%), "
             f"skipped steps {result.skipped_steps or 'none'}")
+
+
+def padding_text(result: TrainResult) -> str:
+    """The run's padding, and for packed rows how much of the padding of one example a row packing removed."""
+    text = f"padding {100 * result.padding:.1f}%"
+    if result.padded_padding is None or result.padded_padding <= 0:
+        return text
+    # the same examples one a row: positions P = real / (1 - padded); packed: real / (1 - padding)
+    removed = 1 - (result.padding / (1 - result.padding)) / (result.padded_padding / (1 - result.padded_padding))
+    return f"{text} (one example a row: {100 * result.padded_padding:.1f}%; packing removed {100 * removed:.0f}% of it)"
 
 
 def gather(value):

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from ..errors import HfsplitError
 
@@ -55,6 +55,7 @@ class FinetuneOptions:
             knobs under its own names (NF4 + double quantization by default; compute dtype is --dtype).
         chunked_loss: the last stage runs lm_head and the loss a chunk of tokens at a time (never a whole
             micro-batch's logits); the same loss and gradients.
+        packing: auto | on | off (see its help): how examples become rows of --seq-len.
     """
 
     model: Optional[str] = None
@@ -95,6 +96,10 @@ class FinetuneOptions:
     bnb_4bit_use_double_quant: bool = True
     load_in_8bit: bool = False
     chunked_loss: bool = False
+    packing: Literal["auto", "on", "off"] = field(default="auto", metadata={"group": "data", "help": (
+        "auto: instruction and chat examples packed several a row by best-fit decreasing, each isolated (position "
+        "ids restart, attention stays inside it), text documents joined and cut into blocks; on: packed, text "
+        "documents too (each its own example); off: one example a row, padded to --seq-len")})
     config: Optional[str] = field(default=None, metadata={"help": "YAML recipe file; flags override it"})
 
     def validate(self) -> None:
@@ -107,6 +112,8 @@ class FinetuneOptions:
                                    f"got {getattr(self, f.name)!r}")
         if self.on_nonfinite not in ("skip", "stop"):
             raise HfsplitError(f"--on-nonfinite {self.on_nonfinite!r}: choose skip or stop")
+        if self.packing not in ("auto", "on", "off"):
+            raise HfsplitError(f"--packing {self.packing!r}: choose auto, on or off")
         if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
         if self.peer_timeout <= 0:
@@ -141,6 +148,27 @@ def _check_number(options, name: str, *, low: float, high: float = math.inf, abo
     raise HfsplitError(f"--{_flag(name)} must be a finite number {bound} (got {value})")
 
 
+def dataset_of(options: FinetuneOptions) -> str:
+    """The run's dataset: --dataset, else the bundled tiny alpaca set."""
+    from .data import bundled_dataset_path
+
+    return options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
+
+
+def packing_of(options: FinetuneOptions) -> bool:
+    """Whether the run packs its rows: --packing on / off, or under auto whether its format packs by default
+    (instruction and chat do; the format is --dataset-format, else read from the dataset's columns)."""
+    from .data import detect_format, load_examples, packs_by_default
+
+    if options.packing != "auto":
+        return options.packing == "on"
+    if options.dataset_format:
+        return packs_by_default(options.dataset_format)
+    if options.dataset is None:  # the bundled alpaca set
+        return packs_by_default("instruction")
+    return packs_by_default(detect_format(load_examples(options.dataset).column_names))
+
+
 def training_spec(options: FinetuneOptions):
     """The one options → TrainingSpec function: what a step of this recipe does, for the planner."""
     import torch
@@ -156,7 +184,7 @@ def training_spec(options: FinetuneOptions):
                         reserve_bytes=None if torch.cuda.is_available() else 0,
                         bnb_4bit_quant_type=options.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
-                        chunked_loss=options.chunked_loss)
+                        chunked_loss=options.chunked_loss, packing=packing_of(options))
 
 
 def plan_arguments(options: FinetuneOptions, *, world_size: int) -> dict:

@@ -81,6 +81,19 @@ class TokenRows:
         """The fraction of positions that are padding."""
         return 1.0 - float(self.real_tokens().sum()) / max(self.input_ids.numel(), 1)
 
+    @property
+    def padded_padding(self) -> Optional[float]:
+        """The padding fraction of the same examples one a row (None for text cut into blocks)."""
+        if self.examples is None or not self.examples:
+            return None
+        return 1.0 - float(self.real_tokens().sum()) / (self.examples * self.seq_len)
+
+
+def label_tokens(labels: torch.Tensor) -> int:
+    """The tokens a causal-LM loss counts in `labels` `(rows, seq)`: those after the shift that are not -100
+    (what transformers' Trainer passes as `num_items_in_batch`)."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
 
 def isolated(labels: Sequence[int]) -> list[int]:
     """`labels` with the first one -100: in a packed row the example's first token follows another example's
@@ -162,10 +175,12 @@ def packed_rows(examples: Sequence[Example], *, seq_len: int, pad: int, seed: in
         examples: (ids, labels) pairs.
         seq_len: tokens per row.
         pad: the padding token id.
-        seed: the tie-breaking seed of the bins.
+        seed: the tie-breaking seed of the bins, and of the order of the rows.
     """
     kept = [e for e in truncated(examples, seq_len) if e[0]]
     bins = best_fit_decreasing([len(ids) for ids, _ in kept], seq_len, seed=seed)
+    # in a drawn order: bins are made longest example first, and rows held out for evaluation are the first ones
+    bins = [bins[i] for i in np.random.default_rng([seed, len(bins)]).permutation(len(bins))]
     rows = [pack_row([kept[i] for i in members], seq_len=seq_len, pad=pad) for members in bins]
     lengths = [sum(len(kept[i][0]) for i in members) for members in bins]
     return _table(rows, lengths, examples=len(kept))

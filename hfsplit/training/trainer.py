@@ -19,7 +19,8 @@ import torch.distributed as dist
 from ..errors import HfsplitError, NonFiniteError, PeerLostError
 from .checkpointer import Checkpointer, TrainState
 from .metrics import Metrics, StepOutcome, TrainResult, summary_line
-from .options import FinetuneOptions, training_spec, with_plan_batch
+from .options import FinetuneOptions, dataset_of, packing_of, training_spec, with_plan_batch
+from .packing import label_tokens
 
 __all__ = ["Run", "TrainResult", "build_run", "train", "train_step"]
 
@@ -28,11 +29,12 @@ TINY_MODEL = dict(arch="llama", num_layers=4, hidden=128, heads=4, kv_heads=2, i
 
 
 def causal_lm_loss(vocab_size: int):
-    """transformers' own causal-LM loss (shift, ignore -100, mean over a micro-batch's tokens)."""
+    """transformers' own causal-LM loss: shift, ignore -100, the summed token loss over `num_items_in_batch` (the
+    label tokens of the whole global batch, as its Trainer passes them), or the mean over these labels' tokens."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return ForCausalLMLoss(logits, labels, vocab_size)
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch)
 
     loss_fn.causal_lm = True  # a chunked_loss plan may compute it chunk by chunk (parallel/chunked_loss.py)
     return loss_fn
@@ -195,17 +197,21 @@ def recheck_calibration(run: Run, result: TrainResult) -> None:
 
 def train_step(run: Run, batch: dict) -> StepOutcome:
     """One optimizer step over `batch` (the global batch; this replica takes its rows): forward and
-    backward through the pipeline, global-norm clipping, AdamW and the schedule. A step whose loss or
+    backward through the pipeline, global-norm clipping, AdamW and the schedule. The loss is the token mean
+    of the global batch, as transformers' Trainer computes it with `num_items_in_batch`. A step whose loss or
     gradient norm is not finite changes no weight (its gradients are dropped)."""
     model = run.model
     mine = slice(model.ctx.coords.dp * run.rows_per_replica, (model.ctx.coords.dp + 1) * run.rows_per_replica)
+    items = label_tokens(batch["labels"])  # the global batch's: the loss is its token mean, on every replica
     busy = model.busy_seconds()
     start = time.perf_counter()
     with compute_precision(model):
-        loss = model.step(batch["input_ids"][mine], batch["labels"][mine], run.loss_fn)
+        loss = model.step(batch["input_ids"][mine], batch["labels"][mine], run.loss_fn,
+                          position_ids=batch["position_ids"][mine], num_items_in_batch=items)
     loss = model.reduce_loss(loss)
     norm = model.grad_norm(run.params)
-    outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0)
+    outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0, tokens=int(batch["lengths"].sum()),
+                          trained_tokens=items, positions=batch["input_ids"].numel())
     if outcome.finite:
         clip_(run.params, norm=norm, max_norm=run.options.max_grad_norm)
         run.optimizer.step()
@@ -259,7 +265,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
               calibration_spec=calibrated, **data_of_run(options, rows, plan=plan, optimizer=optimizer))
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
     run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
-                          tokens_per_step=run.rows_per_replica * plan.dp * options.seq_len,
+                          padded_padding=rows.padded_padding if rows.packed else None,
                           holds_loss=holds_loss, progress=progress, append=launch.append)
     run.checkpointer = Checkpointer(
         model=model, state=TrainState(params=params, optimizer=optimizer, scheduler=run.scheduler,
@@ -309,11 +315,11 @@ def prepare(options: FinetuneOptions):
 
 def load_rows(options: FinetuneOptions, *, model_path: str):
     """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default)."""
-    from .data import bundled_dataset_path, load_token_rows
+    from .data import load_token_rows
 
     tokenizer = tokenizer_for(options, model_path=model_path)
-    source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
-    return tokenizer, load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
+    return tokenizer, load_token_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
+                                      format=options.dataset_format, packing=packing_of(options), seed=options.seed)
 
 
 def lora_of_run(options: FinetuneOptions, *, model_path: str):
@@ -442,25 +448,25 @@ def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -
 
 def split_eval_rows(rows, options: FinetuneOptions):
     """(training rows, held-out rows): with `eval_every`, 5% (at least one micro-batch) is held out."""
-    from .data import TokenRows
-
     if not options.eval_every:
         return rows, None
     count = max(options.global_batch or options.micro_batch_size * options.micro_batches, len(rows) // 20)
     if count >= len(rows):
         raise HfsplitError(f"the dataset has {len(rows)} rows: too few to hold out {count} for --eval-every")
-    train = TokenRows(rows.input_ids[count:], rows.labels[count:])
-    return train, TokenRows(rows.input_ids[:count], rows.labels[:count])
+    return rows.select(slice(count, None)), rows.select(slice(None, count))
 
 
 @torch.no_grad()
 def eval_loss(model, rows, loss_fn, *, micro_batch_size: int) -> float:
-    """Mean loss over the held-out rows (forward only through the pipeline), on every rank."""
-    losses = []
+    """The token mean of the loss over the held-out rows (forward only through the pipeline), on every rank."""
     size = micro_batch_size * model.plan.micro_batches  # the training step's shape: same micro-batch count
-    for start in range(0, len(rows) - size + 1, size):
+    starts = range(0, len(rows) - size + 1, size)
+    items = label_tokens(rows.labels[:len(starts) * size])
+    total = 0.0
+    for start in starts:
+        batch = rows.select(slice(start, start + size))
         with compute_precision(model):
-            logits = model.forward(rows.input_ids[start:start + size])
-        loss = loss_fn(logits, rows.labels[start:start + size].to(logits.device)) if logits is not None else None
-        losses.append(model.reduce_loss(loss, replicas=False))
-    return sum(losses) / len(losses)
+            logits = model.forward(batch.input_ids, position_ids=batch.positions())
+        loss = loss_fn(logits, batch.labels.to(logits.device), num_items_in_batch=items) if logits is not None else None
+        total += model.reduce_loss(loss, replicas=False)
+    return total

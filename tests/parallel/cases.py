@@ -32,10 +32,12 @@ def reference_name(name: str, *, tied: bool) -> str:
     return "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (labels are the input ids; the shift happens here)."""
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """Next-token cross-entropy (labels are the input ids; the shift happens here), summed over `num_items_in_batch`
+    (a split step's micro-batch: the step's tokens), or the mean of these."""
+    total = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), reduction="sum")
+    return total / (num_items_in_batch if num_items_in_batch is not None else labels[:, 1:].numel())
 
 
 def split_matches_transformers(*, checkpoint: str, tp: int, pp: int, layers: list, schedule: str,
@@ -75,6 +77,7 @@ def split_matches_transformers(*, checkpoint: str, tp: int, pp: int, layers: lis
     out["grad_rel_diff"] = grads
     out["numels"] = numels
     out["coords"] = (ctx.coords.pp, ctx.coords.tp)
+    out.update(packed_matches_transformers(model, reference, config, tied=plan.tied_embeddings))
 
     if new_tokens:
         got = model.generate(ids[:2, :5], max_new_tokens=new_tokens)
@@ -82,6 +85,50 @@ def split_matches_transformers(*, checkpoint: str, tp: int, pp: int, layers: lis
                                   attention_mask=torch.ones_like(ids[:2, :5]))
         out["generate_equal"] = torch.equal(got, want)
         out["generated"] = (got.tolist(), want.tolist())
+    return out
+
+
+# Two packed rows of 16: [A B C] and [D E] (longest first, as the packer lays them out). Examples longer than the
+# tiny models' sliding windows (4 in hfsplit.checkpoint.synthetic), so a window crossing examples would show.
+PACKED_LENGTHS = ([6, 5, 5], [9, 7])
+
+
+def packed_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[torch.Tensor]]]:
+    """(ids, labels, position ids) of two packed rows, and each row's examples alone (as the packer builds them)."""
+    from hfsplit.training.packing import pack_row
+
+    gen = torch.Generator().manual_seed(5)
+    examples = [[torch.randint(3, vocab_size, (n,), generator=gen) for n in row] for row in PACKED_LENGTHS]
+    rows = [pack_row([(e.tolist(), e.tolist()) for e in row], seq_len=16, pad=0) for row in examples]
+    ids, labels, positions = (torch.tensor([r[i] for r in rows]) for i in range(3))
+    return ids, labels, positions, examples
+
+
+def packed_matches_transformers(model, reference, config, *, tied: bool) -> dict:
+    """A packed row's logits against each of its examples run alone through transformers, and the packed step's
+    token-mean loss and gradients against transformers' on the same rows (`position_ids`, `num_items_in_batch`)."""
+    from hfsplit.parallel.tensor import full_tensor
+    from hfsplit.training.packing import label_tokens
+    from hfsplit.training.trainer import causal_lm_loss
+
+    ids, labels, positions, examples = packed_batch(config.vocab_size)
+    logits = model(ids, position_ids=positions, broadcast=True)
+    with torch.no_grad():
+        alone = torch.stack([torch.cat([reference(input_ids=e[None]).logits[0] for e in row]) for row in examples])
+    out = {"packed_logits_diff": (logits[:, :alone.shape[1]] - alone).abs().max().item()}
+    for p in list(model.parameters()) + list(reference.parameters()):
+        p.grad = None
+    loss_fn, items = causal_lm_loss(config.vocab_size), label_tokens(labels)
+    loss = model.step(ids, labels, loss_fn, position_ids=positions)  # the step counts the items itself
+    ref_loss = loss_fn(reference(input_ids=ids, position_ids=positions, use_cache=False).logits, labels,
+                       num_items_in_batch=items)
+    ref_loss.backward()
+    if loss is not None:
+        out["packed_loss_diff"] = (loss - ref_loss).abs().item()
+    out["packed_grad_rel_diff"] = {
+        name: ((full_tensor(p.grad) - ref.grad).abs().max() / ref.grad.abs().max().clamp_min(1e-12)).item()
+        for stage in model.stages for name, p in stage.named_parameters()
+        for ref in [reference.get_parameter(reference_name(name, tied=tied))]}
     return out
 
 
