@@ -104,28 +104,48 @@ def packed_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return ids, labels, positions, examples
 
 
-def packed_matches_transformers(model, reference, config, *, tied: bool) -> dict:
-    """A packed row's logits against each of its examples run alone through transformers, and the packed step's
-    token-mean loss and gradients against transformers' on the same rows (`position_ids`, `num_items_in_batch`)."""
-    from hfsplit.parallel.tensor import full_tensor
-    from hfsplit.training.packing import label_tokens
-    from hfsplit.training.trainer import causal_lm_loss
+def padded_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, labels, position ids) of four rows of 16 padded after examples of 5, 12, 3 and 16 tokens: the two
+    micro-batches hold 15 and 17 label tokens, so a mean of per-micro-batch means is not the token mean."""
+    from hfsplit.training.packing import padded_rows
 
+    gen = torch.Generator().manual_seed(6)
+    examples = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 12, 3, 16)]
+    rows = padded_rows([(e, e) for e in examples], seq_len=16, pad=0)
+    return rows.input_ids, rows.labels, rows.positions()
+
+
+def packed_matches_transformers(model, reference, config, *, tied: bool) -> dict:
+    """A packed row's logits against each of its examples run alone through transformers; and for packed rows and
+    for padded rows of varying lengths, a step's token-mean loss and gradients against transformers' on the same
+    rows (`position_ids`, `num_items_in_batch`)."""
     ids, labels, positions, examples = packed_batch(config.vocab_size)
     logits = model(ids, position_ids=positions, broadcast=True)
     with torch.no_grad():
         alone = torch.stack([torch.cat([reference(input_ids=e[None]).logits[0] for e in row]) for row in examples])
-    out = {"packed_logits_diff": (logits[:, :alone.shape[1]] - alone).abs().max().item()}
+    out = {"packed_logits_diff": (logits - alone).abs().max().item()}
+    for name, batch in (("packed", (ids, labels, positions)), ("padded", padded_batch(config.vocab_size))):
+        out.update({f"{name}_{key}": value
+                    for key, value in step_matches_transformers(model, reference, config, *batch, tied=tied).items()})
+    return out
+
+
+def step_matches_transformers(model, reference, config, ids, labels, positions, *, tied: bool) -> dict:
+    """One split step on the rows against transformers (+ its token-mean loss): the loss on the last stage and
+    each parameter's relative gradient difference."""
+    from hfsplit.parallel.tensor import full_tensor
+    from hfsplit.training.packing import label_tokens
+    from hfsplit.training.trainer import causal_lm_loss
+
     for p in list(model.parameters()) + list(reference.parameters()):
         p.grad = None
-    loss_fn, items = causal_lm_loss(config.vocab_size), label_tokens(labels)
+    loss_fn = causal_lm_loss(config.vocab_size)
     loss = model.step(ids, labels, loss_fn, position_ids=positions)  # the step counts the items itself
     ref_loss = loss_fn(reference(input_ids=ids, position_ids=positions, use_cache=False).logits, labels,
-                       num_items_in_batch=items)
+                       num_items_in_batch=label_tokens(labels))
     ref_loss.backward()
-    if loss is not None:
-        out["packed_loss_diff"] = (loss - ref_loss).abs().item()
-    out["packed_grad_rel_diff"] = {
+    out = {"loss_diff": (loss - ref_loss).abs().item()} if loss is not None else {}
+    out["grad_rel_diff"] = {
         name: ((full_tensor(p.grad) - ref.grad).abs().max() / ref.grad.abs().max().clamp_min(1e-12)).item()
         for stage in model.stages for name, p in stage.named_parameters()
         for ref in [reference.get_parameter(reference_name(name, tied=tied))]}

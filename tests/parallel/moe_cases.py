@@ -14,8 +14,8 @@ def moe_splits_match_transformers(*, cases: dict) -> dict:
 def moe_split_matches_transformers(*, checkpoint: str, router_checkpoint: str, tp: int, pp: int, layers: list,
                                    schedule: str, micro_batches: int = 2) -> dict:
     """`split_matches_transformers` on `checkpoint` (logits, gradients, greedy generation), then one step
-    on `router_checkpoint` (`output_router_logits` set): the loss and gradients against transformers' own
-    loss, which adds `router_aux_loss_coef` × aux over all layers of each micro-batch's forward."""
+    on `router_checkpoint` (`output_router_logits` set) of packed rows: the loss and gradients against transformers'
+    own loss, which adds `router_aux_loss_coef` × aux over all layers of each micro-batch's forward."""
     split = dict(tp=tp, pp=pp, layers=layers, schedule=schedule, micro_batches=micro_batches)
     out = split_matches_transformers(checkpoint=checkpoint, **split)
     out["router"] = router_loss_matches(checkpoint=router_checkpoint, **split)
@@ -36,10 +36,14 @@ def router_loss_matches(*, checkpoint: str, tp: int, pp: int, layers: list, sche
     model = build_split_model(plan, checkpoint, ctx=init_parallel(plan), dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     ids = torch.randint(3, config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(3))
-    loss = model.step(ids, ids, causal_lm_loss(config.vocab_size))
+    # packed rows of two examples (3 and 5 tokens): the router statistics span every token, as transformers' do
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 4)
+    loss = model.step(ids, ids, causal_lm_loss(config.vocab_size), position_ids=positions)
     ref_losses, aux = [], []
-    for chunk in ids.chunk(micro_batches):  # the schedule's micro-batches, each its own transformers forward
-        ref = reference(input_ids=chunk, labels=chunk)
+    # the schedule's micro-batches, each its own transformers forward (equal token counts: the token mean is the
+    # mean of theirs), the router term the mean of theirs
+    for chunk, pos in zip(ids.chunk(micro_batches), positions.chunk(micro_batches)):
+        ref = reference(input_ids=chunk, labels=chunk, position_ids=pos, use_cache=False)
         (ref.loss / micro_batches).backward()
         ref_losses.append(ref.loss.detach())
         aux.append(float(ref.aux_loss))

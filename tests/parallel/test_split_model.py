@@ -49,12 +49,14 @@ def assert_split_matches(results: list, *, checkpoint: str, tp: int, tied: bool)
         assert r["generate_equal"], r["generated"]
         bad = {n: d for n, d in r["grad_rel_diff"].items() if d > 1e-5}
         assert not bad, bad
-        # a packed row [A B C]: each example's logits as alone; the packed step's gradients as transformers'
+        # a packed row [A B C]: each example's logits as alone
         assert r["packed_logits_diff"] <= 1e-5, r["packed_logits_diff"]
-        bad = {n: d for n, d in r["packed_grad_rel_diff"].items() if d > 1e-5}
-        assert not bad, ("packed", bad)
-    assert any("loss_diff" in r and r["loss_diff"] <= 1e-5 for r in results)
-    assert any("packed_loss_diff" in r and r["packed_loss_diff"] <= 1e-5 for r in results)
+        # packed rows, and padded rows of varying lengths: the token-mean step's gradients as transformers'
+        for layout in ("packed", "padded"):
+            bad = {n: d for n, d in r[f"{layout}_grad_rel_diff"].items() if d > 1e-5}
+            assert not bad, (layout, bad)
+    for key in ("loss_diff", "packed_loss_diff", "padded_loss_diff"):
+        assert any(key in r and r[key] <= 1e-5 for r in results), key
     assert_every_parameter_once(results, checkpoint=checkpoint, tp=tp, tied=tied)
 
 

@@ -12,7 +12,8 @@ import torch
 from hfsplit.checkpoint.synthetic import shard_files
 from hfsplit.training.data import MicroBatches, bundled_dataset_path, load_token_rows
 from hfsplit.training.lora import lora_config, seed_lora_weights
-from hfsplit.training.options import FinetuneOptions
+from hfsplit.training.options import FinetuneOptions, packing_of
+from hfsplit.training.packing import label_tokens
 from hfsplit.training.trainer import causal_lm_loss, tokenizer_for
 from tests.parallel.launcher import free_port, launch, run_command
 
@@ -21,8 +22,11 @@ STEPS = 20
 
 
 def reference_training(options: FinetuneOptions, *, replicas: int = 1, base=None, autocast=None):
-    """(per-step losses, trained model) of plain transformers (+ peft) training (`base`: a ready base model;
-    `autocast`: a dtype the forwards run under `torch.autocast` to, as transformers' Trainer with bf16/fp16)."""
+    """(per-step losses, trained model) of plain transformers (+ peft) training on the run's rows (packed or padded,
+    as the options say), each step's loss the token mean of its global batch as transformers' Trainer computes it
+    (the summed token loss of every micro-batch over the batch's label tokens, `num_items_in_batch`); an MoE's
+    router term (`output_router_logits`) the mean of its forwards'. `base`: a ready base model; `autocast`: a dtype
+    the forwards run under `torch.autocast` to, as transformers' Trainer with bf16/fp16."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
@@ -37,31 +41,38 @@ def reference_training(options: FinetuneOptions, *, replicas: int = 1, base=None
     optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, options.warmup_steps, options.max_steps)
     tokenizer = tokenizer_for(options, model_path=options.model)
-    rows = load_token_rows(str(bundled_dataset_path("tiny_alpaca.jsonl")), tokenizer, seq_len=options.seq_len)
+    rows = load_token_rows(str(bundled_dataset_path("tiny_alpaca.jsonl")), tokenizer, seq_len=options.seq_len,
+                           packing=packing_of(options), seed=options.seed)
     micro_batches = options.micro_batches * replicas  # data-parallel replicas split one global batch
     batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=micro_batches,
                            seed=options.seed)
-    loss_fn = causal_lm_loss(model.config.vocab_size)
     losses = []
     for _ in range(options.max_steps):
-        batch = next(batches)
-        ids = batch["input_ids"].split(options.micro_batch_size)
-        labels = batch["labels"].split(options.micro_batch_size)
-        step_losses = []
-        for x, y in zip(ids, labels):
-            # an MoE with output_router_logits: transformers' own loss, router auxiliary loss included
-            routed = getattr(model.config, "output_router_logits", False)
-            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                out = model(input_ids=x, labels=y) if routed else model(input_ids=x)
-            loss = out.loss if routed else loss_fn(out.logits, y)
-            (loss / micro_batches).backward()
-            step_losses.append(loss.detach())
-        losses.append(float(torch.stack(step_losses).mean()))
+        losses.append(reference_step(model, next(batches), micro_batch_size=options.micro_batch_size,
+                                     forwards=micro_batches, autocast=autocast))
         torch.nn.utils.clip_grad_norm_(params, options.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
     return losses, model
+
+
+def reference_step(model, batch: dict, *, micro_batch_size: int, forwards: int, autocast=None) -> float:
+    """Forward and backward of one global batch in micro-batches of `micro_batch_size` rows, transformers' way: the
+    loss of each is its summed token loss over the whole batch's label tokens (+ the router term / `forwards`)."""
+    items = label_tokens(batch["labels"])
+    loss_fn = causal_lm_loss(model.config.vocab_size)
+    routed = getattr(model.config, "output_router_logits", False)  # an MoE: transformers' router auxiliary loss
+    total = 0.0
+    for x, y, pos in zip(*(batch[k].split(micro_batch_size) for k in ("input_ids", "labels", "position_ids"))):
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            out = model(input_ids=x, position_ids=pos, use_cache=False)
+        loss = loss_fn(out.logits, y, num_items_in_batch=items)
+        if routed:
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss / forwards
+        loss.backward()
+        total += float(loss.detach())
+    return total
 
 
 def saved_model(folder: Path, options: FinetuneOptions):
@@ -86,14 +97,16 @@ def run_options(checkpoint, tmp_path, method: str, **extra) -> dict:
     (2, dict(pp=2, max_memory="2x1GiB"), "llama"),
     (2, dict(tp=2, pp=1, max_memory="2x1GiB"), "qwen2"),
     (4, dict(tp=2, pp=2, max_memory="4x1GiB"), "mistral"),
-    (2, dict(tp=1, pp=1, max_memory="2x1GiB"), "llama"),  # two data-parallel replicas
+    # two data-parallel replicas, one example a row: the token mean over padded micro-batches of unequal counts
+    (2, dict(tp=1, pp=1, max_memory="2x1GiB", packing="off"), "llama"),
     (2, dict(pp=2, max_memory="2x1GiB"), "phi3"),  # fused qkv_proj / gate_up_proj as LoRA targets
     (2, dict(tp=2, pp=1, max_memory="2x1GiB"), "qwen3"),  # q/k norm gradients summed over TP
     # the families of hfsplit.models.FAMILIES train on every split in tests/parallel/test_families_split.py
 ])
 def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path, world, split, arch):
-    """pp=2, tp=2, pp=2×tp=2 and dp=2, LoRA and full: every step's loss equals the unsplit model's,
-    and the saved output loads with plain transformers / peft."""
+    """pp=2, tp=2, pp=2×tp=2 and dp=2, LoRA and full, on packed rows (padded under dp=2): every step's loss equals
+    the unsplit model's trained by transformers on the same rows, and the saved output loads with plain
+    transformers / peft."""
     checkpoint = tiny_checkpoint(arch)
     runs = [run_options(checkpoint, tmp_path, "lora", merge=True, **split), run_options(checkpoint, tmp_path, "full", **split)]
     results = launch("tests.training.cases:finetune_losses", world_size=world, kwargs={"runs": runs}, timeout_s=300)
