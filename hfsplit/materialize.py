@@ -108,6 +108,7 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
     restore_nonpersistent_buffers(model, device_map)
     check_no_meta(model)
     model = dispatch(model, device_map)
+    isolate_packed_rows(model)
     model.hf_device_map = dict(device_map)
     model.hfsplit_plan = apply_plan_to_model(model, plan if not isinstance(plan, Mapping) else None, training=training)
     load_generation_config(model, source, revision)
@@ -159,6 +160,7 @@ def load_with_transformers(source: str, config, model: torch.nn.Module, max_memo
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation is not None else {}
     loaded = AutoModelForCausalLM.from_pretrained(source, device_map=dict(device_map), dtype=dtype or "auto",
                                                   revision=revision, **kwargs)
+    isolate_packed_rows(loaded)
     loaded.hf_device_map = dict(device_map)  # transformers sets it only for more than one device
     loaded.hfsplit_plan = plan if not isinstance(plan, Mapping) else None
     return loaded.eval()
@@ -363,6 +365,23 @@ def dispatch(model: torch.nn.Module, device_map: DeviceMap):
     from accelerate import dispatch_model
 
     return dispatch_model(model, device_map=dict(device_map))
+
+
+def isolate_packed_rows(model: torch.nn.Module) -> None:
+    """Make `model(input_ids, position_ids=...)` keep attention inside each example of a packed row.
+
+    transformers' mask builders find packed examples from the position ids only without a cache, but its model
+    forward makes a cache whenever `use_cache` is left to the config (True for every causal LM), so a packed
+    row called as a transformers model is called attended across its examples unless the caller also passes
+    `use_cache=False`. A call with position ids and neither a cache nor `use_cache` runs without a cache here;
+    generation (which passes its cache) and every other call are unchanged."""
+    def no_cache_for_given_positions(module, args, kwargs):
+        given_cache = any(kwargs.get(name) is not None for name in ("cache", "past_key_values"))
+        if kwargs.get("position_ids") is not None and kwargs.get("use_cache") is None and not given_cache:
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+    model.register_forward_pre_hook(no_cache_for_given_positions, with_kwargs=True)
 
 
 def load_generation_config(model, source: str, revision: Optional[str]) -> None:

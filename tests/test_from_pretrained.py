@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hfsplit.checkpoint.synthetic import ARCHITECTURES, shard_files, tiny_config, write_checkpoint, write_hub_cache
+from hfsplit.checkpoint.synthetic import ARCHITECTURES, FAMILY_OVERRIDES, shard_files, tiny_config, write_checkpoint, write_hub_cache
 from hfsplit.errors import CheckpointError, UnsupportedModelError
 from hfsplit.materialize import from_pretrained
 from hfsplit.plan import Plan
@@ -52,6 +52,24 @@ def test_same_weights_logits_and_generate_as_transformers(tiny_checkpoint, arch,
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
     assert not ours.training
     assert_same_outputs(ours, reference)
+
+
+@pytest.mark.parametrize("arch", [*ARCHITECTURES, *FAMILY_OVERRIDES])
+def test_a_packed_row_gives_each_example_the_logits_it_gets_alone(tiny_checkpoint, arch):
+    """Position ids restarting per example (sliding windows of 4 inside examples of 5-6 tokens) keep attention inside
+    each example, called as a transformers model is called (no `use_cache=False` needed)."""
+    from hfsplit.training.packing import pack_row
+
+    ours = from_pretrained(tiny_checkpoint(arch), max_memory={"cpu": "8GiB"}, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    examples = [torch.randint(3, 256, (n,), generator=gen) for n in (6, 5, 5)]
+    ids, _, positions = (torch.tensor([x]) for x in pack_row([(e.tolist(), e.tolist()) for e in examples],
+                                                             seq_len=16, pad=0))
+    with torch.no_grad():
+        packed = ours(ids, position_ids=positions).logits[0]
+        alone = torch.cat([ours(e[None]).logits[0] for e in examples])
+        assert (packed - alone).abs().max() <= 1e-5
+        assert (ours(ids).logits[0] - alone).abs().max() > 1e-3  # without them, one sequence: a test that can fail
 
 
 def test_plans_with_the_planner_by_default(tiny_checkpoint):
