@@ -63,7 +63,7 @@ def speed_key(config, spec, device: torch.device) -> str:
     """The calibration cache's key: device kind, dtype, method and the block's shape at the spec's micro-batch."""
     return (f"{device_kind(device)}|{spec.dtype}|{spec.method}|r={spec.lora_r}|b={spec.micro_batch_size}"
             f"|s={spec.seq_len}|{config.hidden_size}|{config.intermediate_size}|{config.num_attention_heads}"
-            f"|{getattr(config, 'num_key_value_heads', None)}|{config.model_type}")
+            f"|{getattr(config, 'num_key_value_heads', None)}|{config.model_type}" + ("|packed" if spec.packing else ""))
 
 
 def block_flops_per_s(config, spec, device: torch.device) -> float:
@@ -147,13 +147,14 @@ def _probe_block(config, spec, device: torch.device):
 
             autocast_forwards([block], dtype=spec.autocast_dtype)
     _set_trainable(block, replace(spec, method="lora") if spec.method == "qlora" else spec)
-    pos = torch.arange(spec.seq_len, device=device).unsqueeze(0)
     x = torch.randn(spec.micro_batch_size, spec.seq_len, config.hidden_size, dtype=dtype, device=device)
+    # the stage's mask: none under sdpa for unpacked rows, transformers' block-diagonal one for packed rows
+    pos, mask = _probe_mask(model.config, x, packed=spec.packing)
     embeddings = _block_rotary(config, base.rotary_emb, x, pos)
 
     def run(split: bool) -> None:
         inp = x.detach().requires_grad_(spec.method != "inference")
-        out = block(inp, attention_mask=None, position_embeddings=embeddings, position_ids=pos)
+        out = block(inp, attention_mask=mask, position_embeddings=embeddings, position_ids=pos)
         out = out[0] if isinstance(out, tuple) else out
         if spec.method == "inference":
             return
@@ -166,6 +167,15 @@ def _probe_block(config, spec, device: torch.device):
         stage_backward_weight(block.parameters(), groups)
 
     return run
+
+
+def _probe_mask(config, x: torch.Tensor, *, packed: bool):
+    """(position ids, attention mask) block 0 of a stage gets for rows of `x`'s shape, packed or not."""
+    from .parallel.stage import causal_masks, layer_attention_type
+    from .trace_masks import traced_positions
+
+    pos = traced_positions(x.shape[0], x.shape[1], packed=packed).to(x.device)
+    return pos, causal_masks(config, hidden=x, position_ids=pos)[layer_attention_type(config, 0)]
 
 
 def _quantize_probe(block, spec, device: torch.device) -> None:

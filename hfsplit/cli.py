@@ -29,6 +29,10 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--load-in-8bit", action="store_true", help="QLoRA with an 8-bit base instead of 4-bit")
     p.add_argument("--chunked-loss", action="store_true",
                    help="last stage: lm_head + loss a chunk of tokens at a time, no whole-micro-batch logits")
+    p.add_argument("--packing", choices=("on", "off"), default=None,
+                   help="rows hold several examples each isolated by its position ids (a materialised block-diagonal "
+                        "mask per micro-batch under sdpa/eager); default on, as the recipe packs instruction and "
+                        "chat data (text: off)")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: all projections)")
     p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {recipe.seq_len})")
     p.add_argument("--micro-batch-size", type=int, default=None, help=f"default {recipe.micro_batch_size}")
@@ -64,7 +68,7 @@ def spec_from_args(args) -> TrainingSpec:
                         dtype=args.dtype or "bfloat16", lora_r=_given(args.lora_r, recipe.lora_r),
                         lora_targets=targets, reserve_bytes=reserve, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant == "on", load_in_8bit=args.load_in_8bit,
-                        chunked_loss=args.chunked_loss)
+                        chunked_loss=args.chunked_loss, packing=args.packing != "off")
 
 
 def _given(value, default):
@@ -96,7 +100,7 @@ def recipe_request(args) -> tuple[str, object, dict]:
              "--micro-batches": args.micro_batches, "--schedule": args.schedule, "--dtype": args.dtype,
              "--lora-targets": args.lora_targets, "--tp": args.tp, "--pp": args.pp, "--max-memory": args.max_memory,
              "--model": args.model, "--activation-checkpointing": args.activation_checkpointing,
-             "--global-batch": args.global_batch}
+             "--global-batch": args.global_batch, "--packing": args.packing}
     argv = ["--config", args.config] + [x for k, v in flags.items() if v is not None for x in (k, str(v))]
     argv += ["--method", "full"] if args.full else ["--method", "qlora"] if args.qlora else []
     argv += ["--chunked-loss"] if args.chunked_loss else []

@@ -79,6 +79,10 @@ class ModelCosts:
         boundary_bytes: one micro-batch's hidden states, what a stage sends its pipeline neighbour.
         layer_blocks: each layer's own block cost where the layers are of several kinds (Qwen3-MoE's
             `mlp_only_layers`, `hfsplit.layer_kinds`); empty when every layer costs `block` (layer 0's kind).
+        stage_inputs: what every stage holds per micro-batch besides its parts: the position ids (the pipeline
+            keeps a micro-batch's keyword inputs until its backward) and the attention masks its forward builds
+            (`hfsplit.trace_masks.stage_mask_bytes`): transient while the stage's forward runs, kept per
+            micro-batch in flight under activation checkpointing (each checkpointed block saves its inputs).
     """
 
     num_layers: int
@@ -90,6 +94,7 @@ class ModelCosts:
     spec: TrainingSpec = field(default_factory=TrainingSpec)
     boundary_bytes: int = 0
     layer_blocks: tuple[PartCost, ...] = ()
+    stage_inputs: PartCost = PartCost(0, 0, 0, 0, 0, 0.0)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,11 +156,14 @@ def estimate_peak_bytes(costs: ModelCosts) -> int:
     params, grads, optim = total("param_bytes"), total("grad_bytes"), total("optimizer_bytes")
     if costs.spec.method == "inference":
         # The model's forward keeps `inputs_embeds` (the embedding output) alive to the end.
-        return params + embed.workspace_bytes + max(*(b.workspace_bytes for b in blocks), head.workspace_bytes)
+        return params + embed.workspace_bytes + max(*(b.workspace_bytes for b in blocks), head.workspace_bytes) \
+            + costs.stage_inputs.workspace_bytes
 
     held = params + optim
-    activations = embed.activation_bytes + sum(b.activation_bytes for b in blocks) + head.activation_bytes
-    phases = [held + activations + head.workspace_bytes]  # forward done, loss computed
+    activations = embed.activation_bytes + sum(b.activation_bytes for b in blocks) + head.activation_bytes \
+        + costs.stage_inputs.activation_bytes
+    # forward done, loss computed (the masks of the forward counted as still alive)
+    phases = [held + activations + head.workspace_bytes + costs.stage_inputs.workspace_bytes]
     # Backward walks head → blocks → embed; each part's activations go as its gradients arrive.
     order = [head] + blocks[::-1] + [embed]
     live_acts, live_grads = activations, 0
@@ -362,7 +370,26 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
     head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
     return _with_deferred_grads(ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec,
-                                           boundary_bytes=hidden_bytes), layout, config)
+                                           boundary_bytes=hidden_bytes, stage_inputs=_stage_inputs(key, spec, ckpt)),
+                                layout, config)
+
+
+def _stage_inputs(key: str, spec: TrainingSpec, ckpt: bool) -> PartCost:
+    """`ModelCosts.stage_inputs`: a micro-batch's int64 position ids and the masks a stage builds for it."""
+    from .trace_masks import stage_mask_bytes
+
+    positions = spec.micro_batch_size * spec.seq_len * 8
+    masks = stage_mask_bytes(_attention_config(key), batch=spec.micro_batch_size, seq=spec.seq_len,
+                             packed=spec.packing, dtype=_dtype(spec.dtype))
+    if spec.method == "inference":
+        return PartCost(0, 0, 0, 0, masks + positions, 0.0)
+    return PartCost(0, 0, 0, positions + (masks if ckpt else 0), 0 if ckpt else masks, 0.0)
+
+
+@functools.lru_cache(maxsize=32)
+def _attention_config(key: str):
+    """The config of `key` as its model's class resolves it (the attention implementation transformers picks)."""
+    return meta_model(_one_layer_config(_CONFIGS[key])).config
 
 
 def _block_memory(trace: _BlockTrace, spec: TrainingSpec, *, ckpt: bool, hidden_bytes: int, tp: int) -> tuple[int, int]:
@@ -586,7 +613,8 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
         kwargs, ids = _block_kwargs(base, block, spec)
     from .trace_masks import mask_as_run
 
-    return model, block, mask_as_run(model.config, kwargs, batch=spec.micro_batch_size, seq=spec.seq_len), ids
+    masked = mask_as_run(model.config, kwargs, batch=spec.micro_batch_size, seq=spec.seq_len, packed=spec.packing)
+    return model, block, masked, ids
 
 
 def _add_lora(block, key: str, spec: TrainingSpec, *, use_peft: bool = False) -> None:

@@ -290,8 +290,10 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     weights = sum(c.param_bytes * k for c, k in parts)
     grads = sum(c.grad_bytes * k for c, k in parts)
     optim = sum(c.optimizer_bytes * k for c, k in parts)
-    workspace = stage_transient(costs, slot, layers)
-    acts = slot.in_flight * sum(c.activation_bytes * k for c, k in parts) + workspace
+    # the stage's position ids and attention masks (costs.stage_inputs) are the stage's, beside every part it runs
+    workspace = stage_transient(costs, slot, layers) + costs.stage_inputs.workspace_bytes
+    acts = slot.in_flight * (sum(c.activation_bytes * k for c, k in parts) + costs.stage_inputs.activation_bytes) \
+        + workspace
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
                        reserve=costs.spec.reserve_bytes, workspace=int(workspace))
 

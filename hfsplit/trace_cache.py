@@ -83,7 +83,9 @@ def ends_trace(key: str, spec):
     """`costs._trace_ends` for `spec`, from memory, disk, or a new trace."""
     from .costs import _EndsTrace, _trace_ends
 
-    return _cached("ends", key, trace_spec(spec), None, lambda k, s, _: _trace_ends(k, s), _EndsTrace)
+    # packing changes the blocks' masks only: an ends trace serves both
+    return _cached("ends", key, replace(trace_spec(spec), packing=False), None, lambda k, s, _: _trace_ends(k, s),
+                   _EndsTrace)
 
 
 _MEMO: dict[str, object] = {}
