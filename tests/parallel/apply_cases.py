@@ -10,17 +10,37 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, seq_len: int, micro_batch_size: int,
-                           micro_batches: int, steps: int, qlora_bf16: bool = False) -> dict:
+                           micro_batches: int, steps: int, qlora_bf16: bool = False, packed: bool = False) -> dict:
     """For activation checkpointing off, then on: the plan's figure for this rank's stage, the peak MemTracker
     measures over one steady-state training step, the loss curve and what the run applied; with `qlora_bf16`,
-    also `qlora_autocast_memory`'s figures (under that key), in the same launch."""
+    also `qlora_autocast_memory`'s figures (under that key); with `packed`, the same figures of packed rows (two
+    examples a row, planned with packing) under "packed", in the same launch."""
+    out = {}
+    if packed:
+        out["packed"] = memory_by_checkpointing(checkpoint=checkpoint, method=method, tp=tp, pp=pp, seq_len=seq_len,
+                                               micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+                                               steps=steps, packing=True)
+    out.update(memory_by_checkpointing(checkpoint=checkpoint, method=method, tp=tp, pp=pp, seq_len=seq_len,
+                                      micro_batch_size=micro_batch_size, micro_batches=micro_batches, steps=steps))
+    if qlora_bf16:
+        out["qlora_bf16"] = qlora_autocast_memory(checkpoint=checkpoint, seq_len=seq_len, micro_batches=micro_batches,
+                                                  micro_batch_size=micro_batch_size, steps=steps)
+    return out
+
+
+def memory_by_checkpointing(*, checkpoint: str, method: str, tp: int, pp: int, seq_len: int, micro_batch_size: int,
+                           micro_batches: int, steps: int, packing: bool = False) -> dict:
+    """{activation checkpointing: the plan's figure for this rank's stages, the measured peak, losses, what ran}."""
+    from hfsplit.trace_masks import traced_positions
+
     out = {}
     for ac in (False, True):
         model, optimizer = _built(checkpoint, method=method, tp=tp, pp=pp, seq_len=seq_len, ac=ac,
-                                  micro_batch_size=micro_batch_size, micro_batches=micro_batches)
+                                  micro_batch_size=micro_batch_size, micro_batches=micro_batches, packing=packing)
         ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches, seq_len),
                             generator=torch.Generator().manual_seed(0))
-        losses, peak, growth = _train(model, optimizer, ids, steps=steps)
+        positions = traced_positions(len(ids), seq_len, packed=packing)
+        losses, peak, growth = _train(model, optimizer, ids, steps=steps, positions=positions)
         # A rank of a V or interleaved schedule runs several stages: their figures add up (one reserve).
         from hfsplit.plan import rank_total
 
@@ -33,9 +53,6 @@ def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, se
                    "checkpointed_blocks": sum(getattr(b, "gradient_checkpointing", False)
                                               for s in model.stages for b in s.body.layers.values())}
         del model, optimizer
-    if qlora_bf16:
-        out["qlora_bf16"] = qlora_autocast_memory(checkpoint=checkpoint, seq_len=seq_len, micro_batches=micro_batches,
-                                                  micro_batch_size=micro_batch_size, steps=steps)
     return out
 
 
@@ -65,13 +82,13 @@ def qlora_autocast_memory(*, checkpoint: str, seq_len: int, micro_batch_size: in
 
 
 def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_batches, dtype="float32",
-           autocast=None, schedule="auto"):
+           autocast=None, schedule="auto", packing=False):
     from hfsplit.costs import TrainingSpec
     from hfsplit.parallel.launch import split_from_pretrained
     from hfsplit.quantize import quantization_config
 
     spec = TrainingSpec(method=method, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype,
-                        lora_r=8, activation_checkpointing=ac, autocast=autocast)
+                        lora_r=8, activation_checkpointing=ac, autocast=autocast, packing=packing)
     qconfig = quantization_config(compute_dtype=dtype) if method == "qlora" else None
     torch.manual_seed(0)
     model = split_from_pretrained(checkpoint, "2x4GiB", spec=spec, micro_batches=micro_batches, tp=tp, pp=pp,
@@ -82,7 +99,7 @@ def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_b
     return model, optimizer
 
 
-def _train(model, optimizer, ids, *, steps: int):
+def _train(model, optimizer, ids, *, steps: int, positions=None):
     """`steps` (at least 3) optimizer steps; the peak over the second (AdamW state exists, as the plan
     assumes): the bytes held when it starts (weights, AdamW state) plus the peak of the storages it creates.
     And the bytes the third step leaves alive beyond what the second left (a leak grows it; 0 when each step
@@ -95,7 +112,7 @@ def _train(model, optimizer, ids, *, steps: int):
     for step in range(steps):
         held = _held_bytes(model, optimizer)
         with live if step in (1, 2) else contextlib.nullcontext():
-            loss = model.step(ids, ids, loss_fn)
+            loss = model.step(ids, ids, loss_fn, position_ids=positions)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if step == 1:

@@ -13,9 +13,13 @@ STEP = dict(seq_len=512, micro_batch_size=2, micro_batches=2, steps=3)
 def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
     checkpoint = str(tiny_checkpoint("llama", **MODEL))
     qlora_bf16 = (method, pp) == ("lora", 2)  # the same launch also runs bf16 QLoRA with and without autocast
+    packed = (method, pp) == ("full", 2)  # ... and packed rows
     results = launch("tests.parallel.apply_cases:step_memory_and_losses", world_size=2, timeout_s=400,
-                     kwargs=dict(checkpoint=checkpoint, method=method, tp=tp, pp=pp, qlora_bf16=qlora_bf16, **STEP))
+                     kwargs=dict(checkpoint=checkpoint, method=method, tp=tp, pp=pp, qlora_bf16=qlora_bf16,
+                                 packed=packed, **STEP))
     qlora = [by_ac.pop("qlora_bf16") for by_ac in results] if qlora_bf16 else None
+    if packed:
+        _check_packed([by_ac.pop("packed") for by_ac in results], unpacked=results)
     for rank, by_ac in enumerate(results):
         off, on = by_ac[False], by_ac[True]
         for ac, r in by_ac.items():
@@ -37,6 +41,23 @@ def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
     assert curves[False][-1] < curves[False][0]
     if qlora is not None:
         _check_bf16_qlora_autocast(qlora)
+
+
+def _check_packed(results: list[dict], *, unpacked: list[dict]) -> None:
+    """Packed rows (two examples a row) planned with packing: the measured peak is the plan's within ±15% with
+    checkpointing off and on, and the block-diagonal masks sdpa needs for them (none for unpacked rows) cost at least
+    70% of what the plan says they add."""
+    for rank, (by_ac, plain) in enumerate(zip(results, unpacked)):
+        for ac, r in by_ac.items():
+            ratio = r["measured"] / r["planned"]
+            print(f"rank {rank} packed, checkpointing {ac}: planned {r['planned']} measured {r['measured']} "
+                  f"({ratio:.3f}); unpacked planned {plain[ac]['planned']} measured {plain[ac]['measured']}")
+            assert 0.85 <= ratio <= 1.15, f"rank {rank} packed, checkpointing {ac}: measured/planned = {ratio:.3f}"
+            assert r["growth"] == 0, f"rank {rank} packed, checkpointing {ac}: each step leaks {r['growth']} bytes"
+            planned_cost = r["planned"] - plain[ac]["planned"]
+            assert planned_cost > 0, (rank, ac)
+            assert r["measured"] - plain[ac]["measured"] >= 0.7 * planned_cost, (rank, ac, r["measured"],
+                                                                               plain[ac]["measured"], planned_cost)
 
 
 def _check_bf16_qlora_autocast(results: list[dict]) -> None:
