@@ -203,8 +203,8 @@ def restart_record(launch: LaunchState, plan, *, step: int, started: float, node
     old = last_plan(launch.previous)
     done = [r["step"] for r in launch.previous if "loss" in r]
     redone = max(0, max(done, default=step) - step)
-    speeds = [r["tokens_per_s"] for r in launch.previous if "tokens_per_s" in r][-5:]
-    step_s = old["tokens_per_step"] / (sum(speeds) / len(speeds)) if old and speeds else 0.0
+    steps_s = [r["step_s"] for r in launch.previous if "step_s" in r][-5:]  # (tokens_per_s counts real tokens)
+    step_s = sum(steps_s) / len(steps_s) if old and steps_s else 0.0
     waited = started - launch.last_write
     spawned = process_started()
     return {"step": step, "restart": launch.reason, "restart_count": restart_count(),

@@ -144,10 +144,8 @@ def restarts(out: Path) -> list[dict]:
 
 
 def max_step_s(out: Path) -> float:
-    """The slowest step of the run (tokens per step over tokens per second)."""
-    records = records_of(out)
-    tokens = max(r["tokens_per_step"] for r in records if "plan" in r)
-    return max(tokens / r["tokens_per_s"] for r in records if "tokens_per_s" in r)
+    """The slowest step of the run."""
+    return max(r["step_s"] for r in records_of(out) if "step_s" in r)
 
 
 def recipe(argv: list[str], *, cwd: Path, extra_env: dict | None = None):
