@@ -36,6 +36,7 @@ def test_bare_flags_mean_the_obvious():
     (["--save-every", "-2"], "--save-every must be at least 1"),
     (["--global-batch", "0"], "--global-batch must be at least 1"),
     (["--lora-dropout", "1.5"], "--lora-dropout must be a finite number at least 0 and at most 1"),
+    (["--packing", "yes"], "--packing 'yes': choose auto, on or off"),
 ])
 def test_bad_options_are_refused_by_name(argv, message):
     with pytest.raises(HfsplitError, match=message):
@@ -96,3 +97,18 @@ def test_a_global_batch_is_cut_by_the_planner_under_auto_and_kept_whole_otherwis
     assert (auto["micro_batches"], auto["global_batch"]) == ("auto", 16)
     assert (fixed["micro_batches"], fixed["global_batch"]) == (None, 16)
     assert count["micro_batches"] == 6 and "global_batch" not in count
+
+
+def test_packing_follows_the_format_unless_told(tmp_path):
+    """auto: instruction and chat pack, text keeps its blocks (the format read from the columns when not given);
+    the plan's spec says what the run does."""
+    from hfsplit.training.options import packing_of, training_spec
+
+    text = tmp_path / "t.jsonl"
+    text.write_text('{"text": "a b c"}\n')
+    assert packing_of(parse_options([])) and training_spec(parse_options([])).packing  # the bundled alpaca set
+    assert not packing_of(parse_options(["--dataset", str(text)]))
+    assert packing_of(parse_options(["--dataset", str(text), "--packing", "on"]))
+    assert not packing_of(parse_options(["--packing", "off"]))
+    assert not training_spec(parse_options(["--packing", "off"])).packing
+    assert packing_of(parse_options(["--dataset", str(text), "--dataset-format", "chat"]))

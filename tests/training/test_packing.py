@@ -123,3 +123,13 @@ def test_bundled_instruction_data_packs_rows_at_least_95_percent_full():
 @pytest.fixture(scope="module")
 def chars():
     return char_tokenizer()
+
+
+def test_the_final_line_says_how_much_padding_packing_removed():
+    from hfsplit.training.metrics import TrainResult, summary_line
+
+    # 100 real tokens: one a row they filled 1000 positions (90% padding); packed, 110 (10 of padding): 99% removed
+    line = summary_line(TrainResult(losses=[1.0], tokens_per_s=500, trained_tokens_per_s=300, padding=10 / 110,
+                                    padded_padding=0.9))
+    assert "500 tokens/s (300 trained), padding 9.1% (one example a row: 90.0%; packing removed 99% of it)" in line
+    assert "packing removed" not in summary_line(TrainResult(losses=[1.0], padding=0.5))
