@@ -31,3 +31,24 @@ def test_the_trace_keeps_a_mask_only_where_a_stage_passes_one(config, kept):
     hidden, positions = torch.zeros(2, 64, 64), torch.arange(64).unsqueeze(0)
     real = causal_masks(config, hidden=hidden, position_ids=positions)[layer_attention_type(config, 0)]
     assert (real is not None) == kept
+
+
+@pytest.mark.parametrize("config, unpacked", [(_config(), 0), (_config(attention="eager"), 2 * 64 * 64 * 4)])
+def test_packed_rows_cost_a_mask_per_micro_batch_and_the_probe_times_it(config, unpacked):
+    """Packed rows get transformers' block-diagonal mask (a bool seq² per row under sdpa, where causal rows get none;
+    eager builds its float mask either way): the cost model counts it, the calibration probe runs the block with it,
+    and a packed probe is cached apart."""
+    from hfsplit.calibrate import _probe_mask, speed_key
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.trace_masks import stage_mask_bytes
+
+    packed = stage_mask_bytes(config, batch=2, seq=64, packed=True, dtype=torch.float32)
+    assert stage_mask_bytes(config, batch=2, seq=64, packed=False, dtype=torch.float32) == unpacked
+    assert packed == 2 * 64 * 64 * (4 if unpacked else 1)
+    x = torch.zeros(2, 64, 64)
+    positions, mask = _probe_mask(config, x, packed=True)
+    # token 40 (second example) attends to 35 (its own) but not to 10 (the first example)
+    assert positions[0, 32] == 0 and mask is not None and mask[0, 0, 40, 10] != mask[0, 0, 40, 35]
+    assert (_probe_mask(config, x, packed=False)[1] is None) == (unpacked == 0)
+    cpu = torch.device("cpu")
+    assert speed_key(config, TrainingSpec(packing=True), cpu) != speed_key(config, TrainingSpec(), cpu)

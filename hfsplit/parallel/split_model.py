@@ -57,6 +57,10 @@ class SplitModel(nn.Module):
         self.stage_indices = stage_indices
         self._schedules: dict[tuple, object] = {}
         self._timer = StageTimer()
+        # flash attention finds packed examples from the position ids of a one-row batch only (transformers'
+        # `_is_packed_sequence`), so each micro-batch then runs as one row of its rows joined (exact: every row
+        # starts a sequence at position 0, and the join never lets a row's last token learn the next row's first)
+        self.join_rows = "flash" in str(getattr(config, "_attn_implementation", None) or "")
 
     @property
     def device(self) -> torch.device:
@@ -92,15 +96,21 @@ class SplitModel(nn.Module):
         `position_ids` `(batch, seq)`: each token's position within its example (a packed row restarts at 0 for
         each, and attention stays inside each example); None: every row is one sequence."""
         input_ids = input_ids.to(self.device)
+        shape = tuple(input_ids.shape)
         positions = positions_of(input_ids, position_ids)
+        groups = micro_batches_for(batch=shape[0], planned=self.plan.micro_batches) if len(self.stages) == 1 else 1
+        if self.join_rows:
+            input_ids, positions = joined_rows(input_ids, groups), joined_rows(positions, groups)
         if len(self.stages) == 1:
             schedule = self._schedule(tuple(input_ids.shape), loss_fn=None, name="GPipe")
             logits = schedule.step(*((input_ids,) if self.has_first else ()), position_ids=positions)
         else:
             logits = self._relay_forward(input_ids, position_ids=positions)
+        if logits is not None and self.join_rows:
+            logits = logits.reshape(*shape, -1)
         if not broadcast:
             return logits if self.has_last else None
-        return self._broadcast_logits(logits, shape=(*input_ids.shape, self.config.vocab_size))
+        return self._broadcast_logits(logits, shape=(*shape, self.config.vocab_size))
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int) -> torch.Tensor:
@@ -155,6 +165,12 @@ class SplitModel(nn.Module):
         """
         input_ids = input_ids.to(self.device)
         items = num_items_in_batch if num_items_in_batch is not None else self.label_tokens(labels)
+        positions = positions_of(input_ids, position_ids)
+        if self.join_rows:
+            groups = micro_batches_for(batch=input_ids.shape[0], planned=self.plan.micro_batches)
+            labels = labels.clone()
+            labels[:, 0] = IGNORE_INDEX  # never a target (the shift), nor once joined: the previous row's last token's
+            input_ids, labels, positions = (joined_rows(t, groups) for t in (input_ids, labels, positions))
         schedule = self._schedule(tuple(input_ids.shape), loss_fn=chunked_or(loss_fn, self.stages, plan=self.plan))
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
@@ -164,7 +180,7 @@ class SplitModel(nn.Module):
         # MoE: the router sums travel with the hidden states (parallel/router.py)
         with head_in_loss(self.stages, enabled=self.plan.spec.chunked_loss), carrying(self.stages):
             schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                          loss_kwargs={"num_items_in_batch": items}, position_ids=positions_of(input_ids, position_ids))
+                          loss_kwargs={"num_items_in_batch": items}, position_ids=positions)
         if sync:
             self.sync_grads()
         return torch.stack([loss.detach() for loss in losses]).sum() if self.has_last else None
@@ -327,6 +343,11 @@ def positions_of(input_ids: torch.Tensor, position_ids: Optional[torch.Tensor]) 
     if position_ids is not None:
         return position_ids.to(input_ids.device)
     return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+
+
+def joined_rows(rows: torch.Tensor, groups: int) -> torch.Tensor:
+    """`rows` `(batch, seq, ...)` as `groups` rows, each the consecutive rows of one micro-batch joined end to end."""
+    return rows.reshape(groups, -1, *rows.shape[2:])
 
 
 def micro_batches_for(*, batch: int, planned: int) -> int:

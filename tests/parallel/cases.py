@@ -127,6 +127,16 @@ def packed_matches_transformers(model, reference, config, *, tied: bool) -> dict
     for name, batch in (("packed", (ids, labels, positions)), ("padded", padded_batch(config.vocab_size))):
         out.update({f"{name}_{key}": value
                     for key, value in step_matches_transformers(model, reference, config, *batch, tied=tied).items()})
+    # as under flash attention: each micro-batch runs as one row of its rows joined (run here under sdpa); rows whose
+    # first label is not -100 (plain rows, labels = ids) must not let a row's last token learn the next one's first
+    model.join_rows = True
+    try:
+        out["joined_logits_diff"] = (model(ids, position_ids=positions, broadcast=True) - alone).abs().max().item()
+        plain = torch.randint(3, config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(7))
+        steps = step_matches_transformers(model, reference, config, plain, plain, None, tied=tied)
+    finally:
+        model.join_rows = False
+    out.update({f"joined_{key}": value for key, value in steps.items()})
     return out
 
 

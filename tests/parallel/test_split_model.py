@@ -51,11 +51,12 @@ def assert_split_matches(results: list, *, checkpoint: str, tp: int, tied: bool)
         assert not bad, bad
         # a packed row [A B C]: each example's logits as alone
         assert r["packed_logits_diff"] <= 1e-5, r["packed_logits_diff"]
-        # packed rows, and padded rows of varying lengths: the token-mean step's gradients as transformers'
-        for layout in ("packed", "padded"):
+        assert r["joined_logits_diff"] <= 1e-5, r["joined_logits_diff"]  # each micro-batch one row (flash attention)
+        # packed rows, padded rows of varying lengths, rows joined: the token-mean step's gradients as transformers'
+        for layout in ("packed", "padded", "joined"):
             bad = {n: d for n, d in r[f"{layout}_grad_rel_diff"].items() if d > 1e-5}
             assert not bad, (layout, bad)
-    for key in ("loss_diff", "packed_loss_diff", "padded_loss_diff"):
+    for key in ("loss_diff", "packed_loss_diff", "padded_loss_diff", "joined_loss_diff"):
         assert any(key in r and r[key] <= 1e-5 for r in results), key
     assert_every_parameter_once(results, checkpoint=checkpoint, tp=tp, tied=tied)
 
