@@ -29,6 +29,7 @@ from .models import (  # noqa: F401  (re-exported: the planner's and older calle
 from .expert_lora import expert_lora_numel, expert_parameters
 from .layer_kinds import kind_config, layer_kinds
 from .plan import Method, TrainingSpec  # noqa: F401 (re-exported: TrainingSpec lives with the Plan)
+from .trace_masks import mask_as_run, stage_mask_bytes
 
 @dataclass(frozen=True)
 class PartCost:
@@ -376,8 +377,6 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
 
 def _stage_inputs(key: str, spec: TrainingSpec, ckpt: bool) -> PartCost:
     """`ModelCosts.stage_inputs`: a micro-batch's int64 position ids and the masks a stage builds for it."""
-    from .trace_masks import stage_mask_bytes
-
     positions = spec.micro_batch_size * spec.seq_len * 8
     masks = stage_mask_bytes(_attention_config(key), batch=spec.micro_batch_size, seq=spec.seq_len,
                              packed=spec.packing, dtype=_dtype(spec.dtype))
@@ -611,8 +610,6 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     with mode:
         _to_fake(model)
         kwargs, ids = _block_kwargs(base, block, spec)
-    from .trace_masks import mask_as_run
-
     masked = mask_as_run(model.config, kwargs, batch=spec.micro_batch_size, seq=spec.seq_len, packed=spec.packing)
     return model, block, masked, ids
 
