@@ -19,7 +19,7 @@ import yaml
 
 from ..errors import HfsplitError
 from ..plan import TrainingSpec
-from .data import bundled_dataset_path, detect_format, load_examples, packs_by_default
+from .data import DatasetError, bundled_dataset_path, detect_format, load_examples, packs_by_default
 
 GROUPS = ("model", "data", "method", "parallelism", "optimisation", "checkpoints", "faults")
 TINY_RECIPE = Path(__file__).parent / "bundled" / "tiny.yaml"
@@ -195,7 +195,10 @@ def packing_of(options: FinetuneOptions) -> bool:
         return packs_by_default(options.dataset_format)
     if options.dataset is None:  # the bundled alpaca set
         return packs_by_default("instruction")
-    return packs_by_default(detect_format(load_examples(options.dataset).column_names))
+    try:
+        return packs_by_default(detect_format(load_examples(options.dataset).column_names))
+    except DatasetError as err:  # named as reading the rows names it
+        raise DatasetError(f"{options.dataset}: {err}") from err
 
 
 def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
