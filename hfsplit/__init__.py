@@ -1,7 +1,7 @@
 """hfsplit: plan, load and fine-tune Hugging Face LLMs split across small or mismatched GPUs."""
-from .budget import parse_max_memory
-from .errors import BudgetError, CheckpointError, HfsplitError, PlanError, UnsupportedModelError
-from .plan import Plan, Stage, StageMemory, TrainingSpec
+from hfsplit.budget import parse_max_memory
+from hfsplit.errors import BudgetError, CheckpointError, HfsplitError, PlanError, UnsupportedModelError
+from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec
 
 __all__ = [
     "BudgetError", "CheckpointError", "HfsplitError", "Plan", "PlanError", "Stage", "StageMemory",

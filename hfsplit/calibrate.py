@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .links import Link, fit_link
+from hfsplit.links import Link, fit_link
 
 # Dense bf16 tensor-core peak (FLOP/s, datasheets) per GPU name fragment; a training step reaches about
 # ACHIEVED of it. Used by `hfsplit plan` for the GPU it is told about, never measured here.
@@ -83,8 +83,8 @@ def speed_record(config, spec, device: torch.device) -> dict:
     """The cached calibration record (`seconds`, `split_seconds`, `flops`, `measured_at`, `source`), measured
     now when there is none or it is older than MAX_AGE_S: a figure taken on a machine that has changed
     (drivers, load, thermal limits) should not plan forever."""
-    from .costs import model_costs
-    from .trace_cache import read_cache, write_cache
+    from hfsplit.costs import model_costs
+    from hfsplit.trace_cache import read_cache, write_cache
 
     plain = replace(spec, activation_checkpointing=False)  # the probe runs no recompute
     key = speed_key(config, spec, device)
@@ -119,7 +119,7 @@ def _time_block(config, spec, device: torch.device) -> tuple[float, float]:
 def _probe_block(config, spec, device: torch.device):
     """A function running forward and backward once on a random micro-batch through block 0 of a one-layer
     model of `config` (LoRA-wrapped and trainable as `spec` says)."""
-    from .costs import _dtype, _one_layer_config, _set_trainable
+    from hfsplit.costs import _dtype, _one_layer_config, _set_trainable
     from transformers import AutoModelForCausalLM
 
     dtype = _dtype(spec.dtype)
@@ -131,8 +131,8 @@ def _probe_block(config, spec, device: torch.device):
     if spec.method in ("lora", "qlora"):
         from peft import LoraConfig, inject_adapter_in_model
 
-        from .costs import block_linear_names
-        from .expert_lora import split_lora_targets
+        from hfsplit.costs import block_linear_names
+        from hfsplit.expert_lora import split_lora_targets
 
         # the run's targets, fused MoE experts included (peft target parameters)
         modules, params = split_lora_targets(list(spec.lora_targets or block_linear_names(config)), config)
@@ -143,7 +143,7 @@ def _probe_block(config, spec, device: torch.device):
 
         cast_adapter_dtype(block, "default")
         if spec.autocast_dtype is not None:
-            from .parallel.autocast import autocast_forwards
+            from hfsplit.parallel.autocast import autocast_forwards
 
             autocast_forwards([block], dtype=spec.autocast_dtype)
     _set_trainable(block, replace(spec, method="lora") if spec.method == "qlora" else spec)
@@ -172,7 +172,7 @@ def _quantize_probe(block, spec, device: torch.device) -> None:
     """Quantize the probe block's linears as the run does (without it a QLoRA probe timed a frozen 16-bit
     block: no dequantize, no weight-gradient pass, and a split-backward factor of about 1 where zero-bubble
     schedules measured 1.3x slower than 1F1B)."""
-    from .quantize import check_quantization, quantization_config_of, quantize_module
+    from hfsplit.quantize import check_quantization, quantization_config_of, quantize_module
 
     qconfig = quantization_config_of(spec)
     check_quantization(qconfig, device=device)  # a quant type bitsandbytes refuses: the run's one-line error
@@ -189,7 +189,7 @@ def _seconds(run, device: torch.device, *, split: bool) -> float:
 
 def _block_rotary(config, rotary_emb, x: torch.Tensor, pos: torch.Tensor):
     """The rotary table block 0 receives (Gemma 3 computes one per layer type)."""
-    from .models import FAMILIES, Family
+    from hfsplit.models import FAMILIES, Family
 
     kind = (getattr(config, "layer_types", None) or ["full_attention"])[0]
     return FAMILIES.get(config.model_type, Family()).position_embeddings(rotary_emb, x, pos, [kind])[kind]
@@ -202,7 +202,7 @@ def _sync(device: torch.device) -> None:
 
 def calibrated_speeds(config, spec, budgets: dict, device: torch.device) -> dict:
     """`make_plan(device_speeds=...)` for devices all like `device`: measured FLOP/s over the planner's unit."""
-    from .planner import DEVICE_FLOPS
+    from hfsplit.planner import DEVICE_FLOPS
 
     if os.environ.get("HFSPLIT_NO_CALIBRATION"):
         return {}
@@ -213,8 +213,8 @@ def calibrated_speeds(config, spec, budgets: dict, device: torch.device) -> dict
 def run_speeds(model_path: str, spec, max_memory) -> dict:
     """The calibrated `device_speeds` of a launched run: every rank probes its own device at once, so the
     figure includes what ranks sharing a machine cost each other (rank 0's is the one planned with)."""
-    from .budget import parse_max_memory
-    from .checkpoint import load_config
+    from hfsplit.budget import parse_max_memory
+    from hfsplit.checkpoint import load_config
 
     return calibrated_speeds(load_config(model_path), spec, parse_max_memory(max_memory), _run_device())
 
@@ -243,7 +243,7 @@ def time_report(plan, step_times_s: list[float], busy_s: list[float]) -> str:
 def pipeline_busy(plan, step_times_s: list[float], busy_s: list[float]) -> list[tuple[int, float, float]]:
     """(pipeline rank, estimated busy seconds per step, measured busy seconds per timed step), one per
     pipeline rank (replicas and TP peers run the same stages)."""
-    from .parallel.mesh import coordinates_of_rank
+    from hfsplit.parallel.mesh import coordinates_of_rank
 
     timed = max(len(step_times_s) - 1, 1)  # Metrics leaves the first step out of the busy total
     rows = []
@@ -265,7 +265,7 @@ def recheck_speed(plan, config, device: torch.device, *, step_times_s: list[floa
     where the plan was made (rank 0), after the run, with `TrainResult`'s step times and busy seconds, and
     the spec the speed was calibrated with (default the plan's; they differ where auto cut a global batch).
     """
-    from .trace_cache import read_cache, write_cache
+    from hfsplit.trace_cache import read_cache, write_cache
 
     rows = pipeline_busy(plan, step_times_s, busy_s)
     if os.environ.get("HFSPLIT_NO_CALIBRATION") or len(step_times_s) < 2 or not rows:
@@ -353,7 +353,7 @@ def run_link(model_path: Optional[str] = None, spec=None) -> Optional[Link]:
     link = probe_link()
     if link is None or model_path is None or spec is None or spec.method == "inference":
         return link
-    from .checkpoint import load_config
+    from hfsplit.checkpoint import load_config
 
     return replace(link, split_backward=split_backward_factor(load_config(model_path), spec, _run_device()))
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plan import Plan
+from hfsplit.plan import Plan
 
 _PARTS = ("weights", "gradients", "optimizer", "activations", "reserve")
 _COLORS = ("#4C72B0", "#DD8452", "#C44E52", "#55A868", "#8C8C8C")

@@ -5,12 +5,12 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .errors import HfsplitError
-from .plan import TrainingSpec
+from hfsplit.errors import HfsplitError
+from hfsplit.plan import TrainingSpec
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
-    from .training.options import FinetuneOptions
+    from hfsplit.training.options import FinetuneOptions
 
     recipe = FinetuneOptions()  # `hfsplit plan` and the recipe share their defaults
     p = sub.add_parser("plan", help="plan a split of MODEL over a memory budget (reads config.json only)")
@@ -50,8 +50,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def spec_from_args(args) -> TrainingSpec:
-    from .budget import parse_size
-    from .training.options import FinetuneOptions
+    from hfsplit.budget import parse_size
+    from hfsplit.training.options import FinetuneOptions
 
     recipe = FinetuneOptions()
     if args.qlora and (args.full or args.inference):
@@ -74,7 +74,7 @@ def _given(value, default):
 def plan_request(args) -> tuple[str, object, dict]:
     """(model, budget, make_plan keyword arguments) of the flags alone, or of the --config recipe
     (exactly as the trainer plans it) with the flags given here overriding it."""
-    from .budget import parse_max_memory
+    from hfsplit.budget import parse_max_memory
 
     if args.config:
         return recipe_request(args)
@@ -89,8 +89,8 @@ def plan_request(args) -> tuple[str, object, dict]:
 
 
 def recipe_request(args) -> tuple[str, object, dict]:
-    from .budget import parse_max_memory
-    from .training.options import parse_options, plan_arguments
+    from hfsplit.budget import parse_max_memory
+    from hfsplit.training.options import parse_options, plan_arguments
 
     flags = {"--lora-r": args.lora_r, "--seq-len": args.seq_len, "--micro-batch-size": args.micro_batch_size,
              "--micro-batches": args.micro_batches, "--schedule": args.schedule, "--dtype": args.dtype,
@@ -116,8 +116,8 @@ def tiny_model_folder() -> str:
     """The recipe's built-in tiny model, written to a temporary folder (its config is all planning reads)."""
     import tempfile
 
-    from .checkpoint.synthetic import write_tiny_checkpoint
-    from .training.trainer import TINY_MODEL
+    from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
+    from hfsplit.training.trainer import TINY_MODEL
 
     spec = dict(TINY_MODEL)
     folder = f"{tempfile.mkdtemp(prefix='hfsplit-tiny-')}/tiny-llama"
@@ -126,8 +126,8 @@ def tiny_model_folder() -> str:
 
 
 def run_plan(args) -> int:
-    from .charts import plan_memory_chart
-    from .planner import make_plan
+    from hfsplit.charts import plan_memory_chart
+    from hfsplit.planner import make_plan
 
     model, budgets, kwargs = plan_request(args)
     if args.device_speeds:

@@ -20,15 +20,15 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import PlanError
-from .models import (  # noqa: F401  (re-exported: the planner's and older callers' names)
+from hfsplit.errors import PlanError
+from hfsplit.models import (  # noqa: F401  (re-exported: the planner's and older callers' names)
     FAMILIES, REPLICATED_SUMMED, SUPPORTED_MODEL_TYPES, TP_STYLES, BlockLinear, Family, block_linear_names, block_linears,
     check_causal_lm, check_supported, decoder_layout, meta_model, one_layer_config, routed_expert_numel, tp_degree_error,
     tp_style_of, tp_supported, valid_tp_degrees,
 )
-from .expert_lora import expert_lora_numel, expert_parameters
-from .layer_kinds import kind_config, layer_kinds
-from .plan import Method, TrainingSpec  # noqa: F401 (re-exported: TrainingSpec lives with the Plan)
+from hfsplit.expert_lora import expert_lora_numel, expert_parameters
+from hfsplit.layer_kinds import kind_config, layer_kinds
+from hfsplit.plan import Method, TrainingSpec  # noqa: F401 (re-exported: TrainingSpec lives with the Plan)
 
 @dataclass(frozen=True)
 class PartCost:
@@ -250,7 +250,7 @@ def _numel(modules) -> int:
 
 @functools.lru_cache(maxsize=32)
 def _layout(key: str) -> _Layout:
-    from .trace_cache import cached_layout  # building the meta model imports the modeling code: ~1 s
+    from hfsplit.trace_cache import cached_layout  # building the meta model imports the modeling code: ~1 s
 
     return cached_layout(key, _build_layout)
 
@@ -321,7 +321,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     numels = {"embed": layout.embed_numel // tp, "block": block_numel, "head": head_numel}
     lora_numel = _lora_numel(layout, spec, tp, config) if spec.method in ("lora", "qlora") else 0
 
-    from .trace_cache import block_trace, ends_trace  # traced once per config and shape, kept on disk
+    from hfsplit.trace_cache import block_trace, ends_trace  # traced once per config and shape, kept on disk
     traced = _traced_spec(spec)
     trace = block_trace(key, traced, tp)
     ends = ends_trace(key, traced)
@@ -356,7 +356,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
 
     block_acts, block_ws = _block_memory(trace, spec, ckpt=ckpt, hidden_bytes=hidden_bytes, tp=tp)
     if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
-        from .quantize import with_dequantize
+        from hfsplit.quantize import with_dequantize
         block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size)
     embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
     block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
@@ -442,7 +442,7 @@ def _block_weight_bytes(config, spec: TrainingSpec) -> int:
 def quantized_block_bytes(layout: _Layout, spec: TrainingSpec) -> int:
     """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, the rest
     (norms, biases) in the spec's dtype."""
-    from .quantize import quantized_linear_bytes
+    from hfsplit.quantize import quantized_linear_bytes
 
     weights = sum(lin.in_features * lin.out_features for lin in layout.linears)
     rest = layout.block_numel_replicated + layout.block_numel_sharded - weights
@@ -464,7 +464,7 @@ def _grouped_experts_on_fake_tensors():
     except ImportError:  # a transformers without fused experts: nothing to route
         yield
         return
-    from .trace_moe import grouped_mm_as_torch_saves
+    from hfsplit.trace_moe import grouped_mm_as_torch_saves
 
     grouped_mm = moe._grouped_mm
     moe._grouped_mm = lambda input, weight, offs: (
@@ -584,7 +584,7 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     with mode:
         _to_fake(model)
         kwargs, ids = _block_kwargs(base, block, spec)
-    from .trace_masks import mask_as_run
+    from hfsplit.trace_masks import mask_as_run
 
     return model, block, mask_as_run(model.config, kwargs, batch=spec.micro_batch_size, seq=spec.seq_len), ids
 
@@ -598,7 +598,7 @@ def _add_lora(block, key: str, spec: TrainingSpec, *, use_peft: bool = False) ->
     if parameters:  # adapters on fused experts: peft's own ParamWrapper (trace_lora builds linears' only)
         use_peft = True
     if not use_peft:
-        from .trace_lora import inject_trace_adapters
+        from hfsplit.trace_lora import inject_trace_adapters
 
         return inject_trace_adapters(block, targets, r=spec.lora_r, adapter_dtype=_LORA_ADAPTER_DTYPE,
                                      cast_input=_traced_autocast(spec) is None)
@@ -765,7 +765,7 @@ def _trace_ends(key: str, spec: TrainingSpec) -> _EndsTrace:
                 # the family's logit scaling / soft-capping makes logits-sized temporaries of its own
                 head = lambda h: FAMILIES.get(config.model_type, Family()).output_side(config, lm_head(h))  # noqa: E731
                 if train and spec.chunked_loss:  # the stage outputs the normed states; the loss runs lm_head per chunk
-                    from .parallel.chunked_loss import chunked_causal_lm_loss
+                    from hfsplit.parallel.chunked_loss import chunked_causal_lm_loss
 
                     logits = norm(x)
                     loss = chunked_causal_lm_loss(logits, ids, head=head, vocab_size=config.vocab_size)

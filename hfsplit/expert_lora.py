@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Optional, Sequence
 
-from .errors import HfsplitError
+from hfsplit.errors import HfsplitError
 
 
 def expert_parameters(config) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -28,8 +28,8 @@ _CONFIGS: dict[str, object] = {}  # lru_cache keys must be hashable; configs are
 
 @functools.lru_cache(maxsize=32)
 def _expert_parameters(key: str) -> tuple:
-    from .layer_kinds import SPARSE, kind_config, layer_kinds
-    from .models import decoder_layout, meta_model, one_layer_config
+    from hfsplit.layer_kinds import SPARSE, kind_config, layer_kinds
+    from hfsplit.models import decoder_layout, meta_model, one_layer_config
 
     config = _CONFIGS[key]
     cfg = one_layer_config(kind_config(config, SPARSE) if layer_kinds(config) else config)
@@ -48,8 +48,8 @@ def split_lora_targets(targets: Sequence[str], config) -> tuple[list[str], list[
             `down_proj` beside the experts' `down_proj` under `mlp_only_layers`): peft's MoE target conversion
             would adapt the experts under both names.
     """
-    from .layer_kinds import kind_config, layer_kinds
-    from .models import block_linears
+    from hfsplit.layer_kinds import kind_config, layer_kinds
+    from hfsplit.models import block_linears
 
     experts = expert_parameters(config)
     if not experts:

@@ -13,15 +13,15 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from .budget import BudgetSpec, local_max_memory, torch_device  # noqa: F401  (torch_device re-exported)
-from .checkpoint.reader import CheckpointReader
-from .checkpoint.resolve import load_config, resolve_file
-from .errors import CheckpointError, ConvertedOnLoadError, UnsupportedModelError
-from .models import (  # noqa: F401  (SUPPORTED_MODEL_TYPES, check_supported re-exported)
+from hfsplit.budget import BudgetSpec, local_max_memory, torch_device  # noqa: F401  (torch_device re-exported)
+from hfsplit.checkpoint.reader import CheckpointReader
+from hfsplit.checkpoint.resolve import load_config, resolve_file
+from hfsplit.errors import CheckpointError, ConvertedOnLoadError, UnsupportedModelError
+from hfsplit.models import (  # noqa: F401  (SUPPORTED_MODEL_TYPES, check_supported re-exported)
     SUPPORTED_MODEL_TYPES, check_causal_lm, check_supported, decoder_layout, meta_model, recompute_buffers,
 )
-from .parallel.apply import apply_plan_to_model
-from .quantize import for_stored, stored_quantization
+from hfsplit.parallel.apply import apply_plan_to_model
+from hfsplit.quantize import for_stored, stored_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
 
 def _split_across_ranks(source: str, max_memory, *, dtype, plan, quantization_config=None, **planner_options):
     """Under a distributed launch: this rank's SplitModel of the plan spanning all ranks."""
-    from .parallel.launch import split_from_pretrained
+    from hfsplit.parallel.launch import split_from_pretrained
 
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
@@ -187,8 +187,8 @@ def checkpoint_float_dtype(reader: CheckpointReader, model: torch.nn.Module) -> 
 
 def plan_for(config, source: str, max_memory: BudgetSpec, *, training: str, dtype: torch.dtype, **options):
     """The planner's single-process (tp=1) plan for this model and budget."""
-    from .costs import TrainingSpec
-    from .planner import make_plan
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.planner import make_plan
 
     spec = options.pop("spec", None) or TrainingSpec(method=training, dtype=str(dtype).removeprefix("torch."))
     budget = max_memory if max_memory is not None else local_max_memory()
@@ -254,7 +254,7 @@ class BlockQuantizer:
         """`module.to_empty(device)`, except that plain linears' weights are views of the staging buffer."""
         from torch import nn
 
-        from .quantize import Staging
+        from hfsplit.quantize import Staging
 
         linears = [sub for sub in module.modules() if type(sub) is nn.Linear]
         numel = sum(sub.weight.numel() for sub in linears)
@@ -275,7 +275,7 @@ class BlockQuantizer:
                             if isinstance(value, nn.Parameter) else fresh
 
     def __call__(self, prefix: str, module: torch.nn.Module, device: torch.device) -> None:
-        from .quantize import check_quantization, quantize_module
+        from hfsplit.quantize import check_quantization, quantize_module
 
         if not self.quantizes(prefix):
             return

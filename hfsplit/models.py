@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .errors import UnsupportedModelError
+from hfsplit.errors import UnsupportedModelError
 
 
 
@@ -385,7 +385,7 @@ def block_linear_names(config) -> list[str]:
     of several kinds (Qwen3-MoE's dense `mlp_only_layers`), those every kind has (attention): a dense layer's
     `gate_proj`/`up_proj`/`down_proj` would also make peft adapt the other layers' fused experts (its v4-to-v5 MoE
     target conversion), and name no module of a stage holding expert layers only."""
-    from .layer_kinds import kind_config, layer_kinds
+    from hfsplit.layer_kinds import kind_config, layer_kinds
 
     kinds = layer_kinds(config)
     configs = [kind_config(config, kind) for kind in sorted(set(kinds))] if kinds else [config]

@@ -9,9 +9,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, Optional
 
-from .budget import format_bytes
+from hfsplit.budget import format_bytes
 
-from .schedules import PLANNABLE as SCHEDULES  # noqa: F401  (the names a Plan may carry; one table)
+from hfsplit.schedules import PLANNABLE as SCHEDULES  # noqa: F401  (the names a Plan may carry; one table)
 
 Method = Literal["inference", "lora", "qlora", "full"]
 

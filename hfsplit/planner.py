@@ -21,15 +21,15 @@ import os
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence, Union
 
-from .budget import BudgetSpec, format_bytes, parse_max_memory
-from .costs import ModelCosts, PartCost, TrainingSpec, model_costs
-from .models import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
-from .errors import PlanError
-from .links import DEFAULT_LINK, Link
-from .plan import SCHEDULES, Plan, Stage, StageMemory, rank_total
-from .reserve import reserve_for
-from .layer_kinds import runs_of
-from .schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages
+from hfsplit.budget import BudgetSpec, format_bytes, parse_max_memory
+from hfsplit.costs import ModelCosts, PartCost, TrainingSpec, model_costs
+from hfsplit.models import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
+from hfsplit.errors import PlanError
+from hfsplit.links import DEFAULT_LINK, Link
+from hfsplit.plan import SCHEDULES, Plan, Stage, StageMemory, rank_total
+from hfsplit.reserve import reserve_for
+from hfsplit.layer_kinds import runs_of
+from hfsplit.schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages
 
 # Effective dense throughput of a device of speed 1 and the TP link bandwidth. Only
 # ratios between plans matter for the choice; absolute step times are rough estimates.
@@ -92,7 +92,7 @@ def make_plan(
         PlanError: nothing fits; the message says per stage what is needed against
             the budget and which computed change would fit.
     """
-    from .checkpoint import load_config
+    from hfsplit.checkpoint import load_config
 
     config = load_config(model) if isinstance(model, (str, os.PathLike)) else model
     name = str(model) if isinstance(model, (str, os.PathLike)) else (config._name_or_path or config.model_type)
@@ -627,7 +627,7 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
 def could_fit(config, budgets: dict[str, int], spec: TrainingSpec) -> bool:
     """False when the weights alone (held once) exceed what the devices hold beyond their reserves: no split of
     `spec` fits, which the diagnosis learns without tracing a block (each trace is one per TP degree and shape)."""
-    from .costs import weight_bytes
+    from hfsplit.costs import weight_bytes
 
     reserve = spec.reserve_bytes or 0
     return weight_bytes(config, spec) <= sum(max(b - reserve, 0) for b in budgets.values())

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .errors import QuantizationError
+from hfsplit.errors import QuantizationError
 
 _BLOCKSIZE = 64  # Params4bit's default block size (BitsAndBytesConfig has no knob for it)
 _NESTED_BLOCKSIZE = 256  # double quantization quantizes the absmax values in blocks of 256
@@ -183,7 +183,7 @@ def stored_quantization(config, *, where: str):
 def quantization_of_checkpoint(source: str, requested, *, method: str):
     """What to load `source` with: `requested` checked against the checkpoint's own quantization (a
     pre-quantized folder needs `--method qlora` and the format it stores); None for a plain 16-bit run."""
-    from .checkpoint.resolve import load_config
+    from hfsplit.checkpoint.resolve import load_config
 
     stored = stored_quantization(load_config(source), where=source)
     if stored is None:
@@ -217,7 +217,7 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
 
     Embeddings, norms and lm_head stay in `dtype`; so the rank never holds more than one block in 16 bits.
     """
-    from .parallel.stage import materialize_buffers, set_parameter
+    from hfsplit.parallel.stage import materialize_buffers, set_parameter
 
     dense = _linear_weights(module)
     staging = Staging(max((sum(math.prod(dense[k]) for k in dense if k.startswith(b + ".")) for b in

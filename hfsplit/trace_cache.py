@@ -72,8 +72,8 @@ def trace_spec(spec):
 
 def block_trace(key: str, spec, tp: int):
     """`costs._trace_block` for `spec` at TP degree `tp`, from memory, disk, or a new trace."""
-    from .costs import _BlockTrace
-    from .trace_tp import block_trace_at  # degrees above the second one are derived from two traces
+    from hfsplit.costs import _BlockTrace
+    from hfsplit.trace_tp import block_trace_at  # degrees above the second one are derived from two traces
 
     # the chunked loss changes only the head: a block trace serves both
     return _cached("block", key, replace(trace_spec(spec), chunked_loss=False), tp, block_trace_at, _BlockTrace)
@@ -81,7 +81,7 @@ def block_trace(key: str, spec, tp: int):
 
 def ends_trace(key: str, spec):
     """`costs._trace_ends` for `spec`, from memory, disk, or a new trace."""
-    from .costs import _EndsTrace, _trace_ends
+    from hfsplit.costs import _EndsTrace, _trace_ends
 
     return _cached("ends", key, trace_spec(spec), None, lambda k, s, _: _trace_ends(k, s), _EndsTrace)
 
@@ -103,7 +103,7 @@ def _cached(kind: str, key: str, spec, tp: Optional[int], trace, cls):
 
 def cached_layout(key: str, build):
     """`costs._Layout` of the config `key`, from disk or `build(key)`."""
-    from .costs import _Layout, _Linear
+    from hfsplit.costs import _Layout, _Linear
 
     record = read_cache("layout", key)
     if record is not None:

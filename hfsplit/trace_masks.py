@@ -16,7 +16,7 @@ def mask_as_run(config, kwargs: dict, *, batch: int, seq: int) -> dict:
     """`kwargs` (captured for `config`'s layer 0 on fake tensors) with the attention mask a stage passes."""
     if kwargs.get("attention_mask") is None:
         return kwargs
-    from .parallel.stage import causal_masks, layer_attention_type
+    from hfsplit.parallel.stage import causal_masks, layer_attention_type
 
     hidden = torch.empty(batch, seq, config.hidden_size, device="meta")  # a mask that is built costs nothing
     positions = torch.arange(seq).unsqueeze(0)  # real: transformers reads them (packed-sequence detection)

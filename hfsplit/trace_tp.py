@@ -33,7 +33,7 @@ class TpProfile:
 
     def at(self, tp: int):
         """The `_BlockTrace` at degree `tp`, or None when a figure would not be a whole number of bytes."""
-        from .costs import _BlockEvents
+        from hfsplit.costs import _BlockEvents
 
         def value(pair: Pair) -> Optional[int]:
             f, s = pair
@@ -60,7 +60,7 @@ _SEQUENCES = ("inference", "forward", "backward")
 
 def second_degree(config) -> Optional[int]:
     """The smallest valid TP degree above 1 (the second trace of a profile), or None."""
-    from .models import valid_tp_degrees
+    from hfsplit.models import valid_tp_degrees
 
     degrees = valid_tp_degrees(config, 64)
     return degrees[1] if len(degrees) > 1 else None
@@ -110,7 +110,7 @@ def _heads_stay_plural(config, tp: int) -> bool:
 def block_profile(key: str, spec) -> Optional[TpProfile]:
     """The TP profile of `costs._CONFIGS[key]`'s block under `spec` (two traces), or None if it has no second
     degree or does not follow `F + S / t`."""
-    from .costs import _CONFIGS, _block_events
+    from hfsplit.costs import _CONFIGS, _block_events
 
     t2 = second_degree(_CONFIGS[key])
     if t2 is None:
@@ -121,8 +121,8 @@ def block_profile(key: str, spec) -> Optional[TpProfile]:
 def block_trace_at(key: str, spec, tp: int):
     """`costs._trace_block(key, spec, tp)`, derived from the block's TP profile (on disk, or two traces) for a
     degree above the profile's second one, else traced."""
-    from .costs import _CONFIGS, _trace_block
-    from .trace_cache import read_cache, write_cache
+    from hfsplit.costs import _CONFIGS, _trace_block
+    from hfsplit.trace_cache import read_cache, write_cache
 
     config = _CONFIGS[key]
     t2 = second_degree(config) if tp > 1 else None

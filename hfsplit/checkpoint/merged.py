@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import ConvertedOnLoadError
+from hfsplit.errors import ConvertedOnLoadError
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def as_stored(config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     by one layer's worth."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    from ..models import meta_model, one_layer_config
+    from hfsplit.models import meta_model, one_layer_config
 
     reverted = revert_weight_conversion(meta_model(one_layer_config(config)), state)
     if reverted is state:

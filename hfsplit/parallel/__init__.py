@@ -1,5 +1,5 @@
 """Parallel execution: process layout (mesh), stage modules, tensor parallelism, pipeline schedules."""
-from .launch import split_from_pretrained
-from .split_model import SplitModel
+from hfsplit.parallel.launch import split_from_pretrained
+from hfsplit.parallel.split_model import SplitModel
 
 __all__ = ["SplitModel", "split_from_pretrained"]

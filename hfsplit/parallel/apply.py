@@ -17,9 +17,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..errors import PlanError, UnsupportedModelError
-from ..plan import Plan, activation_checkpointing_label, autocast_label, lora_label, quantize_label, tp_label
-from .tensor import apply_tp
+from hfsplit.errors import PlanError, UnsupportedModelError
+from hfsplit.plan import Plan, activation_checkpointing_label, autocast_label, lora_label, quantize_label, tp_label
+from hfsplit.parallel.tensor import apply_tp
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx, load: Callable[
         apply_lora(modules, lora, plan=plan, ctx=ctx)
         applied.append(lora_label(lora.config.r))
     if plan.spec.autocast_dtype is not None:  # after LoRA: it turns off the adapters' input casts
-        from .autocast import autocast_forwards
+        from hfsplit.parallel.autocast import autocast_forwards
 
         autocast_forwards(modules, dtype=plan.spec.autocast_dtype)
         applied.append(autocast_label(plan.spec.autocast_dtype))
@@ -104,7 +104,7 @@ def quantize(modules: Sequence[nn.Module], *, plan: Plan, ctx) -> list[str]:
     returns the step's label."""
     if plan.spec.method != "qlora":
         return []
-    from ..quantize import quantized_linear_count
+    from hfsplit.quantize import quantized_linear_count
 
     for module in modules:
         for name, block in module.body.layers.items():
@@ -116,7 +116,7 @@ def quantize(modules: Sequence[nn.Module], *, plan: Plan, ctx) -> list[str]:
 
 def apply_lora(modules: Sequence[nn.Module], lora: LoraSetup, *, plan: Plan, ctx) -> None:
     """Inject `lora` into every stage (after TP: the adapters follow the base layers' shards)."""
-    from ..training.lora import add_lora
+    from hfsplit.training.lora import add_lora
 
     tp_group = ctx.tp_mesh.get_group() if plan.tp > 1 else None
     for module in modules:
@@ -126,7 +126,7 @@ def apply_lora(modules: Sequence[nn.Module], lora: LoraSetup, *, plan: Plan, ctx
 
 def default_lora(plan: Plan, model_config) -> LoraSetup:
     """The plan's LoRA (its rank and targets; alpha 2r and no dropout) when the caller gives none."""
-    from ..training.lora import lora_config
+    from hfsplit.training.lora import lora_config
 
     spec = plan.spec
     return LoraSetup(lora_config(r=spec.lora_r, alpha=2 * spec.lora_r, dropout=0.0, targets=spec.lora_targets,

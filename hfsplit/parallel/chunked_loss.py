@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import PlanError
+from hfsplit.errors import PlanError
 
 IGNORE_INDEX = -100
 CHUNK_LOGIT_BYTES = 64 << 20  # fp32 logits of one chunk: small next to a block's workspace, large enough to stay fast

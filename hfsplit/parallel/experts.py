@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..errors import UnsupportedModelError
+from hfsplit.errors import UnsupportedModelError
 
 # The packed parameter holds the gate and the up projection one after the other along its output dim.
 PACKED_HALVES = 2

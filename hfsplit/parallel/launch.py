@@ -11,11 +11,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import PlanError
-from ..plan import Plan
-from .mesh import init_parallel
-from .apply import LoraSetup
-from .split_model import SplitModel, build_split_model
+from hfsplit.errors import PlanError
+from hfsplit.plan import Plan
+from hfsplit.parallel.mesh import init_parallel
+from hfsplit.parallel.apply import LoraSetup
+from hfsplit.parallel.split_model import SplitModel, build_split_model
 
 
 def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
@@ -35,7 +35,7 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         quantization_config: a transformers `BitsAndBytesConfig`: the blocks' linears are quantized as read (QLoRA).
         **plan_options: passed to `hfsplit.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
-    from .mesh import init_distributed
+    from hfsplit.parallel.mesh import init_distributed
 
     init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
     if plan is None:
@@ -55,13 +55,13 @@ def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:
     with its own type and message; rank 0 re-raises anything else as it came (a bug keeps its
     traceback there).
     """
-    from .. import errors
+    from hfsplit import errors
 
     box: list = [None]
     failure: Optional[BaseException] = None
     if dist.get_rank() == 0:
         try:
-            from ..planner import make_plan
+            from hfsplit.planner import make_plan
 
             box[0] = ("ok", make_plan(name_or_path, max_memory, **plan_options).to_json())
         except Exception as exc:  # raised on every rank below, so no rank waits forever

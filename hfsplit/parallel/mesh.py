@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import PlanError
-from ..plan import Plan
-from ..schedules import TABLE, pp_rank_of_stage
+from hfsplit.errors import PlanError
+from hfsplit.plan import Plan
+from hfsplit.schedules import TABLE, pp_rank_of_stage
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def init_distributed(*, timeout_s: float = 600.0) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's first collective needs one GPU per rank
     else:
-        from ..host_memory import fix_mmap_threshold
+        from hfsplit.host_memory import fix_mmap_threshold
 
         fix_mmap_threshold()  # opt-in: a CPU rank's RSS then follows its live tensors (hfsplit/host_memory.py)
     timeout = timedelta(seconds=timeout_s)

@@ -7,8 +7,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..errors import PlanError
-from ..schedules import TABLE
+from hfsplit.errors import PlanError
+from hfsplit.schedules import TABLE
 
 
 def schedule_class(name: str):

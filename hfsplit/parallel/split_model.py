@@ -13,17 +13,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import PlanError
-from ..models import meta_model, tp_degree_error
-from ..plan import Plan
-from .apply import LoraSetup, apply_plan
-from .chunked_loss import chunked_or, head_in_loss
-from .mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
-from .pipeline import StageTimer, build_schedule, pipeline_stages, releasing_graph
-from .router import carrying, with_router_loss
-from .stage import StageModule, load_stage_weights
-from .tensor import grad_summed_over_tp, local_tensor, shard_layout, tp_shard_dim
-from .weights import open_reader
+from hfsplit.errors import PlanError
+from hfsplit.models import meta_model, tp_degree_error
+from hfsplit.plan import Plan
+from hfsplit.parallel.apply import LoraSetup, apply_plan
+from hfsplit.parallel.chunked_loss import chunked_or, head_in_loss
+from hfsplit.parallel.mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
+from hfsplit.parallel.pipeline import StageTimer, build_schedule, pipeline_stages, releasing_graph
+from hfsplit.parallel.router import carrying, with_router_loss
+from hfsplit.parallel.stage import StageModule, load_stage_weights
+from hfsplit.parallel.tensor import grad_summed_over_tp, local_tensor, shard_layout, tp_shard_dim
+from hfsplit.parallel.weights import open_reader
 
 
 class SplitModel(nn.Module):
@@ -302,7 +302,7 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     checkpointing, only this rank's bytes read — with `quantization_config`, a transformers
     `BitsAndBytesConfig`, each block quantized on its device as it is read —, LoRA); `plan.applied`
     records the steps."""
-    from ..checkpoint import load_config
+    from hfsplit.checkpoint import load_config
 
     config = config if config is not None else load_config(name_or_path)
     if bool(getattr(config, "tie_word_embeddings", False)) != plan.tied_embeddings:
@@ -314,7 +314,7 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
         raise PlanError(f"{name_or_path}: {why}")
     dtype = dtype or getattr(torch, plan.spec.dtype)
     if quantization_config is not None or getattr(config, "quantization_config", None) is not None:
-        from ..quantize import for_stored, stored_quantization
+        from hfsplit.quantize import for_stored, stored_quantization
 
         stored = stored_quantization(config, where=name_or_path)  # pre-quantized: read as stored
         quantization_config = for_stored(quantization_config, stored, where=name_or_path) if stored else quantization_config
@@ -327,7 +327,7 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
         reader = open_reader(name_or_path, needed=needed, model=meta_model(config))
         for module in stages:
             if quantization_config is not None:
-                from ..quantize import load_quantized_stage
+                from hfsplit.quantize import load_quantized_stage
 
                 load_quantized_stage(module, reader=reader, device=ctx.device, dtype=dtype, qconfig=quantization_config)
                 continue

@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..models import check_pp_plan, family_of, meta_model, recompute_buffers
-from ..plan import Stage
-from .router import router_stats_of
+from hfsplit.models import check_pp_plan, family_of, meta_model, recompute_buffers
+from hfsplit.plan import Stage
+from hfsplit.parallel.router import router_stats_of
 
 
 class StageModule(nn.Module):
@@ -142,7 +142,7 @@ def load_stage_weights(module: StageModule, *, reader, device: torch.device, dty
     """
     from torch.distributed.tensor import DTensor
 
-    from .tensor import shard_layout
+    from hfsplit.parallel.tensor import shard_layout
 
     for key, param in list(module.named_parameters()):
         if isinstance(param, DTensor):

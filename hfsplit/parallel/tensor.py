@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..models import MOE_EXPERTS, REPLICATED_SUMMED, expert_tp_params
-from ..errors import UnsupportedModelError
+from hfsplit.models import MOE_EXPERTS, REPLICATED_SUMMED, expert_tp_params
+from hfsplit.errors import UnsupportedModelError
 
 
 def block_styles(config) -> dict[str, object]:
@@ -60,7 +60,7 @@ def block_styles(config) -> dict[str, object]:
 
 def expert_style(config, pattern: str, params: dict[str, str]):
     """The ParallelStyle of fused experts `pattern` whose parameters the plan packs column-wise or splits row-wise."""
-    from .experts import ExpertsParallel
+    from hfsplit.parallel.experts import ExpertsParallel
 
     packed = tuple(name for name, kind in params.items() if kind == "packed_colwise")
     rowwise = tuple(name for name, kind in params.items() if kind == "rowwise")

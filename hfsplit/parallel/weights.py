@@ -12,6 +12,6 @@ def open_reader(name_or_path: str, *, needed: Iterable[str], model: nn.Module):
     Passing the model lets the reader apply transformers' load-time renames and map a tied
     `lm_head.weight` to the embedding matrix it shares.
     """
-    from ..checkpoint import CheckpointReader
+    from hfsplit.checkpoint import CheckpointReader
 
     return CheckpointReader.open(name_or_path, needed=list(needed), model=model)

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import HfsplitError
-from ..parallel.tensor import mark_tp_sharded, tp_shard_dim
+from hfsplit.errors import HfsplitError
+from hfsplit.parallel.tensor import mark_tp_sharded, tp_shard_dim
 
 _LAYER_NAME = re.compile(r"(model\.layers\.\d+\..*)$")
 _IN_PLAN = re.compile(r"layers\.\d+\.(.*)$")
@@ -37,8 +37,8 @@ def lora_config(*, r: int, alpha: int, dropout: float, targets: Optional[Sequenc
     fused expert parameter ("gate_up_proj", "down_proj") adapts the experts (`hfsplit.expert_lora`)."""
     from peft import LoraConfig
 
-    from ..expert_lora import split_lora_targets
-    from ..models import block_linear_names
+    from hfsplit.expert_lora import split_lora_targets
+    from hfsplit.models import block_linear_names
 
     # names of fused MoE expert parameters (gate_up_proj, down_proj) go to peft as target parameters
     modules, parameters = split_lora_targets(list(targets or block_linear_names(model_config)), model_config)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..errors import HfsplitError
+from hfsplit.errors import HfsplitError
 
 
 @dataclass
@@ -145,7 +145,7 @@ def training_spec(options: FinetuneOptions):
     """The one options → TrainingSpec function: what a step of this recipe does, for the planner."""
     import torch
 
-    from ..plan import TrainingSpec
+    from hfsplit.plan import TrainingSpec
 
     dtype = options.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     # CPU ranks: no reserve; GPUs: None, measured per device by the planner (hfsplit/reserve.py).

@@ -16,10 +16,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import HfsplitError, NonFiniteError, PeerLostError
-from .checkpointer import Checkpointer, TrainState
-from .metrics import Metrics, StepOutcome, TrainResult, summary_line
-from .options import FinetuneOptions, training_spec, with_plan_batch
+from hfsplit.errors import HfsplitError, NonFiniteError, PeerLostError
+from hfsplit.training.checkpointer import Checkpointer, TrainState
+from hfsplit.training.metrics import Metrics, StepOutcome, TrainResult, summary_line
+from hfsplit.training.options import FinetuneOptions, training_spec, with_plan_batch
 
 __all__ = ["Run", "TrainResult", "build_run", "train", "train_step"]
 
@@ -40,7 +40,7 @@ def causal_lm_loss(vocab_size: int):
 
 def default_model_path(output_dir: str) -> str:
     """The built-in tiny model, written once next to the run's output (rank 0 writes, others wait)."""
-    from ..checkpoint.synthetic import write_tiny_checkpoint
+    from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
 
     folder = Path(output_dir).parent / "tiny-llama"
     if (not dist.is_initialized() or dist.get_rank() == 0) and not (folder / "config.json").is_file():
@@ -56,7 +56,7 @@ def default_model_path(output_dir: str) -> str:
 
 def default_max_memory(world_size: int) -> str:
     """An equal share of what this host's devices have free, one budget per rank."""
-    from ..budget import local_max_memory
+    from hfsplit.budget import local_max_memory
 
     free = local_max_memory()
     # CPU ranks of this host share its memory (ranks on other hosts have their own).
@@ -66,7 +66,7 @@ def default_max_memory(world_size: int) -> str:
 
 def check_sequence_length(model_path: str, seq_len: int) -> None:
     """A clear error, before any weight is read, for sequences longer than the model's positions."""
-    from ..checkpoint import load_config
+    from hfsplit.checkpoint import load_config
 
     limit = getattr(load_config(model_path), "max_position_embeddings", None)
     if limit is not None and seq_len > limit:
@@ -140,8 +140,8 @@ def train(options: FinetuneOptions, *, progress: bool = True) -> TrainResult:
 
 def fit(run: Run) -> TrainResult:
     """The loop over a built run (`build_run`): steps, evaluation, checkpoints, the final save; the figures."""
-    from .elastic import StopAtBoundary, stop_for_regroup
-    from .memory import out_of_memory_is_one_line
+    from hfsplit.training.elastic import StopAtBoundary, stop_for_regroup
+    from hfsplit.training.memory import out_of_memory_is_one_line
 
     options = run.options
     stopper = StopAtBoundary()  # torchrun regrouping the ranks: checkpoint at the step's end, then leave
@@ -174,7 +174,7 @@ def fit(run: Run) -> TrainResult:
     finally:
         run.metrics.close_bar()  # an error then prints on a line of its own, not after the bar
     if dist.get_rank() == 0:
-        from ..calibrate import time_report
+        from hfsplit.calibrate import time_report
 
         print(time_report(run.model.plan, result.step_times_s, result.busy_s_per_rank), flush=True)
         recheck_calibration(run, result)
@@ -184,8 +184,8 @@ def fit(run: Run) -> TrainResult:
 
 def recheck_calibration(run: Run, result: TrainResult) -> None:
     """Rank 0, which planned: a cached FLOP/s this run's busy time contradicts is replaced by the run's rate."""
-    from ..calibrate import recheck_speed
-    from ..checkpoint import load_config
+    from hfsplit.calibrate import recheck_speed
+    from hfsplit.checkpoint import load_config
 
     line = recheck_speed(run.model.plan, load_config(run.model_path), run.model.device,
                          step_times_s=result.step_times_s, busy_s=result.busy_s_per_rank, spec=run.calibration_spec)
@@ -231,9 +231,9 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     """Join the launch, plan, read the data, load this rank's part of the model, add adapters, and set up
     optimizer, schedule, metrics and checkpoints; resume when asked. Every input problem surfaces
     before any weight is read."""
-    from ..parallel.apply import LoraSetup
-    from ..parallel.launch import split_from_pretrained
-    from .elastic import settle_growth
+    from hfsplit.parallel.apply import LoraSetup
+    from hfsplit.parallel.launch import split_from_pretrained
+    from hfsplit.training.elastic import settle_growth
 
     started = time.time()
     model_path, launch = prepare(options)
@@ -275,7 +275,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
 
 def log_launch(run: Run, launch, *, started: float) -> None:
     """Check the kept global batch and log this launch's plan, and the restart it is, if any."""
-    from . import elastic
+    from hfsplit.training import elastic
 
     plan, options = run.model.plan, run.options
     elastic.check_global_batch(plan, rows_then=launch.rows_per_step, micro_batch_size=options.micro_batch_size)
@@ -296,9 +296,9 @@ def log_launch(run: Run, launch, *, started: float) -> None:
 def prepare(options: FinetuneOptions):
     """(the model's path, this launch's `LaunchState`), once the process group is joined and the output
     folder is checked: what to resume from (after a torchrun restart: the latest checkpoint)."""
-    from ..parallel.mesh import init_distributed
-    from .elastic import LaunchState
-    from .save import writable_dir
+    from hfsplit.parallel.mesh import init_distributed
+    from hfsplit.training.elastic import LaunchState
+    from hfsplit.training.save import writable_dir
 
     init_distributed(timeout_s=options.peer_timeout)
     writable_dir(options.output_dir)
@@ -309,7 +309,7 @@ def prepare(options: FinetuneOptions):
 
 def load_rows(options: FinetuneOptions, *, model_path: str):
     """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default)."""
-    from .data import bundled_dataset_path, load_token_rows
+    from hfsplit.training.data import bundled_dataset_path, load_token_rows
 
     tokenizer = tokenizer_for(options, model_path=model_path)
     source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
@@ -319,8 +319,8 @@ def load_rows(options: FinetuneOptions, *, model_path: str):
 def lora_of_run(options: FinetuneOptions, *, model_path: str):
     """The run's peft LoraConfig (None unless --method lora or qlora): `apply_plan` adds it after TP, so the
     adapters follow the base layers' sharding."""
-    from ..checkpoint import load_config
-    from .lora import lora_config
+    from hfsplit.checkpoint import load_config
+    from hfsplit.training.lora import lora_config
 
     if options.method not in ("lora", "qlora"):
         return None
@@ -334,8 +334,8 @@ def lora_of_run(options: FinetuneOptions, *, model_path: str):
 
 def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
     """The run's batches, held-out rows, step count and LR schedule (Run fields)."""
-    from .data import MicroBatches
-    from .lr_schedule import cosine_schedule_with_warmup  # transformers' own, without its 7 s of imports
+    from hfsplit.training.data import MicroBatches
+    from hfsplit.training.lr_schedule import cosine_schedule_with_warmup  # transformers' own, without its 7 s of imports
 
     rows, held_out = split_eval_rows(rows, options)
     per_step = plan.micro_batches * plan.dp
@@ -357,7 +357,7 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 def peer_lost_error(exc: BaseException, *, step: int, output_dir: str) -> PeerLostError:
     """The one-line error a surviving rank ends with, pointing at what is left to resume from."""
-    from .resume import latest_checkpoint
+    from hfsplit.training.resume import latest_checkpoint
 
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     reason = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0]  # drop the "[gloo/.../pair.cc:537]" prefix
@@ -371,12 +371,12 @@ def peer_lost_error(exc: BaseException, *, step: int, output_dir: str) -> PeerLo
 def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Optional[int] = None):
     """The run's Plan, made on rank 0 and shared with every rank, before any weight is read;
     `global_batch` (rows per step) replaces --micro-batches when a resumed run must keep its batch."""
-    from ..parallel.launch import shared_plan
-    from .options import plan_arguments
+    from hfsplit.parallel.launch import shared_plan
+    from hfsplit.training.options import plan_arguments
 
-    from ..calibrate import run_link, run_speeds
-    from ..checkpoint import load_config
-    from ..models import check_supported
+    from hfsplit.calibrate import run_link, run_speeds
+    from hfsplit.checkpoint import load_config
+    from hfsplit.models import check_supported
 
     check_sequence_length(model_path, options.seq_len)
     check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
@@ -401,12 +401,12 @@ def saved_method(method: str) -> str:
 def qlora_config_of_run(options: FinetuneOptions, plan, *, model_path: str):
     """The run's `BitsAndBytesConfig` (None unless --method qlora), refused in one line before any weight is
     read where bitsandbytes cannot serve it on this rank's device."""
-    from ..quantize import quantization_of_checkpoint
+    from hfsplit.quantize import quantization_of_checkpoint
 
     if options.method != "qlora":
         return quantization_of_checkpoint(model_path, None, method=options.method)  # refuses a pre-quantized one
-    from ..parallel.mesh import device_of_rank
-    from ..quantize import check_quantization, quantization_config_of
+    from hfsplit.parallel.mesh import device_of_rank
+    from hfsplit.quantize import check_quantization, quantization_config_of
 
     qconfig = quantization_config_of(plan.spec)  # the spec carries the options' knobs (options.training_spec)
     qconfig = quantization_of_checkpoint(model_path, qconfig, method="qlora")  # as a pre-quantized one stores
@@ -416,7 +416,7 @@ def qlora_config_of_run(options: FinetuneOptions, plan, *, model_path: str):
 
 def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
     """The tokenizer named by --tokenizer, else the model's own, else hfsplit's tiny one."""
-    from .data import tiny_tokenizer
+    from hfsplit.training.data import tiny_tokenizer
 
     name = options.tokenizer or model_path
     if name is None:
@@ -442,7 +442,7 @@ def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -
 
 def split_eval_rows(rows, options: FinetuneOptions):
     """(training rows, held-out rows): with `eval_every`, 5% (at least one micro-batch) is held out."""
-    from .data import TokenRows
+    from hfsplit.training.data import TokenRows
 
     if not options.eval_every:
         return rows, None
