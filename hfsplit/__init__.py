@@ -10,7 +10,7 @@ __all__ = [
 
 # The planner (with the cost model's FakeTensor tracing) and the loader load on first use, so
 # `import hfsplit.plan` or the training runtime does not pull in planning code.
-_LAZY = {"from_pretrained": "materialize", "make_plan": "planner"}
+_LAZY = {"from_pretrained": "load.materialize", "make_plan": "planning.planner"}
 
 
 def __getattr__(name: str):

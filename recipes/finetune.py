@@ -21,7 +21,7 @@ def main(argv=None) -> int:
 
     from hfsplit.errors import HfsplitError
     from hfsplit.training.options import parse_options
-    from hfsplit.training.trainer import train
+    from hfsplit.training.run import train
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:

@@ -24,9 +24,9 @@ from typing import Iterable, Optional, Union
 import torch
 
 from hfsplit.budget import torch_device
-from hfsplit.errors import CheckpointError
 from hfsplit.checkpoint.merged import MergedTensor, split_checkpoint_names
 from hfsplit.checkpoint.resolve import resolve_file
+from hfsplit.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

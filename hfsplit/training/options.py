@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hfsplit.errors import HfsplitError
+from hfsplit.plan import TrainingSpec
 
 
 @dataclass
@@ -145,10 +146,8 @@ def training_spec(options: FinetuneOptions):
     """The one options → TrainingSpec function: what a step of this recipe does, for the planner."""
     import torch
 
-    from hfsplit.plan import TrainingSpec
-
     dtype = options.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
-    # CPU ranks: no reserve; GPUs: None, measured per device by the planner (hfsplit/reserve.py).
+    # CPU ranks: no reserve; GPUs: None, measured per device by the planner (hfsplit/planning/reserve.py).
     return TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
                         dtype=dtype, lora_r=options.lora_r,
                         lora_targets=tuple(options.lora_targets) if options.lora_targets else None,

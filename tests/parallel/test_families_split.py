@@ -1,4 +1,4 @@
-"""Families that do work outside their blocks (hfsplit.models.FAMILIES), split: logits, gradients and greedy
+"""Families that do work outside their blocks (hfsplit.models.families.FAMILIES), split: logits, gradients and greedy
 generation equal to transformers, and 20 steps of LoRA and of full training equal to a single process.
 
 One launch of ranks per split shape runs every family's case in turn (tests/parallel/family_cases.py), and
