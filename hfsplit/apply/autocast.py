@@ -1,4 +1,4 @@
-"""The autocast step: 16-bit QLoRA stage forwards under `torch.autocast`, as transformers' Trainer runs them with bf16/fp16.
+"""The autocast step: 16-bit QLoRA stage forwards under `torch.autocast`, as transformers' Trainer runs them.
 
 peft keeps LoRA adapters in fp32 (`autocast_adapter_dtype=True`). Outside autocast its bitsandbytes layer
 casts every target module's input to fp32 and lora_A saves that copy for backward: q, k and v each keep their

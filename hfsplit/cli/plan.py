@@ -6,11 +6,9 @@ import sys
 from typing import Optional, Sequence
 
 from hfsplit.budget import parse_max_memory, parse_size
-from hfsplit.checkpoint.synthetic import TINY_MODEL, write_tiny_checkpoint
 from hfsplit.cli.charts import plan_memory_chart
 from hfsplit.errors import HfsplitError
 from hfsplit.plan import TrainingSpec
-from hfsplit.planning.planner import make_plan
 from hfsplit.training.options import FinetuneOptions, parse_options, plan_arguments
 
 
@@ -111,6 +109,8 @@ def tiny_model_folder() -> str:
     """The recipe's built-in tiny model, written to a temporary folder (its config is all planning reads)."""
     import tempfile
 
+    from hfsplit.checkpoint.synthetic import TINY_MODEL, write_tiny_checkpoint  # lazy: as make_plan (run_plan)
+
     spec = dict(TINY_MODEL)
     folder = f"{tempfile.mkdtemp(prefix='hfsplit-tiny-')}/tiny-llama"
     write_tiny_checkpoint(folder, spec.pop("arch"), sharded=True, **spec)
@@ -118,6 +118,8 @@ def tiny_model_folder() -> str:
 
 
 def run_plan(args) -> int:
+    from hfsplit.planning.planner import make_plan  # lazy: torch and transformers; `hfsplit plan --help` 0.2 s, not 5
+
     model, budgets, kwargs = plan_request(args)
     if args.device_speeds:
         values = [float(v) for v in args.device_speeds.split(",")]
