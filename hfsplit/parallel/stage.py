@@ -88,7 +88,7 @@ class StageModule(nn.Module):
                       cache=cache, use_cache=cache is not None)
         if self.body.norm is not None:
             x = self.body.norm(x)
-            if not self.head_in_loss:  # a chunked loss runs lm_head itself (hfsplit/parallel/chunked_loss.py)
+            if not self.head_in_loss:  # a chunked loss runs lm_head itself (hfsplit/models/loss.py)
                 x = self.family.output_side(self.config, self.lm_head(x))
         if carry:
             sums = self.router.finish(router_sums, device=x.device)

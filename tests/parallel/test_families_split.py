@@ -196,7 +196,7 @@ def test_moe_splits_match_transformers_router_loss_included(launch, tiny_checkpo
 
 
 # MoE under tensor parallelism: every expert on every TP rank, each expert's intermediate dim split
-# (hfsplit/parallel/experts.py); two layers, as the dense tp cases. name: (tp, pp, layers, schedule)
+# (hfsplit/apply/tp_experts.py); two layers, as the dense tp cases. name: (tp, pp, layers, schedule)
 MOE_TP_SHAPES = {"tp2": (2, 1, [(0, 2)], "GPipe"), "pp2xtp2": (2, 2, [(0, 1), (1, 2)], "1F1B")}
 
 
