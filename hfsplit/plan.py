@@ -258,8 +258,9 @@ class Plan:
         )
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         # loading runs under every plan: the line names what the plan decides
-        steps = " → ".join(str(s) for s in self.applied or self.steps() if s.kind != "load") or "nothing (plain stages)"
-        runs = f"\n{'applied' if self.applied else 'applies'} per stage: {steps}"
+        applied, planned = ([s for s in steps if s.kind != "load"] for steps in (self.applied, self.steps()))
+        steps = " → ".join(map(str, applied or planned)) or "nothing (plain stages)"
+        runs = f"\n{'applied' if applied else 'applies'} per stage: {steps}"
         return head + "\n".join(lines) + tail + runs + notes
 
     def __str__(self) -> str:
