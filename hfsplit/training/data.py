@@ -21,7 +21,6 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from hfsplit.checkpoint.synthetic import TINY_TOKENIZER_DIR, tiny_tokenizer  # noqa: F401  (re-exported)
 from hfsplit.errors import HfsplitError
 from hfsplit.training.packing import (  # noqa: F401  (TokenRows, IGNORE_INDEX re-exported)
     IGNORE_INDEX, Example, TokenRows, packed_rows, padded_rows,

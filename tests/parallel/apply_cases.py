@@ -31,7 +31,7 @@ def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, se
 def memory_by_checkpointing(*, checkpoint: str, method: str, tp: int, pp: int, seq_len: int, micro_batch_size: int,
                            micro_batches: int, steps: int, packing: bool = False) -> dict:
     """{activation checkpointing: the plan's figure for this rank's stages, the measured peak, losses, what ran}."""
-    from hfsplit.trace_masks import traced_positions
+    from hfsplit.planning.costs.masks import traced_positions
 
     out = {}
     for ac in (False, True):
@@ -83,9 +83,9 @@ def qlora_autocast_memory(*, checkpoint: str, seq_len: int, micro_batch_size: in
 
 def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_batches, dtype="float32",
            autocast=None, schedule="auto", packing=False):
-    from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel.launch import split_from_pretrained
-    from hfsplit.quantize import quantization_config
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.load.launch import split_from_pretrained
+    from hfsplit.apply.quantize import quantization_config
 
     spec = TrainingSpec(method=method, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype,
                         lora_r=8, activation_checkpointing=ac, autocast=autocast, packing=packing)
@@ -104,7 +104,7 @@ def _train(model, optimizer, ids, *, steps: int, positions=None):
     assumes): the bytes held when it starts (weights, AdamW state) plus the peak of the storages it creates.
     And the bytes the third step leaves alive beyond what the second left (a leak grows it; 0 when each step
     frees what the one before kept), from one tracker over both."""
-    from hfsplit.training.trainer import causal_lm_loss
+    from hfsplit.models.loss import causal_lm_loss
 
     loss_fn = causal_lm_loss(model.config.vocab_size)
     losses, peak, left = [], 0, []
