@@ -92,7 +92,8 @@ def flattening_loop(model_path: Path, data: Path, *, seq: int, steps: int) -> di
     import torch
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
-    from hfsplit.training.data import load_examples, tiny_tokenizer, token_rows
+    from hfsplit.checkpoint.synthetic import tiny_tokenizer
+    from hfsplit.training.data import load_examples, token_rows
     from hfsplit.training.packing import label_tokens
 
     torch.set_num_threads(2)

@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers.masking_utils import find_packed_sequence_indices
 
-from hfsplit.training.data import MicroBatches, bundled_dataset_path, load_token_rows, tiny_tokenizer, token_rows
+from hfsplit.checkpoint.synthetic import tiny_tokenizer
+from hfsplit.training.data import MicroBatches, bundled_dataset_path, load_token_rows, token_rows
 from hfsplit.training.packing import (
     IGNORE_INDEX, best_fit_decreasing, pack_row, packed_rows, padded_rows,
 )
