@@ -156,7 +156,7 @@ class SplitModel(nn.Module):
         Args:
             input_ids, labels: `(batch, seq)`; labels unshifted, -100 where the loss does not count.
             loss_fn: `loss_fn(output, labels, num_items_in_batch=N)`: a micro-batch's summed loss over N, as
-                transformers' loss functions take it (`hfsplit.training.trainer.causal_lm_loss`).
+                transformers' loss functions take it (`hfsplit.models.loss.causal_lm_loss`).
             position_ids: `(batch, seq)` positions within each example (packed rows); None: one sequence a row.
             num_items_in_batch: N, what the loss is a mean over in the whole step (every micro-batch of every
                 data-parallel replica); None: the label tokens of every replica's `labels` (a collective over

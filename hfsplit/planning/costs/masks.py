@@ -2,7 +2,7 @@
 
 The cost model traces a block on fake tensors, and transformers never skips a causal mask built from a fake
 tensor (`masking_utils._ignore_causal_mask_sdpa` reads one as tracing), while a real stage under sdpa gets None
-where there is no padding (`parallel.stage.causal_masks`, as the model's own forward): sdpa's causal flag then
+where there is no padding (`hfsplit.models.masks.causal_masks`, as the model's own forward): sdpa's causal flag then
 replaces the mask, and the block makes none of the mask's float copies. So the mask is decided as the stage
 decides it, on a meta hidden state of the traced shape, and the trace drops the captured fake mask where the run
 has none. Packed rows (position ids restarting inside a row) always get a materialised block-diagonal mask under
