@@ -66,7 +66,7 @@ def _cache_path(kind: str, key: str) -> Path:
 def trace_spec(spec):
     """The spec with the fields that do not change a trace set to fixed values."""
     lora = spec.method == "lora"
-    return replace(spec, activation_checkpointing=False, reserve_bytes=None,
+    return replace(spec, activation_checkpointing=False, reserve_bytes=None, optim="adamw_torch",
                    lora_r=spec.lora_r if lora else 0, lora_targets=spec.lora_targets if lora else None)
 
 
@@ -90,7 +90,8 @@ _MEMO: dict[str, object] = {}
 
 
 def _cached(kind: str, key: str, spec, tp: Optional[int], trace, cls):
-    full = f"{key}|{sorted(asdict(spec).items())}|tp={tp}"
+    # `optim` never changes a trace (trace_spec fixes it): left out of the key, caches from before it stay valid
+    full = f"{key}|{sorted((k, v) for k, v in asdict(spec).items() if k != 'optim')}|tp={tp}"
     if full in _MEMO:
         return _MEMO[full]
     record = read_cache(kind, full)
@@ -106,8 +107,9 @@ def cached_layout(key: str, build):
     from .costs import _Layout, _Linear
 
     record = read_cache("layout", key)
-    if record is not None:
-        return _Layout(**{**record, "linears": tuple(_Linear(**lin) for lin in record["linears"])})
+    if record is not None and "block_params" in record:  # (a layout cached before it listed its parameters: rebuilt)
+        params = {k: tuple(tuple(p) for p in record[k]) for k in ("embed_params", "block_params", "head_params")}
+        return _Layout(**{**record, **params, "linears": tuple(_Linear(**lin) for lin in record["linears"])})
     layout = build(key)
     write_cache("layout", key, asdict(layout))
     return layout

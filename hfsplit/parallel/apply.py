@@ -1,6 +1,7 @@
 """Apply a Plan to this rank's stages, in one place and one order (as torchtitan's `parallelize_llama`):
 
-    tensor parallelism → activation checkpointing → load weights → quantization → LoRA → autocast (16-bit QLoRA)
+    tensor parallelism → activation checkpointing (its block inputs offloaded where the stage says) → load weights →
+    quantization → LoRA → autocast (16-bit QLoRA)
 
 TP and checkpointing act on the stage while it is still on the meta device (TP so each rank
 reads only its slices); quantization needs real weights; LoRA comes last because peft wraps
@@ -18,7 +19,9 @@ import torch
 from torch import nn
 
 from ..errors import PlanError, UnsupportedModelError
-from ..plan import Plan, activation_checkpointing_label, autocast_label, lora_label, quantize_label, tp_label
+from ..plan import (Plan, activation_checkpointing_label, autocast_label, checkpointing_label, lora_label,
+                    quantize_label, tp_label)
+from .offload import HostBytes, StageOffload
 from .tensor import apply_tp
 
 
@@ -50,10 +53,9 @@ def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx, load: Callable[
         for module in modules:
             apply_tp(module, tp_mesh=ctx.tp_mesh, body_name=module.body_name)
         applied.append(tp_label(plan.tp))
-    if plan.spec.activation_checkpointing and plan.spec.method != "inference":
-        for module in modules:
-            apply_activation_checkpointing(module.body.layers.values())
-        applied.append(activation_checkpointing_label())
+    if any(plan.checkpointing_of(s) != "off" for s in plan.stages):
+        apply_checkpointing(modules, plan=plan, device=ctx.device)
+        applied.append(checkpointing_label(plan))
     load(modules)
     applied += quantize(modules, plan=plan, ctx=ctx)
     if plan.spec.method in ("lora", "qlora"):
@@ -68,7 +70,25 @@ def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx, load: Callable[
     return tuple(applied)
 
 
-def apply_activation_checkpointing(blocks) -> int:
+def apply_checkpointing(modules: Sequence[nn.Module], *, plan: Plan, device: torch.device) -> Optional[HostBytes]:
+    """Each stage's checkpointing as the plan decided it (off, on, or on with its block inputs offloaded to host
+    memory); the rank's `HostBytes` counter of offloaded bytes (None when no stage of this rank offloads), also
+    kept on each offloading module as `module.activation_offload.counter`."""
+    counter = None
+    by_index = {s.index: s for s in plan.stages}
+    for module in modules:
+        mode = plan.checkpointing_of(by_index[module.stage_index])
+        offload = None
+        if mode == "offload":
+            counter = counter or HostBytes()
+            offload = StageOffload(device=device, keep_first=not module.has_embed, counter=counter)
+        if mode != "off":
+            apply_activation_checkpointing(module.body.layers.values(), offload=offload)
+        module.activation_offload = offload
+    return counter
+
+
+def apply_activation_checkpointing(blocks, *, offload: Optional[StageOffload] = None) -> int:
     """Recompute each decoder block's activations in backward (non-reentrant `torch.utils.checkpoint`).
 
     Uses transformers' own per-layer switch (what `gradient_checkpointing_enable` sets), so the
@@ -82,17 +102,19 @@ def apply_activation_checkpointing(blocks) -> int:
     the recomputed down_proj all-reduce, one hidden-sized tensor per block and micro-batch leaked every
     step (measured: tests/parallel/test_apply.py, LoRA tp=2, 1.13-1.17× the plan after one step, growing).
     The time model already counts the recompute's two all-reduces per block.
+
+    With `offload`, each block's saved input goes to host memory until its recompute (`hfsplit.parallel.offload`).
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     count = 0
-    for block in blocks:
+    for position, block in enumerate(blocks):
         if not isinstance(block, GradientCheckpointingLayer):
             raise UnsupportedModelError(
                 f"{type(block).__name__} is not a transformers GradientCheckpointingLayer, so hfsplit cannot "
                 "recompute it; plan with activation_checkpointing=False")
         block.gradient_checkpointing = True
-        block._gradient_checkpointing_func = functools.partial(
+        block._gradient_checkpointing_func = offload.checkpoint_function(position) if offload else functools.partial(
             torch.utils.checkpoint.checkpoint, use_reentrant=False, early_stop=False)
         count += 1
     return count
@@ -140,6 +162,9 @@ def apply_plan_to_model(model: nn.Module, plan: Optional[Plan], *, training: str
     if plan is None:  # a hand-made device map: no decisions to apply
         return None
     applied = ()
+    if training != "inference" and plan.spec.checkpointing == "offload":
+        raise PlanError("the single-process model does not offload activations; plan it with "
+                        "activation_checkpointing=True (offload runs on split stages, under a launcher)")
     if training != "inference" and plan.spec.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         applied = (activation_checkpointing_label(),)
