@@ -356,12 +356,26 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     weights = sum(c.param_bytes * k for c, k in parts)
     grads = sum(c.grad_bytes * k for c, k in parts)
     optim = sum(c.optimizer_bytes * k for c, k in parts) + max((c.optimizer_shared_bytes for c, _ in parts), default=0)
-    workspace = stage_transient(costs, slot, layers)
+    workspace = stage_transient(_offload_workspace(costs, slot, layers), slot, layers)
     kept = _kept_input(costs, slot, layers)  # offload: the first block's input of a later stage stays (see there)
     acts = slot.in_flight * (sum(c.activation_bytes * k for c, k in parts) + kept) + workspace
     host = slot.in_flight * (sum(c.offload_bytes * k for c, k in parts) - kept)
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
                        reserve=costs.spec.reserve_bytes, workspace=int(workspace), offload=int(host))
+
+
+def _offload_workspace(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> ModelCosts:
+    """`costs` with the blocks' recompute workspace as this stage's offload has it: a block's workspace counts its
+    input brought back and the one before it fetched ahead (2 hidden states), but a stage that offloads one block
+    has no second input in flight, and one that keeps its only block's input nothing to bring back."""
+    if costs.spec.checkpointing != "offload" or not costs.block.offload_bytes:
+        return costs
+    count = layers if isinstance(layers, int) else len(layers)
+    unused = 2 - min(count - (1 if _kept_input(costs, slot, layers) else 0), 2)
+    if not unused:
+        return costs
+    less = lambda part: replace(part, workspace_bytes=part.workspace_bytes - unused * costs.boundary_bytes)  # noqa: E731
+    return replace(costs, block=less(costs.block), layer_blocks=tuple(less(b) for b in costs.layer_blocks))
 
 
 def _kept_input(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> int:
