@@ -6,7 +6,7 @@ import sys
 from typing import Optional, Sequence
 
 from .errors import HfsplitError
-from .plan import TrainingSpec
+from .plan import OPTIMS, TrainingSpec
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
@@ -18,7 +18,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                    help="hub name (org/name), local folder, or config.json (default: the --config recipe's model)")
     p.add_argument("--config", default=None,
                    help="a fine-tuning recipe (YAML): plan exactly what it would run; flags given here override it")
-    p.add_argument("--max-memory", default=None, help='per-device budget: "4x24GiB", "24GiB,12GiB,12GiB"')
+    p.add_argument("--max-memory", default=None, help='per-device budget: "4x24GiB", "24GiB,12GiB,12GiB"; '
+                                                      '",cpu:128GiB" adds the host RAM activation offload may use')
     method = p.add_mutually_exclusive_group()
     method.add_argument("--lora-r", type=int, default=None, help=f"LoRA rank (default method: LoRA, r={recipe.lora_r})")
     method.add_argument("--full", action="store_true", help="full fine-tuning with AdamW")
@@ -37,7 +38,14 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                    help="sequences per step (sets --micro-batches; under --schedule auto the time model picks the cut)")
     p.add_argument("--schedule", default=None, help=f"auto (fastest by the time model; prints each candidate's step) | 1F1B | GPipe | "
                                                     f"Interleaved1F1B | ZBVZeroBubble | DualPipeV (default {recipe.schedule})")
-    p.add_argument("--activation-checkpointing", choices=("on", "off", "auto"), default=None, help="default auto")
+    p.add_argument("--activation-checkpointing", choices=("auto", "off", "on", "offload", "True", "False"), default=None,
+                   help="auto (default: per stage the fastest of off / on / offload that fits) | off | on | offload "
+                        "(block inputs in host RAM until their recompute)")
+    p.add_argument("--optim", choices=("auto",) + OPTIMS, default=None,
+                   help="auto (default: fp32 AdamW, 8-bit moments on a stage only where fp32 would not fit) | "
+                        + " | ".join(OPTIMS))
+    p.add_argument("--headroom", type=float, default=None,
+                   help="fraction of each device's budget the plan leaves free (default 0; 0.03: at most 97%% full)")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default bfloat16)")
     p.add_argument("--reserve", default=None, help="per-device reserve overriding the measured one (0 on the CPU; "
                                                    "on GPUs context + fragmentation + NCCL, see hfsplit/reserve.py)")
@@ -80,12 +88,14 @@ def plan_request(args) -> tuple[str, object, dict]:
         return recipe_request(args)
     if args.model is None or args.max_memory is None:
         raise HfsplitError("hfsplit plan needs MODEL and --max-memory, or --config RECIPE.yaml")
-    ac = {"on": True, "off": False, "auto": "auto", None: "auto"}[args.activation_checkpointing]
+    ac = {"on": True, "off": False, "True": True, "False": False, "auto": "auto", "offload": "offload",
+          None: "auto"}[args.activation_checkpointing]
     schedule = args.schedule or "auto"
     cut = args.global_batch and args.micro_batches is None and schedule == "auto"  # auto cuts the global batch
     return args.model, parse_max_memory(args.max_memory), dict(
         spec=spec_from_args(args), micro_batches="auto" if cut else args.micro_batches, global_batch=args.global_batch,
-        schedule=schedule, activation_checkpointing=ac, tp=args.tp, pp=args.pp)
+        schedule=schedule, activation_checkpointing=ac, optim=args.optim or "auto", headroom=args.headroom or 0.0,
+        tp=args.tp, pp=args.pp)
 
 
 def recipe_request(args) -> tuple[str, object, dict]:
@@ -96,7 +106,7 @@ def recipe_request(args) -> tuple[str, object, dict]:
              "--micro-batches": args.micro_batches, "--schedule": args.schedule, "--dtype": args.dtype,
              "--lora-targets": args.lora_targets, "--tp": args.tp, "--pp": args.pp, "--max-memory": args.max_memory,
              "--model": args.model, "--activation-checkpointing": args.activation_checkpointing,
-             "--global-batch": args.global_batch}
+             "--global-batch": args.global_batch, "--optim": args.optim, "--headroom": args.headroom}
     argv = ["--config", args.config] + [x for k, v in flags.items() if v is not None for x in (k, str(v))]
     argv += ["--method", "full"] if args.full else ["--method", "qlora"] if args.qlora else []
     argv += ["--chunked-loss"] if args.chunked_loss else []

@@ -306,6 +306,11 @@ class Plan:
         tail = (
             f"\nestimated step: {self.step_time_s * 1e3:.1f} ms, bubble {100 * self.bubble_fraction:.1f}%"
         )
+        if self.virtual_stages > 1:  # a device's stages share it: their figures together, as the planner fits them
+            tail += "\nper device, its stages together: " + ", ".join(
+                f"{mine[0].devices[0][0]} {format_bytes(rank_total(s.memory for s in mine))} of "
+                f"{format_bytes(mine[0].budget)} ({100 * rank_total(s.memory for s in mine) / mine[0].budget:.0f}%)"
+                for mine in (self.stages_of_rank(r) for r in range(self.pp)))
         if self.offload_bytes:
             tail += (f"\nhost RAM for activation offload: {format_bytes(self.offload_bytes)} per replica "
                      f"(column host: per rank)")

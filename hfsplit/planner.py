@@ -55,6 +55,7 @@ class Slot:
     sends: int = 0  # pipeline neighbours on another rank (a V's turn stays on its rank: no message)
     actions: int = 2  # schedule actions per micro-batch: forward, backward (zero bubble: + weight gradient)
     host_budget: Optional[int] = None  # host bytes this rank's activation offload may hold (None: no limit given)
+    cap: Optional[int] = None  # what the plan may fill of `budget` (None: all of it; less under make_plan's headroom)
 
 
 def make_plan(
@@ -67,6 +68,7 @@ def make_plan(
     schedule: str = AUTO,
     activation_checkpointing: Union[bool, str] = "auto",
     optim: str = "auto",
+    headroom: float = 0.0,
     device_speeds: Optional[dict] = None, link: Optional[Link] = None,
     tp: Optional[int] = None,
     pp: Optional[int] = None,
@@ -89,6 +91,8 @@ def make_plan(
             fits it, `hfsplit.memory_choices`), or a setting every stage runs: False / "off", True / "on", "offload".
         optim: "auto" (each rank's moments fp32, or bitsandbytes' 8-bit where fp32 would not fit), or an optimizer
             every stage runs ("adamw_torch", "adamw_8bit", "paged_adamw_8bit").
+        headroom: the fraction of each device's budget the plan leaves free (0.03: every device at most 97% full),
+            a margin for what the estimate misses; the table still shows the whole budget.
         device_speeds: relative speed per device key (default 1 each).
         link: the link pipeline sends and TP all-reduces use (default `links.DEFAULT_LINK`; runs: probed), and the
             host link offloaded activations cross.
@@ -112,16 +116,37 @@ def make_plan(
     _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing)
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
-                   device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, world_size=world_size, host=host)
+                   device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, world_size=world_size, host=host,
+                   headroom=_checked_headroom(headroom))
     choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim,
                      single_process=single_process)
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule)
     _check_budget_count(world_size, budgets)
     found = best_plan(config, budgets, spec, name=name, choices=choices, **options)
     if found is not None:
-        return found
+        return _with_host_note(found, host)
     options["schedule"] = _diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
     raise PlanError(_explain_no_fit(config, budgets, frugal(choices).spec(spec), name=name, options=options))
+
+
+def _checked_headroom(headroom: float) -> float:
+    if not 0 <= headroom < 0.5:
+        raise PlanError(f"headroom={headroom}: a fraction of each budget to leave free, from 0 to below 0.5 "
+                        "(0.03 keeps 3% of every device free)")
+    return float(headroom)
+
+
+def _with_host_note(plan: Plan, host: Optional[int]) -> Plan:
+    """`plan` with a note on the host RAM its offload takes (per rank, against the share of max_memory["cpu"])."""
+    if not plan.offload_bytes:
+        return plan
+    ranks = plan.world_size
+    most = max(sum(s.memory.offload for s in plan.stages_of_rank(r)) for r in range(plan.pp))
+    given = (f" of its share {format_bytes(host_share(host, ranks))} of max_memory['cpu'] {format_bytes(host)} "
+             f"({ranks} local ranks)") if host is not None else " (no max_memory['cpu'] given: not checked)"
+    note = (f"activation offload: {format_bytes(plan.offload_bytes * plan.dp)} of host RAM in all, the fullest rank "
+            f"{format_bytes(most)}{given}; its copies cross the host link (`links.host_link_bandwidth`)")
+    return replace(plan, notes=plan.notes + (note,))
 
 
 def _diagnosis_schedule(schedule: str, micro_batches, devices: int) -> str:
@@ -137,7 +162,7 @@ def _diagnosis_schedule(schedule: str, micro_batches, devices: int) -> str:
 def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, micro_batches, global_batch,
               schedule: str, device_speeds: dict, link: Link = DEFAULT_LINK, tp=None, pp=None, dp=None,
               world_size: Optional[int] = None, choices: Optional[Sequence[Choice]] = None,
-              host: Optional[int] = None) -> Optional[Plan]:
+              host: Optional[int] = None, headroom: float = 0.0) -> Optional[Plan]:
     """The fastest fitting plan (by tokens/s), or None. Under schedule "auto" each candidate schedule
     is searched and the plan's notes give the best step of each (and of each micro-batch cut, under
     micro_batches="auto"). Each rank runs the first of `choices` (default: the spec's own) that fits it; `host`
@@ -158,7 +183,7 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
                 variants = Variants(config, cut, t, usable, cache)
                 for candidate in plans_for_shape(variants, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
                                                  name=name, config=config, link=link,
-                                                 host_budget=host_share(host, t * p * d)):
+                                                 host_budget=host_share(host, t * p * d), headroom=headroom):
                     rate = d * m * b / candidate.step_time_s
                     key = (candidate.schedule, b)
                     if key not in best or rate > best[key][0] * (1 + 1e-9):
@@ -225,13 +250,13 @@ def _shapes(config, budgets: dict[str, int], spec: TrainingSpec, *, tp, pp, dp,
 
 def plans_for_shape(variants: "Variants", budgets: dict[str, int], speeds: dict, *, t: int, p: int, d: int, m: int,
                     schedule: str, name: str, config, link: Link = DEFAULT_LINK,
-                    host_budget: Optional[int] = None) -> Iterable[Plan]:
+                    host_budget: Optional[int] = None, headroom: float = 0.0) -> Iterable[Plan]:
     """Fitting plans of one (tp, pp, dp) shape, one per device order tried."""
     schedule = schedule if p > 1 else "1F1B"
     v = virtual_stages(schedule, p)
     for groups in _device_orders(budgets, t=t, count=p * d, speeds=speeds):
         slots = _slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule, link=link,
-                       host_budget=host_budget)
+                       host_budget=host_budget, headroom=headroom)
         found = split_with_choices(variants, slots)
         if found is None:
             continue
@@ -469,7 +494,8 @@ def _fits(costs: ModelCosts, mine: Sequence[Slot], counts: Sequence[int]) -> boo
     activation offload holds fits the rank's share of host memory."""
     memories = [stage_memory(costs, s, stage_layers(costs, counts, s.index)) for s in mine]
     host = mine[0].host_budget
-    return rank_total(memories) <= mine[0].budget and (host is None or sum(m.offload for m in memories) <= host)
+    cap = mine[0].budget if mine[0].cap is None else mine[0].cap
+    return rank_total(memories) <= cap and (host is None or sum(m.offload for m in memories) <= host)
 
 
 def _rank_times(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int]) -> dict[int, float]:
@@ -508,7 +534,8 @@ def _plan(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequence[Slot],
 
 
 def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: dict, *, p: int, d: int, v: int,
-           m: int, schedule: str, link: Link = DEFAULT_LINK, host_budget: Optional[int] = None) -> list[Slot]:
+           m: int, schedule: str, link: Link = DEFAULT_LINK, host_budget: Optional[int] = None,
+           headroom: float = 0.0) -> list[Slot]:
     """Stage positions: replica r of pipeline rank k runs on device group `groups[r * p + k]`."""
     count = p * v
     slots, ranks = [], [pp_rank_of_stage(schedule, pp=p, index=i) for i in range(count)]
@@ -522,6 +549,7 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
             has_embed=index == 0, has_head=index == count - 1, link=link,
             sends=sum(0 <= j < count and ranks[j] != rank for j in (index - 1, index + 1)),
             actions=3 if TABLE[schedule].zero_bubble and p > 1 else 2, host_budget=host_budget,
+            cap=int(min(budgets[x] for x in flat) * (1 - headroom)) if headroom else None,
         ))
     return slots
 
@@ -711,6 +739,8 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
             budgets, replace(spec, activation_checkpointing=True)):
         fixes.append("activation checkpointing (--activation-checkpointing on)")
     fixes += _headroom_fixes(spec, lambda s: fits(budgets, s))
+    if options.get("host") is not None and spec.checkpointing == "offload":
+        fixes += _host_fix(config, budgets, spec, options)
     seqs = [spec.seq_len >> k for k in range(1, spec.seq_len.bit_length()) if spec.seq_len >> k >= 128]
     # A shorter sequence only shrinks activations: when the shortest does not fit, none does, and the longer ones
     # need no trace (each is one per TP degree: most of the no-fit CLI's time).
@@ -743,6 +773,17 @@ def _headroom_fixes(spec: TrainingSpec, fits) -> list[str]:
         fixes.append("offloaded activation checkpointing and 8-bit optimizer states "
                      "(--activation-checkpointing offload --optim adamw_8bit)")
     return fixes
+
+
+def _host_fix(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> list[str]:
+    """More host RAM for the offload, where the plan without a host limit fits: how much max_memory["cpu"] it needs
+    (its fullest rank's offload times the ranks sharing the host)."""
+    plan = best_plan(config, budgets, spec, name="", **{**options, "host": None})
+    if plan is None:
+        return []
+    fullest = max(sum(s.memory.offload for s in plan.stages_of_rank(r)) for r in range(plan.pp))
+    return [f"more host RAM for the activation offload (max_memory['cpu'] of "
+            f"{format_bytes(fullest * plan.world_size)} or more, e.g. --max-memory ...,cpu:SIZE)"]
 
 
 def could_fit(config, budgets: dict[str, int], spec: TrainingSpec) -> bool:

@@ -39,6 +39,7 @@ class StepOutcome:
     grad_norm: float
     seconds: float
     busy_s: float  # of `seconds`, the time this rank spent computing inside its pipeline stages
+    offload_bytes: int = 0  # peak host bytes this rank's activation offload held during the step
 
     @property
     def finite(self) -> bool:
@@ -65,10 +66,12 @@ class Metrics:
         holds_loss: this rank holds the loss: it writes notes (eval loss, skipped steps) under the bar.
         progress: it also shows the progress bar.
         append: append to an existing `metrics.jsonl` (a resumed run).
+        offloads: the plan offloads activations: each step logs `activation_offload_bytes`, per rank the peak
+            host bytes its offloaded block inputs held (beside `peak_memory_bytes`, the device's).
     """
 
     def __init__(self, output_dir: str, *, total_steps: int, tokens_per_step: int, bubble_theory: float,
-                 holds_loss: bool, progress: bool = True, append: bool = False) -> None:
+                 holds_loss: bool, progress: bool = True, append: bool = False, offloads: bool = False) -> None:
         self.log = MetricsLog(output_dir, enabled=dist.get_rank() == 0, append=append)
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
@@ -78,6 +81,7 @@ class Metrics:
         self.bar = None
         self.first_step = 1
         self._busy_total = self._wall_total = 0.0
+        self.offloads = offloads
 
     def begin(self, first_step: int) -> None:
         """Show the bar from `first_step` (after a resume, the step after the checkpoint's)."""
@@ -108,8 +112,9 @@ class Metrics:
         self.result.step_times_s.append(outcome.seconds)
         rate = self.tokens_per_step / outcome.seconds
         peaks = gather(int(peak_memory_bytes(device)))
+        offloaded = {"activation_offload_bytes": gather(int(outcome.offload_bytes))} if self.offloads else {}
         self.log.write({"step": step, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm,
-                        "tokens_per_s": rate, "peak_memory_bytes": peaks})
+                        "tokens_per_s": rate, "peak_memory_bytes": peaks, **offloaded})
         self.bar.set_postfix(loss=f"{outcome.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}",
                              peak_mib="/".join(str(p >> 20) for p in peaks))
         self.bar.update(1)

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from ..errors import HfsplitError
 
@@ -33,7 +33,11 @@ class FinetuneOptions:
             --micro-batch-size × a count) by its time model, and the run trains on that cut.
         schedule: auto (the planner picks by its calibrated time model) | 1F1B | GPipe | Interleaved1F1B |
             ZBVZeroBubble | DualPipeV.
-        activation_checkpointing: recompute block activations in backward.
+        activation_checkpointing: recompute block activations in backward: auto (unset: the planner decides per
+            stage among off, on and offload, the fastest that fits) | off | on | offload (on, with each block's saved
+            input kept in host memory until its recompute); True / False are on / off.
+        optim: the optimizer, by transformers' names: auto (unset: fp32 AdamW, bitsandbytes' 8-bit moments on a
+            stage only where fp32 ones would not fit) | adamw_torch | adamw_8bit | paged_adamw_8bit.
         dtype: bfloat16 (mixed precision on GPU) or float32 (default on CPU).
         tp, pp: force tensor-parallel degree / pipeline depth instead of letting the planner choose.
         learning_rate, warmup_steps, weight_decay, max_grad_norm: optimisation.
@@ -72,7 +76,10 @@ class FinetuneOptions:
     micro_batches: int = 4
     global_batch: Optional[int] = None
     schedule: str = "auto"
-    activation_checkpointing: bool = False
+    activation_checkpointing: Optional[Literal["auto", "off", "on", "offload"]] = field(default=None, metadata={
+        "help": "auto (unset: the planner picks per stage the fastest of off / on / offload that fits) | off | on | "
+                "offload (on, each block's saved input in host RAM until its recompute); True / False: on / off",
+        "group": "optimisation"})
     dtype: Optional[str] = None
     tp: Optional[int] = None
     pp: Optional[int] = None
@@ -95,12 +102,19 @@ class FinetuneOptions:
     bnb_4bit_use_double_quant: bool = True
     load_in_8bit: bool = False
     chunked_loss: bool = False
+    optim: Optional[Literal["auto", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"]] = field(default=None, metadata={
+        "help": "auto (unset: fp32 AdamW, bitsandbytes' 8-bit moments on a stage only where fp32 would not fit) | "
+                "adamw_torch | adamw_8bit | paged_adamw_8bit (transformers' names)", "group": "optimisation"})
+    headroom: float = field(default=0.0, metadata={
+        "help": "fraction of each device's budget the plan leaves free, a margin for what the estimate misses "
+                "(0.03: every device at most 97% full)", "group": "parallelism"})
     config: Optional[str] = field(default=None, metadata={"help": "YAML recipe file; flags override it"})
 
     def validate(self) -> None:
         if self.method not in ("lora", "qlora", "full"):
             raise HfsplitError(f"--method {self.method!r}: choose lora, qlora or full")
         check_qlora_options(self)
+        check_headroom_options(self)
         for f in dataclasses.fields(self):  # a string is truthy: "off" would silently turn a switch on
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise HfsplitError(f"--{_flag(f.name)} is on or off (True or False in Python); "
@@ -118,6 +132,7 @@ class FinetuneOptions:
             _check_number(self, name, low=0)
         _check_number(self, "learning_rate", low=0, above=True)
         _check_number(self, "lora_dropout", low=0, high=1)
+        _check_number(self, "headroom", low=0, high=0.49)
         # unset: off (or the planner's choice)
         for name in ("eval_every", "save_every", "epochs", "tp", "pp", "global_batch"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -152,7 +167,8 @@ def training_spec(options: FinetuneOptions):
     return TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
                         dtype=dtype, lora_r=options.lora_r,
                         lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
-                        activation_checkpointing=options.activation_checkpointing,
+                        activation_checkpointing=_fixed_checkpointing(options),
+                        optim=options.optim if options.optim not in (None, "auto") else "adamw_torch",
                         reserve_bytes=None if torch.cuda.is_available() else 0,
                         bnb_4bit_quant_type=options.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
@@ -165,7 +181,14 @@ def plan_arguments(options: FinetuneOptions, *, world_size: int) -> dict:
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world_size if options.model is None and options.tp is None else None)
     return dict(spec=training_spec(options), **batch_arguments(options), schedule=options.schedule,
-                tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing)
+                tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=checkpointing_request(options),
+                optim=optim_request(options), headroom=options.headroom)
+
+
+def _fixed_checkpointing(options: FinetuneOptions):
+    """The spec's checkpointing: the user's setting, or off until the planner decides ("auto")."""
+    request = checkpointing_request(options)
+    return False if request == "auto" else request
 
 
 def batch_arguments(options: FinetuneOptions) -> dict:
@@ -192,6 +215,36 @@ def check_qlora_options(options: FinetuneOptions) -> None:
                            "drop --tp (QLoRA splits over pipeline stages and data parallelism)")
 
 
+def check_headroom_options(options: FinetuneOptions) -> None:
+    """One line for an --activation-checkpointing or --optim value hfsplit does not know."""
+    from ..plan import OPTIMS, checkpointing_mode
+
+    ac = options.activation_checkpointing
+    if ac is not None and ac != "auto":
+        try:
+            checkpointing_mode(ac)
+        except ValueError:
+            raise HfsplitError(f"--activation-checkpointing {ac!r}: choose auto, off, on or offload") from None
+    if options.optim is not None and options.optim not in ("auto",) + OPTIMS:
+        raise HfsplitError(f"--optim {options.optim!r}: choose auto, {', '.join(OPTIMS)} (transformers' names)")
+
+
+def checkpointing_request(options: FinetuneOptions):
+    """`make_plan`'s activation_checkpointing for these options: "auto" unless the user fixed it."""
+    from ..plan import checkpointing_mode
+
+    ac = options.activation_checkpointing
+    if ac is None or ac == "auto":
+        return "auto"
+    mode = checkpointing_mode(ac)
+    return {"off": False, "on": True}.get(mode, mode)  # on and off as booleans, as the spec keeps them
+
+
+def optim_request(options: FinetuneOptions) -> str:
+    """`make_plan`'s optim for these options: "auto" unless the user fixed it."""
+    return options.optim or "auto"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Pipelined fine-tuning of a split Hugging Face model")
     for f in dataclasses.fields(FinetuneOptions):
@@ -200,6 +253,8 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, type=_bool, nargs="?", const=True, default=None)  # --merge or --merge off
         elif f.name == "resume":  # a bare --resume means the latest checkpoint
             parser.add_argument(flag, type=str, nargs="?", const="latest", default=None)
+        elif f.name == "activation_checkpointing":  # a bare --activation-checkpointing means on, as it always did
+            parser.add_argument(flag, type=str, nargs="?", const="on", default=None)
         elif f.name == "lora_targets":
             parser.add_argument(flag, type=lambda s: [t.strip() for t in s.split(",") if t.strip()], default=None)
         else:

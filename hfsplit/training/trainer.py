@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..errors import HfsplitError, NonFiniteError, PeerLostError
 from .checkpointer import Checkpointer, TrainState
 from .metrics import Metrics, StepOutcome, TrainResult, summary_line
+from .optimizers import build_optimizer, optim_of_rank
 from .options import FinetuneOptions, training_spec, with_plan_batch
 
 __all__ = ["Run", "TrainResult", "build_run", "train", "train_step"]
@@ -200,12 +201,14 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     model = run.model
     mine = slice(model.ctx.coords.dp * run.rows_per_replica, (model.ctx.coords.dp + 1) * run.rows_per_replica)
     busy = model.busy_seconds()
+    model.activation_offload_bytes(reset=True)
     start = time.perf_counter()
     with compute_precision(model):
         loss = model.step(batch["input_ids"][mine], batch["labels"][mine], run.loss_fn)
     loss = model.reduce_loss(loss)
     norm = model.grad_norm(run.params)
-    outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0)
+    outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0,
+                          offload_bytes=model.activation_offload_bytes())
     if outcome.finite:
         clip_(run.params, norm=norm, max_norm=run.options.max_grad_norm)
         run.optimizer.step()
@@ -253,14 +256,16 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     if dist.get_rank() == 0:
         print(plan.table(), flush=True)  # its last lines say what the run applied to each stage
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
+    optimizer = build_optimizer(params, optim=optim_of_rank(plan, model.stage_indices), lr=options.learning_rate,
+                                weight_decay=options.weight_decay)  # the plan's: fp32 or 8-bit moments
     run = Run(options=options, model=model, model_path=model_path, tokenizer=tokenizer, params=params,
               optimizer=optimizer, lora_config=config, loss_fn=causal_lm_loss(model.config.vocab_size),
               calibration_spec=calibrated, **data_of_run(options, rows, plan=plan, optimizer=optimizer))
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
     run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
                           tokens_per_step=run.rows_per_replica * plan.dp * options.seq_len,
-                          holds_loss=holds_loss, progress=progress, append=launch.append)
+                          holds_loss=holds_loss, progress=progress, append=launch.append,
+                          offloads=plan.offload_bytes > 0)
     run.checkpointer = Checkpointer(
         model=model, state=TrainState(params=params, optimizer=optimizer, scheduler=run.scheduler,
                                       batches=run.batches),
