@@ -66,15 +66,10 @@ def make_plan(
     micro_batches: Union[int, str, None] = None,
     global_batch: Optional[int] = None,
     schedule: str = AUTO,
-    activation_checkpointing: Union[bool, str] = "auto",
-    optim: str = "auto",
-    headroom: float = 0.0,
+    activation_checkpointing: Union[bool, str] = "auto", optim: str = "auto", headroom: float = 0.0,
     device_speeds: Optional[dict] = None, link: Optional[Link] = None,
-    tp: Optional[int] = None,
-    pp: Optional[int] = None,
-    dp: Optional[int] = None,
-    world_size: Optional[int] = None,
-    single_process: bool = False,
+    tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
+    world_size: Optional[int] = None, single_process: bool = False,
 ) -> Plan:
     """Plan the split of `model` over the devices of `max_memory`.
 
@@ -104,11 +99,7 @@ def make_plan(
         PlanError: nothing fits; the message says per stage what is needed against
             the budget and which computed change would fit.
     """
-    from .checkpoint import load_config
-
-    config = load_config(model) if isinstance(model, (str, os.PathLike)) else model
-    name = str(model) if isinstance(model, (str, os.PathLike)) else (config._name_or_path or config.model_type)
-    check_causal_lm(config) if single_process else check_supported(config)
+    config, name = _config_and_name(model, single_process=single_process)
     spec = spec or TrainingSpec()
     budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
     if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
@@ -127,6 +118,16 @@ def make_plan(
         return _with_host_note(found, host)
     options["schedule"] = _diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
     raise PlanError(_explain_no_fit(config, budgets, frugal(choices).spec(spec), name=name, options=options))
+
+
+def _config_and_name(model, *, single_process: bool):
+    """(the transformers config of `model`, the name the plan records), refused early if hfsplit cannot split it."""
+    from .checkpoint import load_config
+
+    config = load_config(model) if isinstance(model, (str, os.PathLike)) else model
+    name = str(model) if isinstance(model, (str, os.PathLike)) else (config._name_or_path or config.model_type)
+    check_causal_lm(config) if single_process else check_supported(config)
+    return config, name
 
 
 def _checked_headroom(headroom: float) -> float:
@@ -364,14 +365,29 @@ def in_flight(schedule: str, *, p: int, m: int, v: int, pp_rank: int, index: int
         ahead = 2 * p - pp_rank - 1 if index < p else pp_rank + 1
         return min(ahead, m)
     if schedule == "Interleaved1F1B":
-        # torch runs forwards in rounds of p micro-batches per local chunk; at the peak the rank has run
-        # warm-up + 1 of them, counted here for this stage's chunk (index // p).
-        alive = min((v - 1) * p + 2 * (p - 1 - pp_rank) + 1, m * v)
-        return max(1, sum((k // p) % v == index // p for k in range(alive)))
+        return interleaved_in_flight(p=p, m=m, v=v, pp_rank=pp_rank, chunk=index // p)
     if schedule == "DualPipeV":
         # Both directions' micro-batches are in flight at once: DualPipe keeps about p + 1 chunks per rank.
         return min(p + 1, m)
     return min(p - pp_rank, m)
+
+
+def interleaved_in_flight(*, p: int, m: int, v: int, pp_rank: int, chunk: int) -> int:
+    """The most micro-batches local chunk `chunk` of rank `pp_rank` holds at once under torch's Interleaved1F1B,
+    replaying its order (`_get_1f1b_rank_ops`): forwards go round the chunks a round of micro-batches at a time,
+    backwards round them the other way, one of each per step after the warm-up. The first chunk keeps taking
+    forwards while the last one's backwards run, so it holds more than the warm-up alone (measured: the offload's
+    host bytes on rank 0 of pp=2 × 4 micro-batches, 4 micro-batches in flight where the warm-up counts 3)."""
+    per_round = m // max(1, m // p)
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - pp_rank), m * v)
+    alive = peak = 0
+    for op in range(m * v):
+        if (op // per_round) % v == chunk:
+            alive += 1
+            peak = max(peak, alive)
+        if op >= warmup and v - 1 - ((op - warmup) // per_round) % v == chunk:
+            alive -= 1
+    return max(peak, 1)
 
 
 def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> StageMemory:
