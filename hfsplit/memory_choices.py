@@ -50,7 +50,8 @@ def ladder(spec: TrainingSpec, *, activation_checkpointing: Union[bool, str] = A
     if single_process and "offload" in modes:
         raise PlanError("activation checkpointing offload runs on split stages (a launched run); the single-process "
                         "model checkpoints on its device: use activation_checkpointing=True")
-    optims = ["adamw_torch", "adamw_8bit"] if optim == AUTO else [check_optim(optim)]
+    # the single-process model trains with the user's own optimizer: the plan counts the spec's
+    optims = ([spec.optim] if single_process else ["adamw_torch", "adamw_8bit"]) if optim == AUTO else [check_optim(optim)]
     return [Choice(m, o) for m in modes for o in optims]
 
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, Optional, Union
 
 from .budget import format_bytes
+from .errors import PlanError
 
 from .schedules import PLANNABLE as SCHEDULES  # noqa: F401  (the names a Plan may carry; one table)
 
@@ -106,7 +107,7 @@ def checkpointing_mode(value) -> str:
     """"off", "on" or "offload" for any accepted spelling (False / True / "off" / "on" / "offload")."""
     mode = _CHECKPOINTING_SPELLINGS.get(value.lower() if isinstance(value, str) else value)
     if mode is None:
-        raise ValueError(f"activation checkpointing {value!r}: use off, on or offload (or False / True)")
+        raise PlanError(f"activation checkpointing {value!r}: use auto, off, on or offload (or False / True)")
     return mode
 
 

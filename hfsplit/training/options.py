@@ -223,7 +223,7 @@ def check_headroom_options(options: FinetuneOptions) -> None:
     if ac is not None and ac != "auto":
         try:
             checkpointing_mode(ac)
-        except ValueError:
+        except HfsplitError:
             raise HfsplitError(f"--activation-checkpointing {ac!r}: choose auto, off, on or offload") from None
     if options.optim is not None and options.optim not in ("auto",) + OPTIMS:
         raise HfsplitError(f"--optim {options.optim!r}: choose auto, {', '.join(OPTIMS)} (transformers' names)")

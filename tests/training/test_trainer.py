@@ -275,8 +275,8 @@ def test_resume_under_another_split_reshards_weights_and_optimizer(tiny_checkpoi
                     timeout_s=300)[0]
     moved = dict(run, **split_after, resume=str(tmp_path / "run" / "checkpoint-5"),
                  output_dir=str(tmp_path / "moved"))
-    moved8 = [dict(eight[0], **split_after, resume=str(tmp_path / "run-8bit" / "checkpoint-5"),
-                   output_dir=str(tmp_path / f"moved-8bit-{name}"), **extra)
+    moved8 = [{**eight[0], **split_after, "resume": str(tmp_path / "run-8bit" / "checkpoint-5"),
+               "output_dir": str(tmp_path / f"moved-8bit-{name}"), **extra}
               for name, extra in (("tp2", {}), ("dp2", dict(tp=1, micro_batches=2)))] if eight else []
     resumed = launch("tests.training.cases:finetune_losses", world_size=world_after, kwargs={"runs": [moved] + moved8},
                      timeout_s=400)[0]
