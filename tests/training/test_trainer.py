@@ -123,12 +123,12 @@ def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path,
 @pytest.mark.slow
 def test_offloaded_checkpointing_and_8bit_adamw_train_as_planned_and_metrics_log_the_host_bytes(tiny_checkpoint,
                                                                                                tmp_path):
-    """pp=2 on two ranks: LoRA with offloaded checkpointing gives the unsplit model's losses (as checkpointing does),
+    """pp=2 on two ranks: LoRA with offloaded checkpointing and the chunked loss gives the unsplit model's losses,
     and metrics.jsonl logs per rank the host bytes its offload held, the plan's within ±15%; full fine-tuning with
     bitsandbytes' 8-bit AdamW stays within rel 1e-2 of torch's AdamW over 20 steps."""
     checkpoint = tiny_checkpoint("llama")
     split = dict(pp=2, max_memory="2x1GiB")
-    runs = [run_options(checkpoint, tmp_path, "lora", activation_checkpointing="offload", **split),
+    runs = [run_options(checkpoint, tmp_path, "lora", activation_checkpointing="offload", chunked_loss=True, **split),
             run_options(checkpoint, tmp_path, "full", optim="adamw_8bit", **split)]
     offloaded, eight = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs},
                               timeout_s=400)[0]
@@ -447,10 +447,11 @@ def test_recipe_bad_checkpoint_data_budget_or_launch_is_one_clear_line_and_exit_
 def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint, tmp_path):
     """20 steps with `output_router_logits` (the router auxiliary loss over the layers of both stages, coefficient
     0.5), LoRA and full training of each family, one launch: Mixtral LoRA (1F1B) and full (GPipe), Qwen3-MoE full with
-    activation checkpointing (the routers run again in backward; GPipe) and LoRA with it (1F1B). Every step's loss
+    offloaded activation checkpointing (the routers run again in backward, from the inputs brought back; GPipe) and
+    LoRA with checkpointing on the device (1F1B). Every step's loss
     equals transformers' own loss of the unsplit model, and the saved output (experts stored one by one) loads with
     plain transformers / peft."""
-    cases = (("mixtral", "lora", "1F1B", False), ("qwen3_moe", "full", "GPipe", True),
+    cases = (("mixtral", "lora", "1F1B", False), ("qwen3_moe", "full", "GPipe", "offload"),
              ("mixtral", "full", "GPipe", False), ("qwen3_moe", "lora", "1F1B", True))
     runs = [run_options(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5),
                         tmp_path / f"{arch}-{method}", method, tp=1, pp=2, schedule=schedule, max_memory="2x1GiB",
