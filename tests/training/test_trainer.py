@@ -121,29 +121,24 @@ def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path,
 
 
 @pytest.mark.slow
-def test_offloaded_checkpointing_and_8bit_adamw_train_as_planned_and_metrics_log_the_host_bytes(tiny_checkpoint,
-                                                                                               tmp_path):
-    """pp=2 on two ranks: LoRA with offloaded checkpointing and the chunked loss gives the unsplit model's losses,
-    and metrics.jsonl logs per rank the host bytes its offload held, the plan's within ±15%; full fine-tuning with
-    bitsandbytes' 8-bit AdamW stays within rel 1e-2 of torch's AdamW over 20 steps."""
+def test_offloaded_checkpointing_trains_as_planned_and_metrics_log_the_host_bytes(tiny_checkpoint, tmp_path):
+    """pp=2 on two ranks (auto's Interleaved1F1B): LoRA with offloaded checkpointing and the chunked loss gives the
+    unsplit model's losses, and metrics.jsonl logs per rank the host bytes its offload held, the plan's within ±15%.
+    (8-bit AdamW against torch's over 20 steps: tests/training/test_optimizers.py; through the trainer, with its
+    resume, in the resume tests below.)"""
     checkpoint = tiny_checkpoint("llama")
-    split = dict(pp=2, max_memory="2x1GiB")
-    runs = [run_options(checkpoint, tmp_path, "lora", activation_checkpointing="offload", chunked_loss=True, **split),
-            run_options(checkpoint, tmp_path, "full", optim="adamw_8bit", **split)]
-    offloaded, eight = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs},
-                              timeout_s=400)[0]
+    runs = [run_options(checkpoint, tmp_path, "lora", activation_checkpointing="offload", chunked_loss=True, pp=2,
+                        max_memory="2x1GiB")]
+    (offloaded,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs},
+                          timeout_s=400)[0]
     expected, _ = reference_training(FinetuneOptions(**dict(runs[0], activation_checkpointing=None)))
     assert offloaded == pytest.approx(expected, rel=1e-4)
-    adamw, _ = reference_training(FinetuneOptions(**dict(runs[1], optim=None)))
-    assert len(eight) == STEPS and eight == pytest.approx(adamw, rel=1e-2) and eight != pytest.approx(adamw, rel=1e-6)
     records = [json.loads(x) for x in (Path(runs[0]["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     planned = next(r["activation_offload_planned"] for r in records if "plan" in r)
     assert sum(planned) > 0
     for record in (r for r in records if "loss" in r):
         for rank, (held, plan) in enumerate(zip(record["activation_offload_bytes"], planned)):
             assert (held == plan == 0) or 0.85 <= held / plan <= 1.15, (record["step"], rank, held, plan)
-    assert not any("activation_offload_bytes" in r for r in
-                   (json.loads(x) for x in (Path(runs[1]["output_dir"]) / "metrics.jsonl").read_text().splitlines()))
 
 
 @pytest.mark.slow
@@ -253,7 +248,7 @@ def test_resume_gives_the_uninterrupted_loss_curve(tiny_checkpoint, tmp_path, wo
     assert resumed[0] == pytest.approx(first[0][6:], rel=1e-6)
     if eight:
         assert resumed[1] == first[2][6:]  # exactly: the 8-bit state as it was
-        assert first[2] != first[0]  # (8-bit moments are not fp32 ones)
+        assert first[2] != first[0] and first[2] == pytest.approx(first[0], rel=1e-2)  # 8-bit moments track fp32
     # the final save of a resumed run loads like any other
     assert (tmp_path / "resumed" / ("adapter" if method == "lora" else "model")).is_dir()
 
