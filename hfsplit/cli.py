@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from .budget import parse_max_memory, parse_size
 from .errors import HfsplitError
+from .memory_choices import host_budget
 from .training.options import FinetuneOptions, add_option_arguments, options_from, plan_arguments
 
 
@@ -56,7 +57,8 @@ def plan_request(args) -> tuple[str, object, dict]:
     budgets = parse_max_memory(options.max_memory)
     # A recipe plans as it runs here; a model on numbered devices is planned for GPUs (16-bit, a reserve).
     gpu = None if args.config else any(device != "cpu" for device in budgets)
-    kwargs = plan_arguments(options, world_size=len(budgets), gpu=gpu)
+    devices, _ = host_budget(budgets, single_process=False)  # a "cpu" entry beside GPUs is their host's RAM
+    kwargs = plan_arguments(options, world_size=len(devices), gpu=gpu)
     spec = kwargs["spec"]
     if args.inference:
         spec = replace(spec, method="inference")

@@ -111,3 +111,16 @@ def test_offload_costs_host_link_time_hidden_on_a_side_stream_and_not_on_a_cpu_r
     cpu = make_plan("meta-llama/Llama-3.1-8B", "2x24GiB", activation_checkpointing="offload", link=inline, **common)
     assert on.step_time_s < gpu.step_time_s < on.step_time_s * 1.001  # a GPU: copy launches only
     assert cpu.step_time_s > 1.2 * gpu.step_time_s  # 1 GB/s in line: 0.5 GB a micro-batch per stage shows
+
+
+def test_hfsplit_plan_takes_the_host_ram_and_prints_per_stage_what_it_trades(capsys):
+    from hfsplit.cli import main
+
+    assert main(["plan", LLAMA_70B, "--max-memory", "2x24GiB,cpu:64GiB", "--method", "qlora", "--seq-len", "2048",
+                 "--headroom", "0.03"]) == 0  # two GPUs and their host, not three devices
+    out = capsys.readouterr().out
+    assert "ckpt     moments  host" in out and "offload" in out and "per device, its stages together:" in out
+    assert "of max_memory['cpu'] 64.00 GiB (2 local ranks)" in out
+    assert main(["plan", LLAMA_70B, "--max-memory", "2x24GiB", "--method", "qlora", "--seq-len", "2048",
+                 "--activation-checkpointing", "on", "--optim", "adamw_torch"]) == 2  # fixed by the user: kept
+    assert "--activation-checkpointing offload" in capsys.readouterr().err
