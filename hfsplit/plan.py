@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Literal, Optional, Union
+from typing import Literal, NamedTuple, Optional, Union
 
-from .budget import format_bytes
-from .errors import PlanError
+from hfsplit.budget import format_bytes
+from hfsplit.errors import PlanError
 
-from .schedules import PLANNABLE as SCHEDULES  # noqa: F401  (the names a Plan may carry; one table)
 
 Method = Literal["inference", "lora", "qlora", "full"]
 Checkpointing = Literal["off", "on", "offload"]
@@ -21,7 +20,6 @@ CHECKPOINTING = ("off", "on", "offload")  # from the most memory to the least: t
 OPTIMS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit")  # transformers' `optim` names
 _CHECKPOINTING_SPELLINGS = {False: "off", True: "on", "off": "off", "on": "on", "offload": "offload",
                             "false": "off", "true": "on"}
-
 
 @dataclass(frozen=True)
 class TrainingSpec:
@@ -37,19 +35,19 @@ class TrainingSpec:
         lora_targets: module names LoRA wraps; None means every attention and MLP projection.
         activation_checkpointing: recompute each block's activations in backward: False / "off", True / "on", or
             "offload" (checkpointing with each block's saved input moved to host memory until its recompute,
-            `hfsplit.parallel.offload`). "off" and "on" are kept as False and True. In a Plan, the most frugal
+            `hfsplit.apply.offload`). "off" and "on" are kept as False and True. In a Plan, the most frugal
             setting any stage runs; each stage's own is `Stage.checkpointing`.
         optim: the optimizer, by transformers' names: "adamw_torch" (fp32 moments), "adamw_8bit" or
             "paged_adamw_8bit" (bitsandbytes' 8-bit blockwise moments; paged ones page out under memory pressure
             on CUDA and fall back to non-paged on CPU). In a Plan, 8-bit when any stage runs it (`Stage.optim`).
         reserve_bytes: per-device reserve (context, fragmentation, comm buffers); None: measured for the
-            budget's devices by `make_plan` (see `hfsplit.reserve`: 0 on the CPU).
+            budget's devices by `make_plan` (see `hfsplit.planning.reserve`: 0 on the CPU).
         bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: the QLoRA base's `BitsAndBytesConfig`.
         chunked_loss: the last stage runs lm_head and the loss a chunk of tokens at a time, never holding a whole
-            micro-batch's logits (`hfsplit.parallel.chunked_loss`).
+            micro-batch's logits (`hfsplit.models.loss`).
         autocast: QLoRA with a 16-bit compute dtype runs its stage forwards (and their checkpointed recompute)
             under `torch.autocast` to that dtype, as transformers' Trainer does with bf16/fp16, so peft's fp32
-            adapters take the 16-bit inputs instead of keeping fp32 copies of them (`hfsplit.parallel.autocast`).
+            adapters take the 16-bit inputs instead of keeping fp32 copies of them (`hfsplit.apply.autocast`).
             None: on for 16-bit 4-bit QLoRA; False: off. No effect in float32, on an 8-bit base (not measured
             under autocast) or for other methods.
     """
@@ -172,14 +170,14 @@ class Plan:
         pp: pipeline ranks (physical stages).
         dp: data-parallel replicas.
         virtual_stages: stages per pipeline rank (1 except for interleaved schedules).
-        schedule: a torch.distributed.pipelining schedule name (see SCHEDULES).
+        schedule: a torch.distributed.pipelining schedule name (see `hfsplit.schedules.PLANNABLE`).
         micro_batches: micro-batches per step per replica.
         spec: the training spec the costs were computed for.
         stages: pp × virtual_stages stages in pipeline order; `stage.pp_rank` says which rank runs each.
         step_time_s: estimated time of one optimizer step.
         bubble_fraction: the schedule's idle fraction, `(p-1)/(m+p-1)` for 1F1B.
         tied_embeddings: lm_head shares the embedding matrix.
-        applied: what the run applied to its stages (`apply_plan`'s labels; empty until a run builds them).
+        applied: the steps the run applied to its stages (`apply_plan`'s; empty until a run builds them).
     """
 
     model: str
@@ -197,21 +195,24 @@ class Plan:
     bubble_fraction: float
     tied_embeddings: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
-    applied: tuple[str, ...] = field(default_factory=tuple)
+    applied: tuple[Step, ...] = field(default_factory=tuple)
 
-    def steps(self) -> tuple[str, ...]:
-        """What `hfsplit.parallel.apply.apply_plan` applies to each stage for this plan, in order."""
+    def steps(self) -> tuple[Step, ...]:
+        """What `hfsplit.apply.steps.apply_plan` does to each stage for this plan, in order: data, one
+        `Step(kind, value)` each (printed as its label), e.g. `(("tp", 2), ("checkpointing", "per block"),
+        ("load", "this rank's bytes"), ("lora", 16))`."""
         out = []
         if self.tp > 1:
-            out.append(tp_label(self.tp))
+            out.append(tp_step(self.tp))
         if any(self.checkpointing_of(s) != "off" for s in self.stages):
-            out.append(checkpointing_label(self))
+            out.append(checkpointing_step(self))
+        out.append(load_step())
         if self.spec.method == "qlora":
-            out.append(quantize_label(self.spec))
+            out.append(quantize_step(self.spec))
         if self.spec.method in ("lora", "qlora"):
-            out.append(lora_label(self.spec.lora_r))
+            out.append(lora_step(self.spec.lora_r))
         if self.spec.autocast_dtype is not None:
-            out.append(autocast_label(self.spec.autocast_dtype))
+            out.append(autocast_step(self.spec.autocast_dtype))
         return tuple(out)
 
     def checkpointing_of(self, stage: Stage) -> str:
@@ -255,7 +256,7 @@ class Plan:
         data["stages"] = tuple(replace(s, checkpointing=s.checkpointing or spec.checkpointing, optim=s.optim or spec.optim)
                                for s in data["stages"])
         data["notes"] = tuple(data.get("notes", ()))
-        data["applied"] = tuple(data.get("applied", ()))
+        data["applied"] = tuple(Step(*step) for step in data.get("applied", ()))
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -316,8 +317,10 @@ class Plan:
             tail += (f"\nhost RAM for activation offload: {format_bytes(self.offload_bytes)} per replica "
                      f"(column host: per rank)")
         notes = "".join(f"\nnote: {n}" for n in self.notes)
-        steps = " → ".join(self.applied or self.steps()) or "nothing (plain stages)"
-        runs = f"\n{'applied' if self.applied else 'applies'} per stage: {steps}"
+        # loading runs under every plan: the line names what the plan decides
+        applied, planned = ([s for s in steps if s.kind != "load"] for steps in (self.applied, self.steps()))
+        steps = " → ".join(map(str, applied or planned)) or "nothing (plain stages)"
+        runs = f"\n{'applied' if applied else 'applies'} per stage: {steps}"
         return head + "\n".join(lines) + tail + runs + notes
 
     def _uniform(self, of, mixed: str) -> str:
@@ -341,37 +344,79 @@ class Plan:
         return self.table()
 
 
-def tp_label(tp: int) -> str:
-    return f"tensor parallel tp={tp}"
+@dataclass(frozen=True)
+class Coordinates:
+    """Where one global rank sits in the plan's grid."""
+
+    rank: int
+    dp: int
+    pp: int
+    tp: int
 
 
-def activation_checkpointing_label() -> str:
-    return "activation checkpointing per block (non-reentrant)"
+def coordinates_of_rank(plan: Plan, *, rank: int) -> Coordinates:
+    """The (dp, pp, tp) coordinates of global `rank` under `plan` (row-major over dp, pp, tp)."""
+    dp, rest = divmod(rank, plan.pp * plan.tp)
+    pp, tp = divmod(rest, plan.tp)
+    return Coordinates(rank=rank, dp=dp, pp=pp, tp=tp)
 
 
-def checkpointing_label(plan: "Plan") -> str:
-    """What `apply_plan` records for the plan's checkpointing: the plain label where no stage offloads, else
-    which stages keep their blocks' saved inputs in host memory."""
-    offloaded = [s.index for s in plan.stages if plan.checkpointing_of(s) == "offload"]
+class Step(NamedTuple):
+    """One thing `apply_plan` does to every stage: its kind (the key of apply's table) and its value.
+
+    Kinds, in the order they run: "tp" (the degree), "checkpointing" ("per block"), "load" (every plan reads
+    its rank's bytes), "quantize" (the base's format), "lora" (the rank), "autocast" (the dtype).
+    """
+
+    kind: str
+    value: object
+
+    def __str__(self) -> str:
+        return _LABELS[self.kind](self.value)
+
+
+_LABELS = {
+    "tp": lambda tp: f"tensor parallel tp={tp}",
+    "checkpointing": lambda how: "activation checkpointing per block (non-reentrant)" + (
+        "" if how == "per block" else how[len("per block"):]),
+    "load": lambda what: f"weights read ({what})",
+    "quantize": lambda kind: f"base quantized to {kind} (bitsandbytes, per block as read)",
+    "lora": lambda r: f"LoRA r={r}",
+    "autocast": lambda dtype: f"forwards under autocast to {dtype} (adapters take 16-bit inputs)",
+}
+
+
+def tp_step(tp: int) -> Step:
+    return Step("tp", tp)
+
+
+def checkpointing_step(plan: Optional["Plan"] = None) -> Step:
+    """The checkpointing step: "per block" where no stage offloads, else which stages keep their blocks' saved
+    inputs in host memory (`plan.checkpointing_of` says it per stage; `apply.checkpointing` reads it there)."""
+    offloaded = [s.index for s in plan.stages if plan.checkpointing_of(s) == "offload"] if plan else []
     if not offloaded:
-        return activation_checkpointing_label()
+        return Step("checkpointing", "per block")
     on = [s.index for s in plan.stages if plan.checkpointing_of(s) == "on"]
     where = "every stage" if len(offloaded) == len(plan.stages) else f"stage {', '.join(map(str, offloaded))}"
-    return (activation_checkpointing_label() + f", block inputs offloaded to host on {where}"
-            + (f" (stage {', '.join(map(str, on))}: on device)" if on else ""))
+    return Step("checkpointing", f"per block, block inputs offloaded to host on {where}"
+                + (f" (stage {', '.join(map(str, on))}: on device)" if on else ""))
 
 
-def lora_label(r: int) -> str:
-    return f"LoRA r={r}"
+def load_step() -> Step:
+    return Step("load", "this rank's bytes")
 
 
-def quantize_label(spec: TrainingSpec) -> str:
+def quantize_step(spec: TrainingSpec) -> Step:
     kind = "int8" if spec.load_in_8bit else f"{spec.bnb_4bit_quant_type}{' + double quant' if spec.bnb_4bit_use_double_quant else ''}"
-    return f"base quantized to {kind} (bitsandbytes, per block as read)"
+    return Step("quantize", kind)
 
 
-def autocast_label(dtype: str) -> str:
-    return f"forwards under autocast to {dtype} (adapters take 16-bit inputs)"
+def lora_step(r: int) -> Step:
+    return Step("lora", r)
+
+
+def autocast_step(dtype: str) -> Step:
+    return Step("autocast", dtype)
 
 
 def _tuple_or_none(value):

@@ -5,7 +5,7 @@
 For each target of issue 21 it plans (no GPU, no weights: config.json and traced costs only) the job the planner
 decides freely and the same job held to checkpointing on the device with fp32 moments (what hfsplit planned before),
 and prints per card the plan's total, what each stage trades (checkpointing, moments) and the host RAM its offload
-needs, with the estimated step on `--gpu` (its datasheet bf16 FLOP/s × calibrate.ACHIEVED, PCIe 4.0 host link).
+needs, with the estimated step on `--gpu` (its datasheet bf16 FLOP/s × timing.ACHIEVED, PCIe 4.0 host link).
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import argparse
 from dataclasses import replace
 
 from hfsplit.budget import format_bytes
-from hfsplit.calibrate import known_flops
 from hfsplit.errors import PlanError
 from hfsplit.plan import TrainingSpec, rank_total
-from hfsplit.planner import DEVICE_FLOPS, make_plan
+from hfsplit.planning.planner import make_plan
+from hfsplit.planning.timing import DEVICE_FLOPS, known_flops
 
 QLORA = TrainingSpec(method="qlora", lora_r=16, seq_len=2048)
 TARGETS = [
@@ -67,7 +67,7 @@ def row(model: str, count: int, spec: TrainingSpec, *, speed: float, markdown: b
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gpu", default="RTX 4090", help="GPU kind for the step estimate (calibrate.KNOWN_FLOPS)")
+    p.add_argument("--gpu", default="RTX 4090", help="GPU kind for the step estimate (hfsplit.planning.timing.KNOWN_FLOPS)")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
     speed = known_flops(args.gpu) / DEVICE_FLOPS

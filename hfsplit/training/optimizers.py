@@ -2,13 +2,13 @@
 
 `adamw_torch`, `adamw_8bit` and `paged_adamw_8bit` are transformers' names (`TrainingArguments.optim`); the 8-bit
 ones are bitsandbytes' `AdamW8bit` / `PagedAdamW8bit`, whose moments are one byte a value with an fp32 absmax per
-block of 256 (`hfsplit.optim_state` counts them for the plan). They run on CPU tensors too; paged ones fall back to
+block of 256 (`hfsplit.planning.costs.optimizer` counts them for the plan). They run on CPU tensors too; paged ones fall back to
 non-paged there, as bitsandbytes says.
 
 bitsandbytes' kernels take plain tensors, and a tensor-parallel stage's parameters are DTensors: the 8-bit
 optimizer steps plain parameters that share each DTensor's local piece (`_pieces`), its gradient handed over
 before each step. `moments` and `load_moments` read and write the two Adam moments as fp32 tensors shaped like
-the parameter's local piece whatever the optimizer keeps (the trainer's checkpoints, `training.resume`);
+the parameter's local piece whatever the optimizer keeps (the trainer's checkpoints, `hfsplit.training.resume`);
 `raw_state` / `load_raw_state` move the 8-bit codes and absmax as they are.
 """
 from __future__ import annotations
@@ -18,9 +18,10 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from ..errors import PlanError
-from ..plan import is_8bit
+from hfsplit.errors import PlanError
+from hfsplit.plan import is_8bit
 
 RAW_KEYS = ("state1", "state2", "absmax1", "absmax2")  # bitsandbytes' 8-bit state of one tensor, besides its step
 BLOCKSIZE = 256
@@ -81,8 +82,6 @@ def _on_pieces(base: type) -> type:
 
 def _piece(p: nn.Parameter) -> nn.Parameter:
     """`p`, or for a DTensor a plain parameter sharing its local piece's storage."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(p, DTensor):
         return p
     with torch.no_grad():

@@ -23,8 +23,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import HfsplitError
-from .optimizers import RAW_KEYS, OnLocalPieces, load_moments, moments, raw_state
+from torch.distributed.tensor import DTensor
+
+from hfsplit.apply.tp import tp_shard_dim
+from hfsplit.apply.tp_experts import PACKED_HALVES
+from hfsplit.errors import HfsplitError
+from hfsplit.models.families import PACKED_COLWISE, tp_style_of
+from hfsplit.training.optimizers import RAW_KEYS, OnLocalPieces, load_moments, moments, raw_state
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state"
@@ -159,26 +164,18 @@ def _blank_moments(model, optimizer, p, name: str, saved: dict) -> dict:
 def _piece_key(model, p) -> str:
     """Which piece of parameter `p` this rank holds: "tp{rank}of{tp}" where tensor parallelism splits it, else
     "whole" (the same under every pp, budget and replica count)."""
-    from torch.distributed.tensor import DTensor
-
-    from ..parallel.tensor import tp_shard_dim
-
     split = model.plan.tp > 1 and (isinstance(p, DTensor) or tp_shard_dim(p) is not None)
     return f"tp{model.ctx.coords.tp}of{model.plan.tp}" if split else "whole"
 
 
 def _like_param(t: torch.Tensor, p) -> torch.Tensor:
     """`t` (a tensor shaped like `p`'s local piece, or `p`'s own kind) as a DTensor placed like `p` when `p` is one."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(p, DTensor) and not isinstance(t, DTensor):
         return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False)
     return t
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -225,8 +222,6 @@ def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter, name: str) -> 
     split (see `_packed_halves_apart`)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from ..parallel.tensor import tp_shard_dim
-
     halves = _packed_halves(model, name)
     if halves > 1:
         return _packed_halves_apart(model, t, halves)
@@ -241,9 +236,6 @@ def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter, name: str) -> 
 def _packed_halves(model, name: str) -> int:
     """How many packed blocks parameter `name` holds along its TP-split dim (2 for fused experts' gate and up
     halves, `models.PACKED_COLWISE`), else 1; the same under every split, tp=1 included."""
-    from ..models import PACKED_COLWISE, tp_style_of
-    from ..parallel.experts import PACKED_HALVES
-
     prefix = model.stages[0].body_name + "."
     inner = name[len(prefix):] if name.startswith(prefix) else name
     return PACKED_HALVES if tp_style_of(model.config, inner) == PACKED_COLWISE else 1

@@ -75,9 +75,9 @@ def qlora_autocast_memory(*, checkpoint: str, seq_len: int, micro_batch_size: in
 
 def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_batches, dtype="float32",
            autocast=None, schedule="auto"):
-    from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel.launch import split_from_pretrained
-    from hfsplit.quantize import quantization_config
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.load.launch import split_from_pretrained
+    from hfsplit.apply.quantize import quantization_config
 
     spec = TrainingSpec(method=method, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype,
                         lora_r=8, activation_checkpointing=ac, autocast=autocast)
@@ -97,7 +97,7 @@ def _train(model, optimizer, ids, *, steps: int):
     And the bytes the third step leaves alive beyond what the second left (a leak grows it; 0 when each step
     frees what the one before kept), from one tracker over both; and the host bytes the activation offload held
     at its peak in the second step (0 without offload)."""
-    from hfsplit.training.trainer import causal_lm_loss
+    from hfsplit.models.loss import causal_lm_loss
 
     loss_fn = causal_lm_loss(model.config.vocab_size)
     losses, peak, left, offloaded = [], 0, [], 0
@@ -165,7 +165,7 @@ class LiveStorages(TorchDispatchMode):
         self._seen: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from hfsplit.parallel.offload import allocating_host_copy
+        from hfsplit.apply.offload import allocating_host_copy
 
         out = func(*args, **(kwargs or {}))
         if allocating_host_copy():

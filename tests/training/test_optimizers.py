@@ -4,7 +4,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hfsplit.plan import TrainingSpec
-from hfsplit.planner import make_plan
+from hfsplit.planning.planner import make_plan
 from hfsplit.training.optimizers import build_optimizer, load_moments, moments, raw_state, state_of
 
 # hidden 64: the block's matrices (4096+ values) keep 8-bit moments, the norms (64) fp32 ones, as bitsandbytes does
