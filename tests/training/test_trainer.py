@@ -132,7 +132,7 @@ def test_offloaded_checkpointing_trains_as_planned_and_metrics_log_the_host_byte
                         max_memory="2x1GiB")]
     (offloaded,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs},
                           timeout_s=400)[0]
-    expected, _ = reference_training(FinetuneOptions(**dict(runs[0], activation_checkpointing="auto")))
+    expected, _ = reference_training(tiny_demo_options(**runs[0]))
     assert offloaded == pytest.approx(expected, rel=1e-4)
     records = [json.loads(x) for x in (Path(runs[0]["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     planned = next(r["activation_offload_planned"] for r in records if "plan" in r)
