@@ -15,7 +15,9 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _REPEAT = re.compile(r"^\s*(\d+)\s*[x×\*]\s*(.+)$", re.IGNORECASE)
-_EXAMPLE = 'examples: "24GiB", "4x24GiB", "24GiB,12GiB,12GiB", {0: "24GiB", 1: "12GiB", "cpu": "64GiB"}'
+_EXAMPLE = ('examples: "24GiB", "4x24GiB", "24GiB,12GiB,12GiB", "2x24GiB,cpu:64GiB", '
+            '{0: "24GiB", 1: "12GiB", "cpu": "64GiB"}')
+_HOST = re.compile(r"^\s*cpu\s*[:=]\s*(.+)$", re.IGNORECASE)
 
 
 def parse_size(value: Union[str, int, float], *, what: str = "size") -> int:
@@ -55,7 +57,8 @@ def parse_max_memory(spec: BudgetSpec) -> dict[str, int]:
 
     Args:
         spec: a dict like accelerate's (`{0: "24GiB", "cpu": "64GiB"}`, values in bytes or strings),
-            a single size (one device), `"4x24GiB"`, or `"24GiB,12GiB,12GiB"`.
+            a single size (one device), `"4x24GiB"`, or `"24GiB,12GiB,12GiB"`; a string may end with
+            `cpu:SIZE` (`"2x24GiB,cpu:64GiB"`), the host RAM, as the dict's "cpu" key.
 
     Returns:
         Ordered dict; GPU indices become "0", "1", ...; "cpu" stays "cpu".
@@ -78,7 +81,11 @@ def parse_max_memory(spec: BudgetSpec) -> dict[str, int]:
     if not text:
         raise BudgetError(f"max_memory: empty string; {_EXAMPLE}")
     sizes: list[int] = []
+    host = None
     for part in text.split(","):
+        if (named := _HOST.match(part)) is not None:
+            host = parse_size(named.group(1), what=f"max_memory part {part.strip()!r}")
+            continue
         repeat = _REPEAT.match(part)
         if repeat:
             count = int(repeat.group(1))
@@ -87,7 +94,8 @@ def parse_max_memory(spec: BudgetSpec) -> dict[str, int]:
             sizes += [parse_size(repeat.group(2), what=f"max_memory part {part.strip()!r}")] * count
         else:
             sizes.append(parse_size(part, what=f"max_memory part {part.strip()!r}"))
-    return {str(i): size for i, size in enumerate(sizes)}
+    out = {str(i): size for i, size in enumerate(sizes)}
+    return {**out, "cpu": host} if host is not None else out
 
 
 def local_max_memory(reserve_bytes: int = 0) -> dict[str, int]:

@@ -6,14 +6,20 @@ A Plan is plain data (frozen dataclasses, JSON round trip). Everything downstrea
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
-from typing import Literal, NamedTuple, Optional
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Literal, NamedTuple, Optional, Union
 
 from hfsplit.budget import format_bytes
+from hfsplit.errors import PlanError
 
 
 Method = Literal["inference", "lora", "qlora", "full"]
-
+Checkpointing = Literal["off", "on", "offload"]
+Optim = Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"]
+CHECKPOINTING = ("off", "on", "offload")  # from the most memory to the least: the planner's order
+OPTIMS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit")  # transformers' `optim` names
+_CHECKPOINTING_SPELLINGS = {False: "off", True: "on", "off": "off", "on": "on", "offload": "offload",
+                            "false": "off", "true": "on"}
 
 @dataclass(frozen=True)
 class TrainingSpec:
@@ -27,7 +33,13 @@ class TrainingSpec:
         dtype: dtype of the weights and activations ("bfloat16", "float16", "float32").
         lora_r: LoRA rank.
         lora_targets: module names LoRA wraps; None means every attention and MLP projection.
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: recompute each block's activations in backward: False / "off", True / "on", or
+            "offload" (checkpointing with each block's saved input moved to host memory until its recompute,
+            `hfsplit.apply.offload`). "off" and "on" are kept as False and True. In a Plan, the most frugal
+            setting any stage runs; each stage's own is `Stage.checkpointing`.
+        optim: the optimizer, by transformers' names: "adamw_torch" (fp32 moments), "adamw_8bit" or
+            "paged_adamw_8bit" (bitsandbytes' 8-bit blockwise moments; paged ones page out under memory pressure
+            on CUDA and fall back to non-paged on CPU). In a Plan, 8-bit when any stage runs it (`Stage.optim`).
         reserve_bytes: per-device reserve (context, fragmentation, comm buffers); None: measured for the
             budget's devices by `make_plan` (see `hfsplit.planning.reserve`: 0 on the CPU).
         bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: the QLoRA base's `BitsAndBytesConfig`.
@@ -49,7 +61,7 @@ class TrainingSpec:
     dtype: str = "bfloat16"
     lora_r: int = 16
     lora_targets: Optional[tuple[str, ...]] = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: Union[bool, str] = False
     reserve_bytes: Optional[int] = None
     bnb_4bit_quant_type: str = "nf4"
     bnb_4bit_use_double_quant: bool = True
@@ -57,6 +69,17 @@ class TrainingSpec:
     chunked_loss: bool = False
     autocast: Optional[bool] = None
     packing: bool = False
+    optim: str = "adamw_torch"
+
+    def __post_init__(self):
+        mode = checkpointing_mode(self.activation_checkpointing)
+        # on and off stay booleans (today's plans and their JSON); offload is the one string
+        object.__setattr__(self, "activation_checkpointing", {"off": False, "on": True}.get(mode, mode))
+
+    @property
+    def checkpointing(self) -> str:
+        """"off", "on" or "offload"; always "off" for inference."""
+        return "off" if self.method == "inference" else checkpointing_mode(self.activation_checkpointing)
 
     @property
     def autocast_dtype(self) -> Optional[str]:
@@ -75,10 +98,24 @@ class StageMemory:
     activations: int  # kept for backward by the micro-batches in flight, plus `workspace`
     reserve: int
     workspace: int = 0  # the transient part of `activations`: the peak of one part running once
+    offload: int = 0  # host bytes the activation offload holds at the stage's peak (not device memory: not in total)
 
     @property
     def total(self) -> int:
         return self.weights + self.gradients + self.optimizer + self.activations + self.reserve
+
+
+def checkpointing_mode(value) -> str:
+    """"off", "on" or "offload" for any accepted spelling (False / True / "off" / "on" / "offload")."""
+    mode = _CHECKPOINTING_SPELLINGS.get(value.lower() if isinstance(value, str) else value)
+    if mode is None:
+        raise PlanError(f"activation checkpointing {value!r}: use auto, off, on or offload (or False / True)")
+    return mode
+
+
+def is_8bit(optim: str) -> bool:
+    """Whether `optim` (an `OPTIMS` name) keeps bitsandbytes' 8-bit moments."""
+    return optim in ("adamw_8bit", "paged_adamw_8bit")
 
 
 def rank_total(memories) -> int:
@@ -104,6 +141,8 @@ class Stage:
         memory: estimated peak per rank.
         budget: the smallest budget among its devices.
         time_s: estimated forward + backward time per micro-batch.
+        checkpointing: this stage's activation checkpointing, "off" / "on" / "offload" (None: the spec's).
+        optim: the optimizer of this stage's trainable parameters, an `OPTIMS` name (None: the spec's).
     """
 
     index: int
@@ -115,6 +154,8 @@ class Stage:
     memory: StageMemory
     budget: int
     time_s: float
+    checkpointing: Optional[str] = None
+    optim: Optional[str] = None
 
     @property
     def num_layers(self) -> int:
@@ -167,8 +208,8 @@ class Plan:
         out = []
         if self.tp > 1:
             out.append(tp_step(self.tp))
-        if self.spec.activation_checkpointing and self.spec.method != "inference":
-            out.append(checkpointing_step())
+        if any(self.checkpointing_of(s) != "off" for s in self.stages):
+            out.append(checkpointing_step(self))
         out.append(load_step())
         if self.spec.method == "qlora":
             out.append(quantize_step(self.spec))
@@ -177,6 +218,21 @@ class Plan:
         if self.spec.autocast_dtype is not None:
             out.append(autocast_step(self.spec.autocast_dtype))
         return tuple(out)
+
+    def checkpointing_of(self, stage: Stage) -> str:
+        """Stage `stage`'s activation checkpointing: "off", "on" or "offload"."""
+        if self.spec.method == "inference":
+            return "off"
+        return stage.checkpointing or self.spec.checkpointing
+
+    def optim_of(self, stage: Stage) -> str:
+        """The optimizer (an `OPTIMS` name) of stage `stage`'s trainable parameters."""
+        return stage.optim or self.spec.optim
+
+    @property
+    def offload_bytes(self) -> int:
+        """Host bytes the activation offload of one replica's pipeline holds at its peak, every rank together."""
+        return sum(s.memory.offload * len(s.devices[0]) for s in self.stages)
 
     @property
     def world_size(self) -> int:
@@ -200,6 +256,9 @@ class Plan:
             )
             for s in data["stages"]
         )
+        spec = data["spec"]  # a plan written before stages carried their own decisions: the spec's
+        data["stages"] = tuple(replace(s, checkpointing=s.checkpointing or spec.checkpointing, optim=s.optim or spec.optim)
+                               for s in data["stages"])
         data["notes"] = tuple(data.get("notes", ()))
         data["applied"] = tuple(Step(*step) for step in data.get("applied", ()))
         known = {f.name for f in fields(cls)}
@@ -232,40 +291,58 @@ class Plan:
         return out
 
     def table(self) -> str:
-        """The plan as a text table, one row per device of replica 0."""
+        """The plan as a text table, one row per device of replica 0: per stage what it holds, how it checkpoints
+        (off / on / offload), its optimizer's moments (fp32 / 8-bit) and the host RAM its offload needs."""
         head = (
             f"{self.model} ({self.model_type}, {self.num_layers} layers) — {self.spec.method}, "
             f"seq {self.spec.seq_len} × micro-batch {self.spec.micro_batch_size}, {self.micro_batches} micro-batches, "
-            f"{self.spec.dtype}, activation checkpointing {'on' if self.spec.activation_checkpointing else 'off'}"
-            f"{', chunked loss' if self.spec.chunked_loss else ''}\n"
+            f"{self.spec.dtype}, activation checkpointing {self._uniform(self.checkpointing_of, 'per stage')}"
+            f"{', chunked loss' if self.spec.chunked_loss else ''}"
+            f"{'' if self.spec.method == 'inference' else ', optimizer ' + self._uniform(self.optim_of, 'per stage')}\n"
             f"split: pp={self.pp} × tp={self.tp} × dp={self.dp}"
             + (f" (virtual stages {self.virtual_stages})" if self.virtual_stages > 1 else "")
             + f", schedule {self.schedule}\n"
         )
-        cols = ("stage", "device", "layers", "weights", "grads", "optim", "activ", "reserve", "total", "budget", "use")
-        rows = []
-        for stage in self.stages:
-            m = stage.memory
-            for device in stage.devices[0]:
-                extra = ("+embed" if stage.has_embed else "") + ("+head" if stage.has_head else "")
-                rows.append((
-                    str(stage.index), device, f"{stage.layers[0]}-{stage.layers[1] - 1}{extra}" if stage.num_layers else extra or "-",
-                    format_bytes(m.weights), format_bytes(m.gradients), format_bytes(m.optimizer),
-                    format_bytes(m.activations), format_bytes(m.reserve), format_bytes(m.total),
-                    format_bytes(stage.budget), f"{100 * m.total / stage.budget:.0f}%",
-                ))
+        cols = ("stage", "device", "layers", "weights", "grads", "optim", "activ", "reserve", "total", "budget", "use",
+                "ckpt", "moments", "host")
+        rows = [row for stage in self.stages for row in self._rows(stage)]
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         tail = (
             f"\nestimated step: {self.step_time_s * 1e3:.1f} ms, bubble {100 * self.bubble_fraction:.1f}%"
         )
+        if self.virtual_stages > 1:  # a device's stages share it: their figures together, as the planner fits them
+            tail += "\nper device, its stages together: " + ", ".join(
+                f"{mine[0].devices[0][0]} {format_bytes(rank_total(s.memory for s in mine))} of "
+                f"{format_bytes(mine[0].budget)} ({100 * rank_total(s.memory for s in mine) / mine[0].budget:.0f}%)"
+                for mine in (self.stages_of_rank(r) for r in range(self.pp)))
+        if self.offload_bytes:
+            tail += (f"\nhost RAM for activation offload: {format_bytes(self.offload_bytes)} per replica "
+                     f"(column host: per rank)")
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         # loading runs under every plan: the line names what the plan decides
         applied, planned = ([s for s in steps if s.kind != "load"] for steps in (self.applied, self.steps()))
         steps = " → ".join(map(str, applied or planned)) or "nothing (plain stages)"
         runs = f"\n{'applied' if applied else 'applies'} per stage: {steps}"
         return head + "\n".join(lines) + tail + runs + notes
+
+    def _uniform(self, of, mixed: str) -> str:
+        values = {of(s) for s in self.stages}
+        return values.pop() if len(values) == 1 else mixed
+
+    def _rows(self, stage: Stage) -> list[tuple[str, ...]]:
+        m = stage.memory
+        extra = ("+embed" if stage.has_embed else "") + ("+head" if stage.has_head else "")
+        layers = f"{stage.layers[0]}-{stage.layers[1] - 1}{extra}" if stage.num_layers else extra or "-"
+        training = self.spec.method != "inference"
+        moments = ("8-bit" if is_8bit(self.optim_of(stage)) else "fp32") if training else "-"
+        decisions = (self.checkpointing_of(stage) if training else "-", moments,
+                     format_bytes(m.offload) if m.offload else "-")
+        return [(str(stage.index), device, layers, format_bytes(m.weights), format_bytes(m.gradients),
+                 format_bytes(m.optimizer), format_bytes(m.activations), format_bytes(m.reserve), format_bytes(m.total),
+                 format_bytes(stage.budget), f"{100 * m.total / stage.budget:.0f}%") + decisions
+                for device in stage.devices[0]]
 
     def __str__(self) -> str:
         return self.table()
@@ -304,7 +381,8 @@ class Step(NamedTuple):
 
 _LABELS = {
     "tp": lambda tp: f"tensor parallel tp={tp}",
-    "checkpointing": lambda how: "activation checkpointing per block (non-reentrant)",
+    "checkpointing": lambda how: "activation checkpointing per block (non-reentrant)" + (
+        "" if how == "per block" else how[len("per block"):]),
     "load": lambda what: f"weights read ({what})",
     "quantize": lambda kind: f"base quantized to {kind} (bitsandbytes, per block as read)",
     "lora": lambda r: f"LoRA r={r}",
@@ -316,8 +394,16 @@ def tp_step(tp: int) -> Step:
     return Step("tp", tp)
 
 
-def checkpointing_step() -> Step:
-    return Step("checkpointing", "per block")
+def checkpointing_step(plan: Optional["Plan"] = None) -> Step:
+    """The checkpointing step: "per block" where no stage offloads, else which stages keep their blocks' saved
+    inputs in host memory (`plan.checkpointing_of` says it per stage; `apply.checkpointing` reads it there)."""
+    offloaded = [s.index for s in plan.stages if plan.checkpointing_of(s) == "offload"] if plan else []
+    if not offloaded:
+        return Step("checkpointing", "per block")
+    on = [s.index for s in plan.stages if plan.checkpointing_of(s) == "on"]
+    where = "every stage" if len(offloaded) == len(plan.stages) else f"stage {', '.join(map(str, offloaded))}"
+    return Step("checkpointing", f"per block, block inputs offloaded to host on {where}"
+                + (f" (stage {', '.join(map(str, on))}: on device)" if on else ""))
 
 
 def load_step() -> Step:

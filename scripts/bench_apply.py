@@ -1,7 +1,7 @@
 """The README's "run keeps the plan" table: each rank's measured peak of one training step against the plan's
 figure, from the very cases `tests/parallel/test_apply.py` asserts (same model, same step, same launcher).
 
-    python scripts/bench_apply.py            # the four splits × methods, checkpointing off and on (~5 min)
+    python scripts/bench_apply.py            # the four splits × methods, checkpointing off, on, offload (~7 min)
     python scripts/bench_apply.py --rows lora-tp2
 """
 from __future__ import annotations
@@ -28,16 +28,19 @@ def row(name: str, checkpoint: str) -> str:
     def per_rank(figure) -> str:
         return " / ".join(f"{figure(r):.2f}" for r in results)
 
-    ratio = {ac: per_rank(lambda r, ac=ac: r[ac]["measured"] / r[ac]["planned"]) for ac in (False, True)}
+    ratio = {ac: per_rank(lambda r, ac=ac: r[ac]["measured"] / r[ac]["planned"]) for ac in (False, True, "offload")}
+    host = per_rank(lambda r: r["offload"]["offloaded"] / r["offload"]["planned_offload"]
+                    if r["offload"]["planned_offload"] else float("nan"))
     saving = per_rank(lambda r: (r[False]["measured"] - r[True]["measured"])
                       / (r[False]["planned"] - r[True]["planned"]))
-    growth = max(r[ac]["growth"] for r in results for ac in (False, True))
+    growth = max(r[ac]["growth"] for r in results for ac in (False, True, "offload"))
     schedules = {ac: results[0][ac]["schedule"] for ac in (False, True)}
     split = f"pp={pp}" if pp > 1 else f"tp={tp}"
     if schedules[False] != schedules[True]:
         split += f" (off: {schedules[False]}, on: {schedules[True]})"
     label = "LoRA" if method == "lora" else method
-    return f"| {label} | {split} | 0 / 1 | {ratio[False]} | {ratio[True]} | {saving} | {growth} B |"
+    return (f"| {label} | {split} | 0 / 1 | {ratio[False]} | {ratio[True]} | {saving} | {ratio['offload']} | {host} "
+            f"| {growth} B |")
 
 
 def main() -> None:
@@ -50,8 +53,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = str(write_tiny_checkpoint(Path(tmp), "llama", **MODEL))
         print("| method | split | rank | measured / planned, checkpointing off | on | saving measured / planned "
-              "| left behind per step |")
-        print("|---|---|---|---|---|---|---|")
+              "| offload: device | offload: host | left behind per step |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for name in args.rows.split(","):
             print(row(name, checkpoint), flush=True)
 

@@ -40,3 +40,10 @@ def test_cpu_tiny_run_prints_every_row_of_the_table():
     assert ratio and int(ratio.group(1)) > 0 and float(ratio.group(2)) > 0, out
     load = re.search(r"hfsplit.from_pretrained ([\d.]+) s vs .* ([\d.]+) s$", out, flags=re.M)
     assert load and float(load.group(1)) > 0 and float(load.group(2)) > 0, out
+    # issue 21's rows: offloaded checkpointing (its host bytes those of the plan) and 8-bit AdamW
+    headroom = re.findall(r"^(lora|full)\s+(offload|on)\s+(adamw_torch|adamw_8bit)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)"
+                          r"\s+([\d.]+) / ([\d.]+)", out, flags=re.M)
+    assert [(m, c, o) for m, c, o, *_ in headroom] == [("lora", "offload", "adamw_torch"), ("full", "on", "adamw_8bit")]
+    (_, _, _, plan, peak, _, host_plan, host), _ = headroom
+    assert float(plan) > 0 and float(peak) > 0 and float(host_plan) > 0 and float(host) == float(host_plan), out
+    assert re.search(r"offload step time vs checkpointing on the device: [\d.]+×", out), out

@@ -1,7 +1,8 @@
 """Apply a Plan to this rank's stages: `plan.steps()` in order, each looked up in one table (as torchtitan's
 `parallelize_llama` applies what its config names):
 
-    tensor parallelism → activation checkpointing → load weights → quantization → LoRA → autocast (16-bit QLoRA)
+    tensor parallelism → activation checkpointing (block inputs offloaded where a stage says) → load weights →
+    quantization → LoRA → autocast (16-bit QLoRA)
 
 TP and checkpointing act on the stage while it is still on the meta device (TP so each rank
 reads only its slices); quantization needs real weights; LoRA comes after them because peft wraps
@@ -23,6 +24,7 @@ from hfsplit.apply.load import read_weights
 from hfsplit.apply.lora import LoraSetup, add_adapters
 from hfsplit.apply.quantize import check_quantized
 from hfsplit.apply.tp import shard_stages
+from hfsplit.errors import PlanError
 from hfsplit.plan import Plan, Step, checkpointing_step, quantize_step
 
 # Step kind → the function applying it: `(modules, step, inputs) -> the Step applied`.
@@ -78,6 +80,9 @@ def apply_plan_to_model(model: nn.Module, plan: Optional[Plan], *, training: str
     if plan is None:  # a hand-made device map: no decisions to apply
         return None
     applied = ()
+    if training != "inference" and plan.spec.checkpointing == "offload":
+        raise PlanError("the single-process model does not offload activations; plan it with "
+                        "activation_checkpointing=True (offload runs on split stages, under a launcher)")
     if training != "inference" and plan.spec.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         applied = (checkpointing_step(),)

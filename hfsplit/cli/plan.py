@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 from hfsplit.budget import parse_max_memory, parse_size
 from hfsplit.cli.charts import plan_memory_chart
 from hfsplit.errors import HfsplitError
+from hfsplit.planning.memory_choices import host_budget
 from hfsplit.training.options import FinetuneOptions, add_option_arguments, options_from, plan_arguments
 
 
@@ -57,7 +58,8 @@ def plan_request(args) -> tuple[str, object, dict]:
     budgets = parse_max_memory(options.max_memory)
     # A recipe plans as it runs here; a model on numbered devices is planned for GPUs (16-bit, a reserve).
     gpu = None if args.config else any(device != "cpu" for device in budgets)
-    kwargs = plan_arguments(options, world_size=len(budgets), gpu=gpu)
+    devices, _ = host_budget(budgets, single_process=False)  # a "cpu" entry beside GPUs is their host's RAM
+    kwargs = plan_arguments(options, world_size=len(devices), gpu=gpu)
     spec = kwargs["spec"]
     if args.inference:
         spec = replace(spec, method="inference")

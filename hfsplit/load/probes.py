@@ -10,7 +10,8 @@ the target GPUs uses `hfsplit.planning.timing.KNOWN_FLOPS`.
 
 The link between ranks is measured at launch too (`probe_link`): every rank sends to the next and
 receives from the previous at once, at a small and a large size, and the slowest rank's times give
-latency and bandwidth for the pipeline's sends and the TP all-reduces.
+latency and bandwidth for the pipeline's sends and the TP all-reduces; and the host link the activation
+offload uses (`host_copy_seconds`), which until then is the device table's (`links.host_link_bandwidth`).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ RECHECK_FACTOR = 1.3
 # (and a few ms on gloo over loopback), so a probe of both costs well under a second.
 LINK_PROBE_BYTES = (4 << 10, 4 << 20)
 LINK_PROBE_REPEATS = 5
+HOST_PROBE_BYTES = 16 << 20  # a block input of a small model; PCIe reaches its rate well below this
 
 
 def device_kind(device: torch.device) -> str:
@@ -252,11 +254,29 @@ def probe_link() -> Optional[Link]:
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    seconds = [_ring_seconds(n, device) for n in LINK_PROBE_BYTES] + [action_seconds(device)]
+    seconds = [_ring_seconds(n, device) for n in LINK_PROBE_BYTES] + [action_seconds(device), host_copy_seconds(device)]
     seconds = torch.tensor(seconds, dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    small, large, action = seconds.tolist()
-    return replace(fit_link(LINK_PROBE_BYTES, (small, large)), action_s=action)
+    small, large, action, host = seconds.tolist()
+    return replace(fit_link(LINK_PROBE_BYTES, (small, large)), action_s=action,
+                   host_bandwidth=HOST_PROBE_BYTES / max(host, 1e-9), host_overlap=device.type == "cuda")
+
+
+def host_copy_seconds(device: torch.device) -> float:
+    """Median seconds of one copy of HOST_PROBE_BYTES from the device to host memory, as the activation offload
+    makes it (pinned and asynchronous on CUDA; a plain copy on a CPU rank), every rank at once: what ranks sharing
+    a host's PCIe or memory cost each other is in it."""
+    source = torch.ones(HOST_PROBE_BYTES // 4, dtype=torch.float32, device=device)
+    target = torch.empty(source.shape, dtype=source.dtype, pin_memory=device.type == "cuda")
+    times = []
+    for i in range(LINK_PROBE_REPEATS + 1):  # the first copy pins and maps the buffer
+        _sync(device)
+        start = time.perf_counter()
+        target.copy_(source, non_blocking=device.type == "cuda")
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _ring_seconds(nbytes: int, device: torch.device) -> float:

@@ -218,6 +218,14 @@ class SplitModel(nn.Module):
                 if p.grad is not None:
                     dist.all_reduce(local_tensor(p.grad), group=self.ctx.dp_group)
 
+    def activation_offload_bytes(self, *, reset: bool = False) -> int:
+        """Peak host bytes this rank's offloaded block inputs held since the last `reset=True` (0: no offload)."""
+        counters = {id(o.counter): o.counter for s in self.stages if (o := getattr(s, "activation_offload", None))}
+        peak = max((c.peak for c in counters.values()), default=0)  # one counter per rank (apply_checkpointing)
+        for counter in counters.values() if reset else ():
+            counter.reset_peak()
+        return peak
+
     def busy_seconds(self) -> float:
         """Seconds this rank has spent computing inside its pipeline stages so far (waits excluded)."""
         return self._timer.busy_s

@@ -1,8 +1,13 @@
-"""What the time model charges beyond FLOPs: the rank-to-rank link and the fixed cost per schedule action.
+"""What the time model charges beyond FLOPs: the rank-to-rank link, the host link and the fixed cost per schedule
+action.
 
 `Link` is the α-β model (a fixed latency per message plus bytes over bandwidth). A launched run
 measures it with one small p2p probe (`hfsplit.load.probes.probe_link`); `hfsplit plan` on a machine
 without the target devices uses `DEFAULT_LINK`, a datasheet-like figure for a GPU interconnect.
+
+The host link (device ↔ host memory: PCIe on a GPU, a memory copy on a CPU rank) carries offloaded activations.
+Until the launch's probe measures it (`hfsplit.load.probes.host_copy_seconds`), its bandwidth is `host_link_bandwidth` of
+the device kind: one function, so a table of GPU kinds can replace it.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ class Link:
         split_backward: compute time of a block's forward + backward with the backward split into input- and
             weight-gradient passes (zero-bubble schedules) over the same with one backward; measured by the
             calibration probe with torch's own split (on CPU ranks about 1.1: two autograd passes, smaller matmuls).
+        host_bandwidth: device ↔ host copy rate, measured by the launch's probe (0: the device table's figure).
+        host_overlap: whether host copies hide behind compute (a CUDA side stream) or add to it (a CPU rank).
     """
 
     bandwidth: float
@@ -30,6 +37,8 @@ class Link:
     measured: bool = False
     action_s: float = 0.0
     split_backward: float = 1.0
+    host_bandwidth: float = 0.0  # bytes/s between the device and pinned host memory; 0: `host_link_bandwidth()`
+    host_overlap: bool = True  # host copies run on a side stream beside compute (CUDA); False: in line (CPU ranks)
 
     def send_s(self, nbytes: float) -> float:
         """Seconds to move one message of `nbytes` to a neighbour."""
@@ -44,12 +53,22 @@ class Link:
         steps = 2 * (ranks - 1)
         return count * steps * self.latency_s + nbytes * count * steps / ranks / self.bandwidth
 
+    def host_copy_s(self, nbytes: float, copies: int, *, compute_s: float) -> float:
+        """Seconds `copies` host copies of `nbytes` in all add to `compute_s` of work they run beside: behind
+        it on a side stream (only what exceeds it shows, plus each copy's launch), else in line."""
+        if copies < 1:
+            return 0.0
+        moving = nbytes / (self.host_bandwidth or host_link_bandwidth("cuda"))
+        launches = copies * HOST_COPY_LATENCY_S
+        return launches + (max(moving - compute_s, 0.0) if self.host_overlap else moving)
+
     def describe(self) -> str:
         """One line for the plan's notes."""
         how = "measured by the launch's p2p probe" if self.measured else "assumed (no probe)"
         return (f"link {self.bandwidth / 1e9:.2f} GB/s, {self.latency_s * 1e6:.0f} µs per message, "
-                f"{self.action_s * 1e6:.0f} µs per schedule action, split backward ×{self.split_backward:.2f} "
-                f"({how})")
+                f"{self.action_s * 1e6:.0f} µs per schedule action, split backward ×{self.split_backward:.2f}, "
+                f"host link {(self.host_bandwidth or host_link_bandwidth()) / 1e9:.2f} GB/s"
+                f"{'' if self.host_bandwidth else ' (device table)'} ({how})")
 
 
 def fit_link(sizes: tuple[int, int], seconds: tuple[float, float]) -> Link:
@@ -64,3 +83,14 @@ def fit_link(sizes: tuple[int, int], seconds: tuple[float, float]) -> Link:
 
 
 DEFAULT_LINK = Link(bandwidth=50e9)  # an NVLink-class figure, no latency (the planner without a probe)
+
+# Device ↔ pinned host memory, one direction, as measured by others (nvbandwidth, bandwidthTest): PCIe 4.0 x16
+# moves about 25 GB/s of its 32, PCIe 5.0 about 50. A CPU rank's "host link" is a memory copy (one thread).
+HOST_LINKS = {"cuda": 25e9, "pcie4": 25e9, "pcie5": 50e9, "pcie3": 12e9, "cpu": 5e9}
+HOST_COPY_LATENCY_S = 10e-6  # launching one asynchronous copy and its event (CUDA); a call on a CPU rank
+
+
+def host_link_bandwidth(kind: str = "cuda") -> float:
+    """Bytes per second between a device of `kind` ("cuda", "pcie5", "cpu", ...) and host memory, from
+    `HOST_LINKS` (unknown kinds: a PCIe 4.0 GPU). The one lookup the time model makes for the host link."""
+    return HOST_LINKS.get(kind, HOST_LINKS["cuda"])

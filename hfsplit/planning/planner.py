@@ -26,9 +26,12 @@ from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import PlanError
 from hfsplit.models.families import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
 from hfsplit.models.layer_kinds import runs_of
-from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec, rank_total
+from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec, checkpointing_mode, is_8bit, rank_total
 from hfsplit.planning.costs.model import ModelCosts, PartCost, model_costs, weight_bytes
 from hfsplit.planning.links import DEFAULT_LINK, Link
+from hfsplit.planning.memory_choices import (
+    AUTO as AUTO_CHOICE, Choice, frugal, host_budget, host_share, ladder, plan_spec,
+)
 from hfsplit.planning.reserve import reserve_for
 from hfsplit.planning.timing import DEVICE_FLOPS
 from hfsplit.schedules import (
@@ -54,6 +57,8 @@ class Slot:
     link: Link = DEFAULT_LINK
     sends: int = 0  # pipeline neighbours on another rank (a V's turn stays on its rank: no message)
     actions: int = 2  # schedule actions per micro-batch: forward, backward (zero bubble: + weight gradient)
+    host_budget: Optional[int] = None  # host bytes this rank's activation offload may hold (None: no limit given)
+    cap: Optional[int] = None  # what the plan may fill of `budget` (None: all of it; less under make_plan's headroom)
 
 
 def make_plan(
@@ -64,27 +69,31 @@ def make_plan(
     micro_batches: Union[int, str, None] = None,
     global_batch: Optional[int] = None,
     schedule: str = AUTO,
-    activation_checkpointing: Union[bool, str] = "auto",
+    activation_checkpointing: Union[bool, str] = "auto", optim: str = "auto", headroom: float = 0.0,
     device_speeds: Optional[dict] = None, link: Optional[Link] = None,
-    tp: Optional[int] = None,
-    pp: Optional[int] = None,
-    dp: Optional[int] = None,
-    world_size: Optional[int] = None,
-    single_process: bool = False,
+    tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
+    world_size: Optional[int] = None, single_process: bool = False,
 ) -> Plan:
     """Plan the split of `model` over the devices of `max_memory`.
 
     Args:
         model: a hub name, a local folder, a config.json path, or a transformers config.
-        max_memory: per-device budget (see `hfsplit.budget.parse_max_memory`).
+        max_memory: per-device budget (see `hfsplit.budget.parse_max_memory`); a "cpu" entry beside GPUs is the
+            host RAM the ranks' activation offload may share (single_process: a device, as accelerate's).
         spec: what a step does (method, seq_len, micro-batch size, dtype, LoRA rank...).
         micro_batches: per step per replica (default 4 × pipeline depth); "auto" + global_batch: the cut too (`_cuts`).
         global_batch: sequences per optimizer step across replicas; sets micro_batches when given.
         schedule: "auto" (the fastest of `schedules.AUTO_CANDIDATES` by the time model, its step per candidate
             in the plan's notes) or a name from `hfsplit.schedules.TABLE` ("1F1B", "GPipe", ...).
-        activation_checkpointing: True, False, or "auto" (on only when needed to fit).
+        activation_checkpointing: "auto" (each pipeline rank off, on or offloaded to host memory: the fastest that
+            fits it, `hfsplit.planning.memory_choices`), or a setting every stage runs: False / "off", True / "on", "offload".
+        optim: "auto" (each rank's moments fp32, or bitsandbytes' 8-bit where fp32 would not fit), or an optimizer
+            every stage runs ("adamw_torch", "adamw_8bit", "paged_adamw_8bit").
+        headroom: the fraction of each device's budget the plan leaves free (0.03: every device at most 97% full),
+            a margin for what the estimate misses; the table still shows the whole budget.
         device_speeds: relative speed per device key (default 1 each).
-        link: the link pipeline sends and TP all-reduces use (default `links.DEFAULT_LINK`; runs: probed).
+        link: the link pipeline sends and TP all-reduces use (default `links.DEFAULT_LINK`; runs: probed), and the
+            host link offloaded activations cross.
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
         world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
         single_process: plan for one process (the model's own forward; any causal LM), not the split.
@@ -93,27 +102,53 @@ def make_plan(
         PlanError: nothing fits; the message says per stage what is needed against
             the budget and which computed change would fit.
     """
-    config = load_config(model) if isinstance(model, (str, os.PathLike)) else model
-    name = str(model) if isinstance(model, (str, os.PathLike)) else (config._name_or_path or config.model_type)
-    check_causal_lm(config) if single_process else check_supported(config)
+    config, name = _config_and_name(model, single_process=single_process)
     spec = spec or TrainingSpec()
-    budgets = parse_max_memory(max_memory)
+    budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
     if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
         spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
     _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing)
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
-                   device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, world_size=world_size)
-    checkpointing = _checkpointing_choices(activation_checkpointing, spec)
+                   device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, world_size=world_size, host=host,
+                   headroom=_checked_headroom(headroom))
+    choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim,
+                     single_process=single_process)
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule)
     _check_budget_count(world_size, budgets)
-    for ac in checkpointing:
-        found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
-        if found is not None:
-            return found
+    found = best_plan(config, budgets, spec, name=name, choices=choices, **options)
+    if found is not None:
+        return _with_host_note(found, host)
     options["schedule"] = _diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
-    raise PlanError(_explain_no_fit(config, budgets, replace(spec, activation_checkpointing=checkpointing[-1]),
-                                    name=name, options=options))
+    raise PlanError(_explain_no_fit(config, budgets, frugal(choices).spec(spec), name=name, options=options))
+
+
+def _config_and_name(model, *, single_process: bool):
+    """(the transformers config of `model`, the name the plan records), refused early if hfsplit cannot split it."""
+    config = load_config(model) if isinstance(model, (str, os.PathLike)) else model
+    name = str(model) if isinstance(model, (str, os.PathLike)) else (config._name_or_path or config.model_type)
+    check_causal_lm(config) if single_process else check_supported(config)
+    return config, name
+
+
+def _checked_headroom(headroom: float) -> float:
+    if not 0 <= headroom < 0.5:
+        raise PlanError(f"headroom={headroom}: a fraction of each budget to leave free, from 0 to below 0.5 "
+                        "(0.03 keeps 3% of every device free)")
+    return float(headroom)
+
+
+def _with_host_note(plan: Plan, host: Optional[int]) -> Plan:
+    """`plan` with a note on the host RAM its offload takes (per rank, against the share of max_memory["cpu"])."""
+    if not plan.offload_bytes:
+        return plan
+    ranks = plan.world_size
+    most = max(sum(s.memory.offload for s in plan.stages_of_rank(r)) for r in range(plan.pp))
+    given = (f" of its share {format_bytes(host_share(host, ranks))} of max_memory['cpu'] {format_bytes(host)} "
+             f"({ranks} local ranks)") if host is not None else " (no max_memory['cpu'] given: not checked)"
+    note = (f"activation offload: {format_bytes(plan.offload_bytes * plan.dp)} of host RAM in all, the fullest rank "
+            f"{format_bytes(most)}{given}; its copies cross the host link (`links.host_link_bandwidth`)")
+    return replace(plan, notes=plan.notes + (note,))
 
 
 def _diagnosis_schedule(schedule: str, micro_batches, devices: int) -> str:
@@ -128,22 +163,29 @@ def _diagnosis_schedule(schedule: str, micro_batches, devices: int) -> str:
 
 def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, micro_batches, global_batch,
               schedule: str, device_speeds: dict, link: Link = DEFAULT_LINK, tp=None, pp=None, dp=None,
-              world_size: Optional[int] = None) -> Optional[Plan]:
+              world_size: Optional[int] = None, choices: Optional[Sequence[Choice]] = None,
+              host: Optional[int] = None, headroom: float = 0.0) -> Optional[Plan]:
     """The fastest fitting plan (by tokens/s), or None. Under schedule "auto" each candidate schedule
     is searched and the plan's notes give the best step of each (and of each micro-batch cut, under
-    micro_batches="auto")."""
+    micro_batches="auto"). Each rank runs the first of `choices` (default: the spec's own) that fits it; `host`
+    is the host RAM the ranks' activation offload shares (None: no limit)."""
     candidates = _schedule_candidates(schedule)
+    choices = list(choices or [Choice(spec.checkpointing, spec.optim)])
     best: dict[tuple[str, int], tuple[float, Plan]] = {}
+    cache: dict = {}
     for t, p, d in _shapes(config, budgets, spec, tp=tp, pp=pp, dp=dp, world_size=world_size):
         for b, m in _cuts(micro_batches, global_batch, spec, p, d):
-            costs = model_costs(config, replace(spec, micro_batch_size=b), tp=t)
-            if p > costs.num_layers:
+            cut = replace(spec, micro_batch_size=b)
+            if p > config.num_hidden_layers:
                 continue
             for sched in _runnable(candidates, schedule, m=m, p=p):
-                if p > 1 and (m < min_micro_batches(sched, p) or _recompute_kept(sched, spec)):
+                usable = [c for c in choices if not (p > 1 and _recompute_kept(sched, c))]
+                if p > 1 and (m < min_micro_batches(sched, p) or not usable):
                     continue  # torch refuses fewer micro-batches; or checkpointing would save nothing here
-                for candidate in plans_for_shape(costs, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
-                                                 name=name, config=config, link=link):
+                variants = Variants(config, cut, t, usable, cache)
+                for candidate in plans_for_shape(variants, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
+                                                 name=name, config=config, link=link,
+                                                 host_budget=host_share(host, t * p * d), headroom=headroom):
                     rate = d * m * b / candidate.step_time_s
                     key = (candidate.schedule, b)
                     if key not in best or rate > best[key][0] * (1 + 1e-9):
@@ -208,45 +250,97 @@ def _shapes(config, budgets: dict[str, int], spec: TrainingSpec, *, tp, pp, dp,
                     yield t, p, d
 
 
-def plans_for_shape(costs: ModelCosts, budgets: dict[str, int], speeds: dict, *, t: int, p: int, d: int, m: int,
-                    schedule: str, name: str, config, link: Link = DEFAULT_LINK) -> Iterable[Plan]:
+def plans_for_shape(variants: "Variants", budgets: dict[str, int], speeds: dict, *, t: int, p: int, d: int, m: int,
+                    schedule: str, name: str, config, link: Link = DEFAULT_LINK,
+                    host_budget: Optional[int] = None, headroom: float = 0.0) -> Iterable[Plan]:
     """Fitting plans of one (tp, pp, dp) shape, one per device order tried."""
     schedule = schedule if p > 1 else "1F1B"
     v = virtual_stages(schedule, p)
     for groups in _device_orders(budgets, t=t, count=p * d, speeds=speeds):
-        slots = _slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule, link=link)
-        counts = split_layers(costs, slots)
-        if counts is None:
+        slots = _slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule, link=link,
+                       host_budget=host_budget, headroom=headroom)
+        found = split_with_choices(variants, slots)
+        if found is None:
             continue
-        yield _plan(costs, slots, counts, name=name, config=config, t=t, p=p, d=d, v=v, m=m, schedule=schedule)
+        yield _plan(variants, slots, found[0], levels=found[1], choices=variants.choices, name=name, config=config,
+                    t=t, p=p, d=d, v=v, m=m, schedule=schedule)
+
+
+class Variants:
+    """The model's costs at one TP degree and micro-batch under each of `choices`, computed when first asked
+    for (most ranks fit at the first), from a cache the whole search shares."""
+
+    def __init__(self, config, spec: TrainingSpec, tp: int, choices: Sequence[Choice], cache: dict):
+        self.config, self.spec, self.tp, self.choices, self._cache = config, spec, tp, list(choices), cache
+
+    def __len__(self) -> int:
+        return len(self.choices)
+
+    def __getitem__(self, index: int) -> ModelCosts:
+        key = (self.spec, self.tp, self.choices[index])
+        if key not in self._cache:
+            self._cache[key] = model_costs(self.config, self.choices[index].spec(self.spec), tp=self.tp)
+        return self._cache[key]
 
 
 def split_layers(costs: ModelCosts, slots: Sequence[Slot]) -> Optional[list[int]]:
     """Layer counts per slot minimising the slowest pipeline rank within memory caps; None if none fits."""
-    L = costs.num_layers
+    found = split_with_choices([costs], slots)
+    return None if found is None else found[0]
+
+
+def split_with_choices(variants: Sequence[ModelCosts], slots: Sequence[Slot]) -> Optional[tuple[list[int], list[int]]]:
+    """(layer counts per slot, the variant each slot runs) minimising the slowest pipeline rank within memory caps.
+
+    `variants` are the model's costs under each memory choice a rank may make, fastest first
+    (`memory_choices.ladder`); every rank runs the first variant under which its layers fit, and a layer goes to
+    the slot whose time grows least with it at the variant it would need. A slot's time at the fastest variant that
+    fits never falls as it takes layers (each variant's memory and time grow with them), so the greedy keeps its
+    min-max optimum. None when no assignment fits."""
+    L = variants[0].num_layers
     if len(slots) > L:
         return None
     by_rank: dict[int, list[Slot]] = {}
     for slot in slots:
         by_rank.setdefault(slot.pp_rank, []).append(slot)
     counts = [1] * len(slots)
-    if any(not _fits(costs, mine, counts) for mine in by_rank.values()):
+    levels = {rank: _level(variants, mine, counts, 0) for rank, mine in by_rank.items()}
+    if any(level is None for level in levels.values()):
         return None
-    heap = [(_slot_time(costs, s, stage_layers(costs, counts, s.index, 1)), s.index) for s in slots]
-    heapq.heapify(heap)
+    heap: list[tuple[float, int]] = []
+    for s in slots:
+        _push_next(heap, variants, slots, by_rank, counts, levels, s.index)
     for _ in range(L - len(slots)):
         while heap:
             _, k = heapq.heappop(heap)
             counts[k] += 1
             # layers of several kinds: a layer more here shifts which layers every later stage holds
-            ranks = by_rank.values() if costs.layer_blocks else [by_rank[slots[k].pp_rank]]
-            if all(_fits(costs, mine, counts) for mine in ranks):
-                heapq.heappush(heap, (_slot_time(costs, slots[k], stage_layers(costs, counts, k, 1)), k))
+            ranks = list(by_rank) if variants[0].layer_blocks else [slots[k].pp_rank]
+            now = {r: _level(variants, by_rank[r], counts, levels[r]) for r in ranks}
+            if all(level is not None for level in now.values()):
+                levels.update(now)
+                _push_next(heap, variants, slots, by_rank, counts, levels, k)
                 break
             counts[k] -= 1  # full: this slot takes no more layers
         else:
             return None
-    return counts
+    return counts, [levels[s.pp_rank] for s in slots]
+
+
+def _push_next(heap, variants, slots, by_rank, counts, levels, k: int) -> None:
+    """Queue slot `k` with its time after one more layer, at the first variant (from its rank's) that holds it."""
+    slot = slots[k]
+    counts[k] += 1
+    level = _level(variants, by_rank[slot.pp_rank], counts, levels[slot.pp_rank])
+    counts[k] -= 1
+    if level is not None:
+        heapq.heappush(heap, (_slot_time(variants[level], slot, stage_layers(variants[level], counts, k, 1)), k))
+
+
+def _level(variants: Sequence[ModelCosts], mine: Sequence[Slot], counts: Sequence[int], start: int) -> Optional[int]:
+    """The first variant from `start` under which one rank's slots fit with `counts` (a variant that did not fit
+    never fits with more layers, so the search goes on from the rank's last one), or None."""
+    return next((v for v in range(start, len(variants)) if _fits(variants[v], mine, counts)), None)
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
@@ -272,14 +366,29 @@ def in_flight(schedule: str, *, p: int, m: int, v: int, pp_rank: int, index: int
         ahead = 2 * p - pp_rank - 1 if index < p else pp_rank + 1
         return min(ahead, m)
     if schedule == "Interleaved1F1B":
-        # torch runs forwards in rounds of p micro-batches per local chunk; at the peak the rank has run
-        # warm-up + 1 of them, counted here for this stage's chunk (index // p).
-        alive = min((v - 1) * p + 2 * (p - 1 - pp_rank) + 1, m * v)
-        return max(1, sum((k // p) % v == index // p for k in range(alive)))
+        return interleaved_in_flight(p=p, m=m, v=v, pp_rank=pp_rank, chunk=index // p)
     if schedule == "DualPipeV":
         # Both directions' micro-batches are in flight at once: DualPipe keeps about p + 1 chunks per rank.
         return min(p + 1, m)
     return min(p - pp_rank, m)
+
+
+def interleaved_in_flight(*, p: int, m: int, v: int, pp_rank: int, chunk: int) -> int:
+    """The most micro-batches local chunk `chunk` of rank `pp_rank` holds at once under torch's Interleaved1F1B,
+    replaying its order (`_get_1f1b_rank_ops`): forwards go round the chunks a round of micro-batches at a time,
+    backwards round them the other way, one of each per step after the warm-up. The first chunk keeps taking
+    forwards while the last one's backwards run, so it holds more than the warm-up alone (measured: the offload's
+    host bytes on rank 0 of pp=2 × 4 micro-batches, 4 micro-batches in flight where the warm-up counts 3)."""
+    per_round = m // max(1, m // p)
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - pp_rank), m * v)
+    alive = peak = 0
+    for op in range(m * v):
+        if (op // per_round) % v == chunk:
+            alive += 1
+            peak = max(peak, alive)
+        if op >= warmup and v - 1 - ((op - warmup) // per_round) % v == chunk:
+            alive -= 1
+    return max(peak, 1)
 
 
 def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> StageMemory:
@@ -288,13 +397,37 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     parts = _parts(costs, slot, layers)
     weights = sum(c.param_bytes * k for c, k in parts)
     grads = sum(c.grad_bytes * k for c, k in parts)
-    optim = sum(c.optimizer_bytes * k for c, k in parts)
+    optim = sum(c.optimizer_bytes * k for c, k in parts) + max((c.optimizer_shared_bytes for c, _ in parts), default=0)
     # the stage's position ids and attention masks (costs.stage_inputs) are the stage's, beside every part it runs
-    workspace = stage_transient(costs, slot, layers) + costs.stage_inputs.workspace_bytes
-    acts = slot.in_flight * (sum(c.activation_bytes * k for c, k in parts) + costs.stage_inputs.activation_bytes) \
-        + workspace
+    workspace = stage_transient(_offload_workspace(costs, slot, layers), slot, layers) + \
+        costs.stage_inputs.workspace_bytes
+    kept = _kept_input(costs, slot, layers)  # offload: the first block's input of a later stage stays (see there)
+    acts = slot.in_flight * (sum(c.activation_bytes * k for c, k in parts) + kept +
+                             costs.stage_inputs.activation_bytes) + workspace
+    host = slot.in_flight * (sum(c.offload_bytes * k for c, k in parts) - kept)
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
-                       reserve=costs.spec.reserve_bytes, workspace=int(workspace))
+                       reserve=costs.spec.reserve_bytes, workspace=int(workspace), offload=int(host))
+
+
+def _offload_workspace(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> ModelCosts:
+    """`costs` with the blocks' recompute workspace as this stage's offload has it: a block's workspace counts its
+    input brought back and the one before it fetched ahead (2 hidden states), but a stage that offloads one block
+    has no second input in flight, and one that keeps its only block's input nothing to bring back."""
+    if costs.spec.checkpointing != "offload" or not costs.block.offload_bytes:
+        return costs
+    count = layers if isinstance(layers, int) else len(layers)
+    unused = 2 - min(count - (1 if _kept_input(costs, slot, layers) else 0), 2)
+    if not unused:
+        return costs
+    less = lambda part: replace(part, workspace_bytes=part.workspace_bytes - unused * costs.boundary_bytes)  # noqa: E731
+    return replace(costs, block=less(costs.block), layer_blocks=tuple(less(b) for b in costs.layer_blocks))
+
+
+def _kept_input(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> int:
+    """Bytes per micro-batch the offload leaves on the device: a stage after the first keeps its first block's
+    input, which the pipeline holds for that stage's backward anyway, so copying it out would save nothing."""
+    offloads = costs.spec.checkpointing == "offload" and costs.block.offload_bytes
+    return costs.boundary_bytes if offloads and not slot.has_embed and layers else 0
 
 
 def stage_layers(costs: ModelCosts, counts: Sequence[int], index: int, more: int = 0) -> Union[int, range]:
@@ -342,7 +475,16 @@ def _parts(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> list[tup
 def _slot_time(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float:
     parts = _parts(costs, slot, layers)
     flops = sum(c.flops * k for c, k in parts)
-    return flops / (DEVICE_FLOPS * slot.speed) * _split_factor(costs, slot) + _comm_time(costs, slot, parts)
+    compute = flops / (DEVICE_FLOPS * slot.speed) * _split_factor(costs, slot)
+    return compute + _comm_time(costs, slot, parts) + _offload_time(costs, slot, layers, parts, compute=compute)
+
+
+def _offload_time(costs: ModelCosts, slot: Slot, layers, parts, *, compute: float) -> float:
+    """Seconds per micro-batch the host copies of offloaded block inputs add: each goes out in forward and comes
+    back before its recompute, over the host link, beside `compute` seconds of the stage's work."""
+    held = sum(c.offload_bytes * k for c, k in parts) - _kept_input(costs, slot, layers)
+    copies = 2 * sum(k for c, k in parts if c.offload_bytes) - (2 if _kept_input(costs, slot, layers) else 0)
+    return slot.link.host_copy_s(2 * held, copies, compute_s=compute) if held > 0 else 0.0
 
 
 def _split_factor(costs: ModelCosts, slot: Slot) -> float:
@@ -368,8 +510,12 @@ def _rank_fits(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], 
 
 
 def _fits(costs: ModelCosts, mine: Sequence[Slot], counts: Sequence[int]) -> bool:
-    """Whether the slots of one pipeline rank fit its budget together (one reserve per device)."""
-    return rank_total(stage_memory(costs, s, stage_layers(costs, counts, s.index)) for s in mine) <= mine[0].budget
+    """Whether the slots of one pipeline rank fit its budget together (one reserve per device), and what their
+    activation offload holds fits the rank's share of host memory."""
+    memories = [stage_memory(costs, s, stage_layers(costs, counts, s.index)) for s in mine]
+    host = mine[0].host_budget
+    cap = mine[0].budget if mine[0].cap is None else mine[0].cap
+    return rank_total(memories) <= cap and (host is None or sum(m.offload for m in memories) <= host)
 
 
 def _rank_times(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int]) -> dict[int, float]:
@@ -379,28 +525,37 @@ def _rank_times(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int])
     return times
 
 
-def _plan(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], *, name: str, config, t: int, p: int,
-          d: int, v: int, m: int, schedule: str) -> Plan:
-    stages, start = [], 0
-    for slot, count in zip(slots, counts):
-        held = stage_layers(costs, counts, slot.index)
+def _plan(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequence[Slot], counts: Sequence[int], *, name: str,
+          config, t: int, p: int, d: int, v: int, m: int, schedule: str, levels: Optional[Sequence[int]] = None,
+          choices: Sequence[Choice] = ()) -> Plan:
+    """The Plan of `counts` layers per slot, each slot running `variants[levels[i]]` (the costs of `choices[...]`)."""
+    variants = [costs] if isinstance(costs, ModelCosts) else list(costs)
+    levels = list(levels or [0] * len(slots))
+    choices = list(choices) or [Choice(variants[0].spec.checkpointing, variants[0].spec.optim)]
+    stages, start, times = [], 0, {}
+    for slot, count, level in zip(slots, counts, levels):
+        mine = variants[level]
+        held = stage_layers(mine, counts, slot.index)
         stages.append(Stage(
             index=slot.index, pp_rank=slot.pp_rank, devices=slot.devices, layers=(start, start + count),
-            has_embed=slot.has_embed, has_head=slot.has_head, memory=stage_memory(costs, slot, held),
-            budget=slot.budget, time_s=_slot_time(costs, slot, held),
+            has_embed=slot.has_embed, has_head=slot.has_head, memory=stage_memory(mine, slot, held),
+            budget=slot.budget, time_s=_slot_time(mine, slot, held), checkpointing=choices[level].checkpointing,
+            optim=choices[level].optim,
         ))
+        times[slot.pp_rank] = times.get(slot.pp_rank, 0.0) + stages[-1].time_s
         start += count
     bubble = bubble_fraction(schedule, p, m, v)
-    slowest = max(_rank_times(costs, slots, counts).values())
+    spec = plan_spec(variants[0].spec, [choices[level] for level in levels])
     return Plan(
-        model=name, model_type=config.model_type, num_layers=costs.num_layers, tp=t, pp=p, dp=d,
-        virtual_stages=v, schedule=schedule, micro_batches=m, spec=costs.spec, stages=tuple(stages),
-        step_time_s=slowest * m / (1 - bubble), bubble_fraction=bubble, tied_embeddings=costs.tied,
+        model=name, model_type=config.model_type, num_layers=variants[0].num_layers, tp=t, pp=p, dp=d,
+        virtual_stages=v, schedule=schedule, micro_batches=m, spec=spec, stages=tuple(stages),
+        step_time_s=max(times.values()) * m / (1 - bubble), bubble_fraction=bubble, tied_embeddings=variants[0].tied,
     )
 
 
 def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: dict, *, p: int, d: int, v: int,
-           m: int, schedule: str, link: Link = DEFAULT_LINK) -> list[Slot]:
+           m: int, schedule: str, link: Link = DEFAULT_LINK, host_budget: Optional[int] = None,
+           headroom: float = 0.0) -> list[Slot]:
     """Stage positions: replica r of pipeline rank k runs on device group `groups[r * p + k]`."""
     count = p * v
     slots, ranks = [], [pp_rank_of_stage(schedule, pp=p, index=i) for i in range(count)]
@@ -413,7 +568,8 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
             in_flight=in_flight(schedule, p=p, m=m, v=v, pp_rank=rank, index=index),
             has_embed=index == 0, has_head=index == count - 1, link=link,
             sends=sum(0 <= j < count and ranks[j] != rank for j in (index - 1, index + 1)),
-            actions=3 if TABLE[schedule].zero_bubble and p > 1 else 2,
+            actions=3 if TABLE[schedule].zero_bubble and p > 1 else 2, host_budget=host_budget,
+            cap=int(min(budgets[x] for x in flat) * (1 - headroom)) if headroom else None,
         ))
     return slots
 
@@ -464,7 +620,8 @@ def _micro_batches(micro_batches, global_batch, spec: TrainingSpec, p: int, d: i
 
 
 def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpec, activation_checkpointing) -> None:
-    _check_zero_bubble_checkpointing(schedule, activation_checkpointing)
+    if activation_checkpointing != AUTO_CHOICE:
+        _check_zero_bubble_checkpointing(schedule, checkpointing_mode(activation_checkpointing))
     if schedule != AUTO and schedule not in PLANNABLE:
         raise PlanError(f"schedule {schedule!r} is unknown; choose auto or one of {', '.join(PLANNABLE)}")
     if micro_batches == AUTO and not global_batch:
@@ -478,25 +635,18 @@ def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpe
         raise PlanError("seq_len and micro_batch_size must be at least 1")
 
 
-def _recompute_kept(schedule: str, spec: TrainingSpec) -> bool:
+def _recompute_kept(schedule: str, choice: Choice) -> bool:
     """Zero-bubble schedules defer each weight gradient past its input gradient, and the activations the
     input gradient recomputed stay alive until then: checkpointing saves almost nothing there (measured
     3.6× the checkpointed figure, tests/parallel/test_apply.py), so the planner never pairs the two."""
-    return spec.activation_checkpointing and spec.method != "inference" and TABLE[schedule].zero_bubble
+    return choice.checkpointing != "off" and TABLE[schedule].zero_bubble
 
 
-def _check_zero_bubble_checkpointing(schedule: str, activation_checkpointing) -> None:
-    if activation_checkpointing is True and schedule in TABLE and TABLE[schedule].zero_bubble:
+def _check_zero_bubble_checkpointing(schedule: str, mode: str) -> None:
+    if mode != "off" and schedule in TABLE and TABLE[schedule].zero_bubble:
         raise PlanError(f"schedule {schedule} keeps the recomputed activations until each deferred weight "
                         "gradient, so activation checkpointing saves nothing there; use --schedule auto / "
                         "1F1B / Interleaved1F1B with checkpointing, or --activation-checkpointing off")
-
-
-def _checkpointing_choices(activation_checkpointing, spec: TrainingSpec) -> list[bool]:
-    """Activation checkpointing settings to try, in order ("auto": off first, on only if needed to fit)."""
-    if spec.method == "inference":
-        return [False]
-    return [False, True] if activation_checkpointing == "auto" else [bool(activation_checkpointing)]
 
 
 def _check_budget_count(world_size: Optional[int], budgets: dict[str, int]) -> None:
@@ -566,8 +716,8 @@ def _explain_no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name
     if fixes:
         lines.append("changes that fit: " + "; ".join(fixes))
     else:
-        lines.append("no single change tried (LoRA, activation checkpointing, shorter sequence, smaller "
-                     "micro-batch, more or larger GPUs) fits")
+        lines.append("no single change tried (LoRA, activation checkpointing, offload, 8-bit optimizer states, "
+                     "shorter sequence, smaller micro-batch, more or larger GPUs) fits")
     return "\n".join(lines)
 
 
@@ -610,6 +760,9 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     if spec.method != "inference" and not spec.activation_checkpointing and fits(
             budgets, replace(spec, activation_checkpointing=True)):
         fixes.append("activation checkpointing (--activation-checkpointing on)")
+    fixes += _headroom_fixes(spec, lambda s: fits(budgets, s))
+    if options.get("host") is not None and spec.checkpointing == "offload":
+        fixes += _host_fix(config, budgets, spec, options)
     seqs = [spec.seq_len >> k for k in range(1, spec.seq_len.bit_length()) if spec.seq_len >> k >= 128]
     # A shorter sequence only shrinks activations: when the shortest does not fit, none does, and the longer ones
     # need no trace (each is one per TP degree: most of the no-fit CLI's time).
@@ -625,6 +778,34 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     if larger is not None:
         fixes.append(f"{len(budgets)} devices of {format_bytes(larger)} each")
     return fixes
+
+
+def _headroom_fixes(spec: TrainingSpec, fits) -> list[str]:
+    """Offloaded checkpointing and 8-bit optimizer states, each alone, else both together, where they fit."""
+    if spec.method in ("inference",):
+        return []
+    offload = replace(spec, activation_checkpointing="offload") if spec.checkpointing != "offload" else None
+    eight = replace(spec, optim="adamw_8bit") if not is_8bit(spec.optim) else None
+    fixes = []
+    if offload is not None and fits(offload):
+        fixes.append("offloaded activation checkpointing: block inputs in host RAM (--activation-checkpointing offload)")
+    if eight is not None and fits(eight):
+        fixes.append("8-bit optimizer states (--optim adamw_8bit)")
+    if not fixes and offload is not None and eight is not None and fits(replace(offload, optim="adamw_8bit")):
+        fixes.append("offloaded activation checkpointing and 8-bit optimizer states "
+                     "(--activation-checkpointing offload --optim adamw_8bit)")
+    return fixes
+
+
+def _host_fix(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> list[str]:
+    """More host RAM for the offload, where the plan without a host limit fits: how much max_memory["cpu"] it needs
+    (its fullest rank's offload times the ranks sharing the host)."""
+    plan = best_plan(config, budgets, spec, name="", **{**options, "host": None})
+    if plan is None:
+        return []
+    fullest = max(sum(s.memory.offload for s in plan.stages_of_rank(r)) for r in range(plan.pp))
+    return [f"more host RAM for the activation offload (max_memory['cpu'] of "
+            f"{format_bytes(fullest * plan.world_size)} or more, e.g. --max-memory ...,cpu:SIZE)"]
 
 
 def could_fit(config, budgets: dict[str, int], spec: TrainingSpec) -> bool:

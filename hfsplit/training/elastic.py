@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hfsplit.errors import HfsplitError, RankIdle, RegroupStop
+from hfsplit.plan import coordinates_of_rank
 from hfsplit.parallel.mesh import backend_for, device_of_rank
 from hfsplit.training.resume import STATE, checkpoint_to_resume, complete_checkpoints, latest_checkpoint
 
@@ -170,8 +171,19 @@ def nodes_of_ranks() -> list:
 def plan_record(plan, *, step: int, micro_batch_size: int, seq_len: int, nodes: Optional[list] = None) -> dict:
     """The metrics record each launch starts with: its plan and each rank's machine, so the next restart
     can say what changed and which ranks went away."""
-    return {"step": step, "plan": plan_summary(plan), "run_id": run_id(), "restart_count": restart_count(),
-            "tokens_per_step": plan.micro_batches * plan.dp * micro_batch_size * seq_len, "nodes": nodes}
+    record = {"step": step, "plan": plan_summary(plan), "run_id": run_id(), "restart_count": restart_count(),
+              "tokens_per_step": plan.micro_batches * plan.dp * micro_batch_size * seq_len, "nodes": nodes}
+    if plan.offload_bytes:  # what each step's `activation_offload_bytes` is to be, rank by rank
+        record["activation_offload_planned"] = planned_offload_per_rank(plan)
+    return record
+
+
+def planned_offload_per_rank(plan) -> list[int]:
+    """Per global rank, the host bytes the plan's activation offload holds there at its peak."""
+    def mine(rank: int) -> int:
+        return sum(s.memory.offload for s in plan.stages_of_rank(coordinates_of_rank(plan, rank=rank).pp))
+
+    return [mine(rank) for rank in range(plan.world_size)]
 
 
 def last_plan(records: Optional[list]) -> Optional[dict]:

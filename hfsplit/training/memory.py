@@ -108,5 +108,5 @@ def _replan(plan, *, budget: int) -> str:
         return (f"no split fits {flag}; lower --micro-batch-size (and raise --micro-batches to keep the batch) "
                 "or add devices")
     return (f"a re-plan that fits: {flag} gives pp={fits.pp} tp={fits.tp} dp={fits.dp}, "
-            f"activation checkpointing {'on' if fits.spec.activation_checkpointing else 'off'}, "
+            f"activation checkpointing {fits.spec.checkpointing}, "
             f"planned peak {max(s.memory.total for s in fits.stages) / _GIB:.2f} GiB")

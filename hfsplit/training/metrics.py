@@ -46,6 +46,7 @@ class StepOutcome:
     tokens: int = 0  # real (non-padding) tokens of the global batch
     trained_tokens: int = 0  # its label tokens
     positions: int = 0  # its positions (rows × seq_len)
+    offload_bytes: int = 0  # peak host bytes this rank's activation offload held during the step
 
     @property
     def finite(self) -> bool:
@@ -73,10 +74,13 @@ class Metrics:
         holds_loss: this rank holds the loss: it writes notes (eval loss, skipped steps) under the bar.
         progress: it also shows the progress bar.
         append: append to an existing `metrics.jsonl` (a resumed run).
+        offloads: the plan offloads activations: each step logs `activation_offload_bytes`, per rank the peak
+            host bytes its offloaded block inputs held (beside `peak_memory_bytes`, the device's).
     """
 
     def __init__(self, output_dir: str, *, total_steps: int, bubble_theory: float, holds_loss: bool,
-                 padded_padding: Optional[float] = None, progress: bool = True, append: bool = False) -> None:
+                 padded_padding: Optional[float] = None, progress: bool = True, append: bool = False,
+                 offloads: bool = False) -> None:
         self.log = MetricsLog(output_dir, enabled=dist.get_rank() == 0, append=append)
         self.total_steps = total_steps
         self.holds_loss = holds_loss
@@ -86,6 +90,7 @@ class Metrics:
         self.first_step = 1
         self._busy_total = self._wall_total = 0.0
         self._steps: list[tuple[int, int, int]] = []  # each step's (real tokens, label tokens, positions)
+        self.offloads = offloads
 
     def begin(self, first_step: int) -> None:
         """Show the bar from `first_step` (after a resume, the step after the checkpoint's)."""
@@ -118,9 +123,10 @@ class Metrics:
         rate, trained = outcome.tokens / outcome.seconds, outcome.trained_tokens / outcome.seconds
         padding = 1 - outcome.tokens / outcome.positions if outcome.positions else 0.0
         peaks = gather(int(peak_memory_bytes(device)))
+        offloaded = {"activation_offload_bytes": gather(int(outcome.offload_bytes))} if self.offloads else {}
         self.log.write({"step": step, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm,
                         "tokens_per_s": rate, "trained_tokens_per_s": trained, "padding": padding,
-                        "step_s": outcome.seconds, "peak_memory_bytes": peaks})
+                        "step_s": outcome.seconds, "peak_memory_bytes": peaks, **offloaded})
         self.bar.set_postfix(loss=f"{outcome.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", trained_s=f"{trained:.0f}",
                              pad=f"{100 * padding:.0f}%", peak_mib="/".join(str(p >> 20) for p in peaks))
         self.bar.update(1)

@@ -81,11 +81,19 @@ class FinetuneOptions:
     global_batch: Optional[int] = option(
         None, "parallelism", "sequences per optimizer step over all replicas, instead of --micro-batches; under "
         "--schedule auto the planner also chooses the micro-batch size (up to --micro-batch-size) and count")
-    activation_checkpointing: Union[bool, Literal["auto"]] = option(
-        "auto", "parallelism", "recompute block activations in backward: on, off, or auto (on only where needed to fit)")
+    activation_checkpointing: Union[bool, Literal["auto", "offload"]] = option(
+        "auto", "parallelism", "recompute block activations in backward: on, off, offload (on, with each block's saved "
+        "input in host RAM until its recompute), or auto (the planner picks per stage the fastest of off / on / offload "
+        "that fits)")
+    headroom: float = option(
+        0.0, "parallelism", "fraction of each device's budget the plan leaves free, a margin for what the estimate "
+        "misses (0.03: every device at most 97%% full)")
     chunked_loss: bool = option(
         False, "parallelism", "the last stage runs lm_head and the loss a chunk of tokens at a time (never a whole "
         "micro-batch's logits): the same loss and gradients in less memory")
+    optim: Literal["auto", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = option(
+        "auto", "optimisation", "the optimizer, by transformers' names: auto (fp32 AdamW, bitsandbytes' 8-bit moments "
+        "on a stage only where fp32 ones would not fit), adamw_torch, adamw_8bit or paged_adamw_8bit")
     learning_rate: float = option(2e-4, "optimisation", "peak learning rate (AdamW; cosine decay after warm-up)")
     warmup_steps: int = option(10, "optimisation", "linear warm-up steps")
     weight_decay: float = option(0.0, "optimisation", "AdamW weight decay")
@@ -125,6 +133,7 @@ class FinetuneOptions:
             _check_number(self, name, low=0)
         _check_number(self, "learning_rate", low=0, above=True)
         _check_number(self, "lora_dropout", low=0, high=1)
+        _check_number(self, "headroom", low=0, high=0.49)
         # unset: off (or the planner's choice)
         for name in ("eval_every", "save_every", "epochs", "tp", "pp", "global_batch", "max_steps", "micro_batches"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -210,7 +219,10 @@ def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
     return TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
                         dtype=dtype, lora_r=options.lora_r,
                         lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
-                        activation_checkpointing=options.activation_checkpointing is True,
+                        # what the user fixed (off, on, offload), else off until the planner decides (auto)
+                        activation_checkpointing=False if options.activation_checkpointing == "auto"
+                        else options.activation_checkpointing,
+                        optim=options.optim if options.optim != "auto" else "adamw_torch",
                         reserve_bytes=None if gpu else 0,
                         bnb_4bit_quant_type=options.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
@@ -224,7 +236,8 @@ def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[b
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world_size if options.model is None and options.tp is None else None)
     return dict(spec=training_spec(options, gpu=gpu), **batch_arguments(options), schedule=options.schedule,
-                tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing)
+                tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing,
+                optim=options.optim, headroom=options.headroom)
 
 
 def batch_arguments(options: FinetuneOptions) -> dict:

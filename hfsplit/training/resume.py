@@ -6,6 +6,13 @@ pieces described as DTensor shards. A run resumed under another split (another
 budget, rank count, pp or tp) therefore reads exactly the slices its own parameters
 need — weights and optimizer state alike. Step, scheduler, data position and RNG are
 small and go to one file per rank.
+
+The moments are saved as fp32 whatever the optimizer keeps: bitsandbytes' 8-bit moments dequantized, so any split
+and either optimizer can read them. An 8-bit optimizer also saves its codes and absmax as they are, keyed by the
+TP piece they belong to (`_piece_key`): a resume whose parameter is split the same way (the same tp, whatever the
+pp, budget or replicas) restores them bit for bit and continues exactly; under another tp the blocks of 256 fall
+elsewhere in the new pieces, so the fp32 moments are re-quantized there (within one 8-bit step of each value), as
+they are when a run moves between fp32 and 8-bit moments.
 """
 from __future__ import annotations
 
@@ -16,10 +23,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+
 from hfsplit.apply.tp import tp_shard_dim
 from hfsplit.apply.tp_experts import PACKED_HALVES
 from hfsplit.errors import HfsplitError
 from hfsplit.models.families import PACKED_COLWISE, tp_style_of
+from hfsplit.training.optimizers import RAW_KEYS, OnLocalPieces, load_moments, moments, raw_state
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state"
@@ -69,13 +79,8 @@ def write_trainer_state(folder: Path, *, model, params, optimizer, scheduler, ba
     names = checkpoint_names(model, params)
     tensors = {}
     for p in params:
-        state = optimizer.state.get(p, {})
         tensors[f"param/{names[p]}"] = _global(model, p.detach(), param=p, name=names[p])
-        for key in _MOMENTS:
-            if key in state:
-                tensors[f"{key}/{names[p]}"] = _global(model, state[key], param=p, name=names[p])
-        if "step" in state:
-            tensors[f"step/{names[p]}"] = state["step"].detach().reshape(()).float().cpu()
+        tensors.update(_moment_tensors(model, optimizer, p, names[p]))
     dcp.save(tensors, checkpoint_id=str(folder / STATE / "tensors"))
     small = {
         "step": step,
@@ -106,20 +111,72 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
     targets, moments = {}, {}
     for p in params:
         targets[f"param/{names[p]}"] = _global(model, p.detach(), param=p, name=names[p])
-        if f"step/{names[p]}" not in saved:
-            continue
-        moments[p] = {"step": torch.zeros(()), **{key: torch.zeros_like(p.detach()) for key in _MOMENTS}}
-        targets[f"step/{names[p]}"] = moments[p]["step"]
-        for key in _MOMENTS:
-            targets[f"{key}/{names[p]}"] = _global(model, moments[p][key], param=p, name=names[p])
+        if f"step/{names[p]}" in saved:
+            moments[p] = _blank_moments(model, optimizer, p, names[p], saved)
+            targets.update(moments[p]["targets"])
     dcp.load(targets, checkpoint_id=str(folder / STATE / "tensors"))
-    optimizer.state.update(moments)
+    for p, blank in moments.items():
+        load_moments(optimizer, p, exp_avg=blank["exp_avg"], exp_avg_sq=blank["exp_avg_sq"],
+                     step=float(blank["step"]), raw=blank["raw"])
     scheduler.load_state_dict(small["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
     batches.load_state_dict(data_position_for(small, batches, folder=folder))
     torch.set_rng_state(small["rng"].cpu())
     return int(small["step"])
+
+
+def _moment_tensors(model, optimizer, p, name: str) -> dict[str, torch.Tensor]:
+    """What DCP saves of `p`'s optimizer state: the fp32 moments as global tensors, the step, and an 8-bit
+    optimizer's codes and absmax under the key of this rank's piece."""
+    found = moments(optimizer, p)
+    if found is None:
+        return {}
+    exp_avg, exp_avg_sq, step = found
+    out = {f"step/{name}": torch.tensor(float(step))}
+    for key, moment in zip(_MOMENTS, (exp_avg, exp_avg_sq)):
+        out[f"{key}/{name}"] = _global(model, _like_param(moment, p), param=p, name=name)
+    out.update({f"{key}/{name}/{_piece_key(model, p)}": t for key, t in raw_state(optimizer, p).items()})
+    return out
+
+
+def _blank_moments(model, optimizer, p, name: str, saved: dict) -> dict:
+    """Fresh tensors DCP reads `p`'s saved optimizer state into ("targets"), and the same by role: fp32 moments
+    shaped as the optimizer keeps them (DTensors for torch's AdamW on DTensor parameters, the local piece for
+    bitsandbytes'), and the 8-bit codes and absmax of this rank's piece where this run is 8-bit and they were saved
+    for a piece split the same way (`raw`; None otherwise: the moments are re-quantized)."""
+    local = isinstance(optimizer, OnLocalPieces)  # bitsandbytes': its moments are the local pieces' (optimizers.py)
+    like = _local(p.detach()) if local else p.detach()
+    blank = {"step": torch.zeros(()), "raw": None}
+    for key in _MOMENTS:
+        blank[key] = torch.zeros_like(like, dtype=torch.float32 if local else like.dtype)
+    targets = {f"step/{name}": blank["step"]}
+    targets.update({f"{key}/{name}": _global(model, _like_param(blank[key], p), param=p, name=name) for key in _MOMENTS})
+    raw_keys = {key: f"{key}/{name}/{_piece_key(model, p)}" for key in RAW_KEYS}
+    if local and all(k in saved for k in raw_keys.values()) and \
+            tuple(saved[raw_keys["state1"]].size) == tuple(like.shape):
+        blank["raw"] = {key: torch.empty(tuple(saved[k].size), dtype=saved[k].properties.dtype)
+                        for key, k in raw_keys.items()}
+        targets.update({k: blank["raw"][key] for key, k in raw_keys.items()})
+    return {**blank, "targets": targets}
+
+
+def _piece_key(model, p) -> str:
+    """Which piece of parameter `p` this rank holds: "tp{rank}of{tp}" where tensor parallelism splits it, else
+    "whole" (the same under every pp, budget and replica count)."""
+    split = model.plan.tp > 1 and (isinstance(p, DTensor) or tp_shard_dim(p) is not None)
+    return f"tp{model.ctx.coords.tp}of{model.plan.tp}" if split else "whole"
+
+
+def _like_param(t: torch.Tensor, p) -> torch.Tensor:
+    """`t` (a tensor shaped like `p`'s local piece, or `p`'s own kind) as a DTensor placed like `p` when `p` is one."""
+    if isinstance(p, DTensor) and not isinstance(t, DTensor):
+        return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False)
+    return t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def checkpoint_names(model, params) -> dict[torch.nn.Parameter, str]:

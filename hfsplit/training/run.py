@@ -30,6 +30,7 @@ from hfsplit.training.data import MicroBatches, load_token_rows
 from hfsplit.training.elastic import LaunchState, settle_growth
 from hfsplit.training.lr_schedule import cosine_schedule_with_warmup  # transformers' own, without its 7 s of imports
 from hfsplit.training.metrics import Metrics, TrainResult
+from hfsplit.training.optimizers import build_optimizer, optim_of_rank
 from hfsplit.training.options import FinetuneOptions, dataset_of, packing_of, plan_arguments, training_spec, with_plan_batch
 from hfsplit.training.save import writable_dir
 from hfsplit.training.trainer import Run, fit
@@ -105,14 +106,16 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     if dist.get_rank() == 0:
         print(plan.table(), flush=True)  # its last lines say what the run applied to each stage
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
+    optimizer = build_optimizer(params, optim=optim_of_rank(plan, model.stage_indices), lr=options.learning_rate,
+                                weight_decay=options.weight_decay)  # the plan's: fp32 or 8-bit moments
     run = Run(options=options, model=model, model_path=model_path, tokenizer=tokenizer, params=params,
               optimizer=optimizer, lora_config=config, loss_fn=causal_lm_loss(model.config.vocab_size),
               calibration_spec=calibrated, **data_of_run(options, rows, plan=plan, optimizer=optimizer))
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
     run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
                           padded_padding=rows.padded_padding if rows.packed else None,
-                          holds_loss=holds_loss, progress=progress, append=launch.append)
+                          holds_loss=holds_loss, progress=progress, append=launch.append,
+                          offloads=plan.offload_bytes > 0)
     run.checkpointer = Checkpointer(
         model=model, state=TrainState(params=params, optimizer=optimizer, scheduler=run.scheduler,
                                       batches=run.batches),

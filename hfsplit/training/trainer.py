@@ -71,13 +71,14 @@ def fit(run: Run) -> TrainResult:
 
 def train_step(run: Run, batch: dict) -> StepOutcome:
     """One optimizer step over `batch` (the global batch; this replica takes its rows): forward and
-    backward through the pipeline, global-norm clipping, AdamW and the schedule. The loss is the token mean
+    backward through the pipeline, global-norm clipping, the optimizer and the schedule. The loss is the token mean
     of the global batch, as transformers' Trainer computes it with `num_items_in_batch`. A step whose loss or
     gradient norm is not finite changes no weight (its gradients are dropped)."""
     model = run.model
     mine = slice(model.ctx.coords.dp * run.rows_per_replica, (model.ctx.coords.dp + 1) * run.rows_per_replica)
     items = label_tokens(batch["labels"])  # the global batch's: the loss is its token mean, on every replica
     busy = model.busy_seconds()
+    model.activation_offload_bytes(reset=True)
     start = time.perf_counter()
     with compute_precision(model):
         loss = model.step(batch["input_ids"][mine], batch["labels"][mine], run.loss_fn,
@@ -85,7 +86,8 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     loss = model.reduce_loss(loss)
     norm = model.grad_norm(run.params)
     outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0, tokens=int(batch["lengths"].sum()),
-                          trained_tokens=items, positions=batch["input_ids"].numel())
+                          trained_tokens=items, positions=batch["input_ids"].numel(),
+                          offload_bytes=model.activation_offload_bytes())
     if outcome.finite:
         clip_(run.params, norm=norm, max_norm=run.options.max_grad_norm)
         run.optimizer.step()

@@ -24,10 +24,12 @@ def test_plan_fits_uneven_budgets_and_prints_a_table(capsys):
 
 
 def test_uneven_budgets_give_the_larger_card_at_least_as_many_layers():
-    plan = make_plan("Qwen/Qwen2.5-14B", "24GiB,12GiB,12GiB", spec=TrainingSpec(method="lora", seq_len=2048))
-    by_device = {d: s for s in plan.stages for g in s.devices for d in g}
+    # checkpointing on device everywhere: where the small cards may offload (auto), time alone balances the layers
+    plan = make_plan("Qwen/Qwen2.5-14B", "24GiB,12GiB,12GiB", spec=TrainingSpec(method="lora", seq_len=2048),
+                     activation_checkpointing=True, optim="adamw_torch")
+    layers = {d: sum(s.num_layers for s in plan.stages if d in s.devices[0]) for d in ("0", "1", "2")}
     if plan.tp == 1 and plan.pp == 3:
-        assert by_device["0"].num_layers >= max(by_device["1"].num_layers, by_device["2"].num_layers)
+        assert layers["0"] >= max(layers["1"], layers["2"])
     for stage in plan.stages:
         assert stage.memory.total <= stage.budget
 

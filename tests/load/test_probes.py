@@ -160,6 +160,8 @@ def test_link_probe_on_two_ranks_agrees_and_reaches_the_plan():
     assert links[0] == links[1]  # every rank plans with the same (slowest) figure
     link = links[0]
     assert link.measured and 1e7 < link.bandwidth < 1e12 and 0 <= link.latency_s < 0.05 and 0 < link.action_s < 0.05
+    # the host link the activation offload crosses: a memory copy beside compute on a CPU rank, measured
+    assert 1e7 < link.host_bandwidth < 1e12 and not link.host_overlap and "(device table)" not in link.describe()
     assert all(r["probe_s"] < 5 for r in results)
     assert any(note.startswith("link ") and "measured" in note for note in results[0]["notes"])
 

@@ -20,6 +20,11 @@ def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
     qlora = [by_ac.pop("qlora_bf16") for by_ac in results] if qlora_bf16 else None
     if packed:
         _check_packed([by_ac.pop("packed") for by_ac in results], unpacked=results)
+    for rank, by_ac in enumerate(results):  # every figure printed before any is asserted
+        for ac, r in by_ac.items():
+            print(f"rank {rank} checkpointing {ac}: planned {r['planned']} measured {r['measured']} "
+                  f"({r['measured'] / r['planned']:.3f}); offload planned {r['planned_offload']} "
+                  f"measured {r['offloaded']}")
     for rank, by_ac in enumerate(results):
         off, on = by_ac[False], by_ac[True]
         for ac, r in by_ac.items():
@@ -28,6 +33,7 @@ def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
             assert r["checkpointed_blocks"] == (4 // pp if ac else 0)
             ratio = r["measured"] / r["planned"]
             assert 0.85 <= ratio <= 1.15, f"rank {rank} checkpointing {ac}: measured/planned = {ratio:.3f}"
+            _check_offload(rank, ac, r)
             # A step leaves nothing more behind than the step before (a recompute that stopped early left each
             # block's last TP all-reduce unwaited, kept for good by torch's collective registry).
             assert r["growth"] == 0, f"rank {rank} checkpointing {ac}: each step leaks {r['growth']} bytes"
@@ -36,8 +42,10 @@ def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
         saved = off["measured"] - on["measured"]
         assert saved >= 0.7 * planned_saving, f"rank {rank}: saved {saved} of the planned {planned_saving}"
     # The rank holding the loss depends on the schedule auto chose (a V puts the last stage on rank 0).
-    curves = {ac: next(r[ac]["losses"] for r in results if r[ac]["losses"][0] is not None) for ac in (False, True)}
+    curves = {ac: next(r[ac]["losses"] for r in results if r[ac]["losses"][0] is not None)
+              for ac in (False, True, "offload")}
     assert curves[True] == pytest.approx(curves[False], rel=1e-5)
+    assert curves["offload"] == pytest.approx(curves[True], rel=1e-6)  # the same recompute from the same inputs
     assert curves[False][-1] < curves[False][0]
     if qlora is not None:
         _check_bf16_qlora_autocast(qlora)
@@ -58,6 +66,14 @@ def _check_packed(results: list[dict], *, unpacked: list[dict]) -> None:
             assert planned_cost > 0, (rank, ac)
             assert r["measured"] - plain[ac]["measured"] >= 0.7 * planned_cost, (rank, ac, r["measured"],
                                                                                plain[ac]["measured"], planned_cost)
+def _check_offload(rank: int, ac, r: dict) -> None:
+    """Offloaded checkpointing holds in host memory what the plan says (±15%), and only then."""
+    if ac != "offload":
+        assert r["offloaded"] == r["planned_offload"] == 0
+        return
+    assert r["planned_offload"] > 0 and any("offloaded to host" in str(step) for step in r["applied"]), r["applied"]
+    ratio = r["offloaded"] / r["planned_offload"]
+    assert 0.85 <= ratio <= 1.15, f"rank {rank}: offloaded {r['offloaded']} of the planned {r['planned_offload']}"
 
 
 def _check_bf16_qlora_autocast(results: list[dict]) -> None:
@@ -65,13 +81,15 @@ def _check_bf16_qlora_autocast(results: list[dict]) -> None:
     its forwards run under autocast (the default) or not, and in both the measured peak is the plan's within ±15%;
     autocast saves at least 70% of what the plan says it saves (peft's fp32 copies of the adapters' inputs), and
     the losses stay those of the run without it (same values: autocast casts peft's fp32 copy straight back to
-    bf16)."""
+    bf16). The QLoRA cell of the offload matrix runs here too: under autocast with the blocks' inputs offloaded,
+    the device peak and the host bytes are the plan's within ±15% and the losses those of checkpointing on device."""
     from hfsplit.plan import autocast_step as autocast_label
 
     for rank, by_autocast in enumerate(results):  # every figure printed before any is asserted
         for autocast, r in by_autocast.items():
             print(f"rank {rank} bf16 QLoRA autocast {autocast}: planned {r['planned']} measured {r['measured']} "
-                  f"({r['measured'] / r['planned']:.3f})")
+                  f"({r['measured'] / r['planned']:.3f}); offload planned {r['planned_offload']} "
+                  f"measured {r['offloaded']}")
     for rank, by_autocast in enumerate(results):
         off, on = by_autocast[False], by_autocast[True]
         assert on["applied"] == on["steps"] and on["applied"][-1] == autocast_label("bfloat16"), on["applied"]
@@ -80,9 +98,12 @@ def _check_bf16_qlora_autocast(results: list[dict]) -> None:
             ratio = r["measured"] / r["planned"]
             assert 0.85 <= ratio <= 1.15, f"rank {rank} autocast {autocast}: measured/planned = {ratio:.3f}"
             assert r["growth"] == 0, f"rank {rank} autocast {autocast}: each step leaks {r['growth']} bytes"
+            _check_offload(rank, "offload" if autocast == "offload" else True, r)
         planned_saving, saved = off["planned"] - on["planned"], off["measured"] - on["measured"]
         print(f"rank {rank}: autocast saves {saved} of the planned {planned_saving}")
         assert planned_saving > 0.1 * off["planned"]  # a case where the fp32 copies matter
         assert saved >= 0.7 * planned_saving, f"rank {rank}: saved {saved} of the planned {planned_saving}"
-    curves = {a: next(r[a]["losses"] for r in results if r[a]["losses"][0] is not None) for a in (False, True)}
+    curves = {a: next(r[a]["losses"] for r in results if r[a]["losses"][0] is not None)
+              for a in (False, True, "offload")}
     assert curves[True] == pytest.approx(curves[False], rel=1e-2)
+    assert curves["offload"] == pytest.approx(curves[True], rel=1e-6)

@@ -61,6 +61,33 @@ def test_a_switch_given_as_a_string_in_python_is_refused_not_taken_as_on(tmp_pat
     FinetuneOptions(activation_checkpointing=True).validate()
 
 
+@pytest.mark.parametrize("given, planned", [
+    ([], "auto"), (["--activation-checkpointing"], True), (["--activation-checkpointing", "off"], False),
+    (["--activation-checkpointing", "True"], True), (["--activation-checkpointing", "offload"], "offload"),
+    (["--activation-checkpointing", "auto"], "auto"),
+])
+def test_activation_checkpointing_keeps_its_boolean_spellings_and_takes_offload(tmp_path, given, planned):
+    """Today's spellings (on/off, True/False, a bare flag, YAML booleans) mean what they did; offload and auto
+    are new; unset leaves the choice to the planner, and what the user fixes the plan honours."""
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.training.options import plan_arguments
+
+    arguments = plan_arguments(parse_options(["--model", "org/name"] + given), world_size=2)  # (no tiny demo recipe)
+    assert arguments["activation_checkpointing"] == planned
+    fixed = TrainingSpec(activation_checkpointing=planned if planned != "auto" else False).activation_checkpointing
+    assert arguments["spec"].activation_checkpointing == fixed  # on/off stay booleans in the spec
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("activation_checkpointing: on\noptim: adamw_8bit\n")  # YAML 1.1: on is True
+    arguments = plan_arguments(parse_options(["--config", str(recipe), "--model", "org/name"]), world_size=2)
+    assert (arguments["activation_checkpointing"], arguments["optim"]) == (True, "adamw_8bit")
+    assert arguments["spec"].optim == "adamw_8bit"
+    with pytest.raises(HfsplitError, match=r"--activation-checkpointing is on or off .* or 'auto' or 'offload'; "
+                                           r"got 'sometimes'"):
+        FinetuneOptions(activation_checkpointing="sometimes").validate()
+    with pytest.raises(HfsplitError, match=r"--optim 'adamw_4bit': choose auto, adamw_torch, adamw_8bit"):
+        parse_options(["--optim", "adamw_4bit"])
+
+
 def test_warmup_zero_and_unset_intervals_are_valid():
     options = parse_options(["--warmup-steps", "0"])
     assert (options.warmup_steps, options.eval_every, options.save_every) == (0, None, None)

@@ -135,6 +135,27 @@ def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path,
 
 
 @pytest.mark.slow
+def test_offloaded_checkpointing_trains_as_planned_and_metrics_log_the_host_bytes(tiny_checkpoint, tmp_path):
+    """pp=2 on two ranks (auto's Interleaved1F1B): LoRA with offloaded checkpointing and the chunked loss gives the
+    unsplit model's losses, and metrics.jsonl logs per rank the host bytes its offload held, the plan's within ±15%.
+    (8-bit AdamW against torch's over 20 steps: tests/training/test_optimizers.py; through the trainer, with its
+    resume, in the resume tests below.)"""
+    checkpoint = tiny_checkpoint("llama")
+    runs = [run_options(checkpoint, tmp_path, "lora", activation_checkpointing="offload", chunked_loss=True, pp=2,
+                        max_memory="2x1GiB")]
+    (offloaded,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs},
+                          timeout_s=400)[0]
+    expected, _ = reference_training(tiny_demo_options(**runs[0]))
+    assert offloaded == pytest.approx(expected, rel=1e-4)
+    records = [json.loads(x) for x in (Path(runs[0]["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    planned = next(r["activation_offload_planned"] for r in records if "plan" in r)
+    assert sum(planned) > 0
+    for record in (r for r in records if "loss" in r):
+        for rank, (held, plan) in enumerate(zip(record["activation_offload_bytes"], planned)):
+            assert (held == plan == 0) or 0.85 <= held / plan <= 1.15, (record["step"], rank, held, plan)
+
+
+@pytest.mark.slow
 def test_readme_default_command_runs_under_accelerate_launch_and_loss_falls(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -224,16 +245,24 @@ def test_epochs_and_evaluation(tiny_checkpoint, tmp_path):
     (2, dict(tp=2, pp=1, max_memory="2x1GiB"), "lora"),
 ])
 def test_resume_gives_the_uninterrupted_loss_curve(tiny_checkpoint, tmp_path, world, split, method):
+    """... with fp32 AdamW, and (full pp=2) with bitsandbytes' 8-bit AdamW: its codes and absmax come back bit for
+    bit on the same split, so the curve is the uninterrupted one exactly."""
     base = dict(run_options(tiny_checkpoint("llama"), tmp_path, method, **split), max_steps=12, save_every=6)
     whole = dict(base, output_dir=str(tmp_path / "whole"))
     interrupted = dict(base, output_dir=str(tmp_path / "resumed"))
+    eight = [dict(run, optim="adamw_8bit", output_dir=run["output_dir"] + "-8bit") for run in (whole, interrupted)]
+    eight = eight if method == "full" else []
     first = launch("tests.training.cases:finetune_losses", world_size=world,
-                   kwargs={"runs": [whole, interrupted]}, timeout_s=300)[0]
+                   kwargs={"runs": [whole, interrupted] + eight}, timeout_s=400)[0]
     assert (tmp_path / "resumed" / "checkpoint-6" / "trainer_state").is_dir()
     # the latest checkpoint is step 6 (the final step saves the model, not a checkpoint): resume from it
-    (resumed,) = launch("tests.training.cases:finetune_losses", world_size=world,
-                        kwargs={"runs": [dict(interrupted, resume="latest")]}, timeout_s=300)[0]
-    assert resumed == pytest.approx(first[0][6:], rel=1e-6)
+    again = [dict(run, resume="latest") for run in [interrupted] + eight[1:]]
+    resumed = launch("tests.training.cases:finetune_losses", world_size=world, kwargs={"runs": again},
+                     timeout_s=300)[0]
+    assert resumed[0] == pytest.approx(first[0][6:], rel=1e-6)
+    if eight:
+        assert resumed[1] == first[2][6:]  # exactly: the 8-bit state as it was
+        assert first[2] != first[0] and first[2] == pytest.approx(first[0], rel=1e-2)  # 8-bit moments track fp32
     # the final save of a resumed run loads like any other
     assert (tmp_path / "resumed" / ("adapter" if method == "lora" else "model")).is_dir()
 
@@ -244,17 +273,26 @@ def test_resume_gives_the_uninterrupted_loss_curve(tiny_checkpoint, tmp_path, wo
     ("lora", (2, dict(pp=1, tp=2, max_memory="2x1GiB")), (1, dict(pp=1, tp=1, max_memory="1GiB"))),
 ])
 def test_resume_under_another_split_reshards_weights_and_optimizer(tiny_checkpoint, tmp_path, method, before, after):
-    """pp=2 → tp=2 and tp=2 on two ranks → one rank: the resumed run continues the same loss curve."""
+    """pp=2 → tp=2 and tp=2 on two ranks → one rank: the resumed run continues the same loss curve. With 8-bit AdamW
+    (full): onto tp=2 the moments are re-quantized for the new pieces, and the curve continues within the 8-bit
+    steps; onto two replicas (each parameter whole again) the codes come back as they were."""
     (world, split), (world_after, split_after) = before, after
     run = dict(run_options(tiny_checkpoint("llama"), tmp_path, method, **split), max_steps=10, save_every=5,
                output_dir=str(tmp_path / "run"))
-    (whole,) = launch("tests.training.cases:finetune_losses", world_size=world, kwargs={"runs": [run]},
-                      timeout_s=300)[0]
+    eight = [dict(run, optim="adamw_8bit", output_dir=str(tmp_path / "run-8bit"))] if method == "full" else []
+    wholes = launch("tests.training.cases:finetune_losses", world_size=world, kwargs={"runs": [run] + eight},
+                    timeout_s=300)[0]
     moved = dict(run, **split_after, resume=str(tmp_path / "run" / "checkpoint-5"),
                  output_dir=str(tmp_path / "moved"))
-    (resumed,) = launch("tests.training.cases:finetune_losses", world_size=world_after, kwargs={"runs": [moved]},
-                        timeout_s=300)[0]
-    assert resumed == pytest.approx(whole[5:], rel=1e-4)  # another split only reorders float sums
+    moved8 = [{**eight[0], **split_after, "resume": str(tmp_path / "run-8bit" / "checkpoint-5"),
+               "output_dir": str(tmp_path / f"moved-8bit-{name}"), **extra}
+              for name, extra in (("tp2", {}), ("dp2", dict(tp=1, micro_batches=2)))] if eight else []
+    resumed = launch("tests.training.cases:finetune_losses", world_size=world_after, kwargs={"runs": [moved] + moved8},
+                     timeout_s=400)[0]
+    assert resumed[0] == pytest.approx(wholes[0][5:], rel=1e-4)  # another split only reorders float sums
+    if eight:
+        assert resumed[1] == pytest.approx(wholes[1][5:], rel=1e-3)  # re-quantized for tp=2's pieces
+        assert resumed[2] == pytest.approx(wholes[1][5:], rel=1e-4)  # whole again: the codes as they were
     if method == "full":  # the saved model (one shard per pp=2 stage) loads again under another split
         (tp2, _) = launch("tests.parallel.cases:planned_split_runs", world_size=2, kwargs=dict(
             checkpoint=str(tmp_path / "run" / "model"), max_memory="2x2GiB", pp=1, tp=2, schedule="1F1B"))
@@ -418,10 +456,11 @@ def test_recipe_bad_checkpoint_data_budget_or_launch_is_one_clear_line_and_exit_
 def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint, tmp_path):
     """20 steps with `output_router_logits` (the router auxiliary loss over the layers of both stages, coefficient
     0.5), LoRA and full training of each family, one launch: Mixtral LoRA (1F1B) and full (GPipe), Qwen3-MoE full with
-    activation checkpointing (the routers run again in backward; GPipe) and LoRA with it (1F1B). Every step's loss
+    offloaded activation checkpointing (the routers run again in backward, from the inputs brought back; GPipe) and
+    LoRA with checkpointing on the device (1F1B). Every step's loss
     equals transformers' own loss of the unsplit model, and the saved output (experts stored one by one) loads with
     plain transformers / peft."""
-    cases = (("mixtral", "lora", "1F1B", False), ("qwen3_moe", "full", "GPipe", True),
+    cases = (("mixtral", "lora", "1F1B", False), ("qwen3_moe", "full", "GPipe", "offload"),
              ("mixtral", "full", "GPipe", False), ("qwen3_moe", "lora", "1F1B", True))
     runs = [run_options(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5),
                         tmp_path / f"{arch}-{method}", method, tp=1, pp=2, schedule=schedule, max_memory="2x1GiB",

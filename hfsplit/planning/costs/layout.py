@@ -81,6 +81,10 @@ class Layout:
     block_numel_sharded: int  # block parameters split by TP (before division)
     linears: tuple[Linear, ...]
     tied: bool
+    # (values, split by TP) of each parameter: what an optimizer holds a state for, tensor by tensor
+    embed_params: tuple[tuple[int, bool], ...] = ()
+    block_params: tuple[tuple[int, bool], ...] = ()
+    head_params: tuple[tuple[int, bool], ...] = ()
 
 
 def _shard(style: Optional[str]) -> Optional[str]:
@@ -114,17 +118,16 @@ def _build_layout(key: str) -> Layout:
     model = meta_model(rank_layer_config(config))
     before, block, after, lm_head = parts(model)
     tied = lm_head.weight is model.get_input_embeddings().weight
-    replicated = sharded = 0
+    block_params = []
     for name, module in block.named_modules():
         shard = _shard(tp_style_of(config, f"layers.0.{name}")) if name else None
         for pname, p in module.named_parameters(recurse=False):
             # fused experts: the plan styles each 3-D parameter itself (packed_colwise, rowwise)
             own = _shard(tp_style_of(config, f"layers.0.{name}.{pname}")) if name else None
             # A rowwise layer's bias is added after the all-reduce, so each rank holds it whole.
-            if own or shard == "col" or (shard == "row" and pname == "weight"):
-                sharded += p.numel()
-            else:
-                replicated += p.numel()
+            block_params.append((p.numel(), bool(own or shard == "col" or (shard == "row" and pname == "weight"))))
+    sharded = sum(n for n, split in block_params if split)
+    replicated = sum(n for n, split in block_params if not split)
     linears = tuple(Linear(lin.name, lin.in_features, lin.out_features, _shard(lin.tp_style))
                     for lin in block_linears(config))
     return Layout(
@@ -135,6 +138,11 @@ def _build_layout(key: str) -> Layout:
         block_numel_sharded=sharded,
         linears=linears,
         tied=tied,
+        # hfsplit.apply.tp splits the embeddings and lm_head over the vocabulary; the final norm stays whole
+        embed_params=tuple((p.numel(), True) for m in before for p in m.parameters()),
+        block_params=tuple(block_params),
+        head_params=tuple((p.numel(), False) for m in after for p in m.parameters())
+        + tuple((p.numel(), True) for p in lm_head.parameters()),
     )
 
 
@@ -156,8 +164,9 @@ def lora_targets(layout: Layout, spec: TrainingSpec, experts=()) -> list[Linear]
 def cached_layout(key: str, build):
     """The `Layout` of the config `key`, from disk or `build(key)`."""
     record = read_cache("layout", key)
-    if record is not None:
-        return Layout(**{**record, "linears": tuple(Linear(**lin) for lin in record["linears"])})
+    if record is not None and "block_params" in record:  # (a layout cached before it listed its parameters: rebuilt)
+        params = {k: tuple(tuple(p) for p in record[k]) for k in ("embed_params", "block_params", "head_params")}
+        return Layout(**{**record, **params, "linears": tuple(Linear(**lin) for lin in record["linears"])})
     layout = build(key)
     write_cache("layout", key, asdict(layout))
     return layout

@@ -20,6 +20,7 @@ from hfsplit.models.families import tp_degree_error
 from hfsplit.models.layer_kinds import kind_config, layer_kinds
 from hfsplit.models.layout import block_linear_names, meta_model, routed_expert_numel
 from hfsplit.plan import TrainingSpec
+from hfsplit.planning.costs.optimizer import moments_bytes, shared_bytes
 from hfsplit.planning.costs.layout import (
     CONFIGS, LORA_ADAPTER_DTYPE, Layout, Linear, dtype_of, head_dim, keyed, layout_of, lora_targets, rank_layer_config,
 )
@@ -38,13 +39,19 @@ class PartCost:
     Args:
         param_bytes: weights (frozen + trainable) in the model dtype.
         grad_bytes: gradients of the trainable parameters.
-        optimizer_bytes: AdamW moments (fp32) plus fp32 master weights under mixed precision.
-        activation_bytes: bytes kept for backward per micro-batch (0 for inference).
+        optimizer_bytes: AdamW moments (fp32, or bitsandbytes' 8-bit with their absmax:
+            `hfsplit.planning.costs.optimizer`) plus fp32 master weights under mixed precision.
+        activation_bytes: bytes kept on the device for backward per micro-batch (0 for inference).
         workspace_bytes: transient peak while the part runs once (not multiplied by in-flight micro-batches).
         flops: forward + backward (+ recompute) FLOPs per micro-batch.
         comm_bytes: bytes all-reduced across the TP group per micro-batch (forward + backward).
         deferred_bytes: what a split backward (zero-bubble schedules) keeps from the part's input pass to its
             weight pass: the gradient of each trainable weight's output (see `_deferred_grad_bytes`).
+        offload_bytes: bytes kept in host memory for backward per micro-batch (offloaded checkpointing: the
+            block's input), which cross the host link twice (out in forward, back before the recompute).
+        trainable_numel: values of the part's trainable tensors (the optimizer's step temporaries follow them).
+        optimizer_shared_bytes: what the optimizer of a stage holding this part keeps once, whatever the number
+            of such parts (bitsandbytes' 8-bit code maps): counted once per stage, not in `optimizer_bytes`.
     """
 
     param_bytes: int
@@ -55,6 +62,9 @@ class PartCost:
     flops: float
     comm_bytes: int = 0
     deferred_bytes: int = 0
+    offload_bytes: int = 0
+    trainable_numel: int = 0
+    optimizer_shared_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -95,7 +105,6 @@ class ModelCosts:
     stage_inputs: PartCost = PartCost(0, 0, 0, 0, 0, 0.0)
 
 
-_ADAMW_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 _MASTER_WEIGHT_BYTES = 4  # fp32 master copy under mixed precision
 
 
@@ -170,19 +179,19 @@ def estimate_peak_bytes(costs: ModelCosts) -> int:
         phases.append(held + live_acts + live_grads + grad + part.workspace_bytes)
         live_acts -= part.activation_bytes
         live_grads += grad
-    phases.append(params + grads + optim + _optimizer_step_bytes(costs, optim))
+    phases.append(params + grads + optim + _optimizer_step_bytes(costs))
     return max(phases)
 
 
 # --- internals -------------------------------------------------------------------------------
 
 
-def _optimizer_step_bytes(costs: ModelCosts, optimizer_bytes: int) -> int:
+def _optimizer_step_bytes(costs: ModelCosts) -> int:
     """Transient of AdamW's step: the foreach implementation (default on GPUs) builds one fp32
     temporary per trainable parameter (the square root of the second moment)."""
-    master = costs.spec.method == "full" and costs.spec.dtype != "float32"
-    per_param = _ADAMW_MOMENT_BYTES + (_MASTER_WEIGHT_BYTES if master else 0)
-    return optimizer_bytes // per_param * 4
+    parts = [costs.embed, costs.head] + (list(costs.layer_blocks) or [costs.block] * costs.num_layers)
+    shared = costs.embed.trainable_numel if costs.tied else 0  # the tied matrix is held once in one process
+    return 4 * (sum(part.trainable_numel for part in parts) - shared)
 
 
 def _lora_numel(layout: Layout, spec: TrainingSpec, tp: int, config) -> int:
@@ -193,6 +202,43 @@ def _lora_numel(layout: Layout, spec: TrainingSpec, tp: int, config) -> int:
         out_f = lin.out_features // tp if lin.shard == "col" else lin.out_features  # B is out × r
         numel += spec.lora_r * (in_f + out_f)
     return numel
+
+
+def _trainable_tensors(layout: Layout, spec: TrainingSpec, tp: int, config, part: str) -> tuple[int, ...]:
+    """Values of each trainable tensor of one `part` ("embed", "block", "head") on one TP rank: every parameter
+    under full fine-tuning, a block's LoRA A and B matrices (those of fused experts too) under LoRA."""
+    if spec.method == "full":
+        params = {"embed": layout.embed_params, "block": layout.block_params, "head": layout.head_params}[part]
+        return tuple(n // tp if split else n for n, split in params)
+    if spec.method not in ("lora", "qlora") or part != "block":
+        return ()
+    r, out = spec.lora_r, []
+    for lin in lora_targets(layout, spec, expert_parameters(config)):
+        in_f = lin.in_features // tp if lin.shard == "row" else lin.in_features
+        out_f = lin.out_features // tp if lin.shard == "col" else lin.out_features
+        out += [r * in_f, out_f * r]
+    experts = expert_parameters(config)
+    for e, out_f, in_f in (experts[t][1] for t in dict.fromkeys(spec.lora_targets or ()) if t in experts):
+        out += [r * e * in_f, out_f * r * e]  # peft's ParamWrapper: A [r·E, in], B [out, r·E]
+    return tuple(out)
+
+
+def _part_state(layout: Layout, spec: TrainingSpec, tp: int, config, part: str, numel: int) -> dict:
+    """One part's `PartCost` state fields on one rank holding `numel` parameter values: param, grad and optimizer
+    bytes, its trainable values and what its optimizer holds once."""
+    size = dtype_of(spec.dtype).itemsize
+    trainable = _trainable_tensors(layout, spec, tp, config, part)
+    params, grads, optim, values = numel * size, 0, 0, 0
+    if spec.method == "full":
+        master = _MASTER_WEIGHT_BYTES if spec.dtype != "float32" else 0
+        grads, optim, values = numel * size, moments_bytes(trainable, spec.optim) + master * numel, numel
+    elif spec.method in ("lora", "qlora") and part == "block":
+        values = sum(trainable)
+        params = quantized_block_bytes(layout, spec) if spec.method == "qlora" else params
+        params, grads = params + values * LORA_ADAPTER_DTYPE.itemsize, values * LORA_ADAPTER_DTYPE.itemsize
+        optim = moments_bytes(trainable, spec.optim)
+    return dict(param_bytes=params, grad_bytes=grads, optimizer_bytes=optim, trainable_numel=values,
+                optimizer_shared_bytes=shared_bytes(trainable, spec.optim))
 
 
 @functools.lru_cache(maxsize=256)
@@ -213,19 +259,11 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     tokens = spec.micro_batch_size * spec.seq_len
     hidden_bytes = tokens * config.hidden_size * size
 
-    def state(part: str) -> tuple[int, int, int]:
-        params = numels[part] * size
-        if spec.method == "full":
-            master = _MASTER_WEIGHT_BYTES if spec.dtype != "float32" else 0
-            return params, numels[part] * size, numels[part] * (_ADAMW_MOMENT_BYTES + master)
-        if spec.method in ("lora", "qlora") and part == "block":
-            adapter = LORA_ADAPTER_DTYPE.itemsize
-            params = quantized_block_bytes(layout, spec) if spec.method == "qlora" else params
-            return params + lora_numel * adapter, lora_numel * adapter, lora_numel * _ADAMW_MOMENT_BYTES
-        return params, 0, 0
+    def state(part: str) -> dict:
+        return _part_state(layout, spec, tp, config, part, numels[part])
 
     passes = 1 if spec.method == "inference" else 3  # backward ≈ 2 × forward
-    ckpt = spec.activation_checkpointing and spec.method != "inference"
+    ckpt = spec.checkpointing != "off"
 
     # Block FLOPs: every matmul parameter (base + adapter) × 2 per token, plus QKᵀ and AV.
     matmul_numel = sum(
@@ -239,12 +277,15 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     all_reduces = 2 if spec.method == "inference" else 4 + (2 if ckpt else 0)
     comm = all_reduces * hidden_bytes if tp > 1 else 0
 
-    block_acts, block_ws = _block_memory(trace, spec, ckpt=ckpt, hidden_bytes=hidden_bytes, tp=tp)
+    block_acts, block_ws, offload = _block_memory(trace, spec, hidden_bytes=hidden_bytes, tp=tp)
     if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
         block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size)
-    embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
-    block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
-    head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
+    embed = PartCost(**state("embed"), activation_bytes=ends.embed_activations,
+                     workspace_bytes=ends.embed_workspace, flops=0.0)
+    block = PartCost(**state("block"), activation_bytes=block_acts, workspace_bytes=block_ws, flops=block_flops,
+                     comm_bytes=comm, offload_bytes=offload)
+    head = PartCost(**state("head"), activation_bytes=ends.head_activations, workspace_bytes=ends.head_workspace,
+                    flops=head_flops)
     return _with_deferred_grads(ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec,
                                            boundary_bytes=hidden_bytes, stage_inputs=_stage_inputs(key, spec, ckpt)),
                                 layout, config)
@@ -266,17 +307,21 @@ def _attention_config(key: str):
     return meta_model(rank_layer_config(CONFIGS[key])).config
 
 
-def _block_memory(trace: BlockTrace, spec: TrainingSpec, *, ckpt: bool, hidden_bytes: int, tp: int) -> tuple[int, int]:
-    """A block's (kept activations, workspace) from its trace, before QLoRA's dequantized weight."""
+def _block_memory(trace: BlockTrace, spec: TrainingSpec, *, hidden_bytes: int, tp: int) -> tuple[int, int, int]:
+    """A block's (kept activations, workspace, host bytes) from its trace, before QLoRA's dequantized weight."""
     if spec.method == "inference":
-        return 0, trace.inference_peak
+        return 0, trace.inference_peak, 0
     # The single-process trace has no collectives: backward's input-gradient all-reduce
     # (`_c10d_functional.all_reduce`, DTensor's Partial -> Replicate) copies the partial sum out of place, and
     # both are alive at once (measured: +1 hidden state at that op, LoRA tp=2 with checkpointing).
     reduce_copy = hidden_bytes if tp > 1 else 0
-    if ckpt:  # only the block input is kept; backward recomputes the block's activations transiently
-        return hidden_bytes, trace.activations + trace.workspace + reduce_copy
-    return trace.activations, trace.workspace + reduce_copy
+    recompute = trace.activations + trace.workspace + reduce_copy
+    if spec.checkpointing == "on":  # only the block input is kept; backward recomputes the block's activations
+        return hidden_bytes, recompute, 0
+    if spec.checkpointing == "offload":  # the input waits in host memory; on the device while the block
+        # recomputes, its input brought back and the next block's already on its way (`apply.offload`)
+        return 0, recompute + 2 * hidden_bytes, hidden_bytes
+    return trace.activations, trace.workspace + reduce_copy, 0
 
 
 def _with_deferred_grads(costs: ModelCosts, layout: Layout, config) -> ModelCosts:

@@ -25,7 +25,7 @@ from hfsplit.planning.costs.trace import BlockTrace, EndsTrace, trace_ends
 def trace_spec(spec):
     """The spec with the fields that do not change a trace set to fixed values."""
     lora = spec.method == "lora"
-    return replace(spec, activation_checkpointing=False, reserve_bytes=None,
+    return replace(spec, activation_checkpointing=False, reserve_bytes=None, optim="adamw_torch",
                    lora_r=spec.lora_r if lora else 0, lora_targets=spec.lora_targets if lora else None)
 
 
@@ -46,7 +46,8 @@ _MEMO: dict[str, object] = {}
 
 
 def _cached(kind: str, key: str, spec, tp: Optional[int], trace, cls):
-    full = f"{key}|{sorted(asdict(spec).items())}|tp={tp}"
+    # `optim` never changes a trace (trace_spec fixes it): left out of the key, caches from before it stay valid
+    full = f"{key}|{sorted((k, v) for k, v in asdict(spec).items() if k != 'optim')}|tp={tp}"
     if full in _MEMO:
         return _MEMO[full]
     record = read_cache(kind, full)

@@ -1,0 +1,88 @@
+"""What a stage may trade time for memory with, in the order the planner tries them.
+
+Each pipeline rank of a plan runs one `Choice`: activation checkpointing off, on, or offloaded to host memory,
+and its optimizer's moments in fp32 or bitsandbytes' 8 bits. The planner (`planner.split_layers`) gives each rank
+the first choice of `ladder` under which its layers fit, so a rank pays for recompute, host copies or quantized
+moments only when it needs them, and another rank of the same plan need not. The ladder is ordered by the
+time model: 8-bit moments cost no modelled time (bitsandbytes' fused step), recompute costs a forward, offload
+a forward plus its host copies (hidden behind compute on a GPU, `links.Link.host_copy_s`).
+
+Offload also costs host RAM: with a `"cpu"` entry beside the devices of `max_memory`, each rank may hold its share
+of it (`host_share`), since the ranks of one machine share its memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from hfsplit.errors import PlanError
+from hfsplit.plan import CHECKPOINTING, OPTIMS, TrainingSpec, checkpointing_mode
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One rank's memory decisions: `checkpointing` ("off" / "on" / "offload") and `optim` (an `OPTIMS` name)."""
+
+    checkpointing: str
+    optim: str
+
+    def spec(self, spec: TrainingSpec) -> TrainingSpec:
+        """`spec` as a rank running this choice runs it (the cost model's key)."""
+        return replace(spec, activation_checkpointing=self.checkpointing, optim=self.optim)
+
+
+def ladder(spec: TrainingSpec, *, activation_checkpointing: Union[bool, str] = AUTO, optim: str = AUTO,
+           single_process: bool = False) -> list[Choice]:
+    """The choices a rank may run, fastest first: what the user fixed stays fixed, "auto" opens the rest.
+
+    Args:
+        spec: what a step does (inference has nothing to checkpoint or optimize).
+        activation_checkpointing: "auto", or a fixed setting (False / True / "off" / "on" / "offload").
+        optim: "auto" (fp32 moments, 8-bit only where they must fit) or an `OPTIMS` name.
+        single_process: the model's own forward in one process, which hfsplit does not offload.
+    """
+    if spec.method == "inference":
+        return [Choice("off", spec.optim)]
+    modes = [m for m in CHECKPOINTING if not (single_process and m == "offload")] \
+        if activation_checkpointing == AUTO else [checkpointing_mode(activation_checkpointing)]
+    if single_process and "offload" in modes:
+        raise PlanError("activation checkpointing offload runs on split stages (a launched run); the single-process "
+                        "model checkpoints on its device: use activation_checkpointing=True")
+    # the single-process model trains with the user's own optimizer: the plan counts the spec's
+    optims = ([spec.optim] if single_process else ["adamw_torch", "adamw_8bit"]) if optim == AUTO else [check_optim(optim)]
+    return [Choice(m, o) for m in modes for o in optims]
+
+
+def check_optim(optim: str) -> str:
+    if optim not in OPTIMS:
+        raise PlanError(f"optimizer {optim!r} is unknown; choose auto or one of {', '.join(OPTIMS)} "
+                        "(transformers' names)")
+    return optim
+
+
+def frugal(choices: list[Choice]) -> Choice:
+    """The choice that holds least: the last checkpointing setting with the last optimizer."""
+    return Choice(choices[-1].checkpointing, choices[-1].optim)
+
+
+def plan_spec(spec: TrainingSpec, used: list[Choice]) -> TrainingSpec:
+    """A plan's spec: the most frugal checkpointing any rank runs, and 8-bit moments when any rank keeps them
+    (each stage's own are in `Stage.checkpointing` / `Stage.optim`)."""
+    mode = max((c.checkpointing for c in used), key=CHECKPOINTING.index)
+    optim = next((c.optim for c in used if c.optim != "adamw_torch"), "adamw_torch")
+    return Choice(mode, optim).spec(spec)
+
+
+def host_budget(budgets: dict[str, int], *, single_process: bool) -> tuple[dict[str, int], Optional[int]]:
+    """(the device budgets, the host RAM for offload): a "cpu" entry beside other devices is the machine's host
+    memory in a split run (its ranks' offloaded activations), not a device; None where none is given."""
+    if single_process or "cpu" not in budgets or len(budgets) == 1:
+        return budgets, None
+    return {k: v for k, v in budgets.items() if k != "cpu"}, budgets["cpu"]
+
+
+def host_share(host: Optional[int], ranks: int) -> Optional[int]:
+    """Host bytes one of `ranks` local ranks may hold (None: no limit given)."""
+    return None if host is None else host // max(ranks, 1)
