@@ -29,7 +29,16 @@ FAMILY_OVERRIDES = {
     # MoE: `save_pretrained` writes the experts one by one (transformers merges them on load); top-2 of 4
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    # gpt-oss: attention sinks, sliding and full layers alternating, biased router and experts (`nonzero_biases`),
+    # a SwiGLU clamp low enough to bite on tiny random weights, and YaRN rope (its attention scaling ≠ 1)
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.2,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}),
 }
+# Parameters a family's `_init_weights` zeroes but its forward uses: random here, so that a stage skipping them
+# shows in the logits (gpt-oss initialises its expert biases to zero).
+ZERO_INITIALISED = {"gpt_oss": ("experts.gate_up_proj_bias", "experts.down_proj_bias")}
 
 
 def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4, hidden: int = 64,
@@ -75,12 +84,24 @@ def write_checkpoint(path: str | Path, config, *, seed: int = 0, max_shard_size:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    nonzero_biases(model)
     if dtype is not None:
         model = model.to(dtype)
     path = Path(path)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+def nonzero_biases(model) -> None:
+    """Fill the parameters `ZERO_INITIALISED` names for the model's family with small random values."""
+    import torch
+
+    suffixes = ZERO_INITIALISED.get(model.config.model_type, ())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(suffixes):
+                param.normal_(0.0, 0.02)
 
 
 TINY_TOKENIZER_DIR = Path(__file__).parent / "tiny_tokenizer"
