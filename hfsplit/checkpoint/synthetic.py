@@ -104,6 +104,37 @@ def nonzero_biases(model) -> None:
                 param.normal_(0.0, 0.02)
 
 
+def write_mxfp4_checkpoint(path: str | Path, config, *, seed: int = 0, max_shard_size: Optional[str] = None) -> Path:
+    """A randomly initialised gpt-oss checkpoint laid out as the published ones: every fused expert parameter
+    quantized to MXFP4 and stored as its `_blocks` and `_scales` (`checkpoint.mxfp4.pack_experts`), the other
+    tensors as `save_pretrained` writes them, and config.json's `quantization_config` naming mxfp4 with the
+    published `modules_to_not_convert`."""
+    from safetensors.torch import load_file, save_file
+
+    from .mxfp4 import BLOCKS, QUANT_METHOD, SCALES, pack_experts
+
+    path = write_checkpoint(path, config, seed=seed, max_shard_size=max_shard_size)
+    index = path / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    for shard in shard_files(path):
+        tensors = load_file(path / shard)
+        for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+            tensors[name + BLOCKS], tensors[name + SCALES] = pack_experts(tensors.pop(name))
+            if weight_map is not None:
+                weight_map[name + BLOCKS] = weight_map[name + SCALES] = weight_map.pop(name)
+        save_file(tensors, path / shard, metadata={"format": "pt"})
+    if weight_map is not None:
+        data = json.loads(index.read_text())
+        index.write_text(json.dumps({**data, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    config_file = path / "config.json"
+    data = json.loads(config_file.read_text())
+    data["quantization_config"] = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                              "model.embed_tokens", "lm_head"],
+                                   "quant_method": QUANT_METHOD}
+    config_file.write_text(json.dumps(data, indent=2))
+    return path
+
+
 TINY_TOKENIZER_DIR = Path(__file__).parent / "tiny_tokenizer"
 
 
@@ -115,10 +146,12 @@ def tiny_tokenizer():
 
 
 def write_tiny_checkpoint(path: str | Path, arch: str = "llama", *, tied: bool = False, sharded: bool = True,
-                          seed: int = 0, **config_overrides) -> Path:
-    """A tiny `arch` checkpoint in `path`; sharded into several safetensors files unless `sharded=False`."""
+                          seed: int = 0, mxfp4: bool = False, **config_overrides) -> Path:
+    """A tiny `arch` checkpoint in `path`; sharded into several safetensors files unless `sharded=False`; with
+    `mxfp4` (gpt-oss), its experts stored MXFP4-packed as the published checkpoints store them."""
     config = tiny_config(arch, tied=tied, **config_overrides)
-    path = write_checkpoint(path, config, seed=seed, max_shard_size="60KB" if sharded else None)
+    write = write_mxfp4_checkpoint if mxfp4 else write_checkpoint
+    path = write(path, config, seed=seed, max_shard_size="60KB" if sharded else None)
     tokenizer = tiny_tokenizer()
     if len(tokenizer) <= config.vocab_size:  # a complete model folder, as users have them
         tokenizer.save_pretrained(path)
