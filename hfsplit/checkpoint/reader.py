@@ -384,14 +384,16 @@ class CheckpointReader:
         return out
 
     def _dequantize_into(self, packed: PackedExperts, out: torch.Tensor) -> torch.Tensor:
-        """MXFP4 tensor `packed` into `out` `[E, in, out]`, each expert's blocks and scales read alone and
-        dequantized on `out`'s device by transformers' dequantizer, in `out`'s dtype."""
-        blocks, scales = self._key_entry(packed.blocks), self._key_entry(packed.scales)
+        """MXFP4 tensor `packed` into `out` `[E, in, out]`, one expert at a time (`_dequantize_expert_into`)."""
         for expert in range(out.shape[0]):
-            pieces = [self._expert_bytes(entry, key, expert, out.device)
-                      for entry, key in ((blocks, packed.blocks), (scales, packed.scales))]
-            out[expert].copy_(dequantize_expert(*pieces, dtype=out.dtype))
+            self._dequantize_expert_into(packed, expert, out[expert])
         return out
+
+    def _dequantize_expert_into(self, packed: PackedExperts, expert: int, out: torch.Tensor) -> torch.Tensor:
+        """Expert `expert` `[in, out]` of MXFP4 tensor `packed` into `out`: its blocks and scales read alone and
+        dequantized on `out`'s device by transformers' dequantizer, in `out`'s dtype."""
+        pieces = [self._expert_bytes(self._key_entry(key), key, expert, out.device) for key in packed.keys()]
+        return out.copy_(dequantize_expert(*pieces, dtype=out.dtype))
 
     def _expert_bytes(self, entry: TensorEntry, key: str, expert: int, device: torch.device) -> torch.Tensor:
         """Expert `expert`'s slice (dim 0) of stored tensor `entry`, as stored, on `device`."""
