@@ -416,17 +416,20 @@ def check_saved_experts(folder: Path, *, gpt_oss: bool) -> None:
 def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint, tmp_path):
     """20 steps with `output_router_logits` (the router auxiliary loss over the layers of both stages, coefficient
     0.5), LoRA and full training of each family, one launch: Mixtral LoRA (1F1B) and full (GPipe), Qwen3-MoE full with
-    activation checkpointing (the routers run again in backward; GPipe) and LoRA with it (1F1B), gpt-oss LoRA with it
-    (1F1B) and full (GPipe) from its MXFP4 checkpoint. Every step's loss equals transformers' own loss of the unsplit
+    activation checkpointing (the routers run again in backward; GPipe) and LoRA with it (1F1B), gpt-oss LoRA on
+    attention and experts with it (1F1B) and full (GPipe) from its MXFP4 checkpoint. Every step's loss equals transformers' own loss of the unsplit
     model, and the saved output (`check_saved_experts`) loads with plain transformers / peft."""
     cases = (("mixtral", "lora", "1F1B", False), ("qwen3_moe", "full", "GPipe", True),
              ("mixtral", "full", "GPipe", False), ("qwen3_moe", "lora", "1F1B", True),
-             # the MXFP4-packed checkpoint (experts dequantized as read), 8 steps each: sinks, biases, the clamp
              ("gpt_oss", "lora", "1F1B", True), ("gpt_oss", "full", "GPipe", False))
+    # gpt-oss from its MXFP4-packed checkpoint (experts dequantized as read), 8 steps each (sinks, biases, the clamp);
+    # its LoRA adapts the transposed fused experts too (peft target parameters)
+    gpt_oss = {"lora": dict(max_steps=8, lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
+                                                       "down_proj"]), "full": dict(max_steps=8)}
     runs = [dict(run_options(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5,
                                              **({"mxfp4": True} if arch == "gpt_oss" else {})),
                              tmp_path / f"{arch}-{method}", method, tp=1, pp=2, schedule=schedule, max_memory="2x1GiB",
-                             activation_checkpointing=recompute), **({"max_steps": 8} if arch == "gpt_oss" else {}))
+                             activation_checkpointing=recompute), **(gpt_oss[method] if arch == "gpt_oss" else {}))
             for arch, method, schedule, recompute in cases]
     results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs}, timeout_s=400)
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
