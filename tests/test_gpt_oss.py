@@ -129,3 +129,18 @@ def test_gpt_oss_qlora_targets_fit(name, budget):
 
     plan = make_plan(name, budget, spec=TrainingSpec(**TARGET))
     assert all(s.memory.total <= s.budget for s in plan.stages)
+
+
+def test_gpt_oss_splits_over_stages_and_refuses_tensor_parallel_by_name(tiny_checkpoint):
+    """Its TP plan shards only the embeddings (`embedding_rowwise`), so the planner keeps tp=1 and splits it over
+    pipeline stages; tp=2 asked for is refused in one line naming the style and the fix."""
+    from hfsplit.costs import TrainingSpec
+    from hfsplit.planner import make_plan
+
+    config = load_config(tiny_checkpoint("gpt_oss", mxfp4=True))
+    spec = TrainingSpec(method="lora", seq_len=64, dtype="float32", reserve_bytes=0)
+    plan = make_plan(config, "2x1GiB", spec=spec, pp=2)
+    assert (plan.tp, plan.pp) == (1, 2)
+    with pytest.raises(PlanError, match=r"tp=2: gpt_oss's tensor-parallel plan uses embedding_rowwise, which hfsplit "
+                                        r"does not shard yet .* use tp=1"):
+        make_plan(config, "2x1GiB", spec=spec, tp=2)

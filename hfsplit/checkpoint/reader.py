@@ -384,24 +384,33 @@ class CheckpointReader:
         return out
 
     def _dequantize_into(self, packed: PackedExperts, out: torch.Tensor) -> torch.Tensor:
-        """MXFP4 tensor `packed` into `out` `[E, in, out]`, one expert at a time (`_dequantize_expert_into`)."""
+        """MXFP4 tensor `packed` into `out` `[E, in, out]`, one expert at a time (`_dequantize_expert_into`), its
+        packed bytes read into one pair of host buffers that every expert reuses."""
+        staging = self._expert_staging(packed)
         for expert in range(out.shape[0]):
-            self._dequantize_expert_into(packed, expert, out[expert])
+            self._dequantize_expert_into(packed, expert, out[expert], staging=staging)
         return out
 
-    def _dequantize_expert_into(self, packed: PackedExperts, expert: int, out: torch.Tensor) -> torch.Tensor:
-        """Expert `expert` `[in, out]` of MXFP4 tensor `packed` into `out`: its blocks and scales read alone and
-        dequantized on `out`'s device by transformers' dequantizer, in `out`'s dtype."""
-        pieces = [self._expert_bytes(self._key_entry(key), key, expert, out.device) for key in packed.keys()]
+    def _dequantize_expert_into(self, packed: PackedExperts, expert: int, out: torch.Tensor, *,
+                                staging: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+        """Expert `expert` `[in, out]` of MXFP4 tensor `packed` into `out`: its blocks and scales read alone (into
+        `staging`, host buffers of one expert's) and dequantized on `out`'s device by transformers' dequantizer, in
+        `out`'s dtype."""
+        staging = staging or self._expert_staging(packed)
+        pieces = [self._expert_bytes(self._key_entry(key), key, expert, buffer).to(out.device)
+                  for key, buffer in zip(packed.keys(), staging)]
         return out.copy_(dequantize_expert(*pieces, dtype=out.dtype))
 
-    def _expert_bytes(self, entry: TensorEntry, key: str, expert: int, device: torch.device) -> torch.Tensor:
-        """Expert `expert`'s slice (dim 0) of stored tensor `entry`, as stored, on `device`."""
+    def _expert_staging(self, packed: PackedExperts) -> list[torch.Tensor]:
+        entries = [self._key_entry(key) for key in packed.keys()]
+        return [torch.empty(entry.shape[1:], dtype=entry.dtype) for entry in entries]
+
+    def _expert_bytes(self, entry: TensorEntry, key: str, expert: int, out: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s slice (dim 0) of stored tensor `entry`, as stored, into `out` (host memory)."""
         size = (entry.stop - entry.start) // entry.shape[0]
         begin = entry.start + expert * size
-        part = torch.empty(entry.shape[1:], dtype=entry.dtype)
-        self._fill_rows(TensorEntry(entry.file, entry.dtype, entry.shape[1:], begin, begin + size), part, key)
-        return part.to(device)
+        self._fill_rows(TensorEntry(entry.file, entry.dtype, entry.shape[1:], begin, begin + size), out, key)
+        return out
 
     def _merged_meta(self, name: str) -> torch.Tensor:
         """Merged tensor `name` on the meta device: its shape and dtype, from the stored pieces' headers."""
