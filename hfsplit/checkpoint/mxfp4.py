@@ -70,6 +70,8 @@ def dequantized_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
 def dequantize_expert(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
     """One expert's `[in, out]` weight from its blocks `[out, in/32, 16]` and scales `[out, in/32]`, by
     transformers' own dequantizer (on the tensors' device)."""
+    # imported here: transformers.integrations.mxfp4 costs ~2.5 s on top of transformers' config (measured), which
+    # every `hfsplit plan` would pay through the reader's import
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     return convert_moe_packed_tensors(blocks.unsqueeze(0), scales.unsqueeze(0), dtype=dtype)[0]
@@ -90,7 +92,7 @@ def pack_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     input values scaled by the power of two that brings its largest magnitude within FP4's [4, 6] (the OCP MX
     shared exponent), each value rounded to the nearest FP4 e2m1 value. `dequantize_expert` inverts it exactly on
     values so quantized."""
-    from transformers.integrations.mxfp4 import FP4_VALUES
+    from transformers.integrations.mxfp4 import FP4_VALUES  # imported here: see dequantize_expert
 
     experts, inp, out = weight.shape
     if inp % VALUES_PER_BLOCK:
