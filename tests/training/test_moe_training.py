@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfsplit.training.options import FinetuneOptions
+from hfsplit.training.options import tiny_demo_options
 from tests.parallel.launcher import launch
 from tests.training.test_trainer import reference_training, run_options, saved_model
 
@@ -33,10 +33,10 @@ def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(t
     assert all(r == results[0] for r in results)  # every rank reports the global loss
     trained = {}
     for run, split_losses in zip((full, lora, mixed), results[0]):
-        expected, trained[run["output_dir"]] = reference_training(FinetuneOptions(**run), replicas=2)
+        expected, trained[run["output_dir"]] = reference_training(tiny_demo_options(**run), replicas=2)
         assert split_losses == pytest.approx(expected, rel=1e-5), run["model"]
     # LoRA on the fused experts: the adapter folder loads with plain peft, experts adapted, the trained logits
-    loaded = saved_model(Path(lora["output_dir"]), FinetuneOptions(**lora))
+    loaded = saved_model(Path(lora["output_dir"]), tiny_demo_options(**lora))
     assert [n for n, _ in loaded.named_parameters() if "experts" in n and ".lora_B." in n]
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -59,7 +59,7 @@ def qlora_moe_run(run: dict, probe: torch.Tensor) -> dict:
 
     from hfsplit.training.trainer import build_run, fit
 
-    run = build_run(FinetuneOptions(**run), progress=False)
+    run = build_run(tiny_demo_options(**run), progress=False)
     losses = fit(run).losses
     modules = [m for stage in run.model.stages for m in stage.modules()]
     experts = {n: (type(p).__name__, str(p.dtype)) for stage in run.model.stages for n, p in stage.named_parameters()
@@ -94,7 +94,7 @@ def check_moe_qlora(run: dict, results: list[dict], probe: torch.Tensor) -> None
     """One QLoRA run's ranks against transformers + bitsandbytes + peft on the same base."""
     from tests.training.test_qlora import quantized_base
 
-    options = FinetuneOptions(**run)
+    options = tiny_demo_options(**run)
     base = quantized_base(options)
     held = {n: (type(p).__name__, str(p.dtype)) for n, p in base.named_parameters() if p.dim() == 3}
     expected, trained = reference_training(options, base=base)
