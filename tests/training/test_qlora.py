@@ -201,7 +201,7 @@ def test_70b_qlora_plans_on_4x24gib_and_is_a_listed_fix_for_lora():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
-    (["--method", "qlora", "--bnb-4bit-quant-type", "int3"], "bnb_4bit_quant_type='int3'"),
+    (["--method", "qlora", "--bnb-4bit-quant-type", "int3"], "--bnb-4bit-quant-type 'int3': choose nf4 or fp4"),
     (["--method", "qlora", "--tp", "2"], "--tp 2 with --method qlora"),
     (["--method", "full", "--load-in-8bit", "on"], "--load-in-8bit sets the quantized base"),
 ])
