@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Mapping, Union
 
-from .errors import BudgetError
+from hfsplit.errors import BudgetError
 
 BudgetSpec = Union[str, int, Mapping[Union[int, str], Union[int, str]], None]
 

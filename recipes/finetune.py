@@ -21,11 +21,12 @@ def main(argv=None) -> int:
 
     from hfsplit.errors import HfsplitError
     from hfsplit.training.options import parse_options
-    from hfsplit.training.trainer import train
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         options = parse_options(argv)
+        from hfsplit.training.run import train  # after parsing: --help and a bad flag answer before the training stack loads
+
         train(options)
         return 0
     except HfsplitError as exc:

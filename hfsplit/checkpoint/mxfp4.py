@@ -16,7 +16,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ..errors import CheckpointError
+from hfsplit.errors import CheckpointError
 
 BLOCKS, SCALES = "_blocks", "_scales"
 VALUES_PER_BLOCK = 32  # one scale per 32 values, 16 bytes of blocks

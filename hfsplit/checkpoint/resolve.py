@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from ..errors import CheckpointError
-from .mxfp4 import without_mxfp4
+from hfsplit.errors import CheckpointError
+from hfsplit.checkpoint.mxfp4 import without_mxfp4
 
 _BUNDLED = Path(__file__).resolve().parent.parent / "configs"
 

@@ -11,8 +11,10 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from hfsplit.checkpoint.mxfp4 import BLOCKS, QUANT_METHOD, SCALES, pack_experts
+
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
-# Families doing work outside their blocks (hfsplit.models.FAMILIES), with non-default factors so that a
+# Families doing work outside their blocks (hfsplit.models.families.FAMILIES), with non-default factors so that a
 # stage skipping that work shows in the logits.
 FAMILY_OVERRIDES = {
     "gemma": {},
@@ -39,6 +41,11 @@ FAMILY_OVERRIDES = {
 # Parameters a family's `_init_weights` zeroes but its forward uses: random here, so that a stage skipping them
 # shows in the logits (gpt-oss initialises its expert biases to zero).
 ZERO_INITIALISED = {"gpt_oss": ("experts.gate_up_proj_bias", "experts.down_proj_bias")}
+
+
+# The recipe's built-in tiny model (`recipes/finetune.py` without --model, `hfsplit plan --config` of a tiny recipe).
+TINY_MODEL = dict(arch="llama", num_layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=256,
+                  max_positions=1024)
 
 
 def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4, hidden: int = 64,
@@ -111,7 +118,6 @@ def write_mxfp4_checkpoint(path: str | Path, config, *, seed: int = 0, max_shard
     published `modules_to_not_convert`."""
     from safetensors.torch import load_file, save_file
 
-    from .mxfp4 import BLOCKS, QUANT_METHOD, SCALES, pack_experts
 
     path = write_checkpoint(path, config, seed=seed, max_shard_size=max_shard_size)
     index = path / "model.safetensors.index.json"
