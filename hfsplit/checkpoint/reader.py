@@ -25,6 +25,9 @@ import torch
 
 from hfsplit.budget import torch_device
 from hfsplit.checkpoint.merged import MergedTensor, split_checkpoint_names
+from hfsplit.checkpoint.mxfp4 import (
+    DEQUANTIZED_DTYPE, PackedExperts, dequantize_expert, dequantized_shape, packed_experts,
+)
 from hfsplit.checkpoint.resolve import resolve_file
 from hfsplit.errors import CheckpointError
 
@@ -71,13 +74,14 @@ class CheckpointReader:
 
     def __init__(self, source: str, weight_map: dict[str, str], names: dict[str, str],
                  revision: Optional[str] = None, layout_file: Optional[Path] = None,
-                 merged: Optional[dict[str, MergedTensor]] = None):
+                 merged: Optional[dict[str, MergedTensor]] = None, mxfp4: Optional[dict[str, PackedExperts]] = None):
         self.source = source
         self.revision = revision
         self.layout_file = layout_file  # the index, or the single file: where tensor names come from
         self._weight_map = weight_map  # checkpoint name → shard file name
         self._names = names  # model name → checkpoint name
         self._merged = merged or {}  # model name → the checkpoint tensors transformers merges into it on load
+        self._mxfp4 = mxfp4 or {}  # model name → its MXFP4 blocks and scales (gpt-oss experts), dequantized as read
         self._paths: dict[str, Path] = {}
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._fds: dict[Path, int] = {}
@@ -106,9 +110,14 @@ class CheckpointReader:
         source = str(name_or_path)
         layout_file, weight_map = _weight_map(source, revision)
         names, merged = parameter_to_checkpoint_names(weight_map, model)
-        reader = cls(source, weight_map, names, revision, layout_file, merged)
+        try:
+            mxfp4 = packed_experts(weight_map, _persistent_state_names(model)) if model is not None else {}
+        except CheckpointError as exc:
+            raise CheckpointError(f"{layout_file}: {exc}") from None
+        reader = cls(source, weight_map, names, revision, layout_file, merged, mxfp4)
         wanted = set(needed) if needed is not None else (
-            set(names) | set(merged) | set(_persistent_state_names(model)) if model is not None else set(names))
+            set(names) | set(merged) | set(mxfp4) | set(_persistent_state_names(model)) if model is not None
+            else set(names))
         reader._validate(wanted, model)
         return reader
 
@@ -116,7 +125,7 @@ class CheckpointReader:
 
     def keys(self) -> list[str]:
         """Model parameter names this checkpoint provides (tied aliases included)."""
-        return sorted({*self._names, *self._merged})
+        return sorted({*self._names, *self._merged, *self._mxfp4})
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint's key for model parameter `name`."""
@@ -127,20 +136,22 @@ class CheckpointReader:
 
     def shard_of(self, name: str) -> str:
         """File name of the shard holding `name` (of its first stored piece, for a merged tensor)."""
-        if name in self._merged:
-            return self._weight_map[self._merged[name].keys()[0]]
-        return self._weight_map[self.checkpoint_name(name)]
+        return self._weight_map[self._keys_of(name)[0]]
 
     def shards_for(self, names: Iterable[str]) -> set[str]:
         """File names of the shards holding `names` (every piece of a merged tensor)."""
         return {self._weight_map[key] for n in names for key in self._keys_of(n)}
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._mxfp4:
+            return dequantized_shape(self._key_entry(self._mxfp4[name].blocks).shape)
         if name in self._merged:
             return tuple(self._merged_meta(name).shape)
         return self._entry(name).shape
 
     def dtype(self, name: str) -> torch.dtype:
+        if name in self._mxfp4:
+            return DEQUANTIZED_DTYPE
         if name in self._merged:
             return self._merged_meta(name).dtype
         return self._entry(name).dtype
@@ -156,7 +167,7 @@ class CheckpointReader:
         Host RAM beyond the result: at most one CHUNK_BYTES buffer (none for a CPU read in
         the stored dtype, which lands directly in the result).
         """
-        if name in self._merged:  # each stored piece read into its place of the merged tensor
+        if name in self._merged or name in self._mxfp4:  # each stored piece read into its place of the merged tensor
             out = torch.empty(self.shape(name), dtype=dtype or self.dtype(name), device=torch_device(device))
             return self._merge_into(name, out)
         entry = self._entry(name)
@@ -172,7 +183,7 @@ class CheckpointReader:
         """
         from safetensors import safe_open
 
-        if name in self._merged:  # built from several stored tensors: no single view of the file holds it
+        if name in self._merged or name in self._mxfp4:  # no single view of the file holds it
             return self.read(name)
         entry = self._entry(name)
         path = str(entry.file)
@@ -183,7 +194,7 @@ class CheckpointReader:
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """Copy tensor `name` into `out` (any device and floating dtype; shape must match)."""
-        if name in self._merged:
+        if name in self._merged or name in self._mxfp4:
             if tuple(out.shape) != self.shape(name):
                 raise CheckpointError(f"{self._where()}: merged tensor {name!r} has shape {list(self.shape(name))}, "
                                       f"the destination {list(out.shape)}")
@@ -231,7 +242,7 @@ class CheckpointReader:
         out_shape = list(shape)
         out_shape[dim] = step * packed
         out = torch.empty(out_shape, dtype=dtype or self.dtype(name), device=torch_device(device))
-        if name in self._merged:
+        if name in self._merged or name in self._mxfp4:
             return self._merged_slice_into(name, dim, ranges, out)
         self._read_ranges(self._entry(name), dim, ranges, out, name)
         return out
@@ -287,7 +298,7 @@ class CheckpointReader:
 
     def _validate(self, wanted: set[str], model: Optional[torch.nn.Module]) -> None:
         """Raise CheckpointError for the first problem among the `wanted` tensors."""
-        missing = sorted(n for n in wanted if n not in self._names and n not in self._merged)
+        missing = sorted(n for n in wanted if n not in self._names and n not in self._merged and n not in self._mxfp4)
         if missing:
             what = f"{type(model).__name__} needs" if model is not None else "was asked for"
             shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -308,7 +319,9 @@ class CheckpointReader:
             if ref is None or self.packed_state_keys(name):  # packed by bitsandbytes: its quant state has the shape
                 continue
             where = (f"{self._where()}: tensor {name!r} merged on load from {len(self._keys_of(name))} stored tensors"
-                     if name in self._merged else f"{self._entry(name).file}: tensor {self.checkpoint_name(name)!r}")
+                     if name in self._merged else
+                     f"{self._where()}: MXFP4 tensor {name!r} ({self._mxfp4[name].blocks!r})" if name in self._mxfp4
+                     else f"{self._entry(name).file}: tensor {self.checkpoint_name(name)!r}")
             if shape != tuple(ref.shape):
                 raise CheckpointError(
                     f"{where} has shape {list(shape)} but the config gives {name!r} shape "
@@ -346,7 +359,9 @@ class CheckpointReader:
         return header[key]
 
     def _keys_of(self, name: str) -> list[str]:
-        """The checkpoint keys model tensor `name` is read from (several for a merged tensor)."""
+        """The checkpoint keys model tensor `name` is read from (several for a merged or an MXFP4 tensor)."""
+        if name in self._mxfp4:
+            return self._mxfp4[name].keys()
         return self._merged[name].keys() if name in self._merged else [self.checkpoint_name(name)]
 
     def _read_key(self, key: str) -> torch.Tensor:
@@ -357,7 +372,10 @@ class CheckpointReader:
 
     def _merge_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """Merged tensor `name` into `out`: each piece pread into its slice (no host copy beyond a cast chunk),
-        or, for merges other than stack-then-concatenate, transformers' operations on the pieces read."""
+        or, for merges other than stack-then-concatenate, transformers' operations on the pieces read; MXFP4 experts
+        dequantized one by one."""
+        if name in self._mxfp4:
+            return self._dequantize_into(self._mxfp4[name], out)
         merged = self._merged[name]
         placed = merged.placement(lambda key: self._key_entry(key).shape) or []
         slices = [(key, out[index].narrow(dim, start, self._key_entry(key).shape[dim])) for key, index, dim, start in placed]
@@ -365,6 +383,35 @@ class CheckpointReader:
             return out.copy_(merged.merge(self._read_key))
         for key, view in slices:
             self._fill_rows(self._key_entry(key), view, key)
+        return out
+
+    def _dequantize_into(self, packed: PackedExperts, out: torch.Tensor) -> torch.Tensor:
+        """MXFP4 tensor `packed` into `out` `[E, in, out]`, one expert at a time (`_dequantize_expert_into`), its
+        packed bytes read into one pair of host buffers that every expert reuses."""
+        staging = self._expert_staging(packed)
+        for expert in range(out.shape[0]):
+            self._dequantize_expert_into(packed, expert, out[expert], staging=staging)
+        return out
+
+    def _dequantize_expert_into(self, packed: PackedExperts, expert: int, out: torch.Tensor, *,
+                                staging: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+        """Expert `expert` `[in, out]` of MXFP4 tensor `packed` into `out`: its blocks and scales read alone (into
+        `staging`, host buffers of one expert's) and dequantized on `out`'s device by transformers' dequantizer, in
+        `out`'s dtype."""
+        staging = staging or self._expert_staging(packed)
+        pieces = [self._expert_bytes(self._key_entry(key), key, expert, buffer).to(out.device)
+                  for key, buffer in zip(packed.keys(), staging)]
+        return out.copy_(dequantize_expert(*pieces, dtype=out.dtype))
+
+    def _expert_staging(self, packed: PackedExperts) -> list[torch.Tensor]:
+        entries = [self._key_entry(key) for key in packed.keys()]
+        return [torch.empty(entry.shape[1:], dtype=entry.dtype) for entry in entries]
+
+    def _expert_bytes(self, entry: TensorEntry, key: str, expert: int, out: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s slice (dim 0) of stored tensor `entry`, as stored, into `out` (host memory)."""
+        size = (entry.stop - entry.start) // entry.shape[0]
+        begin = entry.start + expert * size
+        self._fill_rows(TensorEntry(entry.file, entry.dtype, entry.shape[1:], begin, begin + size), out, key)
         return out
 
     def _merged_meta(self, name: str) -> torch.Tensor:
@@ -384,9 +431,10 @@ class CheckpointReader:
 
     def _merged_slice_into(self, name: str, dim: int, ranges: list[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
         """`ranges` of merged tensor `name` along `dim` into `out`, each stored piece's part read alone (no piece,
-        nor the merged tensor, is read whole); merges other than stack-then-concatenate merge first, then slice."""
-        merged = self._merged[name]
-        placed = merged.placement(lambda key: self._key_entry(key).shape) if dim >= 1 else None
+        nor the merged tensor, is read whole); merges other than stack-then-concatenate (and MXFP4 tensors) merge
+        first, then slice."""
+        merged = self._merged.get(name)
+        placed = merged.placement(lambda key: self._key_entry(key).shape) if dim >= 1 and merged else None
         if placed is None:
             full = self.read(name, dtype=out.dtype)
             return out.copy_(torch.cat([full.narrow(dim, first, n) for first, n in ranges], dim))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from hfsplit.errors import CheckpointError
+from hfsplit.checkpoint.mxfp4 import without_mxfp4
 
 _BUNDLED = Path(__file__).resolve().parent.parent / "configs"
 
@@ -79,6 +80,7 @@ def _config_from_json(path: Path):
         raise CheckpointError(f"{path}: not a readable config.json ({exc})") from exc
     if "model_type" not in data:
         raise CheckpointError(f"{path}: config has no 'model_type'; is this a transformers config.json?")
+    data = without_mxfp4(data)  # the reader dequantizes MXFP4 experts as it reads them
     model_type = data.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **data)

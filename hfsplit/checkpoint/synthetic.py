@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from hfsplit.checkpoint.mxfp4 import BLOCKS, QUANT_METHOD, SCALES, pack_experts
+
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
 # Families doing work outside their blocks (hfsplit.models.families.FAMILIES), with non-default factors so that a
 # stage skipping that work shows in the logits.
@@ -29,7 +31,16 @@ FAMILY_OVERRIDES = {
     # MoE: `save_pretrained` writes the experts one by one (transformers merges them on load); top-2 of 4
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    # gpt-oss: attention sinks, sliding and full layers alternating, biased router and experts (`nonzero_biases`),
+    # a SwiGLU clamp low enough to bite on tiny random weights, and YaRN rope (its attention scaling ≠ 1)
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.2,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}),
 }
+# Parameters a family's `_init_weights` zeroes but its forward uses: random here, so that a stage skipping them
+# shows in the logits (gpt-oss initialises its expert biases to zero).
+ZERO_INITIALISED = {"gpt_oss": ("experts.gate_up_proj_bias", "experts.down_proj_bias")}
 
 
 # The recipe's built-in tiny model (`recipes/finetune.py` without --model, `hfsplit plan --config` of a tiny recipe).
@@ -80,11 +91,53 @@ def write_checkpoint(path: str | Path, config, *, seed: int = 0, max_shard_size:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    nonzero_biases(model)
     if dtype is not None:
         model = model.to(dtype)
     path = Path(path)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)
+    return path
+
+
+def nonzero_biases(model) -> None:
+    """Fill the parameters `ZERO_INITIALISED` names for the model's family with small random values."""
+    import torch
+
+    suffixes = ZERO_INITIALISED.get(model.config.model_type, ())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(suffixes):
+                param.normal_(0.0, 0.02)
+
+
+def write_mxfp4_checkpoint(path: str | Path, config, *, seed: int = 0, max_shard_size: Optional[str] = None) -> Path:
+    """A randomly initialised gpt-oss checkpoint laid out as the published ones: every fused expert parameter
+    quantized to MXFP4 and stored as its `_blocks` and `_scales` (`checkpoint.mxfp4.pack_experts`), the other
+    tensors as `save_pretrained` writes them, and config.json's `quantization_config` naming mxfp4 with the
+    published `modules_to_not_convert`."""
+    from safetensors.torch import load_file, save_file
+
+
+    path = write_checkpoint(path, config, seed=seed, max_shard_size=max_shard_size)
+    index = path / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    for shard in shard_files(path):
+        tensors = load_file(path / shard)
+        for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+            tensors[name + BLOCKS], tensors[name + SCALES] = pack_experts(tensors.pop(name))
+            if weight_map is not None:
+                weight_map[name + BLOCKS] = weight_map[name + SCALES] = weight_map.pop(name)
+        save_file(tensors, path / shard, metadata={"format": "pt"})
+    if weight_map is not None:
+        data = json.loads(index.read_text())
+        index.write_text(json.dumps({**data, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    config_file = path / "config.json"
+    data = json.loads(config_file.read_text())
+    data["quantization_config"] = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                              "model.embed_tokens", "lm_head"],
+                                   "quant_method": QUANT_METHOD}
+    config_file.write_text(json.dumps(data, indent=2))
     return path
 
 
@@ -99,10 +152,12 @@ def tiny_tokenizer():
 
 
 def write_tiny_checkpoint(path: str | Path, arch: str = "llama", *, tied: bool = False, sharded: bool = True,
-                          seed: int = 0, **config_overrides) -> Path:
-    """A tiny `arch` checkpoint in `path`; sharded into several safetensors files unless `sharded=False`."""
+                          seed: int = 0, mxfp4: bool = False, **config_overrides) -> Path:
+    """A tiny `arch` checkpoint in `path`; sharded into several safetensors files unless `sharded=False`; with
+    `mxfp4` (gpt-oss), its experts stored MXFP4-packed as the published checkpoints store them."""
     config = tiny_config(arch, tied=tied, **config_overrides)
-    path = write_checkpoint(path, config, seed=seed, max_shard_size="60KB" if sharded else None)
+    write = write_mxfp4_checkpoint if mxfp4 else write_checkpoint
+    path = write(path, config, seed=seed, max_shard_size="60KB" if sharded else None)
     tokenizer = tiny_tokenizer()
     if len(tokenizer) <= config.vocab_size:  # a complete model folder, as users have them
         tokenizer.save_pretrained(path)

@@ -106,6 +106,10 @@ FAMILIES = {
     # experts fused in the module, merged on read (checkpoint/merged.py), every expert on every TP rank, each
     # expert's intermediate dim sharded over TP (apply/tp_experts.py)
     "mixtral": Family(router_aux_loss=True), "qwen3_moe": Family(router_aux_loss=True),
+    # attention sinks, sliding/full layers, clamped SwiGLU, biased router and experts, YaRN rope: all inside its
+    # modules; its MXFP4 experts are dequantized as read (checkpoint/mxfp4.py); its TP plan shards only the
+    # embeddings (embedding_rowwise), so it splits over pipeline stages at tp=1
+    "gpt_oss": Family(router_aux_loss=True),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # Families asked for whose split is not built yet, and what is missing (the README's "Model families" says more).

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from hfsplit.checkpoint.synthetic import FAMILY_OVERRIDES, nonzero_biases
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.load.materialize import from_pretrained
 from hfsplit.models.families import check_supported, family_of
@@ -30,6 +31,9 @@ FAMILIES = {
     # Experts stored one by one: hfsplit's reader merges them with transformers' own conversion operations.
     "mixtral": dict(TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen3_moe": dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    # sinks, sliding and full layers, biased router and experts, a clamp that bites, YaRN rope (synthetic.py's)
+    "gpt_oss": dict(TINY, **{k: v for k, v in FAMILY_OVERRIDES["gpt_oss"].items() if k != "layer_types"},
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 
 
@@ -37,7 +41,9 @@ def write_family(folder, arch: str):
     config = AutoConfig.for_model(arch, **FAMILIES[arch])
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config)
+    nonzero_biases(model)  # gpt-oss's expert biases start at zero
+    model.save_pretrained(folder)
     return folder
 
 
@@ -80,7 +86,8 @@ def test_distributed_split_refuses_a_bidirectional_gemma3_by_name():
         family_of(config)
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2", "mixtral", "qwen3_moe",
+                                  "gpt_oss"])
 def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
     """The stage builder redoes what the family declares outside its blocks (fast, in-process; the
     multi-process splits are in tests/parallel/test_families_split.py)."""
@@ -107,7 +114,7 @@ def one_stage_and_reference(folder: str):
     return module, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_one_stage_router_loss_equals_transformers(tiny_checkpoint, arch):
     """While carrying (a training step), the stage returns its logits and transformers' router auxiliary loss of
     the forward; otherwise (inference, generation) the logits alone."""

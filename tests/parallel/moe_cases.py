@@ -6,6 +6,10 @@ import torch
 from tests.parallel.cases import hand_plan, reference_name, split_matches_transformers
 
 
+# Mixtral's and Qwen3-MoE's router (`mlp.gate`), gpt-oss's (`mlp.router`, with a bias)
+ROUTER_WEIGHTS = ("mlp.gate.weight", "mlp.router.weight")
+
+
 def moe_splits_match_transformers(*, cases: dict) -> dict:
     """`moe_split_matches_transformers` of each case {name: its keyword arguments}, in one launch of ranks."""
     return {name: moe_split_matches_transformers(**kwargs) for name, kwargs in cases.items()}
@@ -56,5 +60,5 @@ def router_loss_matches(*, checkpoint: str, tp: int, pp: int, layers: list, sche
             out["grad_rel_diff"][name] = ((full_tensor(p.grad) - ref.grad).abs().max()
                                           / ref.grad.abs().max().clamp_min(1e-12)).item()
     # the router loss reaches every router: its gradient differs from the cross-entropy-only one
-    out["router_grads"] = [name for name in out["grad_rel_diff"] if name.endswith("mlp.gate.weight")]
+    out["router_grads"] = [name for name in out["grad_rel_diff"] if name.endswith(ROUTER_WEIGHTS)]
     return out

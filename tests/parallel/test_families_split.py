@@ -165,20 +165,24 @@ def check_saved(run: dict, *, base: str, method: str) -> None:
 # above, then one step with `output_router_logits` set, whose router auxiliary loss spans the layers of both stages.
 MOE_SPLITS = {
     # four stages on two ranks: the sums pass rank 0 → 1 → 0 → 1, and a rank holds two stages' routers
-    "mixtral-pp2-interleaved1f1b": ("mixtral", dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)],
-                                                    schedule="Interleaved1F1B")),
+    "mixtral-pp2-interleaved1f1b": ("mixtral", {}, dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)],
+                                                        schedule="Interleaved1F1B")),
     # a first stage of one layer: three layers' router sums continue on the second stage
-    "qwen3_moe-pp2-gpipe": ("qwen3_moe", dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
+    "qwen3_moe-pp2-gpipe": ("qwen3_moe", {}, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
+    # sinks, a sliding then a full layer on each stage, biased router and experts, clamped SwiGLU, YaRN rope; the
+    # split reads the experts MXFP4-packed (dequantized as read), its router-loss step the 16-bit checkpoint
+    "gpt_oss-mxfp4-pp2-1f1b": ("gpt_oss", dict(mxfp4=True), dict(tp=1, pp=2, layers=[(0, 2), (2, 4)],
+                                                                  schedule="1F1B")),
 }
 
 
 def test_moe_splits_match_transformers_router_loss_included(launch, tiny_checkpoint):
-    """Both families in one launch of two ranks (each case builds its split models in turn)."""
+    """The MoE families in one launch of two ranks (each case builds its split models in turn)."""
     from tests.parallel.test_split_model import assert_every_parameter_once
 
-    cases = {name: dict(checkpoint=str(tiny_checkpoint(arch)), **split,
+    cases = {name: dict(checkpoint=str(tiny_checkpoint(arch, **options)), **split,
                         router_checkpoint=str(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5)))
-             for name, (arch, split) in MOE_SPLITS.items()}
+             for name, (arch, options, split) in MOE_SPLITS.items()}
     results = launch("tests.parallel.moe_cases:moe_splits_match_transformers", world_size=2, kwargs=dict(cases=cases))
     for name, case in cases.items():
         per_rank = [r[name] for r in results]

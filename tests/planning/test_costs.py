@@ -43,6 +43,8 @@ def param_count(config, tp: int = 1) -> float:
         ("google--gemma-3-27b-pt", 27.0e9),  # the text model; the hub's 27.4B adds the vision tower
         ("mistralai--Mixtral-8x7B-v0.1", 46.7e9),  # every expert's weights
         ("Qwen--Qwen3-30B-A3B", 30.5e9),
+        ("openai--gpt-oss-20b", 20.9e9),  # the model card's counts (experts dequantized from MXFP4)
+        ("openai--gpt-oss-120b", 116.8e9),
     ],
 )
 def test_published_parameter_counts(name, published):
@@ -104,7 +106,7 @@ def tiny_config(family: str):
         return MistralConfig(hidden_size=128, intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, sliding_window=None, **common)
     from transformers import AutoConfig
 
-    extra = {"head_dim": 16} if family in ("qwen3", "gemma", "gemma2", "gemma3_text", "qwen3_moe") else {}  # defaults: 128 / 256
+    extra = {"head_dim": 16} if family in ("qwen3", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "gpt_oss") else {}  # defaults: 128 / 256 / 64
     extra.update(MOE.get(family, {}))
     return AutoConfig.for_model(family, hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
                                 vocab_size=2000, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra, **common)
@@ -112,7 +114,9 @@ def tiny_config(family: str):
 
 # 4 experts, top-2: every expert's weights held, two experts' rows computed per token
 MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=88, decoder_sparse_step=1)}
+       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=88, decoder_sparse_step=1),
+       # sinks, biases, the clamped SwiGLU; a window shorter than the sequences, so the sliding layer's mask differs
+       "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16)}
 
 
 class FrozenAwareMemTracker(MemTracker):
@@ -184,7 +188,8 @@ def estimated_peak(config, method: str, seq_len: int, checkpointing: bool = Fals
 @pytest.mark.parametrize("seq_len", [64, 256])
 @pytest.mark.parametrize("method", ["inference", "lora", "full"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2",
-                                    "gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2", "mixtral", "qwen3_moe"])
+                                    "gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2", "mixtral", "qwen3_moe",
+                                    "gpt_oss"])
 def test_estimated_peak_matches_a_real_step(family, method, seq_len):
     config = tiny_config(family)
     measured, estimated = measured_peak(config, method, seq_len), estimated_peak(config, method, seq_len)
@@ -266,7 +271,8 @@ def test_model_costs_of_70b_trace_few_blocks_and_nothing_twice(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("name, experts_in_flops", [("mistralai--Mixtral-8x7B-v0.1", 2 * 3 * 4096 * 14336),
-                                                     ("Qwen--Qwen3-30B-A3B", 8 * 3 * 2048 * 768)])
+                                                     ("Qwen--Qwen3-30B-A3B", 8 * 3 * 2048 * 768),
+                                                     ("openai--gpt-oss-20b", 4 * 3 * 2880 * 2880)])
 def test_moe_flops_count_the_routed_experts_only(name, experts_in_flops):
     """Weights: all experts (the published counts above); FLOPs: `num_experts_per_tok` experts per token."""
     config = bundled(name)

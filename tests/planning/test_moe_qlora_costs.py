@@ -11,7 +11,7 @@ from hfsplit.checkpoint.quantized import quantized_linear_bytes
 from tests.planning.test_costs import MOE, estimated_peak, measured_peak, tiny_config
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_moe_qlora_counts_experts_16_bit_and_its_peak_matches_a_real_step(family):
     config = tiny_config(family)
     spec = TrainingSpec(method="qlora", seq_len=64, dtype="float32", lora_r=8, lora_targets=None)
@@ -27,7 +27,7 @@ def test_moe_qlora_counts_experts_16_bit_and_its_peak_matches_a_real_step(family
     assert estimated == pytest.approx(measured, rel=0.15), f"estimated/measured = {estimated / measured:.3f}"
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_lora_on_fused_experts_is_counted_and_its_peak_matches_a_real_step(family):
     """`gate_up_proj` / `down_proj` in the LoRA targets adapt the fused experts (peft target parameters): r·E·(in+out)
     adapter elements each, and the peak of a real step with them within 15%."""

@@ -44,7 +44,7 @@ def traced_mask(key: str, spec: TrainingSpec):
 
 
 @pytest.mark.parametrize("method, dtype", [("lora", "float32"), ("full", "float32"), ("lora", "bfloat16")])
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_moe_block_trace_saves_what_a_real_block_saves(family, method, dtype):
     """fp32 traces through trace_moe; bf16 traces through torch's own meta `grouped_mm` (was right before)."""
     config = tiny_config(family)

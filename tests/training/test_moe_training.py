@@ -47,6 +47,11 @@ def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(t
     assert resumed == pytest.approx(results[0][0][4:], rel=1e-5)
 
 
+def qlora_moe_runs(runs: list[dict], probe: torch.Tensor) -> list[dict]:
+    """`qlora_moe_run` of each run in turn, in one launch of ranks."""
+    return [qlora_moe_run(run, probe) for run in runs]
+
+
 def qlora_moe_run(run: dict, probe: torch.Tensor) -> dict:
     """On every rank: the recipe's QLoRA run (`build_run` then `fit`), its losses, the trained split's logits on
     `probe`, and how this rank's stages hold their block weights (4-bit linears, 16-bit fused experts)."""
@@ -73,17 +78,24 @@ def _adapter(linear, modules) -> bool:
 
 @pytest.mark.slow
 def test_moe_qlora_split_equals_transformers_bnb_peft(tiny_checkpoint, tmp_path):
-    """Mixtral QLoRA on pp=2 (router auxiliary loss on) equals one process of transformers + bitsandbytes + peft:
-    transformers quantizes the nn.Linear layers (attention) and leaves the fused 3-D experts and the router in the
-    compute dtype, and so does hfsplit; every step's loss, and the trained logits."""
+    """Mixtral and gpt-oss QLoRA on pp=2 (router auxiliary loss on), one launch, each equal to one process of
+    transformers + bitsandbytes + peft: transformers quantizes the nn.Linear layers (attention; gpt-oss's biased
+    q/k/v/o) and leaves the fused 3-D experts and the router in the compute dtype, and so does hfsplit; every step's
+    loss, and the trained logits."""
+    runs = [dict(run_options(tiny_checkpoint(arch, **ROUTED), tmp_path, "qlora", tp=1, pp=2, max_memory="2x1GiB"),
+                 max_steps=8, output_dir=str(tmp_path / f"{arch}-qlora")) for arch in ("mixtral", "gpt_oss")]
+    probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    results = launch("tests.training.test_moe_training:qlora_moe_runs", world_size=2,
+                     kwargs={"runs": runs, "probe": probe}, timeout_s=400)
+    for index, run in enumerate(runs):
+        check_moe_qlora(run, [r[index] for r in results], probe)
+
+
+def check_moe_qlora(run: dict, results: list[dict], probe: torch.Tensor) -> None:
+    """One QLoRA run's ranks against transformers + bitsandbytes + peft on the same base."""
     from tests.training.test_qlora import quantized_base
 
-    run = dict(run_options(tiny_checkpoint("mixtral", **ROUTED), tmp_path, "qlora", tp=1, pp=2, max_memory="2x1GiB"),
-               max_steps=8, output_dir=str(tmp_path / "qlora"))
     options = tiny_demo_options(**run)
-    probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
-    results = launch("tests.training.test_moe_training:qlora_moe_run", world_size=2,
-                     kwargs={"run": run, "probe": probe}, timeout_s=300)
     base = quantized_base(options)
     held = {n: (type(p).__name__, str(p.dtype)) for n, p in base.named_parameters() if p.dim() == 3}
     expected, trained = reference_training(options, base=base)

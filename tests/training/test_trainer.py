@@ -452,29 +452,45 @@ def test_recipe_bad_checkpoint_data_budget_or_launch_is_one_clear_line_and_exit_
     assert_recipe_refuses(tmp_path, flags, words, nproc=nproc)
 
 
+def check_saved_experts(folder: Path, *, gpt_oss: bool) -> None:
+    """Mixtral / Qwen3-MoE: each expert's matrices apart, as their checkpoints store them. gpt-oss: fused 16-bit
+    experts and no quantization config, as transformers saves the MXFP4 checkpoint it dequantized on load."""
+    stored = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    if gpt_oss:
+        assert "model.layers.3.mlp.experts.gate_up_proj" in stored and not [k for k in stored if k.endswith("_blocks")]
+        assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+        return
+    assert [k for k in stored if ".layers.3." in k and ".experts.3." in k], folder
+    assert not [k for k in stored if "gate_up_proj" in k], folder
+
+
 @pytest.mark.slow
 def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint, tmp_path):
     """20 steps with `output_router_logits` (the router auxiliary loss over the layers of both stages, coefficient
     0.5), LoRA and full training of each family, one launch: Mixtral LoRA (1F1B) and full (GPipe), Qwen3-MoE full with
     offloaded activation checkpointing (the routers run again in backward, from the inputs brought back; GPipe) and
-    LoRA with checkpointing on the device (1F1B). Every step's loss
-    equals transformers' own loss of the unsplit model, and the saved output (experts stored one by one) loads with
-    plain transformers / peft."""
+    LoRA with checkpointing on the device (1F1B), gpt-oss LoRA on attention and experts with checkpointing (1F1B)
+    and full (GPipe) from its MXFP4 checkpoint. Every step's loss equals transformers' own loss of the unsplit
+    model, and the saved output (`check_saved_experts`) loads with plain transformers / peft."""
     cases = (("mixtral", "lora", "1F1B", False), ("qwen3_moe", "full", "GPipe", "offload"),
-             ("mixtral", "full", "GPipe", False), ("qwen3_moe", "lora", "1F1B", True))
-    runs = [run_options(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5),
-                        tmp_path / f"{arch}-{method}", method, tp=1, pp=2, schedule=schedule, max_memory="2x1GiB",
-                        activation_checkpointing=recompute)
+             ("mixtral", "full", "GPipe", False), ("qwen3_moe", "lora", "1F1B", True),
+             ("gpt_oss", "lora", "1F1B", True), ("gpt_oss", "full", "GPipe", False))
+    # gpt-oss from its MXFP4-packed checkpoint (experts dequantized as read), 8 steps each (sinks, biases, the clamp);
+    # its LoRA adapts the transposed fused experts too (peft target parameters)
+    gpt_oss = {"lora": dict(max_steps=8, lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
+                                                       "down_proj"]), "full": dict(max_steps=8)}
+    runs = [dict(run_options(tiny_checkpoint(arch, output_router_logits=True, router_aux_loss_coef=0.5,
+                                             **({"mxfp4": True} if arch == "gpt_oss" else {})),
+                             tmp_path / f"{arch}-{method}", method, tp=1, pp=2, schedule=schedule, max_memory="2x1GiB",
+                             activation_checkpointing=recompute), **(gpt_oss[method] if arch == "gpt_oss" else {}))
             for arch, method, schedule, recompute in cases]
     results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs}, timeout_s=400)
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     for run, split_losses in zip(runs, results[0]):
         expected, trained = reference_training(tiny_demo_options(**run))
         assert split_losses == pytest.approx(expected, rel=1e-5), run["model"]
-        if run["method"] == "full":  # written as transformers' save_pretrained writes it: experts one by one
-            stored = json.loads((Path(run["output_dir"]) / "model" / "model.safetensors.index.json").read_text())
-            assert [k for k in stored["weight_map"] if ".layers.3." in k and ".experts.3." in k], run["model"]
-            assert not [k for k in stored["weight_map"] if "gate_up_proj" in k], run["model"]
+        if run["method"] == "full":  # written as transformers' save_pretrained writes it
+            check_saved_experts(Path(run["output_dir"]) / "model", gpt_oss="gpt_oss" in run["model"])
         with torch.no_grad():
             loaded = saved_model(Path(run["output_dir"]), tiny_demo_options(**run))
             assert (loaded(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max() < 1e-4
