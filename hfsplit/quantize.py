@@ -23,8 +23,8 @@ from torch import nn
 
 from .errors import QuantizationError
 
-_BLOCKSIZE = 64  # Params4bit's default block size (BitsAndBytesConfig has no knob for it)
-_NESTED_BLOCKSIZE = 256  # double quantization quantizes the absmax values in blocks of 256
+BLOCKSIZE = 64  # Params4bit's default block size (BitsAndBytesConfig has no knob for it)
+NESTED_BLOCKSIZE = 256  # double quantization quantizes the absmax values in blocks of 256
 _LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
 
 
@@ -59,10 +59,10 @@ def check_quantization(qconfig, *, device: torch.device) -> None:
         import bitsandbytes  # noqa: F401
     except ImportError as exc:
         raise QuantizationError(f"QLoRA needs bitsandbytes ({exc}); pip install bitsandbytes") from None
-    probe = nn.Linear(_BLOCKSIZE, _BLOCKSIZE, bias=False)
+    probe = nn.Linear(BLOCKSIZE, BLOCKSIZE, bias=False)
     try:
         layer = quantize_linear(probe, qconfig, device=device)
-        x = torch.ones(1, _BLOCKSIZE, device=device, dtype=qconfig.bnb_4bit_compute_dtype, requires_grad=True)
+        x = torch.ones(1, BLOCKSIZE, device=device, dtype=qconfig.bnb_4bit_compute_dtype, requires_grad=True)
         layer(x).float().sum().backward()
     except Exception as exc:  # bitsandbytes reports unsupported backends/types with assorted error types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -103,32 +103,43 @@ _CHUNK_VALUES = 1 << 18  # a multiple of the block size: chunks quantize exactly
 
 def quantize_4bit_in_chunks(weight: torch.Tensor, qconfig) -> tuple[torch.Tensor, dict]:
     """`bitsandbytes.functional.quantize_4bit(weight)` (packed bytes, quant state as a dict), bit for bit, done
-    _CHUNK_VALUES values at a time: bitsandbytes' CPU quantizer (`backends/default/ops.py`) makes ~4 fp32 copies
-    of what it quantizes (float, abs, scaled, bucket ids), which for a whole 16-bit weight is a transient of
-    ~8× its bytes. Blocks of 64 values are quantized independently, so chunks on block boundaries concatenate
-    to the same result; double quantization then quantizes the whole absmax vector as bitsandbytes does."""
+    _CHUNK_VALUES values at a time (`quantize_4bit_state`)."""
+    packed, state = quantize_4bit_state(weight, qconfig)
+    return packed.view(qconfig.bnb_4bit_quant_storage).unsqueeze(1), state.as_dict(packed=True)
+
+
+def quantize_4bit_state(weight: torch.Tensor, qconfig) -> tuple[torch.Tensor, "object"]:
+    """(packed uint8 bytes, flat; bitsandbytes `QuantState`) of `weight` in `qconfig`'s 4-bit type, as
+    `bitsandbytes.functional.quantize_4bit` gives them, bit for bit. On the CPU it is done _CHUNK_VALUES values at a
+    time: bitsandbytes' CPU quantizer (`backends/default/ops.py`) makes ~4 fp32 copies of what it quantizes
+    (float, abs, scaled, bucket ids), which for a whole 16-bit weight is a transient of ~8× its bytes. Blocks of
+    64 values are quantized independently, so chunks on block boundaries concatenate to the same result; double
+    quantization then quantizes the whole absmax vector as bitsandbytes does."""
     import bitsandbytes.functional as F
 
+    if weight.device.type != "cpu":  # the GPU kernels quantize in place: no fp32 copies to bound
+        packed, state = F.quantize_4bit(weight, blocksize=BLOCKSIZE, compress_statistics=qconfig.bnb_4bit_use_double_quant,
+                                        quant_type=qconfig.bnb_4bit_quant_type, quant_storage=torch.uint8)
+        return packed.view(-1), state
     flat = weight.reshape(-1)
     # The results are allocated first and filled chunk by chunk: gathering the chunks' own tensors would leave
     # their freed bytes in the heap between what is kept.
     packed = torch.empty(math.ceil(flat.numel() / 2), dtype=torch.uint8, device=weight.device)
-    absmax = torch.empty(math.ceil(flat.numel() / _BLOCKSIZE), dtype=torch.float32, device=weight.device)
+    absmax = torch.empty(math.ceil(flat.numel() / BLOCKSIZE), dtype=torch.float32, device=weight.device)
     for first in range(0, flat.numel(), _CHUNK_VALUES):
-        part, state = F.quantize_4bit(flat[first:first + _CHUNK_VALUES], blocksize=_BLOCKSIZE, compress_statistics=False,
+        part, state = F.quantize_4bit(flat[first:first + _CHUNK_VALUES], blocksize=BLOCKSIZE, compress_statistics=False,
                                       quant_type=qconfig.bnb_4bit_quant_type, quant_storage=torch.uint8)
         packed[first // 2:first // 2 + part.numel()] = part.view(-1)
-        absmax[first // _BLOCKSIZE:first // _BLOCKSIZE + state.absmax.numel()] = state.absmax
+        absmax[first // BLOCKSIZE:first // BLOCKSIZE + state.absmax.numel()] = state.absmax
         del part, state
     code = F.get_4bit_type(qconfig.bnb_4bit_quant_type, device=weight.device)
     nested = {}
     if qconfig.bnb_4bit_use_double_quant:
         offset = absmax.mean()
-        absmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=_NESTED_BLOCKSIZE)
+        absmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=NESTED_BLOCKSIZE)
         nested = dict(offset=offset, state2=state2)
-    state = F.QuantState(absmax=absmax, shape=weight.shape, dtype=weight.dtype, blocksize=_BLOCKSIZE, code=code,
-                         quant_type=qconfig.bnb_4bit_quant_type, **nested)
-    return packed.view(qconfig.bnb_4bit_quant_storage).unsqueeze(1), state.as_dict(packed=True)
+    return packed, F.QuantState(absmax=absmax, shape=weight.shape, dtype=weight.dtype, blocksize=BLOCKSIZE, code=code,
+                                quant_type=qconfig.bnb_4bit_quant_type, **nested)
 
 
 def prequantized_linear(linear: nn.Module, data: torch.Tensor, stats: dict, qconfig, *, device: torch.device) -> nn.Module:
@@ -282,13 +293,24 @@ def quantized_linear_bytes(in_features: int, out_features: int, *, quant_type: s
     n = in_features * out_features
     if load_in_8bit:
         return n + 4 * out_features
-    blocks = math.ceil(n / _BLOCKSIZE)
+    blocks = math.ceil(n / BLOCKSIZE)
     packed = math.ceil(n / 2)
     code = 16 * 4
     if not double_quant:
         return packed + 4 * blocks + code
-    nested = math.ceil(blocks / _NESTED_BLOCKSIZE)
+    nested = math.ceil(blocks / NESTED_BLOCKSIZE)
     return packed + blocks + 4 * nested + 256 * 4 + 4 + code
+
+
+def quantized_experts_bytes(experts: int, rows: int, cols: int, *, quant_type: str = "nf4",
+                            double_quant: bool = True) -> int:
+    """Exact bytes of one fused expert tensor `[experts, rows, cols]` in 4 bits (`hfsplit.quantized_experts.ExpertsNF4`):
+    each expert's matrix quantized alone as `quantized_linear_bytes` counts a weight, the codes every expert shares
+    (the 4-bit type's 16 values; the nested dynamic map's 256) held once."""
+    n = rows * cols
+    blocks = math.ceil(n / BLOCKSIZE)
+    per_expert = math.ceil(n / 2) + (blocks + 4 * math.ceil(blocks / NESTED_BLOCKSIZE) + 4 if double_quant else 4 * blocks)
+    return experts * per_expert + 16 * 4 + (256 * 4 if double_quant else 0)
 
 
 # Dequantizing one 4-bit value (and its double-quantized absmax share) costs as much time as this many matmul
