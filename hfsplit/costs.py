@@ -10,6 +10,7 @@ The planner relies on exactly the public names below.
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -335,7 +336,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
             return params, numels[part] * size, numels[part] * (_ADAMW_MOMENT_BYTES + master)
         if spec.method in ("lora", "qlora") and part == "block":
             adapter = _LORA_ADAPTER_DTYPE.itemsize
-            params = quantized_block_bytes(layout, spec) if spec.method == "qlora" else params
+            params = quantized_block_bytes(layout, spec, config) if spec.method == "qlora" else params
             return params + lora_numel * adapter, lora_numel * adapter, lora_numel * _ADAMW_MOMENT_BYTES
         return params, 0, 0
 
@@ -345,7 +346,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     # Block FLOPs: every matmul parameter (base + adapter) × 2 per token, plus QKᵀ and AV.
     matmul_numel = sum(
         lin.in_features * lin.out_features // (tp if lin.shard else 1) for lin in layout.linears
-    ) + lora_numel + routed_expert_numel(config) // tp  # MoE: only the top-k experts a token is routed to
+    ) + _routed_lora_numel(lora_numel, config, spec) + routed_expert_numel(config) // tp  # MoE: the top-k experts
     heads_dim = config.num_attention_heads // tp * _head_dim(config)
     block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * spec.seq_len**2 * heads_dim
     block_flops = block_fwd * (passes + (1 if ckpt else 0))
@@ -357,7 +358,11 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     block_acts, block_ws = _block_memory(trace, spec, ckpt=ckpt, hidden_bytes=hidden_bytes, tp=tp)
     if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
         from .quantize import with_dequantize
-        block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size)
+        experts = _experts_4bit(config, spec)
+        block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size,
+                                                experts=[shape for _, shape in experts.values()])
+        split = split_lora_activation_bytes(config, spec, itemsize=size)  # kept per micro-batch, recomputed if ckpt
+        block_acts, block_ws = (block_acts, block_ws + split) if ckpt else (block_acts + split, block_ws)
     embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
     block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
     head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
@@ -409,10 +414,54 @@ def _deferred_grad_bytes(layout: _Layout, spec: TrainingSpec, config, tp: int) -
 
 def _traced_spec(spec: TrainingSpec) -> TrainingSpec:
     """The spec a run's parts are traced with: QLoRA's activations as LoRA's, under autocast where the run
-    autocasts (`TrainingSpec.autocast_dtype`; other methods never do)."""
+    autocasts (`TrainingSpec.autocast_dtype`; other methods never do). With 4-bit experts their LoRA is applied
+    split (`hfsplit.quantized_experts`), not by peft's dense ΔW the trace would build: the trace adapts the other
+    targets and `split_lora_activation_bytes` adds what the split adapters keep."""
     if spec.method == "qlora":
-        return replace(spec, method="lora", autocast=spec.autocast_dtype is not None)
+        targets = spec.lora_targets
+        if spec.experts_in_4bit and targets is not None and _EXPERT_NAMES & set(targets):
+            targets = tuple(t for t in targets if t not in _EXPERT_NAMES) or None
+        return replace(spec, method="lora", autocast=spec.autocast_dtype is not None, lora_targets=targets)
     return replace(spec, autocast=None)
+
+
+# The fused expert parameter names LoRA may target (transformers' experts modules; expert_lora.expert_parameters).
+_EXPERT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})
+
+
+def _experts_4bit(config, spec: TrainingSpec) -> dict:
+    """{name: (path, shape)} of the fused expert parameters a `spec` run holds in 4 bits ({} for none)."""
+    return expert_parameters(config) if spec.experts_in_4bit else {}
+
+
+def split_lora_activation_bytes(config, spec: TrainingSpec, *, itemsize: int) -> int:
+    """Bytes one block's split LoRA on 4-bit experts keeps for backward per micro-batch: for each targeted expert
+    parameter, the routed rows it reads (tokens × top-k × its input width, kept for A's gradient: the frozen 4-bit
+    matmul keeps none) and their rank-r projection (for B's gradient)."""
+    experts = _experts_4bit(config, spec)
+    targeted = [experts[t][1] for t in dict.fromkeys(spec.lora_targets or ()) if t in experts]
+    if not targeted:
+        return 0
+    rows = spec.micro_batch_size * spec.seq_len * (getattr(config, "num_experts_per_tok", 0) or 0)
+    transposed = _is_transposed(config)
+    inputs = [shape[1] if transposed else shape[2] for shape in targeted]
+    return sum(rows * (width + spec.lora_r) * itemsize for width in inputs)
+
+
+def _is_transposed(config) -> bool:
+    """Whether `config`'s fused experts hold `[E, in, out]` (gpt-oss), read from the real class on meta."""
+    model = meta_model(one_layer_config(config))
+    return any(getattr(sub, "is_transposed", False) for sub in _parts(model)[1].modules())
+
+
+def _routed_lora_numel(lora_numel: int, config, spec: TrainingSpec) -> int:
+    """Adapter elements a token's matmuls pass through: split LoRA on 4-bit experts runs only the routed experts'
+    slices (top-k of E), peft's dense ΔW every expert's."""
+    if not spec.experts_in_4bit or spec.method != "qlora":
+        return lora_numel
+    experts = expert_lora_numel(config, spec.lora_targets, spec.lora_r)
+    count = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 1
+    return lora_numel - experts + experts * (getattr(config, "num_experts_per_tok", 0) or 0) // count
 
 
 def weight_bytes(config, spec: TrainingSpec) -> int:
@@ -435,21 +484,25 @@ def _keyed(config) -> str:
 def _block_weight_bytes(config, spec: TrainingSpec) -> int:
     layout = _layout(_keyed(config))
     if spec.method == "qlora":
-        return quantized_block_bytes(layout, spec)
+        return quantized_block_bytes(layout, spec, config)
     return (layout.block_numel_replicated + layout.block_numel_sharded) * _dtype(spec.dtype).itemsize
 
 
-def quantized_block_bytes(layout: _Layout, spec: TrainingSpec) -> int:
-    """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, the rest
-    (norms, biases) in the spec's dtype."""
-    from .quantize import quantized_linear_bytes
+def quantized_block_bytes(layout: _Layout, spec: TrainingSpec, config) -> int:
+    """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, an MoE's fused
+    experts' where they are 4-bit (`TrainingSpec.experts_in_4bit`, each expert quantized alone), the rest (norms,
+    biases, the router) in the spec's dtype."""
+    from .quantize import quantized_experts_bytes, quantized_linear_bytes
 
+    experts = [shape for _, shape in _experts_4bit(config, spec).values()]
     weights = sum(lin.in_features * lin.out_features for lin in layout.linears)
-    rest = layout.block_numel_replicated + layout.block_numel_sharded - weights
+    rest = layout.block_numel_replicated + layout.block_numel_sharded - weights - sum(map(math.prod, experts))
     return rest * _dtype(spec.dtype).itemsize + sum(
         quantized_linear_bytes(lin.in_features, lin.out_features, quant_type=spec.bnb_4bit_quant_type,
                                double_quant=spec.bnb_4bit_use_double_quant, load_in_8bit=spec.load_in_8bit)
-        for lin in layout.linears)
+        for lin in layout.linears) + sum(
+        quantized_experts_bytes(*shape, quant_type=spec.bnb_4bit_quant_type, double_quant=spec.bnb_4bit_use_double_quant)
+        for shape in experts)
 
 
 @contextmanager

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from .errors import QuantizationError
+from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE, quantize_4bit_state
+from .quantized_experts import (ExpertsNF4, dequantized_experts, is_placeholder, is_quantized_experts,
+                                quantize_block_experts)
 
-BLOCKSIZE = 64  # Params4bit's default block size (BitsAndBytesConfig has no knob for it)
-NESTED_BLOCKSIZE = 256  # double quantization quantizes the absmax values in blocks of 256
 _LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
 
 
@@ -98,48 +99,11 @@ def quantize_linear(linear: nn.Linear, qconfig, *, device: torch.device) -> nn.M
     return layer.to(device)  # bitsandbytes quantizes on the move to the device
 
 
-_CHUNK_VALUES = 1 << 18  # a multiple of the block size: chunks quantize exactly as the whole weight does
-
-
 def quantize_4bit_in_chunks(weight: torch.Tensor, qconfig) -> tuple[torch.Tensor, dict]:
     """`bitsandbytes.functional.quantize_4bit(weight)` (packed bytes, quant state as a dict), bit for bit, done
-    _CHUNK_VALUES values at a time (`quantize_4bit_state`)."""
+    a chunk at a time (`hfsplit.nf4.quantize_4bit_state`)."""
     packed, state = quantize_4bit_state(weight, qconfig)
     return packed.view(qconfig.bnb_4bit_quant_storage).unsqueeze(1), state.as_dict(packed=True)
-
-
-def quantize_4bit_state(weight: torch.Tensor, qconfig) -> tuple[torch.Tensor, "object"]:
-    """(packed uint8 bytes, flat; bitsandbytes `QuantState`) of `weight` in `qconfig`'s 4-bit type, as
-    `bitsandbytes.functional.quantize_4bit` gives them, bit for bit. On the CPU it is done _CHUNK_VALUES values at a
-    time: bitsandbytes' CPU quantizer (`backends/default/ops.py`) makes ~4 fp32 copies of what it quantizes
-    (float, abs, scaled, bucket ids), which for a whole 16-bit weight is a transient of ~8× its bytes. Blocks of
-    64 values are quantized independently, so chunks on block boundaries concatenate to the same result; double
-    quantization then quantizes the whole absmax vector as bitsandbytes does."""
-    import bitsandbytes.functional as F
-
-    if weight.device.type != "cpu":  # the GPU kernels quantize in place: no fp32 copies to bound
-        packed, state = F.quantize_4bit(weight, blocksize=BLOCKSIZE, compress_statistics=qconfig.bnb_4bit_use_double_quant,
-                                        quant_type=qconfig.bnb_4bit_quant_type, quant_storage=torch.uint8)
-        return packed.view(-1), state
-    flat = weight.reshape(-1)
-    # The results are allocated first and filled chunk by chunk: gathering the chunks' own tensors would leave
-    # their freed bytes in the heap between what is kept.
-    packed = torch.empty(math.ceil(flat.numel() / 2), dtype=torch.uint8, device=weight.device)
-    absmax = torch.empty(math.ceil(flat.numel() / BLOCKSIZE), dtype=torch.float32, device=weight.device)
-    for first in range(0, flat.numel(), _CHUNK_VALUES):
-        part, state = F.quantize_4bit(flat[first:first + _CHUNK_VALUES], blocksize=BLOCKSIZE, compress_statistics=False,
-                                      quant_type=qconfig.bnb_4bit_quant_type, quant_storage=torch.uint8)
-        packed[first // 2:first // 2 + part.numel()] = part.view(-1)
-        absmax[first // BLOCKSIZE:first // BLOCKSIZE + state.absmax.numel()] = state.absmax
-        del part, state
-    code = F.get_4bit_type(qconfig.bnb_4bit_quant_type, device=weight.device)
-    nested = {}
-    if qconfig.bnb_4bit_use_double_quant:
-        offset = absmax.mean()
-        absmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=NESTED_BLOCKSIZE)
-        nested = dict(offset=offset, state2=state2)
-    return packed, F.QuantState(absmax=absmax, shape=weight.shape, dtype=weight.dtype, blocksize=BLOCKSIZE, code=code,
-                                quant_type=qconfig.bnb_4bit_quant_type, **nested)
 
 
 def prequantized_linear(linear: nn.Module, data: torch.Tensor, stats: dict, qconfig, *, device: torch.device) -> nn.Module:
@@ -162,9 +126,12 @@ def prequantized_linear(linear: nn.Module, data: torch.Tensor, stats: dict, qcon
     return layer
 
 
-def quantize_module(module: nn.Module, qconfig, *, device: torch.device, prefix: str = "", reader=None) -> None:
+def quantize_module(module: nn.Module, qconfig, *, device: torch.device, prefix: str = "", reader=None,
+                    experts: bool = True) -> None:
     """Replace every `nn.Linear` inside `module` (one decoder block, named `prefix` in the checkpoint) with its
-    quantized layer: quantized here, or, where `reader` holds it pre-quantized, read as stored."""
+    quantized layer: quantized here, or, where `reader` holds it pre-quantized, read as stored. With `experts`
+    (and a 4-bit config), an MoE block's fused experts are quantized too, expert by expert
+    (`hfsplit.quantized_experts.quantize_block_experts`: read from `reader` where they are still on meta)."""
     for name, sub in list(module.named_modules()):
         if type(sub) is nn.Linear:  # bnb layers subclass nn.Linear: never quantize twice
             key = f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
@@ -175,6 +142,8 @@ def quantize_module(module: nn.Module, qconfig, *, device: torch.device, prefix:
                 layer = quantize_linear(sub, qconfig, device=device)
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, leaf, layer)
+    if experts and not qconfig.load_in_8bit:
+        quantize_block_experts(module, qconfig, device=device, prefix=prefix, reader=reader)
 
 
 def stored_quantization(config, *, where: str):
@@ -223,10 +192,13 @@ def for_stored(requested, stored, *, where: str):
     return requested
 
 
-def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dtype: torch.dtype, qconfig) -> None:
+def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dtype: torch.dtype, qconfig,
+                         experts: bool = True) -> None:
     """Read `module`'s weights (a stage, tp=1) and quantize each decoder block right after its tensors arrive.
 
-    Embeddings, norms and lm_head stay in `dtype`; so the rank never holds more than one block in 16 bits.
+    Embeddings, norms and lm_head stay in `dtype`; so the rank never holds more than one block in 16 bits. With
+    `experts` (4-bit), an MoE block's fused experts are not read whole: each expert is read into a one-expert staging
+    buffer and quantized (`quantize_module`), so the rank never holds a layer's 16-bit experts either.
     """
     from .parallel.stage import materialize_buffers, set_parameter
 
@@ -234,21 +206,24 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
     staging = Staging(max((sum(math.prod(dense[k]) for k in dense if k.startswith(b + ".")) for b in
                             {_LAYER.match(k).group(1) for k in dense}), default=0), dtype=dtype, device=device)
     current: Optional[str] = None
+    per_expert = experts and not qconfig.load_in_8bit
     for key, param in list(module.named_parameters()):
         block = _LAYER.match(key)
         if current is not None and (block is None or block.group(1) != current):
-            quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader)
+            quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader,
+                            experts=experts)
             staging.reset()
         current = block.group(1) if block else None
-        if reader.packed_state_keys(key):
-            continue  # stored pre-quantized: quantize_module reads its packed bytes as they are
+        if reader.packed_state_keys(key) or (per_expert and block is not None and param.dim() == 3):
+            continue  # pre-quantized: read packed as stored; fused experts: read expert by expert as quantized
         if key in dense:  # a block's 16-bit linear weight lives only until its block is quantized
             value = reader.read_into(key, staging.take(dense[key]))
         else:
             value = reader.read(key, dtype=dtype, device=device)
         set_parameter(module, key, nn.Parameter(value, requires_grad=False))
     if current is not None:
-        quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader)
+        quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader,
+                        experts=experts)
     if getattr(module, "shares_embedding", False):
         module.lm_head.weight = module.body.embed_tokens.weight
     module.is_loaded_in_4bit = not qconfig.load_in_8bit  # peft picks its bitsandbytes LoRA layers by these flags
@@ -319,16 +294,19 @@ def quantized_experts_bytes(experts: int, rows: int, cols: int, *, quant_type: s
 DEQUANTIZE_FLOPS_PER_VALUE = 250.0
 
 
-def with_dequantize(workspace: int, flops: float, linears, spec, *, itemsize: int) -> tuple[int, float]:
-    """One QLoRA block's per-micro-batch (workspace bytes, FLOPs) with what dequantizing its `linears` adds.
+def with_dequantize(workspace: int, flops: float, linears, spec, *, itemsize: int, experts=()) -> tuple[int, float]:
+    """One QLoRA block's per-micro-batch (workspace bytes, FLOPs) with what dequantizing its `linears` and its 4-bit
+    fused `experts` (shapes `[E, d1, d2]`) adds.
 
     Forward and backward each dequantize one weight at a time to the compute dtype, so the workspace is the
-    largest weight in 16 bits. bitsandbytes dequantizes every 4-bit weight afresh in forward, in backward (input
-    gradient) and, under activation checkpointing, in the recompute, for each micro-batch: a fixed time per
-    micro-batch, not per token, so fewer and larger micro-batches pay it fewer times (what the time model's
-    micro-batch choice weighs). 8-bit weights are not counted (not measured).
+    largest weight in 16 bits: a linear's, or one fused expert tensor's routed experts (`hfsplit.quantized_experts`
+    dequantizes a parameter's routed experts for one grouped matmul; counted as every expert routed, as a
+    micro-batch of thousands of tokens routes them). bitsandbytes dequantizes every 4-bit weight afresh in
+    forward, in backward (input gradient) and, under activation checkpointing, in the recompute, for each
+    micro-batch: a fixed time per micro-batch, not per token, so fewer and larger micro-batches pay it fewer
+    times (what the time model's micro-batch choice weighs). 8-bit weights are not counted (not measured).
     """
-    sizes = [lin.in_features * lin.out_features for lin in linears]
+    sizes = [lin.in_features * lin.out_features for lin in linears] + [math.prod(shape) for shape in experts]
     workspace += max(sizes) * itemsize
     if spec.load_in_8bit:
         return workspace, flops
@@ -340,8 +318,12 @@ def dequantized(param: torch.Tensor, layer: Optional[nn.Module] = None) -> torch
     """A bitsandbytes weight back in 16 bits (its quant state's dtype; 8-bit: fp32); any other tensor as it is.
 
     `layer` is the module holding `param`: a `Linear8bitLt`'s first forward moves the row scales (SCB) off its
-    weight onto `layer.state`, so an 8-bit weight that has run is read with the layer's scales."""
+    weight onto `layer.state`, so an 8-bit weight that has run is read with the layer's scales; 4-bit fused experts
+    (`hfsplit.quantized_experts`) hold their bytes beside the parameter, which is only their placeholder."""
     import bitsandbytes as bnb
+
+    if layer is not None and is_quantized_experts(layer) and is_placeholder(param):
+        return dequantized_experts(layer, next(n for n, p in layer.named_parameters(recurse=False) if p is param))
 
     if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
         data, state = param.data, param.quant_state
@@ -360,10 +342,11 @@ def dequantized(param: torch.Tensor, layer: Optional[nn.Module] = None) -> torch
 
 
 def held_bytes(module: nn.Module) -> int:
-    """Bytes `module`'s parameters really hold, bitsandbytes quant state (absmax, codes, nested state) included."""
-    total = 0
+    """Bytes `module`'s parameters really hold, bitsandbytes quant state (absmax, codes, nested state) included, and
+    4-bit fused experts' bytes (their parameters are placeholders holding one value)."""
+    total = sum(sub.nf4_bytes() for sub in module.modules() if isinstance(sub, ExpertsNF4))
     for p in module.parameters():
-        total += p.data.nbytes
+        total += p.untyped_storage().nbytes() if is_placeholder(p) else p.data.nbytes
         state = getattr(p, "quant_state", None)
         nested = getattr(state, "state2", None)
         extra = [getattr(state, "absmax", None), getattr(state, "code", None), getattr(state, "offset", None),

@@ -22,7 +22,8 @@ never building a `ΔW` of every expert (`expert_adapters`; hfsplit's own wrapper
 The 3-D parameter itself stays on the module as a placeholder of its shape and dtype holding one value (NaN,
 expanded), so peft, shapes and names see the module as before; nothing computes with it.
 
-Entry points: `quantize_experts` (any family's experts module: the loaders, `hfsplit.quantize.quantize_module`),
+Entry points: `quantize_experts` (any family's experts module), `quantize_block_experts` (a block's, from the
+checkpoint: the loaders through `hfsplit.quantize.quantize_module`),
 `experts_modules` (the fused experts modules of a block), `is_quantized_experts`, `dequantized_experts`.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from .errors import UnsupportedModelError
-from .quantize import BLOCKSIZE, NESTED_BLOCKSIZE, quantize_4bit_state
+from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE, quantize_4bit_state
 
 Fill = Callable[[str, int, torch.Tensor], torch.Tensor]
 
@@ -162,6 +163,20 @@ def quantize_experts(module: nn.Module, qconfig, *, device: torch.device, fill: 
     module.nf4_experts = stores
     module.expert_adapters = {}
     module.__class__ = quantized_class(type(module))
+
+
+def quantize_block_experts(block: nn.Module, qconfig, *, device: torch.device, prefix: str = "", reader=None) -> None:
+    """`quantize_experts` on every fused experts module of `block` (named `prefix` in the checkpoint): an experts
+    module still on the meta device is read from `reader` expert by expert (`CheckpointReader.read_expert_into`),
+    one already holding its values is quantized from them."""
+    for name, sub in experts_modules(block):
+        if is_quantized_experts(sub):
+            continue
+        owner = ".".join(p for p in (prefix, name) if p)
+        on_meta = any(p.is_meta for p in sub.parameters(recurse=False))
+        fill = (lambda param, expert, out, owner=owner: reader.read_expert_into(f"{owner}.{param}", expert, out)) \
+            if on_meta else None
+        quantize_experts(sub, qconfig, device=device, fill=fill)
 
 
 def check_experts_interface(module: nn.Module) -> None:

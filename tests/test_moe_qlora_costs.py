@@ -1,29 +1,44 @@
-"""QLoRA on an MoE as transformers + bitsandbytes run it: the block's nn.Linear layers 4-bit, the fused 3-D experts and
-the router in the compute dtype; the cost model counts them so, and its peak matches a real step. LoRA on the fused
+"""QLoRA on an MoE: the block's nn.Linear layers 4-bit as transformers + bitsandbytes quantize them, and the fused 3-D
+experts 4-bit too, each expert alone (hfsplit.quantized_experts), or kept in the compute dtype as transformers does
+(`quantize_experts=False`); the cost model counts them so, and its peak matches a real step. LoRA on the fused
 experts (peft target parameters): counted, and refused where it cannot be what the user meant."""
 from dataclasses import replace
 
 import pytest
 
 from hfsplit.costs import TrainingSpec, estimate_peak_bytes, model_costs
-from hfsplit.quantize import quantized_linear_bytes
+from hfsplit.expert_lora import expert_parameters
+from hfsplit.quantize import quantized_experts_bytes, quantized_linear_bytes
 from tests.test_costs import MOE, estimated_peak, measured_peak, tiny_config
+
+EXPERT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_moe_qlora_counts_experts_16_bit_and_its_peak_matches_a_real_step(family):
+def test_moe_qlora_counts_4bit_experts_exactly_and_its_peak_matches_a_real_step(family):
+    """The block's bytes: attention linears and every expert of each fused tensor in NF4 (exact packed bytes and
+    quant state), the rest 32-bit; with quantize_experts=False the experts stay 32-bit. The estimated peak of a
+    real step (linears and experts quantized as the loaders do) within 15%, LoRA on attention and on the experts."""
     config = tiny_config(family)
     spec = TrainingSpec(method="qlora", seq_len=64, dtype="float32", lora_r=8, lora_targets=None)
     costs, full = model_costs(config, spec), model_costs(config, TrainingSpec(method="full", seq_len=64, dtype="float32"))
     h, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     d = config.head_dim if family == "qwen3_moe" else h // heads
     attention = [(h, heads * d), (h, kv * d), (h, kv * d), (heads * d, h)]  # q, k, v, o: the block's only Linears
+    experts = [shape for _, shape in expert_parameters(config).values()]
     weights = sum(i * o for i, o in attention)
     quantized = sum(quantized_linear_bytes(i, o, quant_type="nf4", double_quant=True) for i, o in attention)
+    packed = sum(quantized_experts_bytes(*shape) for shape in experts)
     adapters = costs.block.grad_bytes  # fp32 adapters, their gradients the same size
-    assert costs.block.param_bytes == full.block.param_bytes - 4 * weights + quantized + adapters
+    expert_numel = sum(e * a * b for e, a, b in experts)
+    assert costs.block.param_bytes == full.block.param_bytes - 4 * (weights + expert_numel) + quantized + packed + adapters
+    kept = model_costs(config, replace(spec, quantize_experts=False))
+    assert kept.block.param_bytes == full.block.param_bytes - 4 * weights + quantized + adapters
     measured, estimated = measured_peak(config, "qlora", 64), estimated_peak(config, "qlora", 64)
     assert estimated == pytest.approx(measured, rel=0.15), f"estimated/measured = {estimated / measured:.3f}"
+    measured = measured_peak(config, "qlora", 64, lora_targets=list(EXPERT_TARGETS))
+    estimated = estimate_peak_bytes(model_costs(config, replace(spec, lora_targets=EXPERT_TARGETS)))
+    assert estimated == pytest.approx(measured, rel=0.15), f"expert LoRA: estimated/measured = {estimated / measured:.3f}"
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

@@ -100,18 +100,25 @@ def apply_activation_checkpointing(blocks) -> int:
 
 def quantize(modules: Sequence[nn.Module], *, plan: Plan, ctx) -> list[str]:
     """The quantization step (QLoRA): `load` already quantized each block's linears on the device as it read
-    them (so no rank ever holds its stage in 16 bits); this checks every block holds bitsandbytes layers and
-    returns the step's label."""
+    them (so no rank ever holds its stage in 16 bits), and, where the plan says so, an MoE block's fused experts
+    expert by expert; this checks every block holds what the plan says and returns the step's label."""
     if plan.spec.method != "qlora":
         return []
     from ..quantize import quantized_linear_count
+    from ..quantized_experts import experts_modules, is_quantized_experts
 
     for module in modules:
         for name, block in module.body.layers.items():
             if quantized_linear_count(block) == 0:
                 raise PlanError(f"stage {module.stage_index}: block {name} holds no quantized linear layer "
                                 "after loading a QLoRA plan; load it with quantization_config")
-    return [quantize_label(plan.spec)]
+            experts = [is_quantized_experts(sub) for _, sub in experts_modules(block)]
+            if experts and (not plan.fused_experts or all(experts) != plan.spec.experts_in_4bit):
+                raise PlanError(f"stage {module.stage_index}: block {name}'s fused experts are "
+                                f"{'4-bit' if all(experts) else 'not all 4-bit'}, which the plan (fused_experts="
+                                f"{plan.fused_experts}, quantize_experts={plan.spec.quantize_experts}) does not say; "
+                                "re-plan for this checkpoint")
+    return [quantize_label(plan.spec, experts=plan.fused_experts)]
 
 
 def apply_lora(modules: Sequence[nn.Module], lora: LoraSetup, *, plan: Plan, ctx) -> None:
@@ -144,5 +151,5 @@ def apply_plan_to_model(model: nn.Module, plan: Optional[Plan], *, training: str
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         applied = (activation_checkpointing_label(),)
     if plan.spec.method == "qlora":  # quantized block by block as read (hfsplit.materialize.quantizer_of)
-        applied = (quantize_label(plan.spec),) + applied
+        applied = (quantize_label(plan.spec, experts=plan.fused_experts),) + applied
     return replace(plan, applied=applied)

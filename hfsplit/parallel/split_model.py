@@ -329,7 +329,8 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
             if quantization_config is not None:
                 from ..quantize import load_quantized_stage
 
-                load_quantized_stage(module, reader=reader, device=ctx.device, dtype=dtype, qconfig=quantization_config)
+                load_quantized_stage(module, reader=reader, device=ctx.device, dtype=dtype, qconfig=quantization_config,
+                                     experts=plan.spec.quantize_experts)
                 continue
             load_stage_weights(module, reader=reader, device=ctx.device, dtype=dtype, tp_rank=ctx.coords.tp,
                                tp_size=plan.tp)
