@@ -133,11 +133,13 @@ def _probe_block(config, spec, device: torch.device):
 
         from .costs import block_linear_names
         from .expert_lora import split_lora_targets
+        from .expert_lora_4bit import register_quantized_experts_lora
 
         # the run's targets, fused MoE experts included (peft target parameters)
         modules, params = split_lora_targets(list(spec.lora_targets or block_linear_names(config)), config)
-        inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=modules, target_parameters=params or None),
-                                block)
+        lora = LoraConfig(r=spec.lora_r, target_modules=modules, target_parameters=params or None)
+        register_quantized_experts_lora(lora)  # 4-bit experts: their adapters applied split, as the run does
+        inject_adapter_in_model(lora, block)
     if spec.method == "qlora":  # fp32 adapters and, in 16 bits, autocast forwards, as hfsplit.parallel.apply runs them
         from peft.tuners.tuners_utils import cast_adapter_dtype
 
@@ -176,7 +178,7 @@ def _quantize_probe(block, spec, device: torch.device) -> None:
 
     qconfig = quantization_config_of(spec)
     check_quantization(qconfig, device=device)  # a quant type bitsandbytes refuses: the run's one-line error
-    quantize_module(block, qconfig, device=device)
+    quantize_module(block, qconfig, device=device, experts=spec.quantize_experts)
 
 
 def _seconds(run, device: torch.device, *, split: bool) -> float:

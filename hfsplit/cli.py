@@ -27,6 +27,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--bnb-4bit-quant-type", default="nf4", help="QLoRA: nf4 | fp4")
     p.add_argument("--bnb-4bit-use-double-quant", choices=("on", "off"), default="on", help="QLoRA: double quantization")
     p.add_argument("--load-in-8bit", action="store_true", help="QLoRA with an 8-bit base instead of 4-bit")
+    p.add_argument("--quantize-experts", choices=("on", "off"), default="on",
+                   help="QLoRA on an MoE: its fused experts 4-bit too, expert by expert (off: kept in --dtype)")
     p.add_argument("--chunked-loss", action="store_true",
                    help="last stage: lm_head + loss a chunk of tokens at a time, no whole-micro-batch logits")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: all projections)")
@@ -64,7 +66,7 @@ def spec_from_args(args) -> TrainingSpec:
                         dtype=args.dtype or "bfloat16", lora_r=_given(args.lora_r, recipe.lora_r),
                         lora_targets=targets, reserve_bytes=reserve, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant == "on", load_in_8bit=args.load_in_8bit,
-                        chunked_loss=args.chunked_loss)
+                        chunked_loss=args.chunked_loss, quantize_experts=args.quantize_experts == "on")
 
 
 def _given(value, default):
@@ -100,6 +102,7 @@ def recipe_request(args) -> tuple[str, object, dict]:
     argv = ["--config", args.config] + [x for k, v in flags.items() if v is not None for x in (k, str(v))]
     argv += ["--method", "full"] if args.full else ["--method", "qlora"] if args.qlora else []
     argv += ["--chunked-loss"] if args.chunked_loss else []
+    argv += ["--quantize-experts", "off"] if args.quantize_experts == "off" else []
     options = parse_options(argv)
     if args.inference or args.reserve:
         raise HfsplitError("--inference and --reserve do not apply to a recipe (--config); "

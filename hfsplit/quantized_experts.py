@@ -17,7 +17,7 @@ saves nothing but its offsets for backward, which dequantizes the same experts a
 
 LoRA on such experts (peft's `target_parameters`) keeps peft's adapters (`lora_A [r·E, in]`, `lora_B [out, r·E]`,
 the same names and init), but is applied split, `x W_eᵀ + s · (x A_eᵀ) B_eᵀ`, on the routed experts' slices,
-never building a `ΔW` of every expert (`expert_adapters`; hfsplit's own wrapper: hfsplit.training.expert_lora_4bit).
+never building a `ΔW` of every expert (`expert_adapters`; hfsplit's own wrapper: hfsplit.expert_lora_4bit).
 
 The 3-D parameter itself stays on the module as a placeholder of its shape and dtype holding one value (NaN,
 expanded), so peft, shapes and names see the module as before; nothing computes with it.

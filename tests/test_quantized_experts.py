@@ -91,7 +91,7 @@ def test_lora_on_4bit_experts_equals_peft_on_the_dequantized_base(family):
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(name)))
     assert {type(m).__module__ for n, m in wrapped[0].named_modules() if n.endswith("mlp.experts")} == {
-        "hfsplit.training.expert_lora_4bit"}
+        "hfsplit.expert_lora_4bit"}
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     (logits, grads), (want, expected) = step(wrapped[0], ids), step(wrapped[1], ids)
     assert (logits - want).abs().max() <= 1e-5

@@ -35,12 +35,12 @@ def lora_config(*, r: int, alpha: int, dropout: float, targets: Optional[Sequenc
     """The peft LoraConfig hfsplit trains with (the same for split and unsplit models); without
     `targets`, every linear projection of a decoder block of `model_config`'s model. A target naming an MoE's
     fused expert parameter ("gate_up_proj", "down_proj") adapts the experts (`hfsplit.expert_lora`); on 4-bit
-    experts through `hfsplit.training.expert_lora_4bit` (peft's adapters, applied split)."""
+    experts through `hfsplit.expert_lora_4bit` (peft's adapters, applied split)."""
     from peft import LoraConfig
 
     from ..expert_lora import split_lora_targets
     from ..models import block_linear_names
-    from .expert_lora_4bit import register_quantized_experts_lora  # imports peft's LoRA layers, as LoraConfig does
+    from ..expert_lora_4bit import register_quantized_experts_lora  # imports peft's LoRA layers, as LoraConfig does
 
     # names of fused MoE expert parameters (gate_up_proj, down_proj) go to peft as target parameters
     modules, parameters = split_lora_targets(list(targets or block_linear_names(model_config)), model_config)

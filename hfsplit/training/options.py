@@ -55,6 +55,7 @@ class FinetuneOptions:
             knobs under its own names (NF4 + double quantization by default; compute dtype is --dtype).
         chunked_loss: the last stage runs lm_head and the loss a chunk of tokens at a time (never a whole
             micro-batch's logits); the same loss and gradients.
+        quantize_experts: `--method qlora` on an MoE quantizes its fused experts to 4 bits too (on by default).
     """
 
     model: Optional[str] = None
@@ -95,6 +96,9 @@ class FinetuneOptions:
     bnb_4bit_use_double_quant: bool = True
     load_in_8bit: bool = False
     chunked_loss: bool = False
+    quantize_experts: bool = field(default=True, metadata={
+        "help": "QLoRA on an MoE: its fused experts in 4 bits too, each expert quantized as it is read (off: kept in "
+                "--dtype, as transformers + bitsandbytes do)", "group": "method"})
     config: Optional[str] = field(default=None, metadata={"help": "YAML recipe file; flags override it"})
 
     def validate(self) -> None:
@@ -156,7 +160,7 @@ def training_spec(options: FinetuneOptions):
                         reserve_bytes=None if torch.cuda.is_available() else 0,
                         bnb_4bit_quant_type=options.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
-                        chunked_loss=options.chunked_loss)
+                        chunked_loss=options.chunked_loss, quantize_experts=options.quantize_experts)
 
 
 def plan_arguments(options: FinetuneOptions, *, world_size: int) -> dict:
@@ -182,7 +186,8 @@ def with_plan_batch(options: FinetuneOptions, plan) -> FinetuneOptions:
 
 def check_qlora_options(options: FinetuneOptions) -> None:
     """One line for bitsandbytes knobs without --method qlora, or a QLoRA run given a full-only option."""
-    knobs = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, "load_in_8bit": False}
+    knobs = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, "load_in_8bit": False,
+             "quantize_experts": True}
     given = [k for k, default in knobs.items() if getattr(options, k) != default]
     if given and options.method != "qlora":
         raise HfsplitError(f"--{given[0].replace('_', '-')} sets the quantized base of --method qlora; "

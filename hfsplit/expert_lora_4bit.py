@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from peft.tuners.lora import layer as peft_lora
 
-from ..errors import HfsplitError
-from ..quantized_experts import QuantizedExperts, adapting
+from .errors import HfsplitError
+from .quantized_experts import QuantizedExperts, adapting
 
 
 class ParamWrapper(peft_lora.ParamWrapper):
