@@ -605,6 +605,9 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     qlora = qlora_fix(config, budgets, spec, options)
     if qlora:
         fixes.append(qlora)
+    experts = replace(spec, quantize_experts=True)
+    if experts.experts_in_4bit and not spec.experts_in_4bit and routed_expert_numel(config) and fits(budgets, experts):
+        fixes.append("the MoE experts in 4 bits too (--quantize-experts on)")
     if spec.method != "inference" and not spec.activation_checkpointing and fits(
             budgets, replace(spec, activation_checkpointing=True)):
         fixes.append("activation checkpointing (--activation-checkpointing on)")

@@ -94,3 +94,22 @@ def test_calibration_probe_adapts_the_runs_expert_targets():
     assert [n for n in adapted if "experts" in n] and [n for n in adapted if "q_proj" in n]
     run(False)
     assert all(p.grad is not None for p in block.parameters() if p.requires_grad)
+
+
+def test_qwen3_30b_a3b_qlora_fits_one_24gib_card_and_mixtral_8x7b_two_with_4bit_experts():
+    """Issue 22's targets on the meta device (bundled configs, QLoRA r=16, seq 2048, micro-batch 1): Qwen3-30B-A3B on one
+    24 GiB card, Mixtral-8x7B on 2×24GiB, their experts 4-bit (the plan's step says so); with the experts kept 16-bit
+    neither fits, and the no-fit fixes name the 4-bit experts."""
+    from hfsplit.errors import PlanError
+    from hfsplit.plan import rank_total
+    from hfsplit.planner import make_plan
+
+    spec = TrainingSpec(method="qlora", seq_len=2048, micro_batch_size=1, lora_r=16)
+    for model, budget, devices in (("Qwen/Qwen3-30B-A3B", "24GiB", 1), ("mistralai/Mixtral-8x7B-v0.1", "2x24GiB", 2)):
+        plan = make_plan(model, budget, spec=spec)
+        ranks = {s.pp_rank: [t.memory for t in plan.stages if t.pp_rank == s.pp_rank] for s in plan.stages}
+        assert plan.tp == 1 and plan.pp * plan.dp == devices
+        assert all(rank_total(memories) <= 24 << 30 for memories in ranks.values()), model
+        assert "MoE experts nf4 too, expert by expert" in " ".join(plan.steps())
+        with pytest.raises(PlanError, match=r"the MoE experts in 4 bits too \(--quantize-experts on\)"):
+            make_plan(model, budget, spec=replace(spec, quantize_experts=False))
