@@ -437,15 +437,20 @@ def _experts_4bit(config, spec: TrainingSpec) -> dict:
 def split_lora_activation_bytes(config, spec: TrainingSpec, *, itemsize: int) -> int:
     """Bytes one block's split LoRA on 4-bit experts keeps for backward per micro-batch: for each targeted expert
     parameter, the routed rows it reads (tokens × top-k × its input width, kept for A's gradient: the frozen 4-bit
-    matmul keeps none) and their rank-r projection (for B's gradient)."""
+    matmul keeps none), their rank-r projection (for B's gradient), B's contiguous copy in the compute dtype (its
+    per-expert slices are strided across experts), and A's copy where the adapters' fp32 differs from it."""
     experts = _experts_4bit(config, spec)
     targeted = [experts[t][1] for t in dict.fromkeys(spec.lora_targets or ()) if t in experts]
     if not targeted:
         return 0
     rows = spec.micro_batch_size * spec.seq_len * (getattr(config, "num_experts_per_tok", 0) or 0)
     transposed = _is_transposed(config)
-    inputs = [shape[1] if transposed else shape[2] for shape in targeted]
-    return sum(rows * (width + spec.lora_r) * itemsize for width in inputs)
+    cast = itemsize != _LORA_ADAPTER_DTYPE.itemsize
+    total = 0
+    for experts, d1, d2 in targeted:
+        width, out = (d1, d2) if transposed else (d2, d1)
+        total += rows * (width + spec.lora_r) * itemsize + experts * spec.lora_r * (out + (width if cast else 0)) * itemsize
+    return total
 
 
 def _is_transposed(config) -> bool:

@@ -244,6 +244,7 @@ class Routing:
         routed: the same as a tensor on the device.
         offsets: cumulative rows per routed expert (int32, `grouped_mm`'s `offs`).
         expert_of_row: the expert of each sorted row (for per-expert biases).
+        all_offsets: cumulative rows per expert, every expert (for matrices held for all experts: LoRA's).
     """
 
     order: torch.Tensor
@@ -252,6 +253,7 @@ class Routing:
     routed: torch.Tensor
     offsets: torch.Tensor
     expert_of_row: torch.Tensor
+    all_offsets: torch.Tensor
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
@@ -262,7 +264,8 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     routed = counts.nonzero().flatten()
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return Routing(order, inverse, routed.tolist(), routed, counts[routed].cumsum(0).to(torch.int32), expert_of_row)
+    return Routing(order, inverse, routed.tolist(), routed, counts[routed].cumsum(0).to(torch.int32), expert_of_row,
+                   counts.cumsum(0).to(torch.int32))
 
 
 def quantized_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -287,10 +290,12 @@ def _expert_linear(module: nn.Module, name: str, rows: torch.Tensor, routing: Ro
     rows = rows.to(store.dtype)
     out = _FrozenGroupedLinear.apply(rows, routing.offsets, store, routing.experts, module.is_transposed)
     adapter = expert_adapters(module, name)
-    if adapter is not None:
+    if adapter is not None:  # every expert's factors, unrouted ones as empty groups: views of the adapters, no copy
         down, up, scaling = adapter  # [E, r, in], [E, out, r]
-        low = grouped_matmul(rows, down[routing.routed].to(store.dtype).transpose(-2, -1), routing.offsets)
-        out = out + scaling * grouped_matmul(low, up[routing.routed].to(store.dtype).transpose(-2, -1), routing.offsets)
+        low = grouped_matmul(rows, down.to(store.dtype).transpose(-2, -1), routing.all_offsets)
+        # B's per-expert slices are strided across experts: one contiguous copy, which backward keeps
+        up = up.to(store.dtype).transpose(-2, -1).contiguous()
+        out = out + scaling * grouped_matmul(low, up, routing.all_offsets)
     if module.has_bias:
         out = out + getattr(module, f"{name}_bias")[routing.expert_of_row]
     return out

@@ -16,8 +16,8 @@ EXPERT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_
 
 @pytest.mark.slow
 def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(tiny_checkpoint, tmp_path):
-    """pp=2 × dp=2 on four ranks, Qwen3-MoE full and Mixtral LoRA (attention and experts) with the router
-    auxiliary loss: every step equals
+    """pp=2 × dp=2 on four ranks, Qwen3-MoE full, Mixtral LoRA (attention and experts) and Mixtral QLoRA with 4-bit
+    experts adapted (`check_4bit_expert_run`), with the router auxiliary loss: every step equals
     transformers over the global batch, each micro-batch its own forward whose loss adds coef × its aux loss (the
     replicas' losses and gradients averaged as one process accumulating the global batch's micro-batches). The full
     run's checkpoint (pp=2, dp=2) then resumes on one rank (pp=1, the same global batch as 8 micro-batches) and
@@ -29,8 +29,15 @@ def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(t
     # two dense layers, then two expert layers: LoRA's default targets (attention) on a stage of expert layers only
     mixed = dict(run_options(tiny_checkpoint("qwen3_moe", mlp_only_layers=[0, 1], **ROUTED), tmp_path, "lora", tp=1,
                              pp=2, max_memory="4x1GiB"), max_steps=4, output_dir=str(tmp_path / "mixed"))
-    results = launch("tests.training.cases:finetune_losses", world_size=4, kwargs={"runs": [full, lora, mixed]},
-                     timeout_s=400)
+    # QLoRA, 4-bit experts with LoRA on them (router loss on): against one process on the dequantized NF4 bytes
+    qlora = dict(run_options(tiny_checkpoint("mixtral", **ROUTED), tmp_path, "qlora", tp=1, pp=2, max_memory="4x1GiB"),
+                 max_steps=6, lora_targets=EXPERT_TARGETS, output_dir=str(tmp_path / "qlora"))
+    probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 256, (8, 16), generator=torch.Generator().manual_seed(2))
+    both = launch("tests.training.test_moe_training:losses_and_4bit_runs", world_size=4, timeout_s=500,
+                  kwargs={"runs": [full, lora, mixed], "qlora_runs": [qlora], "probe": probe, "ids": ids})
+    check_4bit_expert_run(qlora, [r[1][0] for r in both], replicas=2, probe=probe, ids=ids)
+    results = [r[0] for r in both]
     assert all(r == results[0] for r in results)  # every rank reports the global loss
     trained = {}
     for run, split_losses in zip((full, lora, mixed), results[0]):
@@ -78,6 +85,13 @@ def qlora_moe_runs(runs: list[dict], probe: torch.Tensor, ids: torch.Tensor) -> 
                         planned=planned, steps=model.plan.steps(), applied=model.plan.applied))
         del run, model
     return out
+
+
+def losses_and_4bit_runs(runs: list[dict], qlora_runs: list[dict], probe: torch.Tensor, ids: torch.Tensor):
+    """On every rank: `finetune_losses(runs)`, then `qlora_moe_runs(qlora_runs, ...)` (one launch for both)."""
+    from tests.training.cases import finetune_losses
+
+    return finetune_losses(runs), qlora_moe_runs(qlora_runs, probe, ids)
 
 
 def dequantized_expert_base(options: FinetuneOptions):
