@@ -358,7 +358,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     block_acts, block_ws = _block_memory(trace, spec, ckpt=ckpt, hidden_bytes=hidden_bytes, tp=tp)
     if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
         from .quantize import with_dequantize
-        experts = _experts_4bit(config, spec)
+        experts = _experts_4bit(config, spec)  # their dequantized matrices: in the trace (trace_moe)
         block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size,
                                                 experts=[shape for _, shape in experts.values()])
         split = split_lora_activation_bytes(config, spec, itemsize=size)  # kept per micro-batch, recomputed if ckpt
@@ -414,15 +414,23 @@ def _deferred_grad_bytes(layout: _Layout, spec: TrainingSpec, config, tp: int) -
 
 def _traced_spec(spec: TrainingSpec) -> TrainingSpec:
     """The spec a run's parts are traced with: QLoRA's activations as LoRA's, under autocast where the run
-    autocasts (`TrainingSpec.autocast_dtype`; other methods never do). With 4-bit experts their LoRA is applied
+    autocasts (`TrainingSpec.autocast_dtype`; other methods never do), its `quantize_experts` whether the traced
+    experts are 4-bit (each grouped matmul holding their dequantized matrices). With 4-bit experts their LoRA is applied
     split (`hfsplit.quantized_experts`), not by peft's dense ΔW the trace would build: the trace adapts the other
     targets and `split_lora_activation_bytes` adds what the split adapters keep."""
     if spec.method == "qlora":
         targets = spec.lora_targets
         if spec.experts_in_4bit and targets is not None and _EXPERT_NAMES & set(targets):
             targets = tuple(t for t in targets if t not in _EXPERT_NAMES) or None
-        return replace(spec, method="lora", autocast=spec.autocast_dtype is not None, lora_targets=targets)
-    return replace(spec, autocast=None)
+        return replace(spec, method="lora", autocast=spec.autocast_dtype is not None, lora_targets=targets,
+                       quantize_experts=spec.experts_in_4bit)
+    return replace(spec, autocast=None, quantize_experts=False)
+
+
+def _traces_4bit_experts(spec: TrainingSpec) -> bool:
+    """Whether a traced spec is a QLoRA run's with 4-bit experts: `_traced_spec` sets `autocast` to a bool only for
+    QLoRA (None for every other method, and in a spec nobody traced) and `quantize_experts` to `experts_in_4bit`."""
+    return spec.autocast is not None and spec.quantize_experts
 
 
 # The fused expert parameter names LoRA may target (transformers' experts modules; expert_lora.expert_parameters).
@@ -511,12 +519,13 @@ def quantized_block_bytes(layout: _Layout, spec: TrainingSpec, config) -> int:
 
 
 @contextmanager
-def _grouped_experts_on_fake_tensors():
+def _grouped_experts_on_fake_tensors(*, dequantized: bool = False):
     """MoE blocks traced as they run: transformers' grouped experts (`grouped_mm`, the tokens × top-k routed rows
     only). Torch's meta kernel of `grouped_mm` takes bf16 only, so other dtypes go through transformers' fallback op
     (its fake kernel takes every dtype), wrapped by `trace_moe` to save for backward what torch's op saves: with
     frozen experts, not the routed rows. The `batched_mm` alternative would gather each routed row's expert
-    matrices (5-17x the measured peak)."""
+    matrices (5-17x the measured peak). `dequantized`: 4-bit experts, every call through `trace_moe`, which holds
+    the dequantized matrices for the call as `hfsplit.quantized_experts` does."""
     try:
         from transformers.integrations import moe
     except ImportError:  # a transformers without fused experts: nothing to route
@@ -526,8 +535,9 @@ def _grouped_experts_on_fake_tensors():
 
     grouped_mm = moe._grouped_mm
     moe._grouped_mm = lambda input, weight, offs: (
-        grouped_mm(input, weight, offs) if weight.dtype == torch.bfloat16 and moe._can_use_grouped_mm(input, weight, offs)
-        else grouped_mm_as_torch_saves(input, weight, offs))
+        grouped_mm(input, weight, offs) if not dequantized and weight.dtype == torch.bfloat16
+        and moe._can_use_grouped_mm(input, weight, offs) else grouped_mm_as_torch_saves(input, weight, offs,
+                                                                                       dequantized=dequantized))
     try:
         yield
     finally:
@@ -758,7 +768,7 @@ def _block_events(key: str, spec: TrainingSpec, tp: int) -> _BlockEvents:
     shape = (spec.micro_batch_size, spec.seq_len, config.hidden_size)
     mode = FakeTensorMode()
     model, block, kwargs, _ = _fake_model(key, spec, tp, mode)
-    with mode, _grouped_experts_on_fake_tensors():
+    with mode, _grouped_experts_on_fake_tensors(dequantized=_traces_4bit_experts(spec)):
         _set_trainable(block, spec)
         params = list(block.parameters())
 

@@ -299,15 +299,15 @@ def with_dequantize(workspace: int, flops: float, linears, spec, *, itemsize: in
     fused `experts` (shapes `[E, d1, d2]`) adds.
 
     Forward and backward each dequantize one weight at a time to the compute dtype, so the workspace is the
-    largest weight in 16 bits: a linear's, or one fused expert tensor's routed experts (`hfsplit.quantized_experts`
-    dequantizes a parameter's routed experts for one grouped matmul; counted as every expert routed, as a
-    micro-batch of thousands of tokens routes them). bitsandbytes dequantizes every 4-bit weight afresh in
+    largest linear weight in 16 bits (4-bit experts' dequantized matrices are in the block's trace, at the moment
+    each grouped matmul holds them: `hfsplit.trace_moe`). bitsandbytes dequantizes every 4-bit weight afresh in
     forward, in backward (input gradient) and, under activation checkpointing, in the recompute, for each
     micro-batch: a fixed time per micro-batch, not per token, so fewer and larger micro-batches pay it fewer
     times (what the time model's micro-batch choice weighs). 8-bit weights are not counted (not measured).
     """
-    sizes = [lin.in_features * lin.out_features for lin in linears] + [math.prod(shape) for shape in experts]
+    sizes = [lin.in_features * lin.out_features for lin in linears]
     workspace += max(sizes) * itemsize
+    sizes += [math.prod(shape) for shape in experts]  # counted as every expert routed, as a long micro-batch does
     if spec.load_in_8bit:
         return workspace, flops
     passes = 3 if spec.activation_checkpointing else 2

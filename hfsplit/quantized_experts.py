@@ -114,15 +114,32 @@ class ExpertsNF4(nn.Module):
                             blocksize=BLOCKSIZE, code=self.code, quant_type=self.quant_type, **nested)
 
     def dequantize(self, experts: Sequence[int]) -> torch.Tensor:
-        """`[len(experts), d1, d2]`: the listed experts' matrices in the compute dtype (bitsandbytes'
-        `dequantize_4bit`), and nothing else."""
+        """`[len(experts), d1, d2]`: the listed experts' matrices in the compute dtype (bitsandbytes' own
+        `dequantize_blockwise` / `dequantize_4bit`), and nothing else. Experts whose blocks tile their matrix
+        exactly (64 values, and 256 absmax under double quantization: every real model) are dequantized in one call
+        each, bit for bit as expert by expert; a run of consecutive experts (all of them, in a long micro-batch)
+        without copying their bytes."""
         import bitsandbytes.functional as F
 
-        out = torch.empty((len(experts), *self.shape), dtype=self.dtype, device=self.packed.device)
-        for i, expert in enumerate(experts):  # (bitsandbytes' CPU backend has no `out=` variant: one expert's copy)
-            out[i].copy_(F.dequantize_4bit(self.packed[expert], self.quant_state(expert)))
+        experts = list(experts)
         self.dequantized.update(experts)
-        return out
+        values, blocks = math.prod(self.shape), self.absmax.shape[1]
+        if values % BLOCKSIZE or (self.double_quant and blocks % NESTED_BLOCKSIZE) or not experts:
+            out = torch.empty((len(experts), *self.shape), dtype=self.dtype, device=self.packed.device)
+            for i, expert in enumerate(experts):  # (bitsandbytes' CPU backend has no `out=` variant: one expert's copy)
+                out[i].copy_(F.dequantize_4bit(self.packed[expert], self.quant_state(expert)))
+            return out
+        pick = slice(experts[0], experts[-1] + 1) if experts == list(range(experts[0], experts[-1] + 1)) else \
+            torch.tensor(experts, device=self.packed.device)
+        absmax = self.absmax[pick].reshape(-1)
+        if self.double_quant:
+            nested = F.QuantState(absmax=self.nested_absmax[pick].reshape(-1), code=self.nested_code,
+                                  blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
+            absmax = F.dequantize_blockwise(absmax, nested)
+            absmax = (absmax.view(len(experts), blocks) + self.offset[pick].unsqueeze(1)).reshape(-1)
+        state = F.QuantState(absmax=absmax, shape=torch.Size((len(experts), *self.shape)), dtype=self.dtype,
+                             blocksize=BLOCKSIZE, code=self.code, quant_type=self.quant_type)
+        return F.dequantize_4bit(self.packed[pick].reshape(-1), state)
 
     def nf4_bytes(self) -> int:
         """Bytes held: packed values and quant state, codes once."""

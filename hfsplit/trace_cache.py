@@ -21,9 +21,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
-CACHE_VERSION = 6  # 2: MoE blocks traced with grouped experts (routed rows only); 3: MoE experts sharded by TP;
+CACHE_VERSION = 7  # 2: MoE blocks traced with grouped experts (routed rows only); 3: MoE experts sharded by TP;
 # 4: frozen experts save no routed rows (trace_moe); 5: sdpa blocks without a mask where the run has none;
-# 6: a block's backward peak without the saved tensors autograd has already freed
+# 6: a block's backward peak without the saved tensors autograd has already freed; 7: 4-bit MoE experts'
+# dequantized matrices (TrainingSpec.quantize_experts)
 
 
 def cache_dir() -> Path:
@@ -83,7 +84,8 @@ def ends_trace(key: str, spec):
     """`costs._trace_ends` for `spec`, from memory, disk, or a new trace."""
     from .costs import _EndsTrace, _trace_ends
 
-    return _cached("ends", key, trace_spec(spec), None, lambda k, s, _: _trace_ends(k, s), _EndsTrace)
+    return _cached("ends", key, replace(trace_spec(spec), quantize_experts=False), None,
+                   lambda k, s, _: _trace_ends(k, s), _EndsTrace)
 
 
 _MEMO: dict[str, object] = {}

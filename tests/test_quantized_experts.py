@@ -99,7 +99,7 @@ def test_lora_on_4bit_experts_equals_peft_on_the_dequantized_base(family):
     assert worst_grad_rel_diff(grads, expected) <= 1e-5
 
 
-@pytest.mark.parametrize("shape", [(4, 256, 64), (3, 40, 24), (2, 1000, 384)])
+@pytest.mark.parametrize("shape", [(4, 256, 64), (3, 40, 24), (2, 1000, 384), (3, 512, 256)])  # the last: one call
 @pytest.mark.parametrize("double_quant", [True, False])
 def test_4bit_expert_bytes_are_exactly_what_the_plan_counts(shape, double_quant):
     """Each expert quantized alone, bit for bit as bitsandbytes quantizes that matrix as one weight; the bytes held
@@ -122,11 +122,14 @@ def test_4bit_expert_bytes_are_exactly_what_the_plan_counts(shape, double_quant)
     quantize_experts(module, qconfig, device=torch.device("cpu"))
     store = module.nf4_experts["gate_up_proj"]
     assert isinstance(store, ExpertsNF4) and is_quantized_experts(module)
+    together = [store.dequantize(range(shape[0])), store.dequantize([shape[0] - 1, 0])]  # a run, and a pick
     for e in range(shape[0]):
         packed, state = F.quantize_4bit(weights[e].contiguous(), blocksize=64, compress_statistics=double_quant,
                                         quant_type="nf4")
         assert torch.equal(store.packed[e], packed.view(-1))
         assert torch.equal(store.dequantize([e])[0], F.dequantize_4bit(packed, state))
+        assert torch.equal(together[0][e], F.dequantize_4bit(packed, state))
+    assert torch.equal(together[1][1], together[0][0]) and torch.equal(together[1][0], together[0][-1])
     assert held_bytes(module) - 4 == quantized_experts_bytes(*shape, double_quant=double_quant)  # + the placeholder
 
 

@@ -57,8 +57,9 @@ def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(t
 
 def qlora_moe_runs(runs: list[dict], probe: torch.Tensor, ids: torch.Tensor) -> list[dict]:
     """On every rank, each run in turn as the recipe trains it (`build_run`, `fit`): one step's gradients on `ids`
-    (then dropped), the losses, the trained split's logits on `probe`, this rank's 4-bit experts' packed bytes
-    ({model name: bytes}), and its planned bytes against the measured peak of one more step."""
+    (then dropped), the losses and step times, the trained split's logits on `probe`, this rank's 4-bit experts'
+    packed bytes ({model name: bytes}), and its planned bytes against the measured peak of one more step
+    (scripts/bench_moe.py runs it too)."""
     from hfsplit.plan import rank_total
     from hfsplit.quantized_experts import is_quantized_experts
     from hfsplit.training.trainer import build_run, fit, train_step
@@ -72,7 +73,8 @@ def qlora_moe_runs(runs: list[dict], probe: torch.Tensor, ids: torch.Tensor) -> 
         model.step(ids, ids, run.loss_fn)
         grads = {n: p.grad.clone() for s in model.stages for n, p in s.named_parameters() if p.grad is not None}
         run.optimizer.zero_grad(set_to_none=True)
-        losses = fit(run).losses
+        result = fit(run)
+        losses = result.losses
         packed = {f"{name}.{param}".replace(".base_layer", ""): store.packed.clone() for s in model.stages for name, experts in s.named_modules()
                   if is_quantized_experts(experts) for param, store in experts.nf4_experts.items()}
         logits = model.forward(probe, broadcast=True)
@@ -82,7 +84,8 @@ def qlora_moe_runs(runs: list[dict], probe: torch.Tensor, ids: torch.Tensor) -> 
             train_step(run, next(run.batches))
         planned = rank_total(model.plan.stages[i].memory for i in model.stage_indices)
         out.append(dict(losses=losses, grads=grads, logits=logits, packed=packed, measured=held + live.peak,
-                        planned=planned, steps=model.plan.steps(), applied=model.plan.applied))
+                        planned=planned, steps=model.plan.steps(), applied=model.plan.applied,
+                        step_times_s=result.step_times_s))
         del run, model
     return out
 
