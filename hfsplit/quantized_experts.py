@@ -203,7 +203,7 @@ def check_experts_interface(module: nn.Module) -> None:
     if missing:
         raise UnsupportedModelError(
             f"{type(module).__name__} holds 3-D expert parameters but not transformers' experts interface "
-            f"(missing {', '.join(missing)}); hfsplit cannot run its experts in 4 bits: --bnb-4bit-experts off")
+            f"(missing {', '.join(missing)}); hfsplit cannot run its experts in 4 bits: --quantize-experts off")
 
 
 def placeholder(shape: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
