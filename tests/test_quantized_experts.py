@@ -73,25 +73,30 @@ def test_4bit_experts_equal_transformers_on_their_dequantized_bytes_and_dequanti
     assert any(len(r) < 4 for r in routed.values())  # the counting covers an unrouted expert
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_lora_on_4bit_experts_equals_peft_on_the_dequantized_base(family):
-    """peft's target parameters on 4-bit experts (hfsplit's split ΔW, peft's adapters) against plain peft on the
-    dequantized base (its dense ΔW): logits and every adapter's gradient within 1e-5, from the same init."""
-    from peft import get_peft_model
+@pytest.mark.parametrize("family, wrapper", [("mixtral", "hfsplit"), ("qwen3_moe", "hfsplit"), ("mixtral", "peft")])
+def test_lora_on_4bit_experts_equals_peft_on_the_dequantized_base(family, wrapper):
+    """peft's target parameters on 4-bit experts against plain peft on the dequantized base (its dense ΔW): logits and
+    every adapter's gradient within 1e-5, from the same init. On the 4-bit experts, hfsplit's wrapper (lora_config's:
+    peft's adapters, the ΔW applied split) and peft's own `ParamWrapper` (a user's LoraConfig: its factors read from
+    the parametrization it registers) alike."""
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
 
     from hfsplit.training.lora import lora_config, seed_lora_weights
 
     config = tiny_config(family)
     model, reference = quantized_and_reference(family)
-    wrapped = [get_peft_model(m, lora_config(r=4, alpha=8, dropout=0.0, targets=EXPERT_TARGETS, model_config=config))
-               for m in (model, reference)]
+    ours = lora_config(r=4, alpha=8, dropout=0.0, targets=EXPERT_TARGETS, model_config=config)
+    plain = LoraConfig(**{f.name: getattr(ours, f.name) for f in dataclasses.fields(LoraConfig) if f.init})
+    wrapped = [get_peft_model(model, ours if wrapper == "hfsplit" else plain), get_peft_model(reference, plain)]
     for m in wrapped:
         seed_lora_weights(m, seed=3)
         for name, p in m.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(name)))
     assert {type(m).__module__ for n, m in wrapped[0].named_modules() if n.endswith("mlp.experts")} == {
-        "hfsplit.expert_lora_4bit"}
+        "hfsplit.expert_lora_4bit" if wrapper == "hfsplit" else "peft.tuners.lora.layer"}
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     (logits, grads), (want, expected) = step(wrapped[0], ids), step(wrapped[1], ids)
     assert (logits - want).abs().max() <= 1e-5
