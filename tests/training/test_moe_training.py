@@ -166,9 +166,10 @@ def check_4bit_expert_run(run: dict, results: list[dict], *, replicas: int, prob
 def test_moe_qlora_4bit_experts_split_equals_transformers_on_the_dequantized_bytes(tiny_checkpoint, tmp_path):
     """pp=2, 20 QLoRA steps, each MoE's experts 4-bit: Mixtral with LoRA on attention (router auxiliary loss on), and
     Qwen3-MoE with LoRA on attention and on the 4-bit experts (peft target parameters); each against one process on
-    the same NF4 bytes dequantized (`check_4bit_expert_run`)."""
+    the same NF4 bytes dequantized (`check_4bit_expert_run`). Mixtral's `--merge` folder loads in transformers and
+    gives the trained logits."""
     runs = [dict(run_options(tiny_checkpoint("mixtral", **ROUTED), tmp_path, "qlora", tp=1, pp=2, max_memory="2x1GiB"),
-                 output_dir=str(tmp_path / "mixtral")),
+                 output_dir=str(tmp_path / "mixtral"), merge=True),
             dict(run_options(tiny_checkpoint("qwen3_moe"), tmp_path, "qlora", tp=1, pp=2, max_memory="2x1GiB"),
                  lora_targets=EXPERT_TARGETS, output_dir=str(tmp_path / "qwen3_moe"))]
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -177,3 +178,9 @@ def test_moe_qlora_4bit_experts_split_equals_transformers_on_the_dequantized_byt
                      kwargs={"runs": runs, "probe": probe, "ids": ids}, timeout_s=400)
     for index, run in enumerate(runs):
         check_4bit_expert_run(run, [r[index] for r in results], replicas=1, probe=probe, ids=ids)
+    # --merge: a plain fp32 folder, the experts dequantized and stored one by one as transformers saves them
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral" / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert (merged(input_ids=probe).logits - results[0][0]["logits"]).abs().max() < 1e-4
