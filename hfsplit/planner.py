@@ -23,7 +23,8 @@ from typing import Iterable, Optional, Sequence, Union
 
 from .budget import BudgetSpec, format_bytes, parse_max_memory
 from .costs import ModelCosts, PartCost, TrainingSpec, model_costs
-from .models import check_causal_lm, check_supported, routed_expert_numel, tp_degree_error, valid_tp_degrees
+from .expert_lora import expert_parameters
+from .models import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
 from .errors import PlanError
 from .links import DEFAULT_LINK, Link
 from .plan import SCHEDULES, Plan, Stage, StageMemory, rank_total
@@ -395,7 +396,7 @@ def _plan(costs: ModelCosts, slots: Sequence[Slot], counts: Sequence[int], *, na
         model=name, model_type=config.model_type, num_layers=costs.num_layers, tp=t, pp=p, dp=d,
         virtual_stages=v, schedule=schedule, micro_batches=m, spec=costs.spec, stages=tuple(stages),
         step_time_s=slowest * m / (1 - bubble), bubble_fraction=bubble, tied_embeddings=costs.tied,
-        fused_experts=routed_expert_numel(config) > 0,
+        fused_experts=bool(expert_parameters(config)),
     )
 
 
@@ -606,7 +607,7 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     if qlora:
         fixes.append(qlora)
     experts = replace(spec, quantize_experts=True)
-    if experts.experts_in_4bit and not spec.experts_in_4bit and routed_expert_numel(config) and fits(budgets, experts):
+    if experts.experts_in_4bit and not spec.experts_in_4bit and expert_parameters(config) and fits(budgets, experts):
         fixes.append("the MoE experts in 4 bits too (--quantize-experts on)")
     if spec.method != "inference" and not spec.activation_checkpointing and fits(
             budgets, replace(spec, activation_checkpointing=True)):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from hfsplit.costs import TrainingSpec
-from hfsplit.models import routed_expert_numel
+from hfsplit.expert_lora import expert_parameters
 from hfsplit.parallel.mesh import schedule_pp_rank
 from hfsplit.plan import Plan, Stage, StageMemory
 
@@ -26,7 +26,7 @@ def hand_plan(config, *, tp: int, pp: int, layers: list[tuple[int, int]], schedu
                 dp=dp, virtual_stages=len(layers) // pp, schedule=schedule, micro_batches=micro_batches,
                 spec=TrainingSpec(method=method, seq_len=seq_len, dtype="float32"), stages=stages, step_time_s=0.0,
                 bubble_fraction=0.0, tied_embeddings=bool(config.tie_word_embeddings),
-                fused_experts=routed_expert_numel(config) > 0)
+                fused_experts=bool(expert_parameters(config)))
 
 
 def reference_name(name: str, *, tied: bool) -> str:
