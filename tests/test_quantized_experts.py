@@ -121,7 +121,7 @@ def test_4bit_expert_bytes_are_exactly_what_the_plan_counts(shape, double_quant)
             super().__init__()
             self.gate_up_proj = nn.Parameter(torch.randn(shape))
 
-    module, weights = Experts(), None
+    module = Experts()
     weights = module.gate_up_proj.detach().clone()
     qconfig = quantization_config(double_quant=double_quant, compute_dtype="float32")
     quantize_experts(module, qconfig, device=torch.device("cpu"))
