@@ -598,7 +598,9 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
 
 def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> list[str]:
     def fits(b, s) -> bool:
-        return could_fit(config, b, s) and best_plan(config, b, s, name="", **options) is not None
+        # More devices means launching more processes: that fix is searched without the launch's world size.
+        launch = {"world_size": None} if len(b) > len(budgets) else {}
+        return could_fit(config, b, s) and best_plan(config, b, s, name="", **{**options, **launch}) is not None
 
     fixes = []
     if spec.method == "full" and fits(budgets, replace(spec, method="lora")):

@@ -26,12 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_train import free_port  # noqa: E402
+from bench_train import TINY_RECIPE, free_port  # noqa: E402
 
 
 def recipe(model: Path, out: Path, *flags: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "recipes/finetune.py"), "--model", str(model), "--output-dir", str(out), "--dtype", "float32",
+           str(ROOT / "recipes/finetune.py"), "--config", str(TINY_RECIPE), "--model", str(model), "--output-dir", str(out), "--dtype", "float32",
            "--seq-len", "64", "--micro-batches", "2", "--max-memory", "2x8GiB", "--method", "full", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)

@@ -65,9 +65,9 @@ def _child(runner: str, method: str, seq_len: int, micro_batch_size: int) -> dic
 
 def _options(checkpoint: str, method: str, seq_len: int, micro_batch_size: int):
     from hfsplit.training.data import bundled_dataset_path
-    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.options import tiny_demo_options
 
-    return FinetuneOptions(model=checkpoint, method=method, seq_len=seq_len, micro_batch_size=micro_batch_size,
+    return tiny_demo_options(model=checkpoint, method=method, seq_len=seq_len, micro_batch_size=micro_batch_size,
                            micro_batches=1, max_steps=2, pp=1, tp=1, dtype="float32", warmup_steps=0,
                            activation_checkpointing=False, dataset=str(bundled_dataset_path("tiny_text.txt")),
                            dataset_format="text", output_dir=str(REPO_ROOT / "runs" / "bench_memory"))

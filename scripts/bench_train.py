@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY_RECIPE = ROOT / "hfsplit/training/bundled/tiny.yaml"  # the built-in demo's values, for tiny checkpoints
 
 
 def free_port() -> int:
@@ -43,7 +44,7 @@ def free_port() -> int:
 def run(model: Path, out: Path, *, ranks: int, steps: int, **options) -> dict:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-           str(free_port()), str(ROOT / "recipes/finetune.py"), "--model", str(model), "--output-dir", str(out),
+           str(free_port()), str(ROOT / "recipes/finetune.py"), "--config", str(TINY_RECIPE), "--model", str(model), "--output-dir", str(out),
            "--max-steps", str(steps), "--dtype", "float32", "--seq-len", "256", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)

@@ -118,11 +118,11 @@ def _hfsplit_run(job: dict, *, dtype: str) -> dict:
     from hfsplit.checkpoint import load_config
     from hfsplit.checkpoint.synthetic import TINY_TOKENIZER_DIR
     from hfsplit.training.data import MicroBatches, bundled_dataset_path
-    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.metrics import peak_memory_bytes
     from hfsplit.training.trainer import build_run, train_step
 
-    options = FinetuneOptions(model=job["checkpoint"], method=job["method"], activation_checkpointing=job["ckpt"],
+    options = tiny_demo_options(model=job["checkpoint"], method=job["method"], activation_checkpointing=job["ckpt"],
                               seq_len=job["seq_len"], micro_batch_size=job["micro_batch_size"],
                               micro_batches=job["micro_batches"], max_steps=job["steps"], dtype=dtype, pp=1, tp=1,
                               warmup_steps=0, tokenizer=str(TINY_TOKENIZER_DIR),  # the rows are replaced below

@@ -160,6 +160,23 @@ def test_plan_and_the_recipe_share_their_defaults(capsys):
     assert (spec.lora_r, spec.seq_len, spec.micro_batch_size) == (recipe.lora_r, recipe.seq_len, recipe.micro_batch_size)
 
 
+@pytest.mark.parametrize("flags", [[], ["--method", "full", "--seq-len", "512", "--micro-batch-size", "2",
+                                        "--schedule", "1F1B", "--chunked-loss"]])
+def test_plan_of_a_model_is_the_plan_the_recipe_makes_for_it(flags, capsys):
+    """`hfsplit plan M --max-memory B ...` and `recipes/finetune.py --model M --max-memory B ...` on GPUs plan the same
+    run: the same spec, split, schedule and micro-batches (the recipe then adds its probed speeds and link)."""
+    from hfsplit.training.options import parse_options, plan_arguments
+
+    model, budget = "Qwen/Qwen2.5-0.5B", "2x8GiB"
+    assert main(["plan", model, "--max-memory", budget, "--json", *flags]) == 0
+    planned = Plan.from_json(capsys.readouterr().out)
+    recipe = [{"--qlora": "--method=qlora"}.get(f, f) for f in flags]
+    options = parse_options(["--model", model, "--max-memory", budget, *recipe])
+    ran = make_plan(options.model, options.max_memory, **plan_arguments(options, world_size=2, gpu=True))
+    assert planned == ran
+    assert planned.spec.dtype == "bfloat16" and planned.spec.reserve_bytes > 0  # planned for GPUs
+
+
 @pytest.mark.parametrize("argv, message", [
     (["plan", "Qwen/Qwen2.5-0.5B"], "needs MODEL and --max-memory, or --config"),
     (["plan", "--config", "missing.yaml"], "--config missing.yaml: file not found"),

@@ -67,7 +67,7 @@ def test_expert_lora_targets_refused_where_ambiguous_or_merged(tiny_checkpoint):
     refused naming it; --merge with expert adapters is refused before any weight is read."""
     from hfsplit.errors import HfsplitError
     from hfsplit.training.lora import lora_config
-    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.trainer import lora_of_run
 
     mixed = tiny_config("qwen3_moe")
@@ -75,7 +75,7 @@ def test_expert_lora_targets_refused_where_ambiguous_or_merged(tiny_checkpoint):
     with pytest.raises(HfsplitError, match=r"down_proj name both a dense layer's linear and the fused experts"):
         lora_config(r=8, alpha=16, dropout=0.0, targets=["q_proj", "down_proj"], model_config=mixed)
     path = str(tiny_checkpoint("mixtral"))
-    options = FinetuneOptions(model=path, method="lora", lora_targets=["q_proj", "gate_up_proj"], merge=True)
+    options = tiny_demo_options(model=path, method="lora", lora_targets=["q_proj", "gate_up_proj"], merge=True)
     with pytest.raises(HfsplitError, match=r"LoRA on fused experts \(mlp.experts.gate_up_proj\) .* drop --merge"):
         lora_of_run(options, model_path=path)
 

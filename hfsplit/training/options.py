@@ -1,121 +1,122 @@
-"""Fine-tuning options: one dataclass, settable from a YAML recipe and overridden by flags."""
+"""Fine-tuning options, declared once: each field's type, choices, default and help live on the field.
+
+`recipes/finetune.py`, `python -m hfsplit.finetune`, a YAML recipe (`--config`) and `hfsplit plan` all read
+these fields; the defaults are those of a real model (LoRA r=16, seq 2048, micro-batch 1), and the built-in
+tiny demo's own values live in its bundled recipe (`bundled/tiny.yaml`), which applies when no model is given.
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence, Union
+
+import torch
+import yaml
 
 from ..errors import HfsplitError
+from ..plan import TrainingSpec
+
+GROUPS = ("model", "data", "method", "parallelism", "optimisation", "checkpoints", "faults")
+TINY_RECIPE = Path(__file__).parent / "bundled" / "tiny.yaml"
+
+
+def option(default, group: str, help: str, **metadata):
+    """A FinetuneOptions field: its default, the `--help` group it is listed under and its help text."""
+    assert group in GROUPS, group
+    return field(default=default, metadata={"group": group, "help": help, **metadata})
 
 
 @dataclass
 class FinetuneOptions:
-    """Everything `recipes/finetune.py` can be told. Each field is also a `--flag`.
+    """Everything a fine-tuning run can be told. Each field is also a `--flag` and a key of a YAML recipe;
+    flags override the recipe. See each field's help (`recipes/finetune.py --help`)."""
 
-    Args:
-        model: hub name or local folder; None writes and uses the built-in tiny model.
-        max_memory: per-rank budget ("2x8GiB"); None gives each rank an equal share of free host memory
-            (CPU) or each GPU's free memory.
-        dataset: local file (json/jsonl/csv/parquet/txt) or hub name; None uses the bundled tiny alpaca set.
-        dataset_format: text | instruction | chat; None detects it from the columns.
-        tokenizer: tokenizer name or folder; None uses the model's own, else hfsplit's tiny tokenizer.
-        method: full | lora | qlora (LoRA on a bitsandbytes-quantized base; the built-in default is full fine-tuning: a random-init tiny model has nothing for adapters to adapt).
-        lora_r, lora_alpha, lora_dropout: LoRA hyper-parameters.
-        lora_targets: module names LoRA wraps; None wraps every attention and MLP projection.
-        seq_len: tokens per sequence.
-        micro_batch_size: sequences per micro-batch.
-        micro_batches: micro-batches per optimizer step (gradient accumulation).
-        global_batch: sequences per optimizer step over all replicas, instead of micro-batch size × micro-batches ×
-            replicas; under --schedule auto the planner also chooses how to cut it (a micro-batch size up to
-            --micro-batch-size × a count) by its time model, and the run trains on that cut.
-        schedule: auto (the planner picks by its calibrated time model) | 1F1B | GPipe | Interleaved1F1B |
-            ZBVZeroBubble | DualPipeV.
-        activation_checkpointing: recompute block activations in backward.
-        dtype: bfloat16 (mixed precision on GPU) or float32 (default on CPU).
-        tp, pp: force tensor-parallel degree / pipeline depth instead of letting the planner choose.
-        learning_rate, warmup_steps, weight_decay, max_grad_norm: optimisation.
-        max_steps: optimizer steps; epochs sets it from the dataset size when given instead.
-        seed: seeds weights of new adapters, data order and dropout.
-        eval_every: evaluate on held-out rows every N steps (unset: never).
-        output_dir: where metrics, checkpoints and the final model go.
-        save_every: save a checkpoint every N steps (unset: only at the end).
-        save_total_limit: keep only the newest K checkpoints (0: keep all).
-        merge: LoRA runs also write `merged/`, the base model with the adapters folded in (a plain HF model folder).
-        resume: "latest" (the newest checkpoint-N in output_dir; a bare `--resume`) or a checkpoint folder: restores weights,
-            optimizer, scheduler, RNG and data position on every rank; under another split (budget,
-            rank count, pp/tp) the weights and optimizer state are resharded to it. "auto": the latest checkpoint
-            if there is one, keeping its global batch (what a torchrun restart does by itself; see training/elastic.py).
-        on_nonfinite: skip (drop the step, log it, go on) | stop (end the run with an error naming the step)
-            when the loss or the gradient norm is not finite.
-        peer_timeout: seconds a rank waits for a peer before it gives up with an error (a dead or hung rank).
-        bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: `--method qlora`'s `BitsAndBytesConfig`
-            knobs under its own names (NF4 + double quantization by default; compute dtype is --dtype).
-        chunked_loss: the last stage runs lm_head and the loss a chunk of tokens at a time (never a whole
-            micro-batch's logits); the same loss and gradients.
-        quantize_experts: `--method qlora` on an MoE quantizes its fused experts to 4 bits too (on by default).
-    """
-
-    model: Optional[str] = None
-    max_memory: Optional[str] = None
-    dataset: Optional[str] = None
-    dataset_format: Optional[str] = None
-    tokenizer: Optional[str] = None
-    method: str = "full"
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_targets: Optional[list[str]] = None
-    seq_len: int = 128
-    micro_batch_size: int = 2
-    micro_batches: int = 4
-    global_batch: Optional[int] = None
-    schedule: str = "auto"
-    activation_checkpointing: bool = False
-    dtype: Optional[str] = None
-    tp: Optional[int] = None
-    pp: Optional[int] = None
-    learning_rate: float = 2e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    max_steps: int = 200
-    epochs: Optional[int] = None
-    seed: int = 0
-    eval_every: Optional[int] = None
-    output_dir: str = "runs/tiny"
-    save_every: Optional[int] = None
-    save_total_limit: int = 0
-    merge: bool = False
-    resume: Optional[str] = None
-    on_nonfinite: str = "skip"
-    peer_timeout: float = 600.0
-    bnb_4bit_quant_type: str = "nf4"
-    bnb_4bit_use_double_quant: bool = True
-    load_in_8bit: bool = False
-    chunked_loss: bool = False
-    quantize_experts: bool = field(default=True, metadata={
-        "help": "QLoRA on an MoE: its fused experts in 4 bits too, each expert quantized as it is read (off: kept in "
-                "--dtype, as transformers + bitsandbytes do)", "group": "method"})
-    config: Optional[str] = field(default=None, metadata={"help": "YAML recipe file; flags override it"})
+    model: Optional[str] = option(
+        None, "model", "hub name (org/name) or local folder; unset: the built-in tiny demo (a tiny Llama written "
+        "locally, the bundled alpaca data, two CPU ranks; its own values from hfsplit/training/bundled/tiny.yaml)")
+    config: Optional[str] = option(None, "model", "a YAML recipe whose keys are these options; flags override it")
+    tokenizer: Optional[str] = option(None, "model", "tokenizer name or folder; unset: the model's own")
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = option(
+        None, "model", "weights and activations; unset: bfloat16 on GPUs, float32 on CPU ranks (full fine-tuning "
+        "in 16 bits keeps fp32 master weights and computes under autocast)")
+    dataset: Optional[str] = option(
+        None, "data", "local json/jsonl/csv/parquet/txt file or folder, or a hub dataset name; "
+        "unset: the bundled tiny alpaca set")
+    dataset_format: Optional[Literal["text", "instruction", "chat"]] = option(
+        None, "data", "text (packed blocks), instruction (alpaca; loss on the response) or chat (`messages` through "
+        "the chat template; loss on assistant turns); unset: detected from the columns")
+    seq_len: int = option(2048, "data", "tokens per sequence")
+    eval_every: Optional[int] = option(None, "data", "evaluate on held-out rows (5%%) every N steps; unset: never")
+    method: Literal["lora", "qlora", "full"] = option(
+        "lora", "method", "lora (frozen base + adapters), qlora (LoRA on a bitsandbytes 4-bit or 8-bit base) or full")
+    lora_r: int = option(16, "method", "LoRA rank")
+    lora_alpha: int = option(32, "method", "LoRA alpha (the adapters' scale is alpha / r)")
+    lora_dropout: float = option(0.05, "method", "dropout on the adapters' inputs")
+    lora_targets: Optional[list[str]] = option(
+        None, "method", "comma-separated module (or expert parameter) names LoRA wraps; "
+        "unset: every attention and MLP projection")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = option("nf4", "method", "QLoRA: the 4-bit data type")
+    bnb_4bit_use_double_quant: bool = option(True, "method", "QLoRA: quantize the quantization constants too")
+    load_in_8bit: bool = option(False, "method", "QLoRA on an 8-bit base (LLM.int8) instead of 4-bit")
+    quantize_experts: bool = option(
+        True, "method", "QLoRA on an MoE: its fused experts in 4 bits too, each expert quantized as it is read "
+        "(off: kept in --dtype, as transformers + bitsandbytes do)")
+    merge: bool = option(False, "method", "LoRA: also write merged/, the base model with the adapters folded in")
+    max_memory: Optional[str] = option(
+        None, "parallelism", 'per-rank budget: "2x24GiB", "24GiB,12GiB"; unset: what each rank\'s device has free')
+    tp: Optional[int] = option(None, "parallelism", "force the tensor-parallel degree; unset: the planner's choice")
+    pp: Optional[int] = option(None, "parallelism", "force the pipeline depth; unset: the planner's choice")
+    schedule: Literal["auto", "1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV",
+                      "InterleavedZeroBubble", "LoopedBFS"] = option(
+        "auto", "parallelism", "pipeline schedule; auto: the fastest by the planner's calibrated time model")
+    micro_batch_size: int = option(1, "parallelism", "sequences per micro-batch")
+    micro_batches: Optional[int] = option(
+        None, "parallelism", "micro-batches per optimizer step (gradient accumulation); unset: 4 x pipeline depth")
+    global_batch: Optional[int] = option(
+        None, "parallelism", "sequences per optimizer step over all replicas, instead of --micro-batches; under "
+        "--schedule auto the planner also chooses the micro-batch size (up to --micro-batch-size) and count")
+    activation_checkpointing: Union[bool, Literal["auto"]] = option(
+        "auto", "parallelism", "recompute block activations in backward: on, off, or auto (on only where needed to fit)")
+    chunked_loss: bool = option(
+        False, "parallelism", "the last stage runs lm_head and the loss a chunk of tokens at a time (never a whole "
+        "micro-batch's logits): the same loss and gradients in less memory")
+    learning_rate: float = option(2e-4, "optimisation", "peak learning rate (AdamW; cosine decay after warm-up)")
+    warmup_steps: int = option(10, "optimisation", "linear warm-up steps")
+    weight_decay: float = option(0.0, "optimisation", "AdamW weight decay")
+    max_grad_norm: float = option(1.0, "optimisation", "clip gradients to this global norm")
+    max_steps: Optional[int] = option(None, "optimisation", "optimizer steps; unset: --epochs passes over the data")
+    epochs: Optional[int] = option(None, "optimisation", "passes over the data when --max-steps is unset; unset: 1")
+    seed: int = option(0, "optimisation", "seeds new adapters, data order and dropout")
+    output_dir: Optional[str] = option(
+        None, "checkpoints", "metrics, checkpoints and the final model go here; unset: runs/<model name>")
+    save_every: Optional[int] = option(None, "checkpoints", "save a checkpoint every N steps; unset: only at the end")
+    save_total_limit: int = option(0, "checkpoints", "keep only the newest K checkpoints; 0 keeps all")
+    resume: Optional[str] = option(
+        None, "checkpoints", "a checkpoint folder, or latest (a bare --resume): weights, optimizer, scheduler, RNG and "
+        "data position, resharded to this run's split; auto: the latest if there is one (what a torchrun restart "
+        "does by itself)", const="latest")
+    on_nonfinite: Literal["skip", "stop"] = option(
+        "skip", "faults", "a non-finite loss or gradient norm: skip (drop the step, log it) or stop (exit 3)")
+    peer_timeout: float = option(600.0, "faults", "seconds a rank waits for a silent peer before it gives up")
 
     def validate(self) -> None:
-        if self.method not in ("lora", "qlora", "full"):
-            raise HfsplitError(f"--method {self.method!r}: choose lora, qlora or full")
+        check_choices(self)
         check_qlora_options(self)
         for f in dataclasses.fields(self):  # a string is truthy: "off" would silently turn a switch on
-            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
-                raise HfsplitError(f"--{_flag(f.name)} is on or off (True or False in Python); "
-                                   f"got {getattr(self, f.name)!r}")
-        if self.on_nonfinite not in ("skip", "stop"):
-            raise HfsplitError(f"--on-nonfinite {self.on_nonfinite!r}: choose skip or stop")
+            if bool in _types_of(f) and not isinstance(getattr(self, f.name), bool) and \
+                    getattr(self, f.name) not in _choices_of(f):
+                allowed = " or ".join(repr(c) for c in _choices_of(f))
+                raise HfsplitError(f"--{_flag(f.name)} is on or off (True or False in Python)"
+                                   f"{' or ' + allowed if allowed else ''}; got {getattr(self, f.name)!r}")
         if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
         if self.peer_timeout <= 0:
             raise HfsplitError(f"--peer-timeout must be a positive number of seconds (got {self.peer_timeout})")
-        for name in ("seq_len", "micro_batch_size", "micro_batches", "max_steps", "lora_r"):
+        for name in ("seq_len", "micro_batch_size", "lora_r"):
             if getattr(self, name) < 1:
                 raise HfsplitError(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)})")
         for name in ("warmup_steps", "weight_decay", "max_grad_norm", "lora_alpha", "save_total_limit", "seed"):
@@ -123,13 +124,46 @@ class FinetuneOptions:
         _check_number(self, "learning_rate", low=0, above=True)
         _check_number(self, "lora_dropout", low=0, high=1)
         # unset: off (or the planner's choice)
-        for name in ("eval_every", "save_every", "epochs", "tp", "pp", "global_batch"):
+        for name in ("eval_every", "save_every", "epochs", "tp", "pp", "global_batch", "max_steps", "micro_batches"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise HfsplitError(f"--{_flag(name)} must be at least 1, or left out (got {getattr(self, name)})")
+
+    def __post_init__(self):
+        if self.output_dir is None:  # runs/<the model's folder or hub name>
+            self.output_dir = f"runs/{Path(self.model).name}" if self.model else "runs/tiny"
 
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def _field_types() -> dict:
+    return typing.get_type_hints(FinetuneOptions)
+
+
+def _types_of(f) -> tuple:
+    """The plain types a field takes (Optional/Union unwrapped; a Literal's values are choices, not types)."""
+    hint = _field_types()[f.name]
+    args = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
+    return tuple(typing.get_origin(a) or a for a in args if a is not type(None) and typing.get_origin(a) is not Literal)
+
+
+def _choices_of(f) -> tuple:
+    """The values a field's Literal allows (empty when it has none)."""
+    hint = _field_types()[f.name]
+    args = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
+    return tuple(v for a in args if typing.get_origin(a) is Literal for v in typing.get_args(a))
+
+
+def check_choices(options) -> None:
+    """One line naming the option whose value is none of its choices."""
+    for f in dataclasses.fields(options):
+        choices, value = _choices_of(f), getattr(options, f.name)
+        if bool in _types_of(f):  # a switch: `validate` names it as one
+            continue
+        if choices and value is not None and value not in choices:
+            raise HfsplitError(f"--{_flag(f.name)} {value!r}: choose {', '.join(map(str, choices[:-1]))} "
+                               f"or {choices[-1]}")
 
 
 def _check_number(options, name: str, *, low: float, high: float = math.inf, above: bool = False) -> None:
@@ -145,30 +179,29 @@ def _check_number(options, name: str, *, low: float, high: float = math.inf, abo
     raise HfsplitError(f"--{_flag(name)} must be a finite number {bound} (got {value})")
 
 
-def training_spec(options: FinetuneOptions):
-    """The one options → TrainingSpec function: what a step of this recipe does, for the planner."""
-    import torch
-
-    from ..plan import TrainingSpec
-
-    dtype = options.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
+    """The one options → TrainingSpec function: what a step of this recipe does, for the planner, on GPUs or
+    on CPU ranks (`gpu`; None: whatever this machine has)."""
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    dtype = options.dtype or ("bfloat16" if gpu else "float32")
     # CPU ranks: no reserve; GPUs: None, measured per device by the planner (hfsplit/reserve.py).
     return TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
                         dtype=dtype, lora_r=options.lora_r,
                         lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
-                        activation_checkpointing=options.activation_checkpointing,
-                        reserve_bytes=None if torch.cuda.is_available() else 0,
+                        activation_checkpointing=options.activation_checkpointing is True,
+                        reserve_bytes=None if gpu else 0,
                         bnb_4bit_quant_type=options.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
                         chunked_loss=options.chunked_loss, quantize_experts=options.quantize_experts)
 
 
-def plan_arguments(options: FinetuneOptions, *, world_size: int) -> dict:
+def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[bool] = None) -> dict:
     """Keyword arguments of `make_plan` (besides model and budget) for the run `options` describe on
-    `world_size` ranks: the trainer and `hfsplit plan --config` both plan with exactly these."""
+    `world_size` ranks (on GPUs or CPU ranks: `training_spec`): the trainer and `hfsplit plan` both plan with
+    exactly these."""
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world_size if options.model is None and options.tp is None else None)
-    return dict(spec=training_spec(options), **batch_arguments(options), schedule=options.schedule,
+    return dict(spec=training_spec(options, gpu=gpu), **batch_arguments(options), schedule=options.schedule,
                 tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing)
 
 
@@ -197,67 +230,99 @@ def check_qlora_options(options: FinetuneOptions) -> None:
                            "drop --tp (QLoRA splits over pipeline stages and data parallelism)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Pipelined fine-tuning of a split Hugging Face model")
-    for f in dataclasses.fields(FinetuneOptions):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool",):
-            parser.add_argument(flag, type=_bool, nargs="?", const=True, default=None)  # --merge or --merge off
-        elif f.name == "resume":  # a bare --resume means the latest checkpoint
-            parser.add_argument(flag, type=str, nargs="?", const="latest", default=None)
-        elif f.name == "lora_targets":
-            parser.add_argument(flag, type=lambda s: [t.strip() for t in s.split(",") if t.strip()], default=None)
-        else:
-            parser.add_argument(flag, type=_type_of(f), default=None)
-    return parser
+def add_option_arguments(parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None) -> None:
+    """Add a `--flag` per FinetuneOptions field (those in `names`, default all) to `parser`, listed by group,
+    each with its help, choices and default. Defaults stay None in the namespace, so only given flags override
+    a recipe (`options_from`)."""
+    wanted = [f for f in dataclasses.fields(FinetuneOptions) if names is None or f.name in names]
+    for group in GROUPS:
+        fields_ = [f for f in wanted if f.metadata["group"] == group]
+        if fields_:
+            section = parser.add_argument_group(f"{group} options")
+            for f in fields_:
+                section.add_argument("--" + _flag(f.name), dest=f.name, default=None, **_argument_of(f))
 
 
-def _type_of(f):
-    text = str(f.type)
-    if "int" in text:
-        return int
-    if "float" in text:
-        return float
-    return str
+def _argument_of(f) -> dict:
+    """argparse keywords of one field: how its text converts, its choices, and help ending in its default."""
+    types, choices = _types_of(f), _choices_of(f)
+    shown = "unset" if f.default is None else "on" if f.default is True else "off" if f.default is False else f.default
+    text = f.metadata["help"] if f.default is None and "unset:" in f.metadata["help"] else \
+        f"{f.metadata['help']} (default: {shown})"
+    if bool in types:  # --merge, --merge off; tri-state switches also take their choices (auto)
+        return dict(type=_switch(choices), nargs="?", const=True, metavar="on|off" + "".join(f"|{c}" for c in choices),
+                    help=text)
+    if "const" in f.metadata:  # a bare --resume means the latest checkpoint
+        return dict(type=str, nargs="?", const=f.metadata["const"], help=text)
+    if list in types:
+        return dict(type=lambda s: [t.strip() for t in s.split(",") if t.strip()], metavar="A,B", help=text)
+    convert = int if int in types else float if float in types else str
+    return dict(type=convert, help=text, **({"metavar": "|".join(map(str, choices))} if choices else {}))
+
+
+def _switch(choices: tuple):
+    def convert(text: str):
+        if text.lower() in ("1", "true", "on", "yes"):
+            return True
+        if text.lower() in ("0", "false", "off", "no"):
+            return False
+        if text in choices:
+            return text
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'/'.join(('on', 'off') + choices)}")
+    return convert
 
 
 def _from_yaml(name: str, value):
     """A recipe value as its field's type: YAML 1.1 reads `1e-4` (no dot) as a string."""
     field_ = next(f for f in dataclasses.fields(FinetuneOptions) if f.name == name)
-    convert = _type_of(field_)
-    if isinstance(value, str) and convert in (int, float):
+    types = _types_of(field_)
+    if isinstance(value, str) and (int in types or float in types) and value not in _choices_of(field_):
         try:
-            return convert(value)
+            return (int if int in types else float)(value)
         except ValueError:
             raise HfsplitError(f"{name}: {value!r} is not a number") from None
     return value
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "on", "yes"):
-        return True
-    if text.lower() in ("0", "false", "off", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not on/off")
+def recipe_values(path: Path) -> dict:
+    """A YAML recipe's options by field name, each unknown key refused by name."""
+    if not path.is_file():
+        raise HfsplitError(f"--config {path}: file not found")
+    loaded = yaml.safe_load(path.read_text()) or {}
+    known = {f.name for f in dataclasses.fields(FinetuneOptions)}
+    unknown = sorted(set(k.replace("-", "_") for k in loaded) - known)
+    if unknown:
+        raise HfsplitError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return {k.replace("-", "_"): _from_yaml(k.replace("-", "_"), v) for k, v in loaded.items()}
 
 
-def parse_options(argv: Optional[Sequence[str]] = None) -> FinetuneOptions:
-    """Options from a YAML recipe (`--config`) overridden by command-line flags."""
-    import yaml
-
-    args = {k: v for k, v in vars(_parser().parse_args(argv)).items() if v is not None}
-    values: dict = {}
-    if "config" in args:
-        path = Path(args["config"])
-        if not path.is_file():
-            raise HfsplitError(f"--config {path}: file not found")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        known = {f.name for f in dataclasses.fields(FinetuneOptions)}
-        unknown = sorted(set(k.replace("-", "_") for k in loaded) - known)
-        if unknown:
-            raise HfsplitError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        values.update({k.replace("-", "_"): _from_yaml(k.replace("-", "_"), v) for k, v in loaded.items()})
-    values.update(args)
+def options_from(given: dict) -> FinetuneOptions:
+    """The options of a run: the defaults, under the built-in tiny demo's recipe when no model is named, under
+    the `config` recipe, under the `given` values (flags); validated."""
+    given = {k: v for k, v in given.items() if v is not None}
+    recipe = recipe_values(Path(given["config"])) if "config" in given else {}
+    values = {**recipe, **given}
+    if values.get("model") is None:
+        values = {**recipe_values(TINY_RECIPE), **values}
     options = FinetuneOptions(**values)
     options.validate()
     return options
+
+
+def tiny_demo_options(**overrides) -> FinetuneOptions:
+    """The built-in tiny demo's options (its bundled recipe), with `overrides` on top: what tests and benches on
+    tiny checkpoints start from."""
+    return FinetuneOptions(**{**recipe_values(TINY_RECIPE), **overrides})
+
+
+def options_parser(**kwargs) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(**kwargs)
+    add_option_arguments(parser)
+    return parser
+
+
+def parse_options(argv: Optional[Sequence[str]] = None) -> FinetuneOptions:
+    """Options from the command line (and the YAML recipe it names with `--config`); flags win."""
+    parser = options_parser(prog="finetune", description="Fine-tune a Hugging Face causal LM split across the "
+                            "launched ranks (accelerate launch / torchrun; one process without a launcher).")
+    return options_from(vars(parser.parse_args(argv)))

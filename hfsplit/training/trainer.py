@@ -430,14 +430,14 @@ def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
 
 
 def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -> int:
-    """Optimizer steps: `max_steps`, or `epochs` passes over the rows when given."""
-    if not options.epochs:
+    """Optimizer steps: `epochs` passes over the rows when given, else `max_steps`, else one epoch."""
+    if options.epochs is None and options.max_steps is not None:
         return options.max_steps
     per_epoch = rows // rows_per_step
     if per_epoch < 1:
         raise HfsplitError(f"the dataset has {rows} rows, fewer than one step needs ({rows_per_step}); "
                            "lower --micro-batches or --micro-batch-size, or add data")
-    return options.epochs * per_epoch
+    return (options.epochs or 1) * per_epoch
 
 
 def split_eval_rows(rows, options: FinetuneOptions):

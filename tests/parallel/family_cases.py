@@ -54,10 +54,10 @@ def train_split(checkpoint: str, split: dict, *, method: str, options: dict, pro
     model; nothing without `out_dir`)."""
     from hfsplit.checkpoint import load_config
     from hfsplit.parallel.launch import split_from_pretrained
-    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.options import tiny_demo_options
 
     started = time.perf_counter()
-    opts = FinetuneOptions(**options[method], model=checkpoint, method=method)
+    opts = tiny_demo_options(**options[method], model=checkpoint, method=method)
     config = load_config(checkpoint)
     plan = hand_plan(config, **split, micro_batches=opts.micro_batches, method=method, seq_len=opts.seq_len)
     run = _run(opts, split_from_pretrained(checkpoint, plan=plan, dtype=torch.float32,

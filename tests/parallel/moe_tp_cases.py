@@ -47,12 +47,12 @@ def resume_under_another_split(*, checkpoint: str, split: dict, other: dict, opt
     from hfsplit.checkpoint import load_config
     from hfsplit.parallel.launch import split_from_pretrained
     from hfsplit.parallel.tensor import full_tensor
-    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.resume import checkpoint_names, read_trainer_state, write_trainer_state
     from tests.parallel.cases import hand_plan
     from tests.parallel.family_cases import _run, _step
 
-    opts = FinetuneOptions(**options, model=checkpoint, method="full")
+    opts = tiny_demo_options(**options, model=checkpoint, method="full")
     runs = []
     for layout in (split, other):
         plan = hand_plan(load_config(checkpoint), **layout, micro_batches=opts.micro_batches, seq_len=opts.seq_len)

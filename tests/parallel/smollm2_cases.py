@@ -12,10 +12,10 @@ def smollm2_pp2_generates_and_learns(*, checkpoint: str, out: str, steps: int) -
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hfsplit.training.data import bundled_dataset_path
-    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.trainer import build_run, eval_loss, train_step
 
-    options = FinetuneOptions(model=checkpoint, dataset=str(bundled_dataset_path("tiny_chat.jsonl")),
+    options = tiny_demo_options(model=checkpoint, dataset=str(bundled_dataset_path("tiny_chat.jsonl")),
                               dataset_format="chat", method="lora", seq_len=64, micro_batch_size=2, micro_batches=2,
                               pp=2, dtype="float32", learning_rate=3e-3, warmup_steps=0, max_steps=steps,
                               eval_every=steps, output_dir=out)
@@ -45,10 +45,10 @@ def smollm2_step_memory_against_plan(*, checkpoint: str, out: str, method: str, 
     tensors alive during the step as counted by costs' dispatch-mode counter) against the plan's stage total."""
     from hfsplit.costs import _LiveBytes
     from hfsplit.training.data import bundled_dataset_path
-    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.trainer import build_run, train_step
 
-    options = FinetuneOptions(model=checkpoint, method=method, seq_len=seq_len, micro_batch_size=micro_batch_size,
+    options = tiny_demo_options(model=checkpoint, method=method, seq_len=seq_len, micro_batch_size=micro_batch_size,
                               micro_batches=micro_batches, max_steps=2, pp=1, tp=1, dtype="float32", warmup_steps=0,
                               dataset=str(bundled_dataset_path("tiny_text.txt")), dataset_format="text",
                               output_dir=out)

@@ -90,7 +90,7 @@ PROBE = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1
 def reference():
     """`reference(checkpoint, method)` → (per-step losses, probe logits after training) of the unsplit model
     trained by plain transformers (+ peft) on the same micro-batches; made once per checkpoint and method."""
-    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.options import tiny_demo_options
     from tests.training.test_trainer import reference_training
 
     made = {}
@@ -98,7 +98,7 @@ def reference():
     def get(checkpoint: str, method: str, options: dict):
         key = (checkpoint, method, tuple(sorted(options.items())))
         if key not in made:
-            losses, model = reference_training(FinetuneOptions(model=checkpoint, method=method, **options))
+            losses, model = reference_training(tiny_demo_options(model=checkpoint, method=method, **options))
             with torch.no_grad():
                 made[key] = losses, model(input_ids=PROBE).logits
         return made[key]

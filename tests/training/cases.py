@@ -3,10 +3,10 @@
 
 def finetune_losses(runs: list[dict]) -> list[list[float]]:
     """Train each run's options in turn on this rank; the per-step losses of each."""
-    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.trainer import train
 
-    return [train(FinetuneOptions(**options), progress=False).losses for options in runs]
+    return [train(tiny_demo_options(**options), progress=False).losses for options in runs]
 
 
 def crash_mid_save(*, checkpoint: str, out: str) -> dict:

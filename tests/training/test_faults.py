@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hfsplit.training.options import TINY_RECIPE
 from hfsplit.training.resume import complete_checkpoints, latest_checkpoint
 from tests.parallel.launcher import ROOT, free_port, kill_tree, launch
 from tests.training.test_trainer import run_options
@@ -42,7 +43,7 @@ def test_a_rank_killed_or_hung_mid_run_ends_the_others_with_a_clear_error_and_th
         tiny_checkpoint, tmp_path, fault):
     out = tmp_path / "run"
     timeout = 15
-    argv = ["--model", str(tiny_checkpoint("llama")), "--pp", "2", "--max-memory", "2x1GiB", "--seq-len", "64",
+    argv = ["--config", str(TINY_RECIPE), "--model", str(tiny_checkpoint("llama")), "--pp", "2", "--max-memory", "2x1GiB", "--seq-len", "64",
             "--max-steps", "1000", "--save-every", "3", "--save-total-limit", "2", "--peer-timeout", str(timeout),
             "--dtype", "float32", "--output-dir", str(out)]
     procs = start_recipe_ranks(argv, world_size=2, logs=tmp_path)

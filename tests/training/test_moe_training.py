@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfsplit.training.options import FinetuneOptions
+from hfsplit.training.options import FinetuneOptions, tiny_demo_options
 from tests.parallel.launcher import launch
 from tests.training.test_trainer import reference_training, run_options, saved_model
 
@@ -41,10 +41,10 @@ def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(t
     assert all(r == results[0] for r in results)  # every rank reports the global loss
     trained = {}
     for run, split_losses in zip((full, lora, mixed), results[0]):
-        expected, trained[run["output_dir"]] = reference_training(FinetuneOptions(**run), replicas=2)
+        expected, trained[run["output_dir"]] = reference_training(tiny_demo_options(**run), replicas=2)
         assert split_losses == pytest.approx(expected, rel=1e-5), run["model"]
     # LoRA on the fused experts: the adapter folder loads with plain peft, experts adapted, the trained logits
-    loaded = saved_model(Path(lora["output_dir"]), FinetuneOptions(**lora))
+    loaded = saved_model(Path(lora["output_dir"]), tiny_demo_options(**lora))
     assert [n for n, _ in loaded.named_parameters() if "experts" in n and ".lora_B." in n]
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -68,7 +68,7 @@ def qlora_moe_runs(runs: list[dict], probe: torch.Tensor, ids: torch.Tensor) -> 
 
     out = []
     for options in runs:
-        run = build_run(FinetuneOptions(**options), progress=False)
+        run = build_run(tiny_demo_options(**options), progress=False)
         model = run.model
         model.step(ids, ids, run.loss_fn)
         grads = {n: p.grad.clone() for s in model.stages for n, p in s.named_parameters() if p.grad is not None}
@@ -140,7 +140,7 @@ def check_4bit_expert_run(run: dict, results: list[dict], *, replicas: int, prob
     trained logits, the adapter folder in plain peft on that base; and each rank's memory within ±15% of the plan."""
     from peft import PeftModel
 
-    options = FinetuneOptions(**run)
+    options = tiny_demo_options(**run)
     base, packed = dequantized_expert_base(options)
     split = {n: b for r in results for n, b in r["packed"].items()}
     assert sorted(split) == sorted(packed) and all(torch.equal(split[n], packed[n]) for n in packed)

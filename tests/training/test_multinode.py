@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hfsplit.training.options import TINY_RECIPE
 from tests.parallel.launcher import free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ TIMEOUT_S = 300.0
 
 
 def finetune_args(model: Path, out: Path) -> list[str]:
-    return [str(ROOT / "recipes/finetune.py"), "--model", str(model), "--pp", "2", "--max-memory", "2x1GiB",
+    return [str(ROOT / "recipes/finetune.py"), "--config", str(TINY_RECIPE), "--model", str(model), "--pp", "2", "--max-memory", "2x1GiB",
             "--max-steps", "6", "--seq-len", "64", "--micro-batch-size", "2", "--micro-batches", "4",
             "--dtype", "float32", "--output-dir", str(out)]
 

@@ -2,7 +2,7 @@
 import pytest
 
 from hfsplit.errors import HfsplitError
-from hfsplit.training.options import FinetuneOptions, parse_options
+from hfsplit.training.options import FinetuneOptions, parse_options, tiny_demo_options
 
 
 def test_flags_override_the_yaml_recipe(tmp_path):
@@ -18,7 +18,7 @@ def test_bare_flags_mean_the_obvious():
     assert parse_options(["--resume", "runs/x/checkpoint-6"]).resume == "runs/x/checkpoint-6"
     assert parse_options(["--method", "lora", "--merge"]).merge is True
     assert parse_options(["--method", "lora", "--merge", "off"]).merge is False
-    assert parse_options([]) == FinetuneOptions()  # no flags: the built-in default
+    assert parse_options([]) == tiny_demo_options()  # no flags: the built-in default
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -50,7 +50,6 @@ def test_an_unknown_yaml_key_is_named(tmp_path):
 
 
 def test_a_switch_given_as_a_string_in_python_is_refused_not_taken_as_on(tmp_path):
-    from hfsplit.training.options import FinetuneOptions
 
     with pytest.raises(HfsplitError, match=r"--activation-checkpointing is on or off .* got 'off'"):
         FinetuneOptions(activation_checkpointing="off").validate()
@@ -96,3 +95,47 @@ def test_a_global_batch_is_cut_by_the_planner_under_auto_and_kept_whole_otherwis
     assert (auto["micro_batches"], auto["global_batch"]) == ("auto", 16)
     assert (fixed["micro_batches"], fixed["global_batch"]) == (None, 16)
     assert count["micro_batches"] == 6 and "global_batch" not in count
+
+
+def _option_actions(parser):
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def test_every_option_of_the_recipe_and_of_hfsplit_plan_has_help_with_its_default():
+    import argparse
+
+    from hfsplit.cli import plan_parser
+    from hfsplit.training.options import GROUPS, options_parser
+
+    plan = plan_parser(argparse.ArgumentParser().add_subparsers())
+    for parser in (options_parser(), plan):
+        actions = _option_actions(parser)
+        assert len(actions) >= 39
+        bare = [a.option_strings[0] for a in actions if not a.help or not ("(default: " in a.help or "unset:" in a.help
+                                                                            or a.const is not None)]
+        assert not bare, f"options without help or default: {bare}"
+        titles = [g.title for g in parser._action_groups]
+        assert [t for t in titles if t.endswith(" options") and t.split()[0] in GROUPS] == \
+            [f"{g} options" for g in GROUPS]  # grouped, in the data flow's order
+    assert {a.dest for a in _option_actions(options_parser())} <= {a.dest for a in _option_actions(plan)}
+
+
+def test_the_schedule_choices_are_the_schedule_table():
+    import dataclasses
+
+    from hfsplit.schedules import TABLE
+    from hfsplit.training.options import _choices_of
+
+    schedule = next(f for f in dataclasses.fields(FinetuneOptions) if f.name == "schedule")
+    assert set(_choices_of(schedule)) == {"auto", *TABLE}
+
+
+def test_one_set_of_defaults_for_real_models_and_the_tiny_demo_keeps_its_own():
+    real = parse_options(["--model", "Qwen/Qwen2.5-0.5B"])
+    assert (real.method, real.seq_len, real.micro_batch_size, real.lora_r, real.activation_checkpointing) == \
+        ("lora", 2048, 1, 16, "auto")
+    assert real == FinetuneOptions(model="Qwen/Qwen2.5-0.5B") and real.output_dir == "runs/Qwen2.5-0.5B"
+    demo = parse_options([])
+    assert (demo.method, demo.seq_len, demo.micro_batch_size, demo.max_steps, demo.output_dir) == \
+        ("full", 128, 2, 200, "runs/tiny")
+    assert parse_options(["--seq-len", "64"]).seq_len == 64  # flags still win over the demo's recipe

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfsplit.training.options import FinetuneOptions
+from hfsplit.training.options import FinetuneOptions, tiny_demo_options
 from tests.parallel.launcher import launch
 from tests.training.test_trainer import STEPS, assert_recipe_refuses, reference_training, run_options
 
@@ -38,7 +38,7 @@ def train_and_probe(runs: list[dict], probe: torch.Tensor) -> list[dict]:
 
     out = []
     for options in runs:
-        run = build_run(FinetuneOptions(**options), progress=False)
+        run = build_run(tiny_demo_options(**options), progress=False)
         losses = fit(run).losses
         model = run.model
         logits = model.forward(probe, broadcast=True)
@@ -79,7 +79,7 @@ def test_split_qlora_losses_equal_transformers_bnb_peft_qlora(tiny_checkpoint, t
     results = launch("tests.training.test_qlora:train_and_probe", world_size=world,
                      kwargs={"runs": runs, "probe": probe}, timeout_s=300)
     for index, run in enumerate(runs):
-        options = FinetuneOptions(**run)
+        options = tiny_demo_options(**run)
         mine = [r[index] for r in results]
         if options.dtype == "bfloat16":
             check_bf16_under_autocast(options, mine, split)

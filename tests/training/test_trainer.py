@@ -12,7 +12,7 @@ import torch
 from hfsplit.checkpoint.synthetic import shard_files
 from hfsplit.training.data import MicroBatches, bundled_dataset_path, load_token_rows
 from hfsplit.training.lora import lora_config, seed_lora_weights
-from hfsplit.training.options import FinetuneOptions
+from hfsplit.training.options import TINY_RECIPE, FinetuneOptions, tiny_demo_options
 from hfsplit.training.trainer import causal_lm_loss, tokenizer_for
 from tests.parallel.launcher import free_port, launch, run_command
 
@@ -99,7 +99,7 @@ def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path,
     results = launch("tests.training.cases:finetune_losses", world_size=world, kwargs={"runs": runs}, timeout_s=300)
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     for run, split_losses in zip(runs, results[0]):
-        options = FinetuneOptions(**run)
+        options = tiny_demo_options(**run)
         replicas = world // (split["tp"] if "tp" in split else 1) // split["pp"]
         expected, trained = reference_training(options, replicas=replicas)
         assert len(split_losses) == STEPS
@@ -130,7 +130,7 @@ def test_readme_default_command_runs_under_accelerate_launch_and_loss_falls(tmp_
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r and not r.get("skipped")]
-    assert len(losses) == FinetuneOptions().max_steps
+    assert len(losses) == tiny_demo_options().max_steps
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert "bubble measured" in proc.stdout and "pp=2" in proc.stdout
     assert (out / "tensorboard").is_dir()
@@ -150,10 +150,10 @@ def test_the_recipe_runs_without_a_launcher_as_one_rank(tiny_checkpoint, tmp_pat
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     model = str(tiny_checkpoint("llama"))
-    cmd = [sys.executable, str(ROOT / "recipes/finetune.py"), "--model", model,
+    cmd = [sys.executable, str(ROOT / "recipes/finetune.py"), "--config", str(TINY_RECIPE), "--model", model,
            "--max-memory", "1GiB", "--max-steps", "3", "--seq-len", "64", "--output-dir", str(tmp_path / "out"),
            "--global-batch", "4"]
-    record = _calibration_wrong_by_4x(model, FinetuneOptions(model=model, seq_len=64, max_memory="1GiB"))
+    record = _calibration_wrong_by_4x(model, tiny_demo_options(model=model, seq_len=64, max_memory="1GiB"))
     proc = run_command(cmd, cwd=tmp_path, env=env, timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 3 steps" in proc.stdout and (tmp_path / "out" / "model" / "config.json").is_file()
@@ -196,7 +196,7 @@ def test_epochs_and_evaluation(tiny_checkpoint, tmp_path):
     (losses,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]},
                        timeout_s=300)[0]
     rows = len(load_token_rows(str(bundled_dataset_path("tiny_alpaca.jsonl")),
-                               tokenizer_for(FinetuneOptions(**run), model_path=run["model"]), seq_len=64))
+                               tokenizer_for(tiny_demo_options(**run), model_path=run["model"]), seq_len=64))
     held_out = max(2 * 4, rows // 20)
     assert len(losses) == (rows - held_out) // (2 * 4)  # one pass over the training rows
     records = [json.loads(x) for x in (Path(run["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
@@ -264,7 +264,7 @@ def test_bf16_full_fine_tuning_tracks_fp32_training_and_saves_bf16(tiny_checkpoi
                max_steps=10, dtype="bfloat16")
     (losses,) = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]},
                        timeout_s=300)[0]
-    expected, _ = reference_training(FinetuneOptions(**dict(run, dtype="float32")))
+    expected, _ = reference_training(tiny_demo_options(**dict(run, dtype="float32")))
     assert losses == pytest.approx(expected, rel=2e-2)  # bf16 compute, fp32 weights and optimizer
     assert losses != pytest.approx(expected, rel=1e-6)  # autocast really computed in bf16
     from safetensors import safe_open
@@ -289,7 +289,7 @@ def assert_recipe_refuses(tmp_path: Path, flags: list[str], words: list[str], *,
     """`recipes/finetune.py` under torchrun exits 2 with one `finetune: ` line holding `words`, writing nothing."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     out = tmp_path / "out"
-    base = ["--max-memory", "1GiB", "--output-dir", str(out), "--max-steps", "2"]  # flags given later win
+    base = ["--config", str(TINY_RECIPE), "--max-memory", "1GiB", "--output-dir", str(out), "--max-steps", "2"]  # flags given later win
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), str(ROOT / "recipes/finetune.py"), *base, *flags]
     proc = run_command(cmd, cwd=tmp_path, env=env, timeout_s=300)
@@ -416,13 +416,13 @@ def test_moe_split_training_with_router_loss_equals_transformers(tiny_checkpoint
     results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": runs}, timeout_s=400)
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     for run, split_losses in zip(runs, results[0]):
-        expected, trained = reference_training(FinetuneOptions(**run))
+        expected, trained = reference_training(tiny_demo_options(**run))
         assert split_losses == pytest.approx(expected, rel=1e-5), run["model"]
         if run["method"] == "full":  # written as transformers' save_pretrained writes it: experts one by one
             stored = json.loads((Path(run["output_dir"]) / "model" / "model.safetensors.index.json").read_text())
             assert [k for k in stored["weight_map"] if ".layers.3." in k and ".experts.3." in k], run["model"]
             assert not [k for k in stored["weight_map"] if "gate_up_proj" in k], run["model"]
         with torch.no_grad():
-            loaded = saved_model(Path(run["output_dir"]), FinetuneOptions(**run))
+            loaded = saved_model(Path(run["output_dir"]), tiny_demo_options(**run))
             assert (loaded(input_ids=probe).logits - trained(input_ids=probe).logits).abs().max() < 1e-4
     assert results[0] == results[-1]
