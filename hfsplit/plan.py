@@ -31,6 +31,9 @@ class TrainingSpec:
         reserve_bytes: per-device reserve (context, fragmentation, comm buffers); None: measured for the
             budget's devices by `make_plan` (see `hfsplit.planning.reserve`: 0 on the CPU).
         bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: the QLoRA base's `BitsAndBytesConfig`.
+        quantize_experts: 4-bit QLoRA on an MoE quantizes its fused experts too, each expert alone as it is read
+            (`hfsplit.apply.quantized_experts`); False keeps them in `dtype`, as transformers + bitsandbytes do. An
+            8-bit base keeps them in `dtype` either way.
         chunked_loss: the last stage runs lm_head and the loss a chunk of tokens at a time, never holding a whole
             micro-batch's logits (`hfsplit.models.loss`).
         autocast: QLoRA with a 16-bit compute dtype runs its stage forwards (and their checkpointed recompute)
@@ -53,12 +56,18 @@ class TrainingSpec:
     load_in_8bit: bool = False
     chunked_loss: bool = False
     autocast: Optional[bool] = None
+    quantize_experts: bool = True
 
     @property
     def autocast_dtype(self) -> Optional[str]:
         """The dtype this run's stage forwards autocast to (see `autocast`), or None when they do not."""
         on = self.method == "qlora" and not self.load_in_8bit and self.dtype != "float32" and self.autocast is not False
         return self.dtype if on else None
+
+    @property
+    def experts_in_4bit(self) -> bool:
+        """Whether a QLoRA run of this spec holds an MoE's fused experts in 4 bits (see `quantize_experts`)."""
+        return self.method == "qlora" and self.quantize_experts and not self.load_in_8bit
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,7 @@ class Plan:
         step_time_s: estimated time of one optimizer step.
         bubble_fraction: the schedule's idle fraction, `(p-1)/(m+p-1)` for 1F1B.
         tied_embeddings: lm_head shares the embedding matrix.
+        fused_experts: the model's sparse blocks hold fused MoE experts (3-D parameters; QLoRA may quantize them).
         applied: the steps the run applied to its stages (`apply_plan`'s; empty until a run builds them).
     """
 
@@ -155,6 +165,7 @@ class Plan:
     tied_embeddings: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
     applied: tuple[Step, ...] = field(default_factory=tuple)
+    fused_experts: bool = False
 
     def steps(self) -> tuple[Step, ...]:
         """What `hfsplit.apply.steps.apply_plan` does to each stage for this plan, in order: data, one
@@ -167,7 +178,7 @@ class Plan:
             out.append(checkpointing_step())
         out.append(load_step())
         if self.spec.method == "qlora":
-            out.append(quantize_step(self.spec))
+            out.append(quantize_step(self.spec, experts=self.fused_experts))
         if self.spec.method in ("lora", "qlora"):
             out.append(lora_step(self.spec.lora_r))
         if self.spec.autocast_dtype is not None:
@@ -320,8 +331,12 @@ def load_step() -> Step:
     return Step("load", "this rank's bytes")
 
 
-def quantize_step(spec: TrainingSpec) -> Step:
+def quantize_step(spec: TrainingSpec, *, experts: bool = False) -> Step:
+    """The quantization step; `experts`: the model holds fused MoE experts (4-bit, or kept in `spec.dtype`)."""
     kind = "int8" if spec.load_in_8bit else f"{spec.bnb_4bit_quant_type}{' + double quant' if spec.bnb_4bit_use_double_quant else ''}"
+    if experts:
+        kind += (f"; MoE experts {spec.bnb_4bit_quant_type} too, expert by expert" if spec.experts_in_4bit
+                 else f"; MoE experts kept in {spec.dtype}")
     return Step("quantize", kind)
 
 

@@ -38,7 +38,9 @@ def block_trace(key: str, spec, tp: int):
 
 def ends_trace(key: str, spec):
     """`trace.trace_ends` for `spec`, from memory, disk, or a new trace."""
-    return _cached("ends", key, trace_spec(spec), None, lambda k, s, _: trace_ends(k, s), EndsTrace)
+    # 4-bit experts change only the blocks: an ends trace serves both
+    return _cached("ends", key, replace(trace_spec(spec), quantize_experts=False), None,
+                   lambda k, s, _: trace_ends(k, s), EndsTrace)
 
 _MEMO: dict[str, object] = {}
 
