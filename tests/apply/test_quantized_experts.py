@@ -9,7 +9,7 @@ import torch
 from hfsplit.apply.quantize import held_bytes, quantization_config, quantize_module
 from hfsplit.apply.quantized_experts import ExpertsNF4, dequantized_experts, experts_modules, is_quantized_experts
 from hfsplit.checkpoint.quantized import quantized_experts_bytes
-from tests.test_costs import tiny_config
+from tests.planning.test_costs import tiny_config
 
 EXPERT_TARGETS = ["q_proj", "gate_up_proj", "down_proj"]
 
