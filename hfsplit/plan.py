@@ -313,10 +313,15 @@ _LABELS = {
     "tp": lambda tp: f"tensor parallel tp={tp}",
     "checkpointing": lambda how: "activation checkpointing per block (non-reentrant)",
     "load": lambda what: f"weights read ({what})",
-    "quantize": lambda kind: f"base quantized to {kind} (bitsandbytes, per block as read)",
+    "quantize": lambda kind: _quantize_label(*kind.partition("; ")[::2]),
     "lora": lambda r: f"LoRA r={r}",
     "autocast": lambda dtype: f"forwards under autocast to {dtype} (adapters take 16-bit inputs)",
 }
+
+
+def _quantize_label(base: str, experts: str) -> str:
+    """The quantize step's label: the base's format, then how an MoE's experts are held (`quantize_step`)."""
+    return f"base quantized to {base} (bitsandbytes, per block as read{'; ' + experts if experts else ''})"
 
 
 def tp_step(tp: int) -> Step:
