@@ -43,6 +43,9 @@ class TrainingSpec:
         reserve_bytes: per-device reserve (context, fragmentation, comm buffers); None: measured for the
             budget's devices by `make_plan` (see `hfsplit.planning.reserve`: 0 on the CPU).
         bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: the QLoRA base's `BitsAndBytesConfig`.
+        quantize_experts: 4-bit QLoRA on an MoE quantizes its fused experts too, each expert alone as it is read
+            (`hfsplit.apply.quantized_experts`); False keeps them in `dtype`, as transformers + bitsandbytes do. An
+            8-bit base keeps them in `dtype` either way.
         chunked_loss: the last stage runs lm_head and the loss a chunk of tokens at a time, never holding a whole
             micro-batch's logits (`hfsplit.models.loss`).
         autocast: QLoRA with a 16-bit compute dtype runs its stage forwards (and their checkpointed recompute)
@@ -70,6 +73,7 @@ class TrainingSpec:
     autocast: Optional[bool] = None
     packing: bool = False
     optim: str = "adamw_torch"
+    quantize_experts: bool = True
 
     def __post_init__(self):
         mode = checkpointing_mode(self.activation_checkpointing)
@@ -86,6 +90,11 @@ class TrainingSpec:
         """The dtype this run's stage forwards autocast to (see `autocast`), or None when they do not."""
         on = self.method == "qlora" and not self.load_in_8bit and self.dtype != "float32" and self.autocast is not False
         return self.dtype if on else None
+
+    @property
+    def experts_in_4bit(self) -> bool:
+        """Whether a QLoRA run of this spec holds an MoE's fused experts in 4 bits (see `quantize_experts`)."""
+        return self.method == "qlora" and self.quantize_experts and not self.load_in_8bit
 
 
 @dataclass(frozen=True)
@@ -181,6 +190,7 @@ class Plan:
         step_time_s: estimated time of one optimizer step.
         bubble_fraction: the schedule's idle fraction, `(p-1)/(m+p-1)` for 1F1B.
         tied_embeddings: lm_head shares the embedding matrix.
+        fused_experts: the model's sparse blocks hold fused MoE experts (3-D parameters; QLoRA may quantize them).
         applied: the steps the run applied to its stages (`apply_plan`'s; empty until a run builds them).
     """
 
@@ -200,6 +210,7 @@ class Plan:
     tied_embeddings: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
     applied: tuple[Step, ...] = field(default_factory=tuple)
+    fused_experts: bool = False
 
     def steps(self) -> tuple[Step, ...]:
         """What `hfsplit.apply.steps.apply_plan` does to each stage for this plan, in order: data, one
@@ -212,7 +223,7 @@ class Plan:
             out.append(checkpointing_step(self))
         out.append(load_step())
         if self.spec.method == "qlora":
-            out.append(quantize_step(self.spec))
+            out.append(quantize_step(self.spec, experts=self.fused_experts))
         if self.spec.method in ("lora", "qlora"):
             out.append(lora_step(self.spec.lora_r))
         if self.spec.autocast_dtype is not None:
@@ -384,10 +395,15 @@ _LABELS = {
     "checkpointing": lambda how: "activation checkpointing per block (non-reentrant)" + (
         "" if how == "per block" else how[len("per block"):]),
     "load": lambda what: f"weights read ({what})",
-    "quantize": lambda kind: f"base quantized to {kind} (bitsandbytes, per block as read)",
+    "quantize": lambda kind: _quantize_label(*kind.partition("; ")[::2]),
     "lora": lambda r: f"LoRA r={r}",
     "autocast": lambda dtype: f"forwards under autocast to {dtype} (adapters take 16-bit inputs)",
 }
+
+
+def _quantize_label(base: str, experts: str) -> str:
+    """The quantize step's label: the base's format, then how an MoE's experts are held (`quantize_step`)."""
+    return f"base quantized to {base} (bitsandbytes, per block as read{'; ' + experts if experts else ''})"
 
 
 def tp_step(tp: int) -> Step:
@@ -410,8 +426,12 @@ def load_step() -> Step:
     return Step("load", "this rank's bytes")
 
 
-def quantize_step(spec: TrainingSpec) -> Step:
+def quantize_step(spec: TrainingSpec, *, experts: bool = False) -> Step:
+    """The quantization step; `experts`: the model holds fused MoE experts (4-bit, or kept in `spec.dtype`)."""
     kind = "int8" if spec.load_in_8bit else f"{spec.bnb_4bit_quant_type}{' + double quant' if spec.bnb_4bit_use_double_quant else ''}"
+    if experts:
+        kind += (f"; MoE experts {spec.bnb_4bit_quant_type} too, expert by expert" if spec.experts_in_4bit
+                 else f"; MoE experts kept in {spec.dtype}")
     return Step("quantize", kind)
 
 

@@ -29,15 +29,16 @@ def read_weights(modules: Sequence[nn.Module], step: Step, inputs) -> Step:
 
 
 def load_stages(stages: Sequence[nn.Module], *, source: str, config, device: torch.device, dtype: torch.dtype,
-                tp_rank: int, tp_size: int, quantization_config=None) -> None:
+                tp_rank: int, tp_size: int, quantization_config=None, experts: bool = True) -> None:
     """Read `stages`' parameters from the checkpoint `source` onto `device`, only what they hold: each TP-sharded
     parameter its slice; with `quantization_config` (a transformers `BitsAndBytesConfig`), each block quantized
-    as it is read."""
+    as it is read, an MoE's fused experts too with `experts` (4-bit: `TrainingSpec.quantize_experts`)."""
     needed = [name for m in stages for name, _ in m.named_parameters()]
     reader = open_reader(source, needed=needed, model=meta_model(config))
     for module in stages:
         if quantization_config is not None:
-            load_quantized_stage(module, reader=reader, device=device, dtype=dtype, qconfig=quantization_config)
+            load_quantized_stage(module, reader=reader, device=device, dtype=dtype, qconfig=quantization_config,
+                                 experts=experts)
             continue
         load_stage_weights(module, reader=reader, device=device, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
 
@@ -88,30 +89,36 @@ def set_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:
     setattr(owner, leaf, value)
 
 
-def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dtype: torch.dtype, qconfig) -> None:
+def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dtype: torch.dtype, qconfig,
+                         experts: bool = True) -> None:
     """Read `module`'s weights (a stage, tp=1) and quantize each decoder block right after its tensors arrive.
 
-    Embeddings, norms and lm_head stay in `dtype`; so the rank never holds more than one block in 16 bits.
+    Embeddings, norms and lm_head stay in `dtype`; so the rank never holds more than one block in 16 bits. With
+    `experts` (4-bit), an MoE block's fused experts are not read whole: each expert is read into a one-expert staging
+    buffer and quantized (`quantize_module`), so the rank never holds a layer's 16-bit experts either.
     """
     dense = _linear_weights(module)
     staging = Staging(max((sum(math.prod(dense[k]) for k in dense if k.startswith(b + ".")) for b in
                             {_LAYER.match(k).group(1) for k in dense}), default=0), dtype=dtype, device=device)
     current: Optional[str] = None
+    per_expert = experts and not qconfig.load_in_8bit
     for key, param in list(module.named_parameters()):
         block = _LAYER.match(key)
         if current is not None and (block is None or block.group(1) != current):
-            quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader)
+            quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader,
+                            experts=experts)
             staging.reset()
         current = block.group(1) if block else None
-        if reader.packed_state_keys(key):
-            continue  # stored pre-quantized: quantize_module reads its packed bytes as they are
+        if reader.packed_state_keys(key) or (per_expert and block is not None and param.dim() == 3):
+            continue  # pre-quantized: read packed as stored; fused experts: read expert by expert as quantized
         if key in dense:  # a block's 16-bit linear weight lives only until its block is quantized
             value = reader.read_into(key, staging.take(dense[key]))
         else:
             value = reader.read(key, dtype=dtype, device=device)
         set_parameter(module, key, nn.Parameter(value, requires_grad=False))
     if current is not None:
-        quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader)
+        quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader,
+                        experts=experts)
     if getattr(module, "shares_embedding", False):
         module.lm_head.weight = module.body.embed_tokens.weight
     module.is_loaded_in_4bit = not qconfig.load_in_8bit  # peft picks its bitsandbytes LoRA layers by these flags

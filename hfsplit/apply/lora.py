@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.apply.tp import mark_tp_sharded, tp_shard_dim
 from hfsplit.errors import HfsplitError
 from hfsplit.models.expert_lora import split_lora_targets
@@ -38,13 +39,16 @@ _IN_PLAN = re.compile(r"layers\.\d+\.(.*)$")
 def lora_config(*, r: int, alpha: int, dropout: float, targets: Optional[Sequence[str]], model_config):
     """The peft LoraConfig hfsplit trains with (the same for split and unsplit models); without
     `targets`, every linear projection of a decoder block of `model_config`'s model. A target naming an MoE's
-    fused expert parameter ("gate_up_proj", "down_proj") adapts the experts (`hfsplit.models.expert_lora`)."""
+    fused expert parameter ("gate_up_proj", "down_proj") adapts the experts (`hfsplit.models.expert_lora`); on 4-bit
+    experts through `hfsplit.apply.quantized_experts_lora` (peft's adapters, applied split)."""
     from peft import LoraConfig  # lazy: importing peft imports bitsandbytes and torch._inductor (~3 s)
 
     # names of fused MoE expert parameters (gate_up_proj, down_proj) go to peft as target parameters
     modules, parameters = split_lora_targets(list(targets or block_linear_names(model_config)), model_config)
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules,
-                      target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules,
+                        target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM")
+    register_quantized_experts_lora(config)
+    return config
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ A stage keeps its embeddings, norms and lm_head in 16 bits, as transformers' bit
 integration does; every `nn.Linear` inside its decoder blocks becomes a `bnb.nn.Linear4bit`
 (or `Linear8bitLt` with `load_in_8bit`). A block is quantized right after its tensors are read
 (the load step, `hfsplit.apply.load.load_quantized_stage`), so a rank holds at most one block in 16 bits
-on top of what it already quantized; the quantize step then checks every block holds bitsandbytes layers.
+on top of what it already quantized; the quantize step then checks every block holds bitsandbytes layers. An MoE
+block's fused experts (3-D parameters, which bitsandbytes does not quantize) go to 4 bits too, expert by expert,
+where the spec says so (`TrainingSpec.quantize_experts`, `hfsplit.apply.quantized_experts`).
 
 Entry points: `quantization_config` (knobs → transformers' `BitsAndBytesConfig`; `quantization_config_of` from a
 TrainingSpec), `check_quantization` (a one-line refusal where bitsandbytes cannot serve the request),
@@ -19,7 +21,11 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from hfsplit.checkpoint.quantized import BLOCKSIZE, NESTED_BLOCKSIZE
+from hfsplit.apply.nf4 import quantize_4bit_state
+from hfsplit.apply.quantized_experts import (
+    ExpertsNF4, dequantized_experts, experts_modules, is_placeholder, is_quantized_experts, quantize_block_experts,
+)
+from hfsplit.checkpoint.quantized import BLOCKSIZE
 from hfsplit.errors import PlanError, QuantizationError
 from hfsplit.plan import Step
 
@@ -94,36 +100,10 @@ def quantize_linear(linear: nn.Linear, qconfig, *, device: torch.device) -> nn.M
     return layer.to(device)  # bitsandbytes quantizes on the move to the device
 
 
-_CHUNK_VALUES = 1 << 18  # a multiple of the block size: chunks quantize exactly as the whole weight does
-
-
 def quantize_4bit_in_chunks(weight: torch.Tensor, qconfig) -> tuple[torch.Tensor, dict]:
     """`bitsandbytes.functional.quantize_4bit(weight)` (packed bytes, quant state as a dict), bit for bit, done
-    _CHUNK_VALUES values at a time: bitsandbytes' CPU quantizer (`backends/default/ops.py`) makes ~4 fp32 copies
-    of what it quantizes (float, abs, scaled, bucket ids), which for a whole 16-bit weight is a transient of
-    ~8× its bytes. Blocks of 64 values are quantized independently, so chunks on block boundaries concatenate
-    to the same result; double quantization then quantizes the whole absmax vector as bitsandbytes does."""
-    import bitsandbytes.functional as F  # lazy: importing bitsandbytes compiles kernels with torch._inductor (~3 s)
-
-    flat = weight.reshape(-1)
-    # The results are allocated first and filled chunk by chunk: gathering the chunks' own tensors would leave
-    # their freed bytes in the heap between what is kept.
-    packed = torch.empty(math.ceil(flat.numel() / 2), dtype=torch.uint8, device=weight.device)
-    absmax = torch.empty(math.ceil(flat.numel() / BLOCKSIZE), dtype=torch.float32, device=weight.device)
-    for first in range(0, flat.numel(), _CHUNK_VALUES):
-        part, state = F.quantize_4bit(flat[first:first + _CHUNK_VALUES], blocksize=BLOCKSIZE, compress_statistics=False,
-                                      quant_type=qconfig.bnb_4bit_quant_type, quant_storage=torch.uint8)
-        packed[first // 2:first // 2 + part.numel()] = part.view(-1)
-        absmax[first // BLOCKSIZE:first // BLOCKSIZE + state.absmax.numel()] = state.absmax
-        del part, state
-    code = F.get_4bit_type(qconfig.bnb_4bit_quant_type, device=weight.device)
-    nested = {}
-    if qconfig.bnb_4bit_use_double_quant:
-        offset = absmax.mean()
-        absmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=NESTED_BLOCKSIZE)
-        nested = dict(offset=offset, state2=state2)
-    state = F.QuantState(absmax=absmax, shape=weight.shape, dtype=weight.dtype, blocksize=BLOCKSIZE, code=code,
-                         quant_type=qconfig.bnb_4bit_quant_type, **nested)
+    a chunk at a time (`hfsplit.apply.nf4.quantize_4bit_state`)."""
+    packed, state = quantize_4bit_state(weight, qconfig)
     return packed.view(qconfig.bnb_4bit_quant_storage).unsqueeze(1), state.as_dict(packed=True)
 
 
@@ -147,9 +127,12 @@ def prequantized_linear(linear: nn.Module, data: torch.Tensor, stats: dict, qcon
     return layer
 
 
-def quantize_module(module: nn.Module, qconfig, *, device: torch.device, prefix: str = "", reader=None) -> None:
+def quantize_module(module: nn.Module, qconfig, *, device: torch.device, prefix: str = "", reader=None,
+                    experts: bool = True) -> None:
     """Replace every `nn.Linear` inside `module` (one decoder block, named `prefix` in the checkpoint) with its
-    quantized layer: quantized here, or, where `reader` holds it pre-quantized, read as stored."""
+    quantized layer: quantized here, or, where `reader` holds it pre-quantized, read as stored. With `experts`
+    (and a 4-bit config), an MoE block's fused experts are quantized too, expert by expert
+    (`hfsplit.apply.quantized_experts.quantize_block_experts`: read from `reader` where they are still on meta)."""
     for name, sub in list(module.named_modules()):
         if type(sub) is nn.Linear:  # bnb layers subclass nn.Linear: never quantize twice
             key = f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
@@ -160,6 +143,8 @@ def quantize_module(module: nn.Module, qconfig, *, device: torch.device, prefix:
                 layer = quantize_linear(sub, qconfig, device=device)
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, leaf, layer)
+    if experts and not qconfig.load_in_8bit:
+        quantize_block_experts(module, qconfig, device=device, prefix=prefix, reader=reader)
 
 
 class Staging:
@@ -186,8 +171,12 @@ def dequantized(param: torch.Tensor, layer: Optional[nn.Module] = None) -> torch
     """A bitsandbytes weight back in 16 bits (its quant state's dtype; 8-bit: fp32); any other tensor as it is.
 
     `layer` is the module holding `param`: a `Linear8bitLt`'s first forward moves the row scales (SCB) off its
-    weight onto `layer.state`, so an 8-bit weight that has run is read with the layer's scales."""
+    weight onto `layer.state`, so an 8-bit weight that has run is read with the layer's scales; 4-bit fused experts
+    (`hfsplit.apply.quantized_experts`) hold their bytes beside the parameter, which is only their placeholder."""
     import bitsandbytes as bnb  # lazy: importing bitsandbytes compiles kernels with torch._inductor (~3 s)
+
+    if layer is not None and is_quantized_experts(layer) and is_placeholder(param):
+        return dequantized_experts(layer, next(n for n, p in layer.named_parameters(recurse=False) if p is param))
 
     if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
         data, state = param.data, param.quant_state
@@ -206,10 +195,11 @@ def dequantized(param: torch.Tensor, layer: Optional[nn.Module] = None) -> torch
 
 
 def held_bytes(module: nn.Module) -> int:
-    """Bytes `module`'s parameters really hold, bitsandbytes quant state (absmax, codes, nested state) included."""
-    total = 0
+    """Bytes `module`'s parameters really hold, bitsandbytes quant state (absmax, codes, nested state) included, and
+    4-bit fused experts' bytes (their parameters are placeholders holding one value)."""
+    total = sum(sub.nf4_bytes() for sub in module.modules() if isinstance(sub, ExpertsNF4))
     for p in module.parameters():
-        total += p.data.nbytes
+        total += p.untyped_storage().nbytes() if is_placeholder(p) else p.data.nbytes
         state = getattr(p, "quant_state", None)
         nested = getattr(state, "state2", None)
         extra = [getattr(state, "absmax", None), getattr(state, "code", None), getattr(state, "offset", None),
@@ -231,10 +221,18 @@ def quantized_linear_count(module: nn.Module) -> int:
 
 def check_quantized(modules: Sequence[nn.Module], step: Step, inputs) -> Step:
     """The quantization step: the load step already quantized each block's linears on the device as it read
-    them (so no rank ever holds its stage in 16 bits); this checks every block holds bitsandbytes layers."""
+    them (so no rank ever holds its stage in 16 bits), and, where the plan says so, an MoE block's fused experts
+    expert by expert; this checks every block holds what the plan says."""
+    plan = inputs.plan
     for module in modules:
         for name, block in module.body.layers.items():
             if quantized_linear_count(block) == 0:
                 raise PlanError(f"stage {module.stage_index}: block {name} holds no quantized linear layer "
                                 "after loading a QLoRA plan; load it with quantization_config")
+            experts = [is_quantized_experts(sub) for _, sub in experts_modules(block)]
+            if experts and (not plan.fused_experts or all(experts) != plan.spec.experts_in_4bit):
+                raise PlanError(f"stage {module.stage_index}: block {name}'s fused experts are "
+                                f"{'4-bit' if all(experts) else 'not all 4-bit'}, which the plan (fused_experts="
+                                f"{plan.fused_experts}, quantize_experts={plan.spec.quantize_experts}) does not say; "
+                                "re-plan for this checkpoint")
     return step

@@ -87,5 +87,5 @@ def apply_plan_to_model(model: nn.Module, plan: Optional[Plan], *, training: str
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         applied = (checkpointing_step(),)
     if plan.spec.method == "qlora":  # quantized block by block as read (hfsplit.load.materialize.quantizer_of)
-        applied = (quantize_step(plan.spec),) + applied
+        applied = (quantize_step(plan.spec, experts=plan.fused_experts),) + applied
     return replace(plan, applied=applied)

@@ -1,7 +1,8 @@
 """bitsandbytes checkpoints: what a pre-quantized checkpoint stores, and the bytes a quantized weight holds.
 
 Read before any weight is (the loaders check what is asked against what is stored) and by the cost model
-(`quantized_linear_bytes` is what a QLoRA block's weights weigh).
+(`quantized_linear_bytes` is what a QLoRA block's weights weigh, `quantized_experts_bytes` its 4-bit fused
+MoE experts).
 """
 from __future__ import annotations
 
@@ -76,3 +77,15 @@ def quantized_linear_bytes(in_features: int, out_features: int, *, quant_type: s
         return packed + 4 * blocks + code
     nested = math.ceil(blocks / NESTED_BLOCKSIZE)
     return packed + blocks + 4 * nested + 256 * 4 + 4 + code
+
+
+def quantized_experts_bytes(experts: int, rows: int, cols: int, *, quant_type: str = "nf4",
+                            double_quant: bool = True) -> int:
+    """Exact bytes of one fused expert tensor `[experts, rows, cols]` in 4 bits
+    (`hfsplit.apply.quantized_experts.ExpertsNF4`): each expert's matrix quantized alone as `quantized_linear_bytes`
+    counts a weight, the codes every expert shares (the 4-bit type's 16 values; the nested dynamic map's 256) held
+    once."""
+    n = rows * cols
+    blocks = math.ceil(n / BLOCKSIZE)
+    per_expert = math.ceil(n / 2) + (blocks + 4 * math.ceil(blocks / NESTED_BLOCKSIZE) + 4 if double_quant else 4 * blocks)
+    return experts * per_expert + 16 * 4 + (256 * 4 if double_quant else 0)

@@ -207,6 +207,33 @@ class CheckpointReader:
         self._fill_rows(entry, out, name)
         return out
 
+    def read_expert_into(self, name: str, expert: int, out: torch.Tensor) -> torch.Tensor:
+        """Copy `tensor[expert]` of a fused expert tensor `name` (`[E, d1, d2]`) into `out` (`[d1, d2]`, any device and
+        floating dtype), reading that expert's bytes only: its stored pieces where the checkpoint stores the experts
+        one by one (merged on load), else its rows of the stored fused tensor."""
+        shape = self.shape(name)
+        if tuple(out.shape) != tuple(shape[1:]) or not 0 <= expert < shape[0]:
+            raise CheckpointError(f"{self._where()}: expert {expert} of tensor {name!r} {list(shape)} does not fit "
+                                  f"the destination {list(out.shape)}")
+        if name not in self._merged:
+            entry = self._entry(name)
+            size = math.prod(shape[1:]) * entry.dtype.itemsize
+            begin = entry.start + expert * size
+            self._fill_rows(TensorEntry(entry.file, entry.dtype, tuple(shape[1:]), begin, begin + size), out, name)
+            return out
+        placed = self._merged[name].placement(lambda key: self._key_entry(key).shape)
+        if placed is None:  # a merge other than stack-then-concatenate: merged whole, as transformers does
+            return out.copy_(self.read(name, dtype=out.dtype)[expert])
+        for key, index, dim, start in placed:
+            if index == expert:
+                entry = self._key_entry(key)
+                view = out.narrow(dim, start, entry.shape[dim])
+                if view.is_contiguous():
+                    self._fill_rows(entry, view, key)
+                else:
+                    view.copy_(self._read_key(key))
+        return out
+
     def read_slice(self, name: str, dim: int, index: int, parts: int, dtype: Optional[torch.dtype] = None,
                    device: Device = "cpu", *, packed: int = 1) -> torch.Tensor:
         """Part `index` of `parts` equal parts of tensor `name` along `dim` (a TP shard).

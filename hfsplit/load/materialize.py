@@ -106,7 +106,9 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
     device_map = device_map_of(plan, model)
     check_device_map(model, device_map)
     with reader:
-        materialize_blocks(model, reader, device_map, after_block=quantizer_of(quantization_config, reader))
+        experts = plan.spec.quantize_experts if hasattr(plan, "spec") else True
+        materialize_blocks(model, reader, device_map, after_block=quantizer_of(quantization_config, reader,
+                                                                                experts=experts))
     tie_on_same_device(model, device_map, training=training)
     restore_nonpersistent_buffers(model, device_map)
     check_no_meta(model)
@@ -228,10 +230,11 @@ def block_of(name: str, device_map: DeviceMap) -> Optional[str]:
     return best
 
 
-def quantizer_of(quantization_config, reader=None):
+def quantizer_of(quantization_config, reader=None, *, experts: bool = True):
     """`after_block` for `materialize_blocks`: quantize a decoder block's linears on its device (QLoRA), or
-    read them as `reader`'s pre-quantized checkpoint stores them."""
-    return None if quantization_config is None else BlockQuantizer(quantization_config, reader)
+    read them as `reader`'s pre-quantized checkpoint stores them; with `experts` (4-bit), an MoE block's fused
+    experts too, each read and quantized alone."""
+    return None if quantization_config is None else BlockQuantizer(quantization_config, reader, experts=experts)
 
 
 class BlockQuantizer:
@@ -239,10 +242,13 @@ class BlockQuantizer:
     transformers' bitsandbytes integration). Its blocks' 16-bit linear weights are read into one staging
     buffer that every block reuses (`empty`), not mapped from the file nor given fresh tensors: mapped pages
     stay in the process's RSS until the file closes, and freed per-weight tensors stay in glibc's heap between
-    the quantized bytes kept, so either way the 16-bit model piled up in host RAM while loading."""
+    the quantized bytes kept, so either way the 16-bit model piled up in host RAM while loading. Fused MoE experts
+    (4-bit, `experts`) stay on the meta device until the block is read, then are read and quantized expert by
+    expert (`hfsplit.apply.quantized_experts.quantize_block_experts`)."""
 
-    def __init__(self, quantization_config, reader=None):
+    def __init__(self, quantization_config, reader=None, *, experts: bool = True):
         self.config, self.reader = quantization_config, reader
+        self.per_expert = experts and not quantization_config.load_in_8bit
         self.checked: set = set()
         self.staging = None
 
@@ -267,6 +273,8 @@ class BlockQuantizer:
         for sub in module.modules():  # the rest (norms, biases, buffers) as to_empty gives them
             for table in (sub._parameters, sub._buffers):
                 for key, value in table.items():
+                    if self.per_expert and table is sub._parameters and value is not None and value.dim() == 3:
+                        continue  # fused experts: read expert by expert when the block is quantized
                     if value is not None and value.is_meta:
                         fresh = torch.empty_like(value, device=device)
                         table[key] = nn.Parameter(fresh, requires_grad=value.requires_grad) \
@@ -278,7 +286,7 @@ class BlockQuantizer:
         if device not in self.checked:
             check_quantization(self.config, device=device)
             self.checked.add(device)
-        quantize_module(module, self.config, device=device, prefix=prefix, reader=self.reader)
+        quantize_module(module, self.config, device=device, prefix=prefix, reader=self.reader, experts=self.per_expert)
 
 
 def materialize_blocks(model: torch.nn.Module, reader: CheckpointReader, device_map: DeviceMap,
@@ -301,6 +309,8 @@ def materialize_blocks(model: torch.nn.Module, reader: CheckpointReader, device_
             for name, tensor in persistent.items():
                 # nested blocks load their own tensors
                 # (a pre-quantized weight is read by `after_block`, packed as stored)
+                if tensor.is_meta:  # fused experts left for the quantizer (BlockQuantizer.empty)
+                    continue
                 if name not in retied and block_of(name, device_map) == prefix and not reader.packed_state_keys(name):
                     if mapping and target.type == "cpu" and reader.dtype(name) == tensor.dtype:
                         # CPU weights in the stored dtype: a copy-on-write view of the file, no copy

@@ -26,6 +26,7 @@ import torch
 
 from hfsplit.apply.autocast import autocast_forwards
 from hfsplit.apply.quantize import check_quantization, quantization_config_of, quantize_module
+from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.budget import parse_max_memory
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.models.expert_lora import split_lora_targets
@@ -132,8 +133,9 @@ def _probe_block(config, spec, device: torch.device):
 
         # the run's targets, fused MoE experts included (peft target parameters)
         modules, params = split_lora_targets(list(spec.lora_targets or block_linear_names(config)), config)
-        inject_adapter_in_model(LoraConfig(r=spec.lora_r, target_modules=modules, target_parameters=params or None),
-                                block)
+        lora = LoraConfig(r=spec.lora_r, target_modules=modules, target_parameters=params or None)
+        register_quantized_experts_lora(lora)  # 4-bit experts: their adapters applied split, as the run does
+        inject_adapter_in_model(lora, block)
     if spec.method == "qlora":  # fp32 adapters and, in 16 bits, autocast forwards, as hfsplit.apply.steps runs them
         from peft.tuners.tuners_utils import cast_adapter_dtype  # lazy: ~3 s import (inductor)
 
@@ -175,7 +177,7 @@ def _quantize_probe(block, spec, device: torch.device) -> None:
     schedules measured 1.3x slower than 1F1B)."""
     qconfig = quantization_config_of(spec)
     check_quantization(qconfig, device=device)  # a quant type bitsandbytes refuses: the run's one-line error
-    quantize_module(block, qconfig, device=device)
+    quantize_module(block, qconfig, device=device, experts=spec.quantize_experts)
 
 
 def _seconds(run, device: torch.device, *, split: bool) -> float:

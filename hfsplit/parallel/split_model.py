@@ -403,7 +403,8 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     modules = [StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings) for index in indices]
 
     load = functools.partial(load_stages, source=name_or_path, config=config, device=ctx.device, dtype=dtype,
-                             tp_rank=ctx.coords.tp, tp_size=plan.tp, quantization_config=quantization_config)
+                             tp_rank=ctx.coords.tp, tp_size=plan.tp, quantization_config=quantization_config,
+                             experts=plan.spec.quantize_experts)
     applied = apply_plan(modules, plan=plan, ctx=ctx, load=load, lora=lora)
     return SplitModel(plan=replace(plan, applied=applied), config=config, ctx=ctx, stages=modules,
                       stage_indices=indices)

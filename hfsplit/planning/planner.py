@@ -24,6 +24,7 @@ from typing import Iterable, Optional, Sequence, Union
 from hfsplit.budget import BudgetSpec, format_bytes, parse_max_memory
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import PlanError
+from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.models.families import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
 from hfsplit.models.layer_kinds import runs_of
 from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec, checkpointing_mode, is_8bit, rank_total
@@ -550,6 +551,7 @@ def _plan(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequence[Slot],
         model=name, model_type=config.model_type, num_layers=variants[0].num_layers, tp=t, pp=p, dp=d,
         virtual_stages=v, schedule=schedule, micro_batches=m, spec=spec, stages=tuple(stages),
         step_time_s=max(times.values()) * m / (1 - bubble), bubble_fraction=bubble, tied_embeddings=variants[0].tied,
+        fused_experts=bool(expert_parameters(config)),
     )
 
 
@@ -757,6 +759,9 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     qlora = qlora_fix(config, budgets, spec, options)
     if qlora:
         fixes.append(qlora)
+    experts = replace(spec, quantize_experts=True)
+    if experts.experts_in_4bit and not spec.experts_in_4bit and expert_parameters(config) and fits(budgets, experts):
+        fixes.append("the MoE experts in 4 bits too (--quantize-experts on)")
     if spec.method != "inference" and not spec.activation_checkpointing and fits(
             budgets, replace(spec, activation_checkpointing=True)):
         fixes.append("activation checkpointing (--activation-checkpointing on)")

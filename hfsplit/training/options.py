@@ -67,6 +67,9 @@ class FinetuneOptions:
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = option("nf4", "method", "QLoRA: the 4-bit data type")
     bnb_4bit_use_double_quant: bool = option(True, "method", "QLoRA: quantize the quantization constants too")
     load_in_8bit: bool = option(False, "method", "QLoRA on an 8-bit base (LLM.int8) instead of 4-bit")
+    quantize_experts: bool = option(
+        True, "method", "QLoRA on an MoE: its fused experts in 4 bits too, each expert quantized as it is read "
+        "(off: kept in --dtype, as transformers + bitsandbytes do)")
     merge: bool = option(False, "method", "LoRA: also write merged/, the base model with the adapters folded in")
     max_memory: Optional[str] = option(
         None, "parallelism", 'per-rank budget: "2x24GiB", "24GiB,12GiB"; unset: what each rank\'s device has free')
@@ -226,7 +229,8 @@ def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
                         reserve_bytes=None if gpu else 0,
                         bnb_4bit_quant_type=options.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
-                        chunked_loss=options.chunked_loss, packing=packing_of(options))
+                        chunked_loss=options.chunked_loss, packing=packing_of(options),
+                        quantize_experts=options.quantize_experts)
 
 
 def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[bool] = None) -> dict:
@@ -254,7 +258,8 @@ def with_plan_batch(options: FinetuneOptions, plan) -> FinetuneOptions:
 
 def check_qlora_options(options: FinetuneOptions) -> None:
     """One line for bitsandbytes knobs without --method qlora, or a QLoRA run given a full-only option."""
-    knobs = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, "load_in_8bit": False}
+    knobs = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, "load_in_8bit": False,
+             "quantize_experts": True}
     given = [k for k, default in knobs.items() if getattr(options, k) != default]
     if given and options.method != "qlora":
         raise HfsplitError(f"--{given[0].replace('_', '-')} sets the quantized base of --method qlora; "

@@ -75,7 +75,8 @@ def test_prequantized_checkpoint_loads_its_packed_weights_as_stored(tiny_checkpo
 def test_chunked_quantize_is_bitsandbytes_quantize_bit_for_bit(shape, double_quant):
     import bitsandbytes as bnb
 
-    from hfsplit.apply.quantize import _CHUNK_VALUES, quantization_config, quantize_4bit_in_chunks
+    from hfsplit.apply.nf4 import CHUNK_VALUES
+    from hfsplit.apply.quantize import quantization_config, quantize_4bit_in_chunks
 
     weight = torch.randn(*shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
     packed, stats = quantize_4bit_in_chunks(weight, quantization_config(double_quant=double_quant))
@@ -83,7 +84,7 @@ def test_chunked_quantize_is_bitsandbytes_quantize_bit_for_bit(shape, double_qua
     want_stats = state.as_dict(packed=True)
     assert torch.equal(packed, want) and stats.keys() == want_stats.keys()
     assert all(torch.equal(stats[k], want_stats[k]) for k in stats)
-    assert shape != (2048, 1024) or weight.numel() > 4 * _CHUNK_VALUES
+    assert shape != (2048, 1024) or weight.numel() > 4 * CHUNK_VALUES
 
 
 def test_qlora_time_counts_a_dequantize_per_micro_batch():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.plan import TrainingSpec
 from hfsplit.parallel.mesh import schedule_pp_rank
 from hfsplit.plan import Plan, Stage, StageMemory
@@ -24,7 +25,8 @@ def hand_plan(config, *, tp: int, pp: int, layers: list[tuple[int, int]], schedu
     return Plan(model="tiny", model_type=config.model_type, num_layers=config.num_hidden_layers, tp=tp, pp=pp,
                 dp=dp, virtual_stages=len(layers) // pp, schedule=schedule, micro_batches=micro_batches,
                 spec=TrainingSpec(method=method, seq_len=seq_len, dtype="float32"), stages=stages, step_time_s=0.0,
-                bubble_fraction=0.0, tied_embeddings=bool(config.tie_word_embeddings))
+                bubble_fraction=0.0, tied_embeddings=bool(config.tie_word_embeddings),
+                fused_experts=bool(expert_parameters(config)))
 
 
 def reference_name(name: str, *, tied: bool) -> str:

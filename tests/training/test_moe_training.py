@@ -1,10 +1,11 @@
-"""MoE training beyond one pipeline: data-parallel replicas, and resuming under another split."""
+"""MoE training beyond one pipeline: data-parallel replicas, resuming under another split, QLoRA with 4-bit experts."""
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 
-from hfsplit.training.options import tiny_demo_options
+from hfsplit.training.options import FinetuneOptions, tiny_demo_options
 from tests.parallel.launcher import launch
 from tests.training.test_trainer import reference_training, run_options, saved_model
 
@@ -15,8 +16,8 @@ EXPERT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_
 
 @pytest.mark.slow
 def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(tiny_checkpoint, tmp_path):
-    """pp=2 × dp=2 on four ranks, Qwen3-MoE full and Mixtral LoRA (attention and experts) with the router
-    auxiliary loss: every step equals
+    """pp=2 × dp=2 on four ranks, Qwen3-MoE full, Mixtral LoRA (attention and experts) and Mixtral QLoRA with 4-bit
+    experts adapted (`check_4bit_expert_run`), with the router auxiliary loss: every step equals
     transformers over the global batch, each micro-batch its own forward whose loss adds coef × its aux loss (the
     replicas' losses and gradients averaged as one process accumulating the global batch's micro-batches). The full
     run's checkpoint (pp=2, dp=2) then resumes on one rank (pp=1, the same global batch as 8 micro-batches) and
@@ -28,8 +29,15 @@ def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(t
     # two dense layers, then two expert layers: LoRA's default targets (attention) on a stage of expert layers only
     mixed = dict(run_options(tiny_checkpoint("qwen3_moe", mlp_only_layers=[0, 1], **ROUTED), tmp_path, "lora", tp=1,
                              pp=2, max_memory="4x1GiB"), max_steps=4, output_dir=str(tmp_path / "mixed"))
-    results = launch("tests.training.cases:finetune_losses", world_size=4, kwargs={"runs": [full, lora, mixed]},
-                     timeout_s=400)
+    # QLoRA, 4-bit experts with LoRA on them (router loss on): against one process on the dequantized NF4 bytes
+    qlora = dict(run_options(tiny_checkpoint("mixtral", **ROUTED), tmp_path, "qlora", tp=1, pp=2, max_memory="4x1GiB"),
+                 max_steps=6, lora_targets=EXPERT_TARGETS, output_dir=str(tmp_path / "qlora"))
+    probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 256, (8, 16), generator=torch.Generator().manual_seed(2))
+    both = launch("tests.training.test_moe_training:losses_and_4bit_runs", world_size=4, timeout_s=500,
+                  kwargs={"runs": [full, lora, mixed], "qlora_runs": [qlora], "probe": probe, "ids": ids})
+    check_4bit_expert_run(qlora, [r[1][0] for r in both], replicas=2, probe=probe, ids=ids)
+    results = [r[0] for r in both]
     assert all(r == results[0] for r in results)  # every rank reports the global loss
     trained = {}
     for run, split_losses in zip((full, lora, mixed), results[0]):
@@ -47,63 +55,133 @@ def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(t
     assert resumed == pytest.approx(results[0][0][4:], rel=1e-5)
 
 
-def qlora_moe_runs(runs: list[dict], probe: torch.Tensor) -> list[dict]:
-    """`qlora_moe_run` of each run in turn, in one launch of ranks."""
-    return [qlora_moe_run(run, probe) for run in runs]
-
-
-def qlora_moe_run(run: dict, probe: torch.Tensor) -> dict:
-    """On every rank: the recipe's QLoRA run (`build_run` then `fit`), its losses, the trained split's logits on
-    `probe`, and how this rank's stages hold their block weights (4-bit linears, 16-bit fused experts)."""
-    import bitsandbytes as bnb
-
+def qlora_moe_runs(runs: list[dict], probe: torch.Tensor, ids: torch.Tensor) -> list[dict]:
+    """On every rank, each run in turn as the recipe trains it (`build_run`, `fit`): one step's gradients on `ids`
+    (then dropped), the losses and step times, the trained split's logits on `probe`, this rank's 4-bit experts'
+    packed bytes ({model name: bytes}), and its planned bytes against the measured peak of one more step
+    (scripts/bench_moe.py runs it too)."""
+    from hfsplit.plan import rank_total
+    from hfsplit.apply.quantized_experts import is_quantized_experts
     from hfsplit.training.run import build_run
-    from hfsplit.training.trainer import fit
+    from hfsplit.training.trainer import fit, train_step
+    from tests.parallel.apply_cases import LiveStorages
+    from tests.training.test_qlora import held_bytes_of
 
-    run = build_run(tiny_demo_options(**run), progress=False)
-    losses = fit(run).losses
-    modules = [m for stage in run.model.stages for m in stage.modules()]
-    experts = {n: (type(p).__name__, str(p.dtype)) for stage in run.model.stages for n, p in stage.named_parameters()
-               if p.dim() == 3}
-    return {"losses": losses, "logits": run.model.forward(probe, broadcast=True), "experts": experts,
-            "linear4bit": sum(isinstance(m, bnb.nn.Linear4bit) for m in modules),
-            "linear": sum(type(m) is torch.nn.Linear for m in modules if not _adapter(m, modules))}
+    out = []
+    for options in runs:
+        run = build_run(tiny_demo_options(**options), progress=False)
+        model = run.model
+        model.step(ids, ids, run.loss_fn)
+        grads = {n: p.grad.clone() for s in model.stages for n, p in s.named_parameters() if p.grad is not None}
+        run.optimizer.zero_grad(set_to_none=True)
+        result = fit(run)
+        losses = result.losses
+        packed = {f"{name}.{param}".replace(".base_layer", ""): store.packed.clone() for s in model.stages for name, experts in s.named_modules()
+                  if is_quantized_experts(experts) for param, store in experts.nf4_experts.items()}
+        logits = model.forward(probe, broadcast=True)
+        held = held_bytes_of(model) + sum(t.nbytes for state in run.optimizer.state.values() for t in state.values()
+                                          if isinstance(t, torch.Tensor))
+        with LiveStorages() as live:
+            train_step(run, next(run.batches))
+        planned = rank_total(model.plan.stages[i].memory for i in model.stage_indices)
+        out.append(dict(losses=losses, grads=grads, logits=logits, packed=packed, measured=held + live.peak,
+                        planned=planned, steps=model.plan.steps(), applied=model.plan.applied,
+                        step_times_s=result.step_times_s))
+        del run, model
+    return out
 
 
-def _adapter(linear, modules) -> bool:
-    """Whether `linear` is a peft adapter matrix (lora_A / lora_B) or the head, not a block's base weight."""
-    return any(linear is getattr(m, "lm_head", None) for m in modules) or any(
-        linear in list(d.values()) for m in modules for d in (getattr(m, "lora_A", {}), getattr(m, "lora_B", {})))
+def losses_and_4bit_runs(runs: list[dict], qlora_runs: list[dict], probe: torch.Tensor, ids: torch.Tensor):
+    """On every rank: `finetune_losses(runs)`, then `qlora_moe_runs(qlora_runs, ...)` (one launch for both)."""
+    from tests.training.cases import finetune_losses
+
+    return finetune_losses(runs), qlora_moe_runs(qlora_runs, probe, ids)
+
+
+def dequantized_expert_base(options: FinetuneOptions):
+    """(transformers + bitsandbytes' base of `options` with its fused experts holding their NF4 bytes dequantized,
+    those bytes {model name: packed}): the reference a 4-bit-experts run equals (the same bytes, quantized by
+    `hfsplit.apply.quantized_experts` from the same checkpoint values)."""
+    from hfsplit.apply.quantized_experts import dequantized_experts, experts_modules, quantize_experts
+    from tests.training.test_qlora import bnb_config, quantized_base
+
+    base, packed = quantized_base(options), {}
+    for index, layer in enumerate(base.model.layers):
+        for name, experts in experts_modules(layer):
+            twin = copy.deepcopy(experts)
+            quantize_experts(twin, bnb_config(options), device=torch.device("cpu"))
+            for param, store in twin.nf4_experts.items():
+                getattr(experts, param).data.copy_(dequantized_experts(twin, param))
+                packed[f"model.layers.{index}.{name}.{param}"] = store.packed
+    return base, packed
+
+
+def reference_grads(options: FinetuneOptions, base, ids: torch.Tensor) -> dict:
+    """One step's adapter gradients of plain peft on `base` over `ids`, micro-batch by micro-batch as the
+    schedule runs them (transformers' own loss, router auxiliary loss included where the config routes it)."""
+    from peft import get_peft_model
+
+    from hfsplit.apply.lora import lora_config, seed_lora_weights
+    from hfsplit.models.loss import causal_lm_loss
+
+    model = get_peft_model(base, lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=0.0,
+                                             targets=options.lora_targets, model_config=base.config))
+    seed_lora_weights(model, seed=options.seed)
+    routed = getattr(base.config, "output_router_logits", False)
+    for chunk in ids.chunk(options.micro_batches):
+        out = model(input_ids=chunk, labels=chunk) if routed else model(input_ids=chunk)
+        loss = out.loss if routed else causal_lm_loss(base.config.vocab_size)(out.logits, chunk)
+        (loss / options.micro_batches).backward()
+    return {n[len("base_model.model."):]: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_4bit_expert_run(run: dict, results: list[dict], *, replicas: int, probe: torch.Tensor, ids: torch.Tensor):
+    """A QLoRA run's per-rank `qlora_moe_runs` result against one process of transformers + bitsandbytes + peft on
+    the same NF4 expert bytes dequantized: the bytes themselves, one step's gradients (≤1e-5), every step's loss, the
+    trained logits, the adapter folder in plain peft on that base; and each rank's memory within ±15% of the plan."""
+    from peft import PeftModel
+
+    options = tiny_demo_options(**run)
+    base, packed = dequantized_expert_base(options)
+    split = {n: b for r in results for n, b in r["packed"].items()}
+    assert sorted(split) == sorted(packed) and all(torch.equal(split[n], packed[n]) for n in packed)
+    expected = reference_grads(options, dequantized_expert_base(options)[0], ids)
+    grads = {n: g for r in results for n, g in r["grads"].items()}
+    assert sorted(grads) == sorted(expected), run["model"]
+    worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() for n, g in expected.items())
+    want, trained = reference_training(options, replicas=replicas, base=base)
+    ratios = [r["measured"] / r["planned"] for r in results]
+    print(f"4-bit experts {run['model']}: grad rel diff {worst:.2e}; measured/planned {[round(x, 3) for x in ratios]}")
+    assert worst <= 1e-5
+    assert results[0]["losses"] == pytest.approx(want, rel=1e-5)
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    assert all(0.85 <= x <= 1.15 for x in ratios), ratios
+    assert all(r["applied"] == r["steps"] and "MoE experts nf4 too" in " ".join(map(str, r["steps"])) for r in results)
+    loaded = PeftModel.from_pretrained(dequantized_expert_base(options)[0], Path(run["output_dir"]) / "adapter").train()
+    with torch.no_grad():
+        assert (trained(input_ids=probe).logits - results[0]["logits"]).abs().max() < 1e-5
+        assert (loaded(input_ids=probe).logits - results[0]["logits"]).abs().max() < 1e-5
 
 
 @pytest.mark.slow
-def test_moe_qlora_split_equals_transformers_bnb_peft(tiny_checkpoint, tmp_path):
-    """Mixtral and gpt-oss QLoRA on pp=2 (router auxiliary loss on), one launch, each equal to one process of
-    transformers + bitsandbytes + peft: transformers quantizes the nn.Linear layers (attention; gpt-oss's biased
-    q/k/v/o) and leaves the fused 3-D experts and the router in the compute dtype, and so does hfsplit; every step's
-    loss, and the trained logits."""
-    runs = [dict(run_options(tiny_checkpoint(arch, **ROUTED), tmp_path, "qlora", tp=1, pp=2, max_memory="2x1GiB"),
-                 max_steps=8, output_dir=str(tmp_path / f"{arch}-qlora")) for arch in ("mixtral", "gpt_oss")]
+def test_moe_qlora_4bit_experts_split_equals_transformers_on_the_dequantized_bytes(tiny_checkpoint, tmp_path):
+    """pp=2, 20 QLoRA steps, each MoE's experts 4-bit: Mixtral with LoRA on attention (router auxiliary loss on), and
+    Qwen3-MoE with LoRA on attention and on the 4-bit experts (peft target parameters); each against one process on
+    the same NF4 bytes dequantized (`check_4bit_expert_run`). Mixtral's `--merge` folder loads in transformers and
+    gives the trained logits."""
+    runs = [dict(run_options(tiny_checkpoint("mixtral", **ROUTED), tmp_path, "qlora", tp=1, pp=2, max_memory="2x1GiB"),
+                 output_dir=str(tmp_path / "mixtral"), merge=True),
+            dict(run_options(tiny_checkpoint("qwen3_moe"), tmp_path, "qlora", tp=1, pp=2, max_memory="2x1GiB"),
+                 lora_targets=EXPERT_TARGETS, output_dir=str(tmp_path / "qwen3_moe"))]
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 256, (8, 16), generator=torch.Generator().manual_seed(2))
     results = launch("tests.training.test_moe_training:qlora_moe_runs", world_size=2,
-                     kwargs={"runs": runs, "probe": probe}, timeout_s=400)
+                     kwargs={"runs": runs, "probe": probe, "ids": ids}, timeout_s=400)
     for index, run in enumerate(runs):
-        check_moe_qlora(run, [r[index] for r in results], probe)
+        check_4bit_expert_run(run, [r[index] for r in results], replicas=1, probe=probe, ids=ids)
+    # --merge: a plain fp32 folder, the experts dequantized and stored one by one as transformers saves them
+    from transformers import AutoModelForCausalLM
 
-
-def check_moe_qlora(run: dict, results: list[dict], probe: torch.Tensor) -> None:
-    """One QLoRA run's ranks against transformers + bitsandbytes + peft on the same base."""
-    from tests.training.test_qlora import quantized_base
-
-    options = tiny_demo_options(**run)
-    base = quantized_base(options)
-    held = {n: (type(p).__name__, str(p.dtype)) for n, p in base.named_parameters() if p.dim() == 3}
-    expected, trained = reference_training(options, base=base)
-    assert results[0]["losses"] == pytest.approx(expected, rel=1e-5)
-    assert all(r["losses"] == results[0]["losses"] for r in results)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral" / "merged", dtype=torch.float32)
     with torch.no_grad():
-        assert (trained(input_ids=probe).logits - results[0]["logits"]).abs().max() < 1e-4
-    assert set(held.values()) == {("Parameter", "torch.float32")}  # transformers: experts not quantized
-    split = {n: v for r in results for n, v in r["experts"].items()}
-    assert len(split) == len(held) and set(split.values()) == set(held.values())
-    assert all(r["linear4bit"] == 2 * 4 and r["linear"] == 0 for r in results)  # q/k/v/o of each rank's 2 blocks
+        assert (merged(input_ids=probe).logits - results[0][0]["logits"]).abs().max() < 1e-4

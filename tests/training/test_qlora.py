@@ -349,3 +349,23 @@ def test_quantized_load_peak_host_ram_stays_within_one_block_plus_quantized_byte
         assert r["peak"] > r["base"] + r["held"] / 2, (where, r)  # the peak really measures the load
         assert r["peak"] - r["base"] <= r["block"] + 1.1 * r["held"] + (16 << 20), (where, r)
         assert r["held"] < dense_all / 3
+
+
+@pytest.mark.slow
+def test_moe_4bit_load_peak_host_ram_stays_within_one_expert_plus_quantized_bytes(tmp_path, tiny_checkpoint):
+    """The same bound for an MoE whose experts are 4-bit (a split rank, and one process): the 16-bit experts are
+    read one expert at a time into a one-expert staging buffer, so the peak stays within the RSS before the load +
+    a block's linears + one expert's largest matrix in 16 bits + 1.1 × the bytes held (+16 MiB); a layer's 16-bit
+    experts (48 MiB here) are never all on the host, nor the model's (192 MiB)."""
+    from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "moe", "mixtral", num_layers=4, hidden=512, heads=8, kv_heads=4,
+                                 intermediate=1024, vocab=1024, num_local_experts=8)
+    one_expert = 2 * 1024 * 512 * 4  # gate_up_proj's [2I, H] in fp32
+    for where in ("single", "split"):
+        (r,) = launch("tests.training.test_qlora:load_peaks", world_size=1, timeout_s=300,
+                      kwargs={"checkpoint": str(path), "warmup": str(tiny_checkpoint("mixtral")), "split": where == "split"})
+        print(where, {k: v >> 20 for k, v in r.items()}, "MiB; rise", (r["peak"] - r["base"]) >> 20, "MiB")
+        assert r["peak"] > r["base"] + r["held"] / 2, (where, r)
+        assert r["peak"] - r["base"] <= r["block"] + one_expert + 1.1 * r["held"] + (16 << 20), (where, r)
+        assert r["held"] < 4 * 8 * 3 * 1024 * 512 * 4 / 5  # the experts are 4-bit: about 1/7 of their fp32 bytes

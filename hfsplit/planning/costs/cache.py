@@ -10,9 +10,10 @@ import os
 from pathlib import Path
 from typing import Optional
 
-CACHE_VERSION = 6  # 2: MoE blocks traced with grouped experts (routed rows only); 3: MoE experts sharded by TP;
-# 4: frozen experts save no routed rows (trace_moe); 5: sdpa blocks without a mask where the run has none;
-# 6: a block's backward peak without the saved tensors autograd has already freed
+CACHE_VERSION = 7  # 2: MoE blocks traced with grouped experts (routed rows only); 3: MoE experts sharded by TP;
+# 4: frozen experts save no routed rows (costs.moe); 5: sdpa blocks without a mask where the run has none;
+# 6: a block's backward peak without the saved tensors autograd has already freed; 7: 4-bit MoE experts'
+# dequantized matrices (TrainingSpec.quantize_experts)
 
 
 def cache_dir() -> Path:

@@ -10,19 +10,20 @@ The planner relies on exactly the public names below.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 
-
-from hfsplit.checkpoint.quantized import quantized_linear_bytes
+from hfsplit.checkpoint.quantized import quantized_experts_bytes, quantized_linear_bytes
 from hfsplit.errors import PlanError
 from hfsplit.models.expert_lora import expert_lora_numel, expert_parameters
 from hfsplit.models.families import tp_degree_error
 from hfsplit.models.layer_kinds import kind_config, layer_kinds
-from hfsplit.models.layout import block_linear_names, meta_model, routed_expert_numel
+from hfsplit.models.layout import block_linear_names, meta_model, one_layer_config, routed_expert_numel
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.optimizer import moments_bytes, shared_bytes
 from hfsplit.planning.costs.layout import (
-    CONFIGS, LORA_ADAPTER_DTYPE, Layout, Linear, dtype_of, head_dim, keyed, layout_of, lora_targets, rank_layer_config,
+    CONFIGS, LORA_ADAPTER_DTYPE, Layout, Linear, dtype_of, head_dim, keyed, layout_of, lora_targets, parts,
+    rank_layer_config,
 )
 from hfsplit.planning.costs.masks import stage_mask_bytes
 from hfsplit.planning.costs.trace import BlockTrace
@@ -234,7 +235,7 @@ def _part_state(layout: Layout, spec: TrainingSpec, tp: int, config, part: str, 
         grads, optim, values = numel * size, moments_bytes(trainable, spec.optim) + master * numel, numel
     elif spec.method in ("lora", "qlora") and part == "block":
         values = sum(trainable)
-        params = quantized_block_bytes(layout, spec) if spec.method == "qlora" else params
+        params = quantized_block_bytes(layout, spec, config) if spec.method == "qlora" else params
         params, grads = params + values * LORA_ADAPTER_DTYPE.itemsize, values * LORA_ADAPTER_DTYPE.itemsize
         optim = moments_bytes(trainable, spec.optim)
     return dict(param_bytes=params, grad_bytes=grads, optimizer_bytes=optim, trainable_numel=values,
@@ -268,7 +269,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     # Block FLOPs: every matmul parameter (base + adapter) × 2 per token, plus QKᵀ and AV.
     matmul_numel = sum(
         lin.in_features * lin.out_features // (tp if lin.shard else 1) for lin in layout.linears
-    ) + lora_numel + routed_expert_numel(config) // tp  # MoE: only the top-k experts a token is routed to
+    ) + _routed_lora_numel(lora_numel, config, spec) + routed_expert_numel(config) // tp  # MoE: the top-k experts
     heads_dim = config.num_attention_heads // tp * head_dim(config)
     block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * spec.seq_len**2 * heads_dim
     block_flops = block_fwd * (passes + (1 if ckpt else 0))
@@ -279,7 +280,11 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
 
     block_acts, block_ws, offload = _block_memory(trace, spec, hidden_bytes=hidden_bytes, tp=tp)
     if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
-        block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size)
+        experts = _experts_4bit(config, spec)  # their dequantized matrices: in the trace (costs.moe)
+        block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size,
+                                                experts=[shape for _, shape in experts.values()])
+        split = split_lora_activation_bytes(config, spec, itemsize=size)  # kept per micro-batch, recomputed if ckpt
+        block_acts, block_ws = (block_acts, block_ws + split) if ckpt else (block_acts + split, block_ws)
     embed = PartCost(**state("embed"), activation_bytes=ends.embed_activations,
                      workspace_bytes=ends.embed_workspace, flops=0.0)
     block = PartCost(**state("block"), activation_bytes=block_acts, workspace_bytes=block_ws, flops=block_flops,
@@ -355,10 +360,61 @@ def _deferred_grad_bytes(layout: Layout, spec: TrainingSpec, config, tp: int) ->
 
 def _traced_spec(spec: TrainingSpec) -> TrainingSpec:
     """The spec a run's parts are traced with: QLoRA's activations as LoRA's, under autocast where the run
-    autocasts (`TrainingSpec.autocast_dtype`; other methods never do)."""
+    autocasts (`TrainingSpec.autocast_dtype`; other methods never do), its `quantize_experts` whether the traced
+    experts are 4-bit (each grouped matmul holding their dequantized matrices). With 4-bit experts their LoRA is applied
+    split (`hfsplit.apply.quantized_experts`), not by peft's dense ΔW the trace would build: the trace adapts the
+    other targets and `split_lora_activation_bytes` adds what the split adapters keep."""
     if spec.method == "qlora":
-        return replace(spec, method="lora", autocast=spec.autocast_dtype is not None)
-    return replace(spec, autocast=None)
+        targets = spec.lora_targets
+        if spec.experts_in_4bit and targets is not None and _EXPERT_NAMES & set(targets):
+            targets = tuple(t for t in targets if t not in _EXPERT_NAMES) or None
+        return replace(spec, method="lora", autocast=spec.autocast_dtype is not None, lora_targets=targets,
+                       quantize_experts=spec.experts_in_4bit)
+    return replace(spec, autocast=None, quantize_experts=False)
+
+
+# The fused expert parameter names LoRA may target (transformers' experts modules; expert_lora.expert_parameters).
+_EXPERT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})
+
+
+def _experts_4bit(config, spec: TrainingSpec) -> dict:
+    """{name: (path, shape)} of the fused expert parameters a `spec` run holds in 4 bits ({} for none)."""
+    return expert_parameters(config) if spec.experts_in_4bit else {}
+
+
+def split_lora_activation_bytes(config, spec: TrainingSpec, *, itemsize: int) -> int:
+    """Bytes one block's split LoRA on 4-bit experts keeps for backward per micro-batch: for each targeted expert
+    parameter, the routed rows it reads (tokens × top-k × its input width, kept for A's gradient: the frozen 4-bit
+    matmul keeps none), their rank-r projection (for B's gradient), B's contiguous copy in the compute dtype (its
+    per-expert slices are strided across experts), and A's copy where the adapters' fp32 differs from it."""
+    experts = _experts_4bit(config, spec)
+    targeted = [experts[t][1] for t in dict.fromkeys(spec.lora_targets or ()) if t in experts]
+    if not targeted:
+        return 0
+    rows = spec.micro_batch_size * spec.seq_len * (getattr(config, "num_experts_per_tok", 0) or 0)
+    transposed = _is_transposed(config)
+    cast = itemsize != LORA_ADAPTER_DTYPE.itemsize
+    total = 0
+    for experts, d1, d2 in targeted:
+        width, out = (d1, d2) if transposed else (d2, d1)
+        total += rows * (width + spec.lora_r) * itemsize + experts * spec.lora_r * (out + (width if cast else 0)) * itemsize
+    return total
+
+
+def _is_transposed(config) -> bool:
+    """Whether `config`'s fused experts hold `[E, in, out]` (gpt-oss), read from the real class on meta."""
+    model = meta_model(one_layer_config(config))
+    return any(getattr(sub, "is_transposed", False) for sub in parts(model)[1].modules())
+
+
+def _routed_lora_numel(lora_numel: int, config, spec: TrainingSpec) -> int:
+    """Adapter elements a token's matmuls pass through: split LoRA on 4-bit experts runs only the routed experts'
+    slices (top-k of E), peft's dense ΔW every expert's."""
+    if not spec.experts_in_4bit or spec.method != "qlora":
+        return lora_numel
+    experts = expert_lora_numel(config, spec.lora_targets, spec.lora_r)
+    count = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 1
+    return lora_numel - experts + experts * (getattr(config, "num_experts_per_tok", 0) or 0) // count
 
 
 def weight_bytes(config, spec: TrainingSpec) -> int:
@@ -375,21 +431,23 @@ def weight_bytes(config, spec: TrainingSpec) -> int:
 def _block_weight_bytes(config, spec: TrainingSpec) -> int:
     layout = layout_of(keyed(config))
     if spec.method == "qlora":
-        return quantized_block_bytes(layout, spec)
+        return quantized_block_bytes(layout, spec, config)
     return (layout.block_numel_replicated + layout.block_numel_sharded) * dtype_of(spec.dtype).itemsize
 
 
-def quantized_block_bytes(layout: Layout, spec: TrainingSpec) -> int:
-    """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, the rest
-    (norms, biases) in the spec's dtype."""
+def quantized_block_bytes(layout: Layout, spec: TrainingSpec, config) -> int:
+    """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, an MoE's fused
+    experts' where they are 4-bit (`TrainingSpec.experts_in_4bit`, each expert quantized alone), the rest (norms,
+    biases, the router) in the spec's dtype."""
+    experts = [shape for _, shape in _experts_4bit(config, spec).values()]
     weights = sum(lin.in_features * lin.out_features for lin in layout.linears)
-    rest = layout.block_numel_replicated + layout.block_numel_sharded - weights
+    rest = layout.block_numel_replicated + layout.block_numel_sharded - weights - sum(map(math.prod, experts))
     return rest * dtype_of(spec.dtype).itemsize + sum(
         quantized_linear_bytes(lin.in_features, lin.out_features, quant_type=spec.bnb_4bit_quant_type,
                                double_quant=spec.bnb_4bit_use_double_quant, load_in_8bit=spec.load_in_8bit)
-        for lin in layout.linears)
-
-
+        for lin in layout.linears) + sum(
+        quantized_experts_bytes(*shape, quant_type=spec.bnb_4bit_quant_type, double_quant=spec.bnb_4bit_use_double_quant)
+        for shape in experts)
 
 
 # Dequantizing one 4-bit value (and its double-quantized absmax share) costs as much time as this many matmul
@@ -398,17 +456,20 @@ def quantized_block_bytes(layout: Layout, spec: TrainingSpec) -> int:
 DEQUANTIZE_FLOPS_PER_VALUE = 250.0
 
 
-def with_dequantize(workspace: int, flops: float, linears, spec, *, itemsize: int) -> tuple[int, float]:
-    """One QLoRA block's per-micro-batch (workspace bytes, FLOPs) with what dequantizing its `linears` adds.
+def with_dequantize(workspace: int, flops: float, linears, spec, *, itemsize: int, experts=()) -> tuple[int, float]:
+    """One QLoRA block's per-micro-batch (workspace bytes, FLOPs) with what dequantizing its `linears` and its 4-bit
+    fused `experts` (shapes `[E, d1, d2]`) adds.
 
     Forward and backward each dequantize one weight at a time to the compute dtype, so the workspace is the
-    largest weight in 16 bits. bitsandbytes dequantizes every 4-bit weight afresh in forward, in backward (input
-    gradient) and, under activation checkpointing, in the recompute, for each micro-batch: a fixed time per
-    micro-batch, not per token, so fewer and larger micro-batches pay it fewer times (what the time model's
-    micro-batch choice weighs). 8-bit weights are not counted (not measured).
+    largest linear weight in 16 bits (4-bit experts' dequantized matrices are in the block's trace, at the moment
+    each grouped matmul holds them: `hfsplit.planning.costs.moe`). bitsandbytes dequantizes every 4-bit weight
+    afresh in forward, in backward (input gradient) and, under activation checkpointing, in the recompute, for
+    each micro-batch: a fixed time per micro-batch, not per token, so fewer and larger micro-batches pay it fewer
+    times (what the time model's micro-batch choice weighs). 8-bit weights are not counted (not measured).
     """
     sizes = [lin.in_features * lin.out_features for lin in linears]
     workspace += max(sizes) * itemsize
+    sizes += [math.prod(shape) for shape in experts]  # counted as every expert routed, as a long micro-batch does
     if spec.load_in_8bit:
         return workspace, flops
     passes = 3 if spec.activation_checkpointing else 2

@@ -9,6 +9,10 @@ rows (tokens × top-k × hidden) and the down projection's input (tokens × top-
 run never keeps (measured/planned read 0.82-0.86 with checkpointing off). `grouped_mm_as_torch_saves` runs the
 same fallback op but saves like torch's, and computes only the gradients that are needed, as torch's does.
 Pre-Ampere GPUs run the fallback op itself and so keep those rows: there a frozen-expert plan is short by them.
+
+4-bit experts (`hfsplit.apply.quantized_experts`) dequantize the routed experts' matrices for each grouped matmul, in
+forward and again in backward, and free them after it: `grouped_mm_as_torch_saves(..., dequantized=True)` holds a
+fresh tensor of the weight's size (every expert routed) for the call, at the moment the run holds it.
 """
 from __future__ import annotations
 
@@ -21,20 +25,28 @@ def _fallback(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> 
 
 class _GroupedMm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, offs):
+    def forward(ctx, input, weight, offs, dequantized):
         # the weights (parameters, or a view of them) and the offsets are always kept, as torch keeps them
         ctx.save_for_backward(input if ctx.needs_input_grad[1] else None, weight, offs)
-        return _fallback(input, weight, offs)
+        ctx.dequantized = dequantized
+        return _fallback(input, _as_run(weight, dequantized), offs)
 
     @staticmethod
     def backward(ctx, grad):
         input, weight, offs = ctx.saved_tensors
         if ctx.needs_input_grad[1]:  # full training or adapters merged into the experts: both, as before
             grad_input, grad_weight = torch.ops.transformers.grouped_mm_fallback_backward(input, weight, offs, grad)
-            return (grad_input if ctx.needs_input_grad[0] else None), grad_weight, None
-        return _fallback(grad, weight.transpose(-2, -1), offs), None, None
+            return (grad_input if ctx.needs_input_grad[0] else None), grad_weight, None, None
+        return _fallback(grad, _as_run(weight, ctx.dequantized).transpose(-2, -1), offs), None, None, None
 
 
-def grouped_mm_as_torch_saves(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """transformers' `integrations.moe._grouped_mm` for a trace: (S, in) rows sorted by expert @ (E, in, out)."""
-    return _GroupedMm.apply(input.to(weight.dtype), weight, offs)
+def _as_run(weight: torch.Tensor, dequantized: bool) -> torch.Tensor:
+    """The weight the run multiplies by: 4-bit experts' freshly dequantized matrices (a new tensor for the call)."""
+    return torch.empty_like(weight) if dequantized else weight
+
+
+def grouped_mm_as_torch_saves(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, *,
+                              dequantized: bool = False) -> torch.Tensor:
+    """transformers' `integrations.moe._grouped_mm` for a trace: (S, in) rows sorted by expert @ (E, in, out);
+    `dequantized`: the experts are 4-bit, each call dequantizing them (forward, and again in backward)."""
+    return _GroupedMm.apply(input.to(weight.dtype), weight, offs, dequantized)

@@ -246,7 +246,7 @@ def block_events(key: str, spec: TrainingSpec, tp: int) -> BlockEvents:
     shape = (spec.micro_batch_size, spec.seq_len, config.hidden_size)
     mode = FakeTensorMode()
     model, block, kwargs, _ = _fake_model(key, spec, tp, mode)
-    with mode, _grouped_experts_on_fake_tensors():
+    with mode, _grouped_experts_on_fake_tensors(dequantized=_traces_4bit_experts(spec)):
         set_trainable(block, spec)
         params = list(block.parameters())
 
@@ -331,13 +331,21 @@ def trace_ends(key: str, spec: TrainingSpec) -> EndsTrace:
         return EndsTrace(embed_acts, max(embed_ws, 0), head_acts, max(head_ws, 0))
 
 
+def _traces_4bit_experts(spec: TrainingSpec) -> bool:
+    """Whether a traced spec is a QLoRA run's with 4-bit experts: `hfsplit.planning.costs.model` traces QLoRA as
+    LoRA with `autocast` a bool (None for every other method, and in a spec nobody traced) and `quantize_experts`
+    set to `experts_in_4bit`."""
+    return spec.autocast is not None and spec.quantize_experts
+
+
 @contextmanager
-def _grouped_experts_on_fake_tensors():
+def _grouped_experts_on_fake_tensors(*, dequantized: bool = False):
     """MoE blocks traced as they run: transformers' grouped experts (`grouped_mm`, the tokens × top-k routed rows
     only). Torch's meta kernel of `grouped_mm` takes bf16 only, so other dtypes go through transformers' fallback op
-    (its fake kernel takes every dtype), wrapped by `trace_moe` to save for backward what torch's op saves: with
-    frozen experts, not the routed rows. The `batched_mm` alternative would gather each routed row's expert
-    matrices (5-17x the measured peak)."""
+    (its fake kernel takes every dtype), wrapped by `hfsplit.planning.costs.moe` to save for backward what torch's
+    op saves: with frozen experts, not the routed rows. The `batched_mm` alternative would gather each routed row's
+    expert matrices (5-17x the measured peak). `dequantized`: 4-bit experts, every call through the wrapper, which
+    holds the dequantized matrices for the call as `hfsplit.apply.quantized_experts` does."""
     try:
         from transformers.integrations import moe
     except ImportError:  # a transformers without fused experts: nothing to route
@@ -346,8 +354,9 @@ def _grouped_experts_on_fake_tensors():
 
     grouped_mm = moe._grouped_mm
     moe._grouped_mm = lambda input, weight, offs: (
-        grouped_mm(input, weight, offs) if weight.dtype == torch.bfloat16 and moe._can_use_grouped_mm(input, weight, offs)
-        else grouped_mm_as_torch_saves(input, weight, offs))
+        grouped_mm(input, weight, offs) if not dequantized and weight.dtype == torch.bfloat16
+        and moe._can_use_grouped_mm(input, weight, offs) else grouped_mm_as_torch_saves(input, weight, offs,
+                                                                                       dequantized=dequantized))
     try:
         yield
     finally:

@@ -38,9 +38,9 @@ def block_trace(key: str, spec, tp: int):
 
 def ends_trace(key: str, spec):
     """`trace.trace_ends` for `spec`, from memory, disk, or a new trace."""
-    # packing changes the blocks' masks only: an ends trace serves both
-    return _cached("ends", key, replace(trace_spec(spec), packing=False), None, lambda k, s, _: trace_ends(k, s),
-                   EndsTrace)
+    # packing changes the blocks' masks only, 4-bit experts only the blocks: an ends trace serves them all
+    return _cached("ends", key, replace(trace_spec(spec), packing=False, quantize_experts=False), None,
+                   lambda k, s, _: trace_ends(k, s), EndsTrace)
 
 _MEMO: dict[str, object] = {}
 
