@@ -9,7 +9,9 @@ from typing import Optional, Sequence
 
 from .budget import parse_max_memory, parse_size
 from .errors import HfsplitError
-from .training.options import FinetuneOptions, add_option_arguments, options_from, plan_arguments
+from . import third_party_logs
+from .training.options import (ACCELERATE_CPU_CONFIG, FinetuneOptions, add_option_arguments, options_from,
+                               plan_arguments)
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
@@ -99,7 +101,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="hfsplit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan_parser(sub)
+    sub.add_parser("accelerate-config", help="print the path of the bundled accelerate config for CPU ranks",
+                   description="accelerate launch --config_file \"$(hfsplit accelerate-config)\" -m hfsplit.finetune "
+                               "runs the built-in demo on two CPU ranks from an installed package")
     args = parser.parse_args(argv)
+    if args.command == "accelerate-config":
+        print(ACCELERATE_CPU_CONFIG)
+        return 0
+    third_party_logs.install()
     try:
         return run_plan(args)
     except HfsplitError as exc:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from typing import Optional
 
 import torch
 from torch import nn
 
+from . import third_party_logs
 from .errors import QuantizationError
 
 _BLOCKSIZE = 64  # Params4bit's default block size (BitsAndBytesConfig has no knob for it)
@@ -55,10 +57,12 @@ def check_quantization(qconfig, *, device: torch.device) -> None:
         raise QuantizationError("the quantization config quantizes nothing: set load_in_4bit=True or load_in_8bit=True")
     if not qconfig.load_in_8bit and qconfig.bnb_4bit_quant_type not in ("nf4", "fp4"):
         raise QuantizationError(f"{what}: bitsandbytes knows nf4 and fp4; use --bnb-4bit-quant-type nf4")
+    third_party_logs.install()  # its import-time warning about optional kernels: one line of our own instead
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as exc:
         raise QuantizationError(f"QLoRA needs bitsandbytes ({exc}); pip install bitsandbytes") from None
+    third_party_logs.explain_missing_kernels()
     probe = nn.Linear(_BLOCKSIZE, _BLOCKSIZE, bias=False)
     try:
         layer = quantize_linear(probe, qconfig, device=device)
@@ -319,8 +323,9 @@ def dequantized(param: torch.Tensor, layer: Optional[nn.Module] = None) -> torch
 
     `layer` is the module holding `param`: a `Linear8bitLt`'s first forward moves the row scales (SCB) off its
     weight onto `layer.state`, so an 8-bit weight that has run is read with the layer's scales."""
-    import bitsandbytes as bnb
-
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:  # nothing in this process quantized: no bitsandbytes weight exists, and no import is made
+        return param
     if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
         data, state = param.data, param.quant_state
         if getattr(state, "packing_format_for_cpu", False):  # repacked by bnb's CPU inference kernel (eval mode)

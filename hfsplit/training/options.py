@@ -22,6 +22,8 @@ from ..plan import TrainingSpec
 
 GROUPS = ("model", "data", "method", "parallelism", "optimisation", "checkpoints", "faults")
 TINY_RECIPE = Path(__file__).parent / "bundled" / "tiny.yaml"
+# accelerate launch on CPU ranks needs its multi-process launcher (STACK.md): `hfsplit accelerate-config` prints it.
+ACCELERATE_CPU_CONFIG = Path(__file__).parent / "bundled" / "accelerate_cpu.yaml"
 
 
 def option(default, group: str, help: str, **metadata):
