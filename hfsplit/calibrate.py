@@ -6,7 +6,8 @@ below the matmul peak), so the recipe times one forward + backward of one real d
 of the model at the run's micro-batch shape on the rank's own device, and divides the block's
 counted FLOPs by it. The figure is cached on disk (`hfsplit.trace_cache.cache_dir`) per device
 kind, dtype and block shape, so a run measures once. `hfsplit plan` on a machine without the
-target GPUs uses `KNOWN_FLOPS` (or `--device-flops`).
+target GPUs uses the bundled table of GPU kinds (`hfsplit.gpu_kinds`, `hfsplit.kind_rates`) where the budget names
+kinds, and finds a run's measurement of the same kind and block shape in this cache.
 
 The link between ranks is measured at launch too (`probe_link`): every rank sends to the next and
 receives from the previous at once, at a small and a large size, and the slowest rank's times give
@@ -23,13 +24,10 @@ from typing import Optional
 
 import torch
 
+from .gpu_kinds import gpu_kind, is_gpu_kind, kind_of_device_name
+from .kind_rates import calibration_key, measured_speeds
 from .links import Link, fit_link
 
-# Dense bf16 tensor-core peak (FLOP/s, datasheets) per GPU name fragment; a training step reaches about
-# ACHIEVED of it. Used by `hfsplit plan` for the GPU it is told about, never measured here.
-KNOWN_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
-               "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
-ACHIEVED = 0.4
 PROBE_REPEATS = 7
 # A cached FLOP/s figure is re-measured after this long, and replaced by a run's own measured rate when the
 # run's busy time differs from the estimate by more than RECHECK_FACTOR either way (see `recheck_speed`).
@@ -42,28 +40,28 @@ LINK_PROBE_REPEATS = 5
 
 
 def device_kind(device: torch.device) -> str:
-    """A name for what runs the work: the GPU model, or the CPU model, its thread count and how many ranks of
-    the launch share this host's cores (one process runs a block faster than each of two ranks sharing them:
-    a figure probed or measured by one must not plan the other)."""
+    """A name for what runs the work: the GPU's kind in the bundled table ("RTX4090", so `hfsplit plan --max-memory
+    2xRTX4090` finds what a run on one measured), else the name CUDA reports; or the CPU model, its thread count
+    and how many ranks of the launch share this host's cores (one process runs a block faster than each of two
+    ranks sharing them: a figure probed or measured by one must not plan the other)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        name = torch.cuda.get_device_name(device)
+        kind = kind_of_device_name(name)
+        return kind.name if kind is not None else name
     sharing = os.environ.get("LOCAL_WORLD_SIZE", "1")
     return f"cpu:{platform.processor() or platform.machine()}:threads={torch.get_num_threads()}:ranks={sharing}"
 
 
 def known_flops(name: str) -> Optional[float]:
-    """Achieved FLOP/s of a GPU named like `name` ("H100", "NVIDIA A100-SXM4-80GB"), from KNOWN_FLOPS."""
-    for key, peak in sorted(KNOWN_FLOPS.items(), key=lambda kv: -len(kv[0])):
-        if key.lower() in name.lower():
-            return peak * ACHIEVED
-    return None
+    """Expected FLOP/s of a GPU named like `name` ("H100", "NVIDIA A100-SXM4-80GB") from the bundled table
+    (`hfsplit.gpu_kinds`: peak dense bf16 × the kind's efficiency); None for a GPU the table lacks."""
+    kind = gpu_kind(name) if is_gpu_kind(name) else kind_of_device_name(name)
+    return kind.expected_flops if kind is not None else None
 
 
 def speed_key(config, spec, device: torch.device) -> str:
-    """The calibration cache's key: device kind, dtype, method and the block's shape at the spec's micro-batch."""
-    return (f"{device_kind(device)}|{spec.dtype}|{spec.method}|r={spec.lora_r}|b={spec.micro_batch_size}"
-            f"|s={spec.seq_len}|{config.hidden_size}|{config.intermediate_size}|{config.num_attention_heads}"
-            f"|{getattr(config, 'num_key_value_heads', None)}|{config.model_type}")
+    """The calibration cache's key for `device` (`kind_rates.calibration_key` of its `device_kind`)."""
+    return calibration_key(config, spec, device_kind(device))
 
 
 def block_flops_per_s(config, spec, device: torch.device) -> float:
@@ -200,23 +198,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def calibrated_speeds(config, spec, budgets: dict, device: torch.device) -> dict:
-    """`make_plan(device_speeds=...)` for devices all like `device`: measured FLOP/s over the planner's unit."""
+def calibrated_speeds(config, spec, budgets: dict, device: torch.device, kinds: Optional[dict] = None) -> dict:
+    """`make_plan(device_speeds=...)` of a run on `device`: its measured FLOP/s over the planner's unit for every
+    device of `budgets`, or, where the budget names GPU kinds (`kinds`, `budget.budget_kinds`) and `device` is one
+    of them, the table's ratio between the kinds scaled by the measurement (`kind_rates.measured_speeds`)."""
     from .planner import DEVICE_FLOPS
 
     if os.environ.get("HFSPLIT_NO_CALIBRATION"):
         return {}
-    speed = block_flops_per_s(config, spec, device) / DEVICE_FLOPS
-    return {key: speed for key in budgets}
+    here = kind_of_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return measured_speeds(kinds or {}, budgets, measured_flops=block_flops_per_s(config, spec, device), here=here,
+                           unit=DEVICE_FLOPS)
 
 
 def run_speeds(model_path: str, spec, max_memory) -> dict:
     """The calibrated `device_speeds` of a launched run: every rank probes its own device at once, so the
     figure includes what ranks sharing a machine cost each other (rank 0's is the one planned with)."""
-    from .budget import parse_max_memory
+    from .budget import budget_kinds, parse_max_memory
     from .checkpoint import load_config
 
-    return calibrated_speeds(load_config(model_path), spec, parse_max_memory(max_memory), _run_device())
+    return calibrated_speeds(load_config(model_path), spec, parse_max_memory(max_memory), _run_device(),
+                             kinds=budget_kinds(max_memory))
 
 
 def time_report(plan, step_times_s: list[float], busy_s: list[float]) -> str:

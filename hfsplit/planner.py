@@ -21,10 +21,11 @@ import os
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence, Union
 
-from .budget import BudgetSpec, format_bytes, parse_max_memory
+from .budget import BudgetSpec, budget_kinds, format_bytes, parse_max_memory
 from .costs import ModelCosts, PartCost, TrainingSpec, model_costs
 from .models import check_causal_lm, check_supported, tp_degree_error, valid_tp_degrees
 from .errors import PlanError
+from .kind_rates import kind_rates
 from .links import DEFAULT_LINK, Link
 from .plan import SCHEDULES, Plan, Stage, StageMemory, rank_total
 from .reserve import reserve_for
@@ -82,8 +83,10 @@ def make_plan(
         schedule: "auto" (the fastest of `schedules.AUTO_CANDIDATES` by the time model, its step per candidate
             in the plan's notes) or a name from `hfsplit.schedules.TABLE` ("1F1B", "GPipe", ...).
         activation_checkpointing: True, False, or "auto" (on only when needed to fit).
-        device_speeds: relative speed per device key (default 1 each).
-        link: the link pipeline sends and TP all-reduces use (default `links.DEFAULT_LINK`; runs: probed).
+        device_speeds: relative speed per device key (default 1 each; devices named by GPU kind: the kind's
+            rate, `hfsplit.kind_rates`).
+        link: the link pipeline sends and TP all-reduces use (default `links.DEFAULT_LINK`, or the named GPU kinds'
+            link; runs: probed).
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
         world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
         single_process: plan for one process (the model's own forward; any causal LM), not the split.
@@ -99,6 +102,10 @@ def make_plan(
     check_causal_lm(config) if single_process else check_supported(config)
     spec = spec or TrainingSpec()
     budgets = parse_max_memory(max_memory)
+    # Devices named by GPU kind: timed with the table's (or a run's measured) rate of the kind, not the unit.
+    rates = kind_rates(budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
+                       link_given=link is not None)
+    device_speeds, link = {**rates.speeds, **(device_speeds or {})}, link or rates.link
     if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
         spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
     _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing)
@@ -111,7 +118,7 @@ def make_plan(
     for ac in checkpointing:
         found = best_plan(config, budgets, replace(spec, activation_checkpointing=ac), name=name, **options)
         if found is not None:
-            return found
+            return replace(found, notes=found.notes + rates.notes)
     options["schedule"] = _diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
     raise PlanError(_explain_no_fit(config, budgets, replace(spec, activation_checkpointing=checkpointing[-1]),
                                     name=name, options=options))

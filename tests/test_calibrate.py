@@ -33,8 +33,10 @@ def test_probe_written_once_reused_and_keyed_by_kind_and_dtype(tmp_path, monkeyp
 def test_known_gpu_table_and_speeds_relative_to_the_planner_unit(tmp_path, monkeypatch):
     from hfsplit.planner import DEVICE_FLOPS
 
-    assert calibrate.known_flops("NVIDIA H100 80GB HBM3") == pytest.approx(989e12 * calibrate.ACHIEVED)
-    assert calibrate.known_flops("NVIDIA L40S") == pytest.approx(362e12 * calibrate.ACHIEVED)  # not "L4"
+    assert calibrate.known_flops("NVIDIA H100 80GB HBM3") == pytest.approx(989.5e12 * 0.40)
+    assert calibrate.known_flops("NVIDIA L40S") == pytest.approx(362.05e12 * 0.40)  # not "L4"
+    assert calibrate.known_flops("NVIDIA L4") == pytest.approx(121e12 * 0.30)
+    assert calibrate.known_flops("RTX4090") == pytest.approx(165.2e12 * 0.40)
     assert calibrate.known_flops("Some NPU") is None
     monkeypatch.setenv("HFSPLIT_CACHE", str(tmp_path))
     spec = TrainingSpec(method="lora", seq_len=16, dtype="float32", lora_r=4)

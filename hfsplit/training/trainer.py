@@ -56,12 +56,10 @@ def default_model_path(output_dir: str) -> str:
 
 def default_max_memory(world_size: int) -> str:
     """An equal share of what this host's devices have free, one budget per rank."""
-    from ..budget import local_max_memory
+    from ..budget import local_share
 
-    free = local_max_memory()
     # CPU ranks of this host share its memory (ranks on other hosts have their own).
-    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if "cpu" in free else 1
-    return f"{world_size}x{min(free.values()) // sharing}B"
+    return local_share(world_size, ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
 def check_sequence_length(model_path: str, seq_len: int) -> None:
