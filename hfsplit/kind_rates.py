@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from .gpu_kinds import GpuKind
-from .links import Link
+from .links import DEFAULT_LINK, Link
 from .trace_cache import read_cache
 
 
@@ -25,7 +25,8 @@ class KindRates:
 
     Args:
         speeds: relative speed per device key (FLOP/s over the planner's unit).
-        link: the link between the named devices (None when a caller gave one or no kind is named).
+        link: the link to plan with when the caller gave none: the named devices' (`links.DEFAULT_LINK` when no
+            kind is named); None when the caller gave one.
         notes: one line per kind, and one for the link, saying which figures are the table's and which measured.
     """
 
@@ -71,17 +72,19 @@ def kind_rates(kinds: Mapping[str, GpuKind], *, unit: float, config=None, spec=N
             rate = record["flops"] / record["seconds"]
             age = (time.time() - record.get("measured_at", time.time())) / 3600
             notes.append(f"{where}: {kind.name}, {rate / 1e12:.1f} TFLOP/s measured for this block shape by a run "
-                         f"on one ({record.get('source', 'probe')}, {age:.0f} h ago; calibration cache), not the table's")
+                         f"on one ({record.get('source', 'probe')}, {age:.0f} h ago; calibration cache), "
+                         "not the table's")
         else:
             rate = kind.expected_flops
             notes.append(f"{where}: {kind.describe()}")
         speeds.update({d: rate / unit for d in devices if d not in given})
-    link = None if link_given else kinds_link(kinds)
-    if link is not None:
+    named = kinds_link(kinds)
+    if named is not None and not link_given:
         slowest = min(kinds.values(), key=lambda k: k.peer_bandwidth)
         how = "NVLink" if slowest.peer_bandwidth > slowest.host_link_bandwidth else slowest.host_link
-        notes.append(f"link between devices: {link.bandwidth / 1e9:.0f} GB/s a direction ({slowest.name}'s {how}; "
+        notes.append(f"link between devices: {named.bandwidth / 1e9:.0f} GB/s a direction ({slowest.name}'s {how}; "
                      "table, no latency modelled)")
+    link = None if link_given else (named or DEFAULT_LINK)
     return KindRates(speeds=speeds, link=link, notes=tuple(notes))
 
 

@@ -83,10 +83,8 @@ def make_plan(
         schedule: "auto" (the fastest of `schedules.AUTO_CANDIDATES` by the time model, its step per candidate
             in the plan's notes) or a name from `hfsplit.schedules.TABLE` ("1F1B", "GPipe", ...).
         activation_checkpointing: True, False, or "auto" (on only when needed to fit).
-        device_speeds: relative speed per device key (default 1 each; devices named by GPU kind: the kind's
-            rate, `hfsplit.kind_rates`).
-        link: the link pipeline sends and TP all-reduces use (default `links.DEFAULT_LINK`, or the named GPU kinds'
-            link; runs: probed).
+        device_speeds: relative speed per device key (default 1 each; a GPU kind's: `hfsplit.kind_rates`).
+        link: the link pipeline sends and TP all-reduces use (default `DEFAULT_LINK` or the kinds'; runs: probed).
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
         world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
         single_process: plan for one process (the model's own forward; any causal LM), not the split.
@@ -95,23 +93,19 @@ def make_plan(
         PlanError: nothing fits; the message says per stage what is needed against
             the budget and which computed change would fit.
     """
-    from .checkpoint import load_config
-
-    config = load_config(model) if isinstance(model, (str, os.PathLike)) else model
-    name = str(model) if isinstance(model, (str, os.PathLike)) else (config._name_or_path or config.model_type)
+    config, name = _config_and_name(model)
     check_causal_lm(config) if single_process else check_supported(config)
     spec = spec or TrainingSpec()
     budgets = parse_max_memory(max_memory)
-    # Devices named by GPU kind: timed with the table's (or a run's measured) rate of the kind, not the unit.
     rates = kind_rates(budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
                        link_given=link is not None)
-    device_speeds, link = {**rates.speeds, **(device_speeds or {})}, link or rates.link
     if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
         spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
     _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing)
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
-                   device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, world_size=world_size)
+                   device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
+                   world_size=world_size)
     checkpointing = _checkpointing_choices(activation_checkpointing, spec)
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule)
     _check_budget_count(world_size, budgets)
@@ -122,6 +116,15 @@ def make_plan(
     options["schedule"] = _diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
     raise PlanError(_explain_no_fit(config, budgets, replace(spec, activation_checkpointing=checkpointing[-1]),
                                     name=name, options=options))
+
+
+def _config_and_name(model) -> tuple:
+    """(config, name) of what `make_plan` was given: a hub name, a folder, a config.json, or a config."""
+    from .checkpoint import load_config
+
+    if isinstance(model, (str, os.PathLike)):
+        return load_config(model), str(model)
+    return model, model._name_or_path or model.model_type
 
 
 def _diagnosis_schedule(schedule: str, micro_batches, devices: int) -> str:
