@@ -1,7 +1,7 @@
 """hfsplit: plan, load and fine-tune Hugging Face LLMs split across small or mismatched GPUs."""
-from .budget import parse_max_memory
-from .errors import BudgetError, CheckpointError, HfsplitError, PlanError, UnsupportedModelError
-from .plan import Plan, Stage, StageMemory, TrainingSpec
+from hfsplit.budget import parse_max_memory
+from hfsplit.errors import BudgetError, CheckpointError, HfsplitError, PlanError, UnsupportedModelError
+from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec
 
 __all__ = [
     "BudgetError", "CheckpointError", "HfsplitError", "Plan", "PlanError", "Stage", "StageMemory",
@@ -10,7 +10,7 @@ __all__ = [
 
 # The planner (with the cost model's FakeTensor tracing) and the loader load on first use, so
 # `import hfsplit.plan` or the training runtime does not pull in planning code.
-_LAZY = {"from_pretrained": "materialize", "make_plan": "planner"}
+_LAZY = {"from_pretrained": "load.materialize", "make_plan": "planning.planner"}
 
 
 def __getattr__(name: str):

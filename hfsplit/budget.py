@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from typing import Mapping, NamedTuple, Optional, Union
 
-from .errors import BudgetError
-from .gpu_kinds import KIND_NAMES, GpuKind, gpu_kind, is_gpu_kind
+from hfsplit.errors import BudgetError
+from hfsplit.gpu_kinds import KIND_NAMES, GpuKind, gpu_kind, is_gpu_kind
 
 BudgetSpec = Union[str, int, Mapping[Union[int, str], Union[int, str]], None]
 
@@ -16,6 +16,7 @@ class Device(NamedTuple):
 
     memory: int
     kind: Optional[GpuKind]
+
 
 _UNITS = {
     "b": 1,

@@ -25,7 +25,6 @@ import torch.distributed as dist  # noqa: E402
 from hfsplit import third_party_logs  # noqa: E402
 from hfsplit.errors import HfsplitError  # noqa: E402
 from hfsplit.training.options import parse_options  # noqa: E402
-from hfsplit.training.trainer import train  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -34,7 +33,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     third_party_logs.install()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        train(parse_options(argv))
+        options = parse_options(argv)
+        from hfsplit.training.run import train  # after parsing: --help and a bad flag answer before the training stack loads
+
+        train(options)
         return 0
     except HfsplitError as exc:
         print(f"finetune: {exc}", file=sys.stderr, flush=True)

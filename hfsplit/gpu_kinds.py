@@ -15,7 +15,7 @@ Conventions:
 - `efficiency` turns the peak into the rate a training step is expected to reach: 0.40 unless a kind's notes
   say otherwise (the model FLOPs utilisation well-run transformer training reports on A100/H100, 35-50 %, at
   the low end because LoRA steps at small micro-batches run more non-matmul work). A launched run measures its
-  own device (`hfsplit.calibrate`), and that measurement replaces peak × efficiency for its kind.
+  own device (`hfsplit.load.probes`), and that measurement replaces peak × efficiency for its kind.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .errors import BudgetError
+from hfsplit.errors import BudgetError
 
 GIB = 2**30
 GB = 1e9

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
-from .budget import format_bytes
+from hfsplit.budget import format_bytes
 
-from .schedules import PLANNABLE as SCHEDULES  # noqa: F401  (the names a Plan may carry; one table)
 
 Method = Literal["inference", "lora", "qlora", "full"]
-
 
 
 @dataclass(frozen=True)
@@ -31,13 +29,13 @@ class TrainingSpec:
         lora_targets: module names LoRA wraps; None means every attention and MLP projection.
         activation_checkpointing: recompute each block's activations in backward.
         reserve_bytes: per-device reserve (context, fragmentation, comm buffers); None: measured for the
-            budget's devices by `make_plan` (see `hfsplit.reserve`: 0 on the CPU).
+            budget's devices by `make_plan` (see `hfsplit.planning.reserve`: 0 on the CPU).
         bnb_4bit_quant_type, bnb_4bit_use_double_quant, load_in_8bit: the QLoRA base's `BitsAndBytesConfig`.
         chunked_loss: the last stage runs lm_head and the loss a chunk of tokens at a time, never holding a whole
-            micro-batch's logits (`hfsplit.parallel.chunked_loss`).
+            micro-batch's logits (`hfsplit.models.loss`).
         autocast: QLoRA with a 16-bit compute dtype runs its stage forwards (and their checkpointed recompute)
             under `torch.autocast` to that dtype, as transformers' Trainer does with bf16/fp16, so peft's fp32
-            adapters take the 16-bit inputs instead of keeping fp32 copies of them (`hfsplit.parallel.autocast`).
+            adapters take the 16-bit inputs instead of keeping fp32 copies of them (`hfsplit.apply.autocast`).
             None: on for 16-bit 4-bit QLoRA; False: off. No effect in float32, on an 8-bit base (not measured
             under autocast) or for other methods.
     """
@@ -131,14 +129,14 @@ class Plan:
         pp: pipeline ranks (physical stages).
         dp: data-parallel replicas.
         virtual_stages: stages per pipeline rank (1 except for interleaved schedules).
-        schedule: a torch.distributed.pipelining schedule name (see SCHEDULES).
+        schedule: a torch.distributed.pipelining schedule name (see `hfsplit.schedules.PLANNABLE`).
         micro_batches: micro-batches per step per replica.
         spec: the training spec the costs were computed for.
         stages: pp × virtual_stages stages in pipeline order; `stage.pp_rank` says which rank runs each.
         step_time_s: estimated time of one optimizer step.
         bubble_fraction: the schedule's idle fraction, `(p-1)/(m+p-1)` for 1F1B.
         tied_embeddings: lm_head shares the embedding matrix.
-        applied: what the run applied to its stages (`apply_plan`'s labels; empty until a run builds them).
+        applied: the steps the run applied to its stages (`apply_plan`'s; empty until a run builds them).
     """
 
     model: str
@@ -156,21 +154,24 @@ class Plan:
     bubble_fraction: float
     tied_embeddings: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
-    applied: tuple[str, ...] = field(default_factory=tuple)
+    applied: tuple[Step, ...] = field(default_factory=tuple)
 
-    def steps(self) -> tuple[str, ...]:
-        """What `hfsplit.parallel.apply.apply_plan` applies to each stage for this plan, in order."""
+    def steps(self) -> tuple[Step, ...]:
+        """What `hfsplit.apply.steps.apply_plan` does to each stage for this plan, in order: data, one
+        `Step(kind, value)` each (printed as its label), e.g. `(("tp", 2), ("checkpointing", "per block"),
+        ("load", "this rank's bytes"), ("lora", 16))`."""
         out = []
         if self.tp > 1:
-            out.append(tp_label(self.tp))
+            out.append(tp_step(self.tp))
         if self.spec.activation_checkpointing and self.spec.method != "inference":
-            out.append(activation_checkpointing_label())
+            out.append(checkpointing_step())
+        out.append(load_step())
         if self.spec.method == "qlora":
-            out.append(quantize_label(self.spec))
+            out.append(quantize_step(self.spec))
         if self.spec.method in ("lora", "qlora"):
-            out.append(lora_label(self.spec.lora_r))
+            out.append(lora_step(self.spec.lora_r))
         if self.spec.autocast_dtype is not None:
-            out.append(autocast_label(self.spec.autocast_dtype))
+            out.append(autocast_step(self.spec.autocast_dtype))
         return tuple(out)
 
     @property
@@ -196,7 +197,7 @@ class Plan:
             for s in data["stages"]
         )
         data["notes"] = tuple(data.get("notes", ()))
-        data["applied"] = tuple(data.get("applied", ()))
+        data["applied"] = tuple(Step(*step) for step in data.get("applied", ()))
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -256,33 +257,80 @@ class Plan:
             f"\nestimated step: {self.step_time_s * 1e3:.1f} ms, bubble {100 * self.bubble_fraction:.1f}%"
         )
         notes = "".join(f"\nnote: {n}" for n in self.notes)
-        steps = " → ".join(self.applied or self.steps()) or "nothing (plain stages)"
-        runs = f"\n{'applied' if self.applied else 'applies'} per stage: {steps}"
+        # loading runs under every plan: the line names what the plan decides
+        applied, planned = ([s for s in steps if s.kind != "load"] for steps in (self.applied, self.steps()))
+        steps = " → ".join(map(str, applied or planned)) or "nothing (plain stages)"
+        runs = f"\n{'applied' if applied else 'applies'} per stage: {steps}"
         return head + "\n".join(lines) + tail + runs + notes
 
     def __str__(self) -> str:
         return self.table()
 
 
-def tp_label(tp: int) -> str:
-    return f"tensor parallel tp={tp}"
+@dataclass(frozen=True)
+class Coordinates:
+    """Where one global rank sits in the plan's grid."""
+
+    rank: int
+    dp: int
+    pp: int
+    tp: int
 
 
-def activation_checkpointing_label() -> str:
-    return "activation checkpointing per block (non-reentrant)"
+def coordinates_of_rank(plan: Plan, *, rank: int) -> Coordinates:
+    """The (dp, pp, tp) coordinates of global `rank` under `plan` (row-major over dp, pp, tp)."""
+    dp, rest = divmod(rank, plan.pp * plan.tp)
+    pp, tp = divmod(rest, plan.tp)
+    return Coordinates(rank=rank, dp=dp, pp=pp, tp=tp)
 
 
-def lora_label(r: int) -> str:
-    return f"LoRA r={r}"
+class Step(NamedTuple):
+    """One thing `apply_plan` does to every stage: its kind (the key of apply's table) and its value.
+
+    Kinds, in the order they run: "tp" (the degree), "checkpointing" ("per block"), "load" (every plan reads
+    its rank's bytes), "quantize" (the base's format), "lora" (the rank), "autocast" (the dtype).
+    """
+
+    kind: str
+    value: object
+
+    def __str__(self) -> str:
+        return _LABELS[self.kind](self.value)
 
 
-def quantize_label(spec: TrainingSpec) -> str:
+_LABELS = {
+    "tp": lambda tp: f"tensor parallel tp={tp}",
+    "checkpointing": lambda how: "activation checkpointing per block (non-reentrant)",
+    "load": lambda what: f"weights read ({what})",
+    "quantize": lambda kind: f"base quantized to {kind} (bitsandbytes, per block as read)",
+    "lora": lambda r: f"LoRA r={r}",
+    "autocast": lambda dtype: f"forwards under autocast to {dtype} (adapters take 16-bit inputs)",
+}
+
+
+def tp_step(tp: int) -> Step:
+    return Step("tp", tp)
+
+
+def checkpointing_step() -> Step:
+    return Step("checkpointing", "per block")
+
+
+def load_step() -> Step:
+    return Step("load", "this rank's bytes")
+
+
+def quantize_step(spec: TrainingSpec) -> Step:
     kind = "int8" if spec.load_in_8bit else f"{spec.bnb_4bit_quant_type}{' + double quant' if spec.bnb_4bit_use_double_quant else ''}"
-    return f"base quantized to {kind} (bitsandbytes, per block as read)"
+    return Step("quantize", kind)
 
 
-def autocast_label(dtype: str) -> str:
-    return f"forwards under autocast to {dtype} (adapters take 16-bit inputs)"
+def lora_step(r: int) -> Step:
+    return Step("lora", r)
+
+
+def autocast_step(dtype: str) -> Step:
+    return Step("autocast", dtype)
 
 
 def _tuple_or_none(value):

@@ -57,7 +57,7 @@ def _warm_up(ckpt: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import hfsplit.materialize  # noqa: F401
+    import hfsplit.load.materialize  # noqa: F401
     from hfsplit.checkpoint import load_config
 
     with torch.device("meta"):
@@ -120,7 +120,7 @@ def worker_accelerate(ckpt: Path) -> dict:
 
 def _nf4():
     """QLoRA's default: NF4 + double quantization, computing in bf16 (the checkpoint's dtype)."""
-    from hfsplit.quantize import quantization_config
+    from hfsplit.apply.quantize import quantization_config
 
     return quantization_config(compute_dtype="bfloat16")
 
@@ -128,7 +128,7 @@ def _nf4():
 def worker_transformers_4bit(ckpt: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from hfsplit.quantize import held_bytes
+    from hfsplit.apply.quantize import held_bytes
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=_nf4(), device_map="cpu")
     _touch(model.state_dict().values())
@@ -137,8 +137,8 @@ def worker_transformers_4bit(ckpt: Path) -> dict:
 
 def worker_hfsplit_4bit(ckpt: Path) -> dict:
     from hfsplit.checkpoint import load_config
-    from hfsplit.materialize import from_pretrained
-    from hfsplit.quantize import held_bytes
+    from hfsplit.load.materialize import from_pretrained
+    from hfsplit.apply.quantize import held_bytes
 
     config = load_config(ckpt)
     model = from_pretrained(ckpt, plan=_cpu_device_map(config.num_hidden_layers), quantization_config=_nf4())
@@ -155,8 +155,8 @@ def prepare_hfsplit_4bit_rank(ckpt: Path) -> None:
 
     import torch.distributed as dist
 
-    from hfsplit.costs import TrainingSpec
-    from hfsplit.planner import make_plan
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.planning.planner import make_plan
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -169,8 +169,8 @@ def prepare_hfsplit_4bit_rank(ckpt: Path) -> None:
 
 
 def worker_hfsplit_4bit_rank(ckpt: Path) -> dict:
-    from hfsplit.parallel.launch import split_from_pretrained
-    from hfsplit.quantize import held_bytes
+    from hfsplit.load.launch import split_from_pretrained
+    from hfsplit.apply.quantize import held_bytes
 
     model = split_from_pretrained(str(ckpt), plan=_RANK["plan"], quantization_config=_nf4())
     _touch([p for stage in model.stages for p in stage.state_dict().values()])
@@ -184,7 +184,7 @@ def _cpu_device_map(num_layers: int) -> dict:
 
 def worker_hfsplit(ckpt: Path) -> dict:
     from hfsplit.checkpoint import load_config
-    from hfsplit.materialize import from_pretrained
+    from hfsplit.load.materialize import from_pretrained
 
     config = load_config(ckpt)
     model = from_pretrained(ckpt, plan=_cpu_device_map(config.num_hidden_layers))
@@ -204,7 +204,7 @@ def _meta(ckpt: Path):
 
 def worker_hfsplit_half(ckpt: Path) -> dict:
     from hfsplit.checkpoint import CheckpointReader
-    from hfsplit.materialize import tensor_names_of
+    from hfsplit.load.materialize import tensor_names_of
 
     model = _meta(ckpt)
     half = model.config.num_hidden_layers // 2

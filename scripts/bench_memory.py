@@ -7,7 +7,7 @@
 Each row runs in a fresh process and takes two optimizer steps (the second is measured: AdamW's moments exist).
 Columns:
 - "live": weights + optimizer state held when the step starts, plus the peak of the tensors the step creates
-  (counted by the cost model's own dispatch-mode counter, `hfsplit.costs._LiveBytes`). This is the figure the
+  (counted by the cost model's own dispatch-mode counter, `hfsplit.planning.costs.trace.LiveBytes`). This is the figure the
   plan predicts (on a GPU it is the allocator's `max_memory_allocated`).
 - "RSS": the process's peak resident set (VmHWM) minus its RSS once it had imported the libraries.
 The plan row is `make_plan`'s stage total for the same spec (reserve 0 on CPU).
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024 ** 3
 # A fixed threshold turns glibc's dynamic one off: every block over 64 KiB is its own mmap, unmapped on free.
-# hfsplit's CPU ranks set it themselves when asked (hfsplit/host_memory.py).
+# hfsplit's CPU ranks set it themselves when asked (hfsplit/parallel/host_memory.py).
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 HFSPLIT_FIXED = {"HFSPLIT_MMAP_THRESHOLD": "65536"}
 
@@ -50,7 +50,7 @@ def _child(runner: str, method: str, seq_len: int, micro_batch_size: int) -> dic
     base_kib = _status_kib("VmRSS")
     step, params, optimizer, plan = (_hfsplit_step if runner == "hfsplit" else _transformers_step)(
         checkpoint, method, seq_len, micro_batch_size)
-    from hfsplit.costs import _LiveBytes
+    from hfsplit.planning.costs.trace import LiveBytes as _LiveBytes
 
     step()  # AdamW state now exists
     held = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in params}.values())
@@ -74,7 +74,8 @@ def _options(checkpoint: str, method: str, seq_len: int, micro_batch_size: int):
 
 
 def _hfsplit_step(checkpoint: str, method: str, seq_len: int, micro_batch_size: int):
-    from hfsplit.training.trainer import build_run, train_step
+    from hfsplit.training.run import build_run
+    from hfsplit.training.trainer import train_step
 
     run = build_run(_options(checkpoint, method, seq_len, micro_batch_size), progress=False)
     batch = next(run.batches)
@@ -95,7 +96,7 @@ def _transformers_step(checkpoint: str, method: str, seq_len: int, micro_batch_s
     if method == "lora":
         from peft import get_peft_model
 
-        from hfsplit.training.lora import lora_config
+        from hfsplit.apply.lora import lora_config
 
         model = get_peft_model(model, lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=0.0,
                                                   targets=None, model_config=model.config))

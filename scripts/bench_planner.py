@@ -15,8 +15,8 @@ import torch
 from hfsplit import TrainingSpec, make_plan
 from hfsplit.budget import format_bytes, parse_max_memory
 from hfsplit.checkpoint import load_config
-from hfsplit.costs import model_costs
-from hfsplit.reserve import reserve_for
+from hfsplit.planning.costs.model import model_costs
+from hfsplit.planning.reserve import reserve_for
 
 GiB = 2**30
 

@@ -31,8 +31,8 @@ def import_everything() -> None:
     from transformers import LlamaForCausalLM  # noqa: F401  (transformers imports model classes lazily)
 
     import hfsplit.checkpoint.reader  # noqa: F401
-    import hfsplit.parallel  # noqa: F401
-    import hfsplit.planner  # noqa: F401
+    import hfsplit.load.launch  # noqa: F401  (the split model and what it imports)
+    import hfsplit.planning.planner  # noqa: F401
 
 
 def current_rss_mib() -> float:
@@ -92,8 +92,8 @@ def split_worker(checkpoint: str, *, batch: int, seq: int, repeats: int) -> None
     import torch
     import torch.distributed as dist
 
-    from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel import split_from_pretrained
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.load.launch import split_from_pretrained
 
     torch.set_num_threads(1)
     import_everything()

@@ -16,7 +16,7 @@ Then the auto row's ratio to the best hand-picked pp=2 row and to sequential mod
 and each run's estimated step next to its measured median (the recipe's "time model" line).
 Prints a markdown table of tokens/s (median step, first step excluded), ratios, and the
 measured bubble next to `(p-1)/(m+p-1)`; "cache ×r" marks a run whose busy time was r× the estimate, beyond
-`calibrate.RECHECK_FACTOR`, which replaced the cached FLOP/s with its own rate for the rows after it.
+`probes.RECHECK_FACTOR`, which replaced the cached FLOP/s with its own rate for the rows after it.
 """
 from __future__ import annotations
 

@@ -120,7 +120,8 @@ def _hfsplit_run(job: dict, *, dtype: str) -> dict:
     from hfsplit.training.data import MicroBatches, bundled_dataset_path
     from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.metrics import peak_memory_bytes
-    from hfsplit.training.trainer import build_run, train_step
+    from hfsplit.training.run import build_run
+    from hfsplit.training.trainer import train_step
 
     options = tiny_demo_options(model=job["checkpoint"], method=job["method"], activation_checkpointing=job["ckpt"],
                               seq_len=job["seq_len"], micro_batch_size=job["micro_batch_size"],
@@ -147,7 +148,7 @@ def _plain_run(job: dict, *, dtype: str) -> dict:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from hfsplit.training.lora import lora_config
+    from hfsplit.apply.lora import lora_config
 
     model = AutoModelForCausalLM.from_pretrained(job["checkpoint"], dtype=getattr(torch, dtype), device_map=job["device"])
     model = get_peft_model(model, lora_config(r=8, alpha=16, dropout=0.0, targets=None, model_config=model.config))

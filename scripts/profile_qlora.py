@@ -33,7 +33,7 @@ def timed(fn, repeats: int = 5) -> float:
 def linear_rows(shapes: list[tuple[int, int]], tokens: list[int]) -> None:
     import bitsandbytes.functional as F
 
-    from hfsplit.quantize import quantization_config, quantize_linear
+    from hfsplit.apply.quantize import quantization_config, quantize_linear
 
     print("| weight (out × in) | tokens | dequantize ms | matmul ms | dequantize / matmul |\n|---|---|---|---|---|")
     for features, out in shapes:
@@ -54,7 +54,7 @@ def step_rows(splits: list[int]) -> None:
     from transformers import AutoModelForCausalLM
 
     from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
-    from hfsplit.quantize import quantization_config
+    from hfsplit.apply.quantize import quantization_config
 
     path = write_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="profile_qlora_")) / "model", "llama", num_layers=8,
                                  hidden=256, heads=8, kv_heads=4, intermediate=768, vocab=256, max_positions=512)

@@ -5,7 +5,7 @@
 For bf16 QLoRA with activation checkpointing, the plan's per-block workspace is: the recomputed activations
 (what autograd saves in one block's forward), the backward transient on top of them, and one weight
 dequantized to bf16 (`quantize.with_dequantize`). The script traces one block on fake tensors (nothing is
-allocated), with the stage forwards under autocast (the default, `hfsplit.parallel.autocast`) and without
+allocated), with the stage forwards under autocast (the default, `hfsplit.apply.autocast`) and without
 (`TrainingSpec(autocast=False)`: peft casts every adapter's input to fp32 and lora_A keeps that copy), and
 lists the saved tensors by shape and dtype. `--measure-seq N` then runs one real block of the model's
 dimensions (random weights quantized to NF4, peft adapters) forward and backward on CPU at seq N, and sets its
@@ -19,22 +19,22 @@ import collections
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hfsplit import costs
+from hfsplit.planning.costs import layout as costs_layout, model as costs_model, trace as costs_trace
 from hfsplit.checkpoint.resolve import load_config
-from hfsplit.costs import TrainingSpec
+from hfsplit.plan import TrainingSpec
 
 MiB = 1 << 20
 
 
 def saved_by_shape(key: str, spec: TrainingSpec) -> collections.Counter:
     """{(shape, dtype): bytes} of the storages one block's forward saves for backward (its input and its
-    parameters excluded), traced as `costs._block_events` traces it."""
-    config = costs._CONFIGS[key]
+    parameters excluded), traced as `costs_trace.block_events` traces it."""
+    config = costs_layout.CONFIGS[key]
     mode = FakeTensorMode()
-    _, block, kwargs, _ = costs._fake_model(key, spec, 1, mode)
+    _, block, kwargs, _ = costs_trace._fake_model(key, spec, 1, mode)
     found: dict[int, tuple] = {}
     with mode:
-        costs._set_trainable(block, spec)
+        costs_trace.set_trainable(block, spec)
         x = torch.empty((spec.micro_batch_size, spec.seq_len, config.hidden_size), dtype=getattr(torch, spec.dtype),
                         requires_grad=True)
         skip = {id(p.untyped_storage()) for p in block.parameters()} | {id(x.untyped_storage())}
@@ -45,10 +45,10 @@ def saved_by_shape(key: str, spec: TrainingSpec) -> collections.Counter:
                                                            t.untyped_storage().nbytes(), t.untyped_storage()))
             return t
 
-        cast = costs._traced_autocast(spec)
+        cast = costs_trace._traced_autocast(spec)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 torch.autocast("cpu", dtype=cast, enabled=cast is not None):
-            costs._hidden(block(x, **kwargs))
+            costs_trace._hidden(block(x, **kwargs))
     by_shape = collections.Counter()
     for shape, dtype, nbytes, _ in found.values():
         by_shape[(shape, dtype)] += nbytes
@@ -57,14 +57,14 @@ def saved_by_shape(key: str, spec: TrainingSpec) -> collections.Counter:
 
 def report(model: str, *, seq_len: int, lora_r: int) -> None:
     config = load_config(model)
-    key = costs._config_key(config)
-    costs._CONFIGS.setdefault(key, config)
+    key = costs_layout.config_key(config)
+    costs_layout.CONFIGS.setdefault(key, config)
     for autocast in (False, None):
         spec = TrainingSpec(method="qlora", seq_len=seq_len, lora_r=lora_r, activation_checkpointing=True,
                             autocast=autocast)
-        traced = costs._traced_spec(spec)
-        trace = costs._trace_block(key, traced, 1)
-        block = costs.model_costs(config, spec).block
+        traced = costs_model._traced_spec(spec)
+        trace = costs_trace.trace_block(key, traced, 1)
+        block = costs_model.model_costs(config, spec).block
         dequantized = block.workspace_bytes - trace.activations - trace.workspace
         print(f"\n{model} bf16 QLoRA r={lora_r}, seq {seq_len}, autocast {'on' if autocast is None else 'off'}: "
               f"workspace {block.workspace_bytes / MiB:.0f} MiB = recomputed activations {trace.activations / MiB:.0f}"
@@ -75,13 +75,13 @@ def report(model: str, *, seq_len: int, lora_r: int) -> None:
 
 def real_block(config, *, lora_r: int) -> torch.nn.Module:
     """One decoder block of `config`'s real dimensions, random bf16 weights quantized to NF4 as hfsplit's loader
-    does, peft LoRA on every projection upcast to fp32 as `hfsplit.parallel.apply` has it."""
+    does, peft LoRA on every projection upcast to fp32 as `hfsplit.apply.steps` has it."""
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.tuners_utils import cast_adapter_dtype
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from hfsplit.costs import block_linear_names
-    from hfsplit.quantize import quantization_config, quantize_module
+    from hfsplit.models.layout import block_linear_names
+    from hfsplit.apply.quantize import quantization_config, quantize_module
 
     with torch.device("meta"):
         block = LlamaDecoderLayer(config, 0)
@@ -102,7 +102,7 @@ def measure(model: str, *, seq_len: int, lora_r: int) -> None:
     peak (recomputed activations + transient + bitsandbytes' dequantized weight) against the plan's workspace."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from hfsplit.parallel.stage import causal_masks
+    from hfsplit.models.masks import causal_masks
 
     config = load_config(model)
     config._attn_implementation = "sdpa"
@@ -116,7 +116,7 @@ def measure(model: str, *, seq_len: int, lora_r: int) -> None:
             if hasattr(layer, "lora_A"):
                 layer.cast_input_dtype_enabled = autocast is False
         x = x0.clone().requires_grad_(True)
-        with costs._LiveBytes() as live:
+        with costs_trace.LiveBytes() as live:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is None):
                 y = block(x, attention_mask=mask, position_embeddings=rotary, position_ids=pos)
             live.reset_peak()
@@ -125,7 +125,7 @@ def measure(model: str, *, seq_len: int, lora_r: int) -> None:
             p.grad = None
         spec = TrainingSpec(method="qlora", seq_len=seq_len, lora_r=lora_r, activation_checkpointing=True,
                             autocast=autocast)
-        planned = costs.model_costs(config, spec).block.workspace_bytes
+        planned = costs_model.model_costs(config, spec).block.workspace_bytes
         print(f"real block, seq {seq_len}, autocast {'on' if autocast is None else 'off'}: backward peak "
               f"{live.peak / MiB:.1f} MiB, plan's workspace {planned / MiB:.1f} MiB (plan/real {planned / live.peak:.3f})")
 

@@ -1,5 +1,5 @@
 """Checkpoints: resolve a name to files, read tensors (or TP slices) by index."""
-from .reader import CheckpointReader
-from .resolve import load_config, resolve_file
+from hfsplit.checkpoint.reader import CheckpointReader
+from hfsplit.checkpoint.resolve import load_config, resolve_file
 
 __all__ = ["CheckpointReader", "load_config", "resolve_file"]

@@ -16,7 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import ConvertedOnLoadError
+from hfsplit.errors import ConvertedOnLoadError
+from hfsplit.models.layout import meta_model, one_layer_config
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,6 @@ def as_stored(config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     tensors sharing memory), one fused tensor at a time, so a stage's experts are held about once more at most
     by one layer's worth."""
     from transformers.core_model_loading import revert_weight_conversion
-
-    from ..models import meta_model, one_layer_config
 
     reverted = revert_weight_conversion(meta_model(one_layer_config(config)), state)
     if reverted is state:

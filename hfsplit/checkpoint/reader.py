@@ -23,10 +23,10 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from ..budget import torch_device
-from ..errors import CheckpointError
-from .merged import MergedTensor, split_checkpoint_names
-from .resolve import resolve_file
+from hfsplit.budget import torch_device
+from hfsplit.checkpoint.merged import MergedTensor, split_checkpoint_names
+from hfsplit.checkpoint.resolve import resolve_file
+from hfsplit.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from ..errors import CheckpointError
+from hfsplit.errors import CheckpointError
 
 _BUNDLED = Path(__file__).resolve().parent.parent / "configs"
 

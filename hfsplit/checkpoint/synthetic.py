@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
-# Families doing work outside their blocks (hfsplit.models.FAMILIES), with non-default factors so that a
+# Families doing work outside their blocks (hfsplit.models.families.FAMILIES), with non-default factors so that a
 # stage skipping that work shows in the logits.
 FAMILY_OVERRIDES = {
     "gemma": {},
@@ -30,6 +30,11 @@ FAMILY_OVERRIDES = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
 }
+
+
+# The recipe's built-in tiny model (`recipes/finetune.py` without --model, `hfsplit plan --config` of a tiny recipe).
+TINY_MODEL = dict(arch="llama", num_layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=256,
+                  max_positions=1024)
 
 
 def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4, hidden: int = 64,

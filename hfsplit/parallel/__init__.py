@@ -1,5 +1,2 @@
-"""Parallel execution: process layout (mesh), stage modules, tensor parallelism, pipeline schedules."""
-from .launch import split_from_pretrained
-from .split_model import SplitModel
-
-__all__ = ["SplitModel", "split_from_pretrained"]
+"""Running a given Plan: process layout (`mesh`), stage modules, pipeline schedules, the split model, MoE router
+statistics, host memory. Never imports planning/ or training/."""

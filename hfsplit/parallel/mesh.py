@@ -16,26 +16,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import PlanError
-from ..plan import Plan
-from ..schedules import TABLE, pp_rank_of_stage
-
-
-@dataclass(frozen=True)
-class Coordinates:
-    """Where one global rank sits in the plan's grid."""
-
-    rank: int
-    dp: int
-    pp: int
-    tp: int
-
-
-def coordinates_of_rank(plan: Plan, *, rank: int) -> Coordinates:
-    """The (dp, pp, tp) coordinates of global `rank` under `plan` (row-major over dp, pp, tp)."""
-    dp, rest = divmod(rank, plan.pp * plan.tp)
-    pp, tp = divmod(rest, plan.tp)
-    return Coordinates(rank=rank, dp=dp, pp=pp, tp=tp)
+from hfsplit.errors import PlanError
+from hfsplit.parallel.host_memory import fix_mmap_threshold
+from hfsplit.plan import Coordinates, Plan, coordinates_of_rank
+from hfsplit.schedules import TABLE, pp_rank_of_stage
 
 
 def schedule_pp_rank(*, schedule: str, pp: int, index: int) -> int:
@@ -121,9 +105,7 @@ def init_distributed(*, timeout_s: float = 600.0) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's first collective needs one GPU per rank
     else:
-        from ..host_memory import fix_mmap_threshold
-
-        fix_mmap_threshold()  # opt-in: a CPU rank's RSS then follows its live tensors (hfsplit/host_memory.py)
+        fix_mmap_threshold()  # opt-in: a CPU rank's RSS then follows its live tensors (hfsplit/parallel/host_memory.py)
     timeout = timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend_for(device), timeout=timeout)

@@ -1,14 +1,16 @@
 """The pipeline: torch.distributed.pipelining stages and the schedule the plan names."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ..errors import PlanError
-from ..schedules import TABLE
+from hfsplit.errors import PlanError
+from hfsplit.models.loss import ChunkedHeadLoss
+from hfsplit.schedules import TABLE
 
 
 def schedule_class(name: str):
@@ -95,3 +97,31 @@ class StageTimer:
                 self.busy_s += time.perf_counter() - start
 
         return run
+
+
+def chunked_or(loss_fn: Optional[Callable], stages, *, plan) -> Optional[Callable]:
+    """The loss the schedule runs: `loss_fn` itself, or, under a `chunked_loss` plan, the chunked causal-LM loss
+    of this rank's last stage (one object per stage, so the schedule cache keeps one entry)."""
+    last = [s for s in stages if s.has_head]
+    if loss_fn is None or not plan.spec.chunked_loss or not last:
+        return loss_fn
+    if not getattr(loss_fn, "causal_lm", False):
+        raise PlanError("a chunked_loss plan computes the causal-LM loss itself, chunk by chunk; pass "
+                        "hfsplit.models.loss.causal_lm_loss or plan with chunked_loss=False")
+    if not hasattr(last[0], "chunked_loss"):
+        last[0].chunked_loss = ChunkedHeadLoss(last[0])
+    return last[0].chunked_loss
+
+
+@contextlib.contextmanager
+def head_in_loss(stages, *, enabled: bool):
+    """While a training step runs, the last stage stops at its final norm (its loss applies lm_head); its
+    forward outside a step (logits for generation, evaluation) stays whole."""
+    heads = [s for s in stages if s.has_head] if enabled else []
+    for stage in heads:
+        stage.head_in_loss = True
+    try:
+        yield
+    finally:
+        for stage in heads:
+            stage.head_in_loss = False

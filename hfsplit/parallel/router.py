@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from hfsplit.errors import UnsupportedModelError
 
 
 class RouterStats:

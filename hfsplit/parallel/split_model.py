@@ -6,6 +6,7 @@ ids, the last stage the labels).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -13,17 +14,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import PlanError
-from ..models import meta_model, tp_degree_error
-from ..plan import Plan
-from .apply import LoraSetup, apply_plan
-from .chunked_loss import chunked_or, head_in_loss
-from .mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
-from .pipeline import StageTimer, build_schedule, pipeline_stages, releasing_graph
-from .router import carrying, with_router_loss
-from .stage import StageModule, load_stage_weights
-from .tensor import grad_summed_over_tp, local_tensor, shard_layout, tp_shard_dim
-from .weights import open_reader
+from hfsplit.apply.load import load_stages
+from hfsplit.apply.lora import LoraSetup
+from hfsplit.apply.steps import apply_plan
+from hfsplit.apply.tp import grad_summed_over_tp, local_tensor, shard_layout, tp_shard_dim
+from hfsplit.checkpoint.quantized import for_stored, stored_quantization
+from hfsplit.checkpoint.resolve import load_config
+from hfsplit.errors import PlanError
+from hfsplit.models.families import tp_degree_error
+from hfsplit.parallel.mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
+from hfsplit.parallel.pipeline import (
+    StageTimer, build_schedule, chunked_or, head_in_loss, pipeline_stages, releasing_graph,
+)
+from hfsplit.parallel.router import carrying, with_router_loss
+from hfsplit.parallel.stage import StageModule
+from hfsplit.plan import Plan
 
 
 class SplitModel(nn.Module):
@@ -302,8 +307,6 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     checkpointing, only this rank's bytes read — with `quantization_config`, a transformers
     `BitsAndBytesConfig`, each block quantized on its device as it is read —, LoRA); `plan.applied`
     records the steps."""
-    from ..checkpoint import load_config
-
     config = config if config is not None else load_config(name_or_path)
     if bool(getattr(config, "tie_word_embeddings", False)) != plan.tied_embeddings:
         raise PlanError(
@@ -314,26 +317,14 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
         raise PlanError(f"{name_or_path}: {why}")
     dtype = dtype or getattr(torch, plan.spec.dtype)
     if quantization_config is not None or getattr(config, "quantization_config", None) is not None:
-        from ..quantize import for_stored, stored_quantization
-
         stored = stored_quantization(config, where=name_or_path)  # pre-quantized: read as stored
         quantization_config = for_stored(quantization_config, stored, where=name_or_path) if stored else quantization_config
     indices = stage_indices_of_pp_rank(plan, pp_rank=ctx.coords.pp)
     by_index = {s.index: s for s in plan.stages}
     modules = [StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings) for index in indices]
 
-    def load(stages) -> None:
-        needed = [name for m in stages for name, _ in m.named_parameters()]
-        reader = open_reader(name_or_path, needed=needed, model=meta_model(config))
-        for module in stages:
-            if quantization_config is not None:
-                from ..quantize import load_quantized_stage
-
-                load_quantized_stage(module, reader=reader, device=ctx.device, dtype=dtype, qconfig=quantization_config)
-                continue
-            load_stage_weights(module, reader=reader, device=ctx.device, dtype=dtype, tp_rank=ctx.coords.tp,
-                               tp_size=plan.tp)
-
+    load = functools.partial(load_stages, source=name_or_path, config=config, device=ctx.device, dtype=dtype,
+                             tp_rank=ctx.coords.tp, tp_size=plan.tp, quantization_config=quantization_config)
     applied = apply_plan(modules, plan=plan, ctx=ctx, load=load, lora=lora)
     return SplitModel(plan=replace(plan, applied=applied), config=config, ctx=ctx, stages=modules,
                       stage_indices=indices)

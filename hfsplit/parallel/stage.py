@@ -16,9 +16,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..models import check_pp_plan, family_of, meta_model, recompute_buffers
-from ..plan import Stage
-from .router import router_stats_of
+from hfsplit.models.families import check_pp_plan, family_of
+from hfsplit.models.layout import meta_model
+from hfsplit.models.masks import causal_masks, layer_attention_type
+from hfsplit.parallel.router import router_stats_of
+from hfsplit.plan import Stage
 
 
 class StageModule(nn.Module):
@@ -86,82 +88,9 @@ class StageModule(nn.Module):
                       cache=cache, use_cache=cache is not None)
         if self.body.norm is not None:
             x = self.body.norm(x)
-            if not self.head_in_loss:  # a chunked loss runs lm_head itself (hfsplit/parallel/chunked_loss.py)
+            if not self.head_in_loss:  # a chunked loss runs lm_head itself (hfsplit/models/loss.py)
                 x = self.family.output_side(self.config, self.lm_head(x))
         if carry:
             sums = self.router.finish(router_sums, device=x.device)
             return (x, self.router.loss(sums)) if self.body.norm is not None else (x, sums)
         return x
-
-
-def layer_attention_type(config, index: int) -> str:
-    """"full_attention" or "sliding_attention" for layer `index`, as the model's own forward picks it."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return types[index]
-    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
-
-
-def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, cache=None,
-                 layers: tuple[int, ...] | list[int] = ()) -> dict[str, Optional[torch.Tensor]]:
-    """Attention masks by attention type, as the model's own forward builds them; with `cache`, over the cached
-    positions too (sized from the first of this stage's `layers` of each type: a stage's cache holds only its own).
-
-    Under sdpa a causal mask without padding is None, as in transformers: sdpa's causal flag replaces it, and a
-    materialised mask costs a float copy per block that backward keeps (measured: ~0.29 GiB on SmolLM2 at seq
-    512 × 4). Eager attention always gets a tensor (transformers' `eager_mask` never skips), so None never means
-    non-causal there.
-    """
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    def first_layer(kind: str):
-        return next((i for i in layers if layer_attention_type(config, i) == kind), None) if cache is not None else None
-
-    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, cache=cache,
-                  position_ids=position_ids)
-    masks = {"full_attention": create_causal_mask(**kwargs, layer_idx=first_layer("full_attention"))}
-    if getattr(config, "sliding_window", None):
-        masks["sliding_attention"] = create_sliding_window_causal_mask(
-            **kwargs, layer_idx=first_layer("sliding_attention"))
-    return masks
-
-
-def materialize_buffers(module: StageModule, *, device: torch.device) -> None:
-    """Rebuild the rotary embedding and the other non-persistent buffers (absent from checkpoints) on `device`."""
-    with torch.device(device):
-        module.rotary_emb = type(module.rotary_emb)(config=module.config)
-    recompute_buffers(module, module._init_weights, device=device)
-
-
-def load_stage_weights(module: StageModule, *, reader, device: torch.device, dtype: Optional[torch.dtype] = None,
-                       tp_rank: int = 0, tp_size: int = 1) -> None:
-    """Replace every meta parameter of `module` with this rank's bytes read from `reader`.
-
-    Parameters that TP turned into DTensors are read as this rank's slice only. A tied
-    lm_head reads the embedding matrix (the reader maps the name).
-    """
-    from torch.distributed.tensor import DTensor
-
-    from .tensor import shard_layout
-
-    for key, param in list(module.named_parameters()):
-        if isinstance(param, DTensor):
-            if layout := shard_layout(param):  # (dim, packed halves): fused experts' gate_up_proj holds [gate_r; up_r]
-                local = reader.read_slice(key, layout[0], tp_rank, tp_size, dtype=dtype, device=device,
-                                          packed=layout[1])
-            else:
-                local = reader.read(key, dtype=dtype, device=device)
-            value = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
-        else:
-            value = reader.read(key, dtype=dtype, device=device)
-        set_parameter(module, key, nn.Parameter(value, requires_grad=param.requires_grad))
-    if module.shares_embedding:  # named_parameters listed the shared matrix once, under the embedding
-        module.lm_head.weight = module.body.embed_tokens.weight
-    materialize_buffers(module, device=device)
-
-
-def set_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:
-    """Assign `value` to the dotted parameter `name` of `module`."""
-    owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    setattr(owner, leaf, value)

@@ -1,1 +1,2 @@
-"""Training: data, loop, save/resume."""
+"""Fine-tuning: options, data, building a run (`run`), the loop (`trainer`), checkpoints, metrics, save, resume,
+elastic regrouping."""

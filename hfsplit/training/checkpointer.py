@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hfsplit.training.resume import prune_checkpoints, read_trainer_state, write_trainer_state
+from hfsplit.training.save import save_split_model
+
 
 @dataclass
 class TrainState:
@@ -49,8 +52,6 @@ class Checkpointer:
 
     def resume(self, folder: Optional[Path]) -> int:
         """Restore from checkpoint `folder` (None: a fresh start); the step to run next."""
-        from .resume import read_trainer_state
-
         if folder is None:
             return 1
         reading = time.perf_counter()
@@ -63,8 +64,6 @@ class Checkpointer:
     def after_step(self, step: int, *, total_steps: int, force: bool = False) -> Optional[Path]:
         """Save `checkpoint-{step}` when the cadence says so, or `force` (an elastic stop) asks; the folder
         written, if any (the last step gets the final save instead)."""
-        from .resume import prune_checkpoints, write_trainer_state
-
         if not ((force or self.save_every and step % self.save_every == 0) and step < total_steps):
             return None
         s = self.state
@@ -85,8 +84,6 @@ class Checkpointer:
         return folder
 
     def _save(self, folder: Path, *, method: str, **kwargs) -> Path:
-        from .save import save_split_model
-
         lora = self.lora_config if method == "lora" else None
         return save_split_model(self.model, folder, method=method, lora_config=lora, tokenizer=self.tokenizer,
                                 base_model=self.base_model, **kwargs)

@@ -18,7 +18,6 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from hfsplit.checkpoint.synthetic import TINY_TOKENIZER_DIR, tiny_tokenizer  # noqa: F401  (re-exported)
 from hfsplit.errors import HfsplitError
 
 IGNORE_INDEX = -100

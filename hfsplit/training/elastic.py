@@ -28,8 +28,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import HfsplitError
-from .resume import STATE, complete_checkpoints, latest_checkpoint
+from hfsplit.errors import HfsplitError, RankIdle, RegroupStop
+from hfsplit.parallel.mesh import backend_for, device_of_rank
+from hfsplit.training.resume import STATE, checkpoint_to_resume, complete_checkpoints, latest_checkpoint
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 STOPPED = "stopped"  # the metrics key of a run ended at a step boundary for a membership change
@@ -84,8 +85,6 @@ class LaunchState:
 
     @classmethod
     def _decide_here(cls, resume: Optional[str], output_dir: str) -> "LaunchState":
-        from .resume import checkpoint_to_resume
-
         previous = read_metrics(output_dir)
         metrics = Path(output_dir) / "metrics.jsonl"
         last_write = metrics.stat().st_mtime if metrics.is_file() else 0.0
@@ -273,8 +272,6 @@ class StopAtBoundary:
 
 def stop_for_regroup(stopper: StopAtBoundary, metrics, *, step: int, checkpoint: Path) -> None:
     """After the boundary checkpoint: mark the stop (the regrouped launch resumes by itself) and leave."""
-    from ..errors import RegroupStop
-
     metrics.write({"step": step, STOPPED: "membership change", "run_id": run_id(), "checkpoint": str(checkpoint)})
     metrics.close()
     dist.barrier()
@@ -317,8 +314,6 @@ def settle_growth(launch: LaunchState, plan, *, replan, timeout_s: float):
     torchrun's exit barrier) and the others form a group of the old size and re-plan on it (`replan()`),
     which gives the old layout again. torchrun cannot be told to leave a joined machine out, so its
     ranks idle rather than run a layout the model says is slower."""
-    from ..errors import RankIdle
-
     decision = growth_decision(launch, plan, step=0)
     launch.growth = decision
     if decision is None or decision["faster"]:
@@ -337,8 +332,6 @@ def shrink_group(keep: int, *, timeout_s: float):
     """Leave the default process group; ranks below `keep` join a new one of `keep` ranks on the same
     store (rank 0 serves it and stays). The store, None on a rank that leaves."""
     from datetime import timedelta
-
-    from ..parallel.mesh import backend_for, device_of_rank
 
     store = dist.distributed_c10d._get_default_store()  # held: rank 0's server must outlive the old group
     rank = dist.get_rank()

@@ -12,8 +12,8 @@ import random
 import sys
 from pathlib import Path
 
-from ..checkpoint.synthetic import TINY_TOKENIZER_DIR
-from .data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, BUNDLED_DIR
+from hfsplit.checkpoint.synthetic import TINY_TOKENIZER_DIR
+from hfsplit.training.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, BUNDLED_DIR
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 256

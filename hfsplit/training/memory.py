@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
-from ..errors import HfsplitError, OutOfMemory
+from hfsplit.errors import HfsplitError, OutOfMemory
+from hfsplit.training.metrics import peak_memory_bytes
 
 INJECT = "HFSPLIT_TEST_OOM_AT_STEP"
 _GIB = 1 << 30
@@ -63,8 +66,6 @@ def _inject(model, step: int) -> list:
 
 def oom_message(model, exc: BaseException, *, step: int) -> str:
     """Stage, planned and measured peak, budget, and the --max-memory under which the planner fits it."""
-    from .metrics import peak_memory_bytes
-
     plan, coords = model.plan, model.ctx.coords
     stages = plan.stages_of_rank(coords.pp)
     planned = sum(s.memory.total for s in stages)
@@ -96,7 +97,7 @@ def _asked_bytes(text: str) -> int:
 
 def _replan(plan, *, budget: int) -> str:
     """The plan the planner makes with every budget cut to `budget`, as the flags that ask for it."""
-    from ..planner import make_plan
+    from hfsplit.planning.planner import make_plan  # lazy: the loop loads the planner only to explain an OOM
 
     flag = f"--max-memory {plan.world_size}x{max(budget, 1 << 20) >> 20}MiB"
     try:

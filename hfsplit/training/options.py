@@ -17,8 +17,8 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 import yaml
 
-from ..errors import HfsplitError
-from ..plan import TrainingSpec
+from hfsplit.errors import HfsplitError
+from hfsplit.plan import TrainingSpec
 
 GROUPS = ("model", "data", "method", "parallelism", "optimisation", "checkpoints", "faults")
 TINY_RECIPE = Path(__file__).parent / "bundled" / "tiny.yaml"
@@ -183,7 +183,7 @@ def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
     on CPU ranks (`gpu`; None: whatever this machine has)."""
     gpu = torch.cuda.is_available() if gpu is None else gpu
     dtype = options.dtype or ("bfloat16" if gpu else "float32")
-    # CPU ranks: no reserve; GPUs: None, measured per device by the planner (hfsplit/reserve.py).
+    # CPU ranks: no reserve; GPUs: None, measured per device by the planner (hfsplit/planning/reserve.py).
     return TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
                         dtype=dtype, lora_r=options.lora_r,
                         lora_targets=tuple(options.lora_targets) if options.lora_targets else None,

@@ -16,7 +16,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import HfsplitError
+from hfsplit.apply.tp import tp_shard_dim
+from hfsplit.apply.tp_experts import PACKED_HALVES
+from hfsplit.errors import HfsplitError
+from hfsplit.models.families import PACKED_COLWISE, tp_style_of
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state"
@@ -162,8 +165,6 @@ def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter, name: str) -> 
     split (see `_packed_halves_apart`)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from ..parallel.tensor import tp_shard_dim
-
     halves = _packed_halves(model, name)
     if halves > 1:
         return _packed_halves_apart(model, t, halves)
@@ -178,9 +179,6 @@ def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter, name: str) -> 
 def _packed_halves(model, name: str) -> int:
     """How many packed blocks parameter `name` holds along its TP-split dim (2 for fused experts' gate and up
     halves, `models.PACKED_COLWISE`), else 1; the same under every split, tp=1 included."""
-    from ..models import PACKED_COLWISE, tp_style_of
-    from ..parallel.experts import PACKED_HALVES
-
     prefix = model.stages[0].body_name + "."
     inner = name[len(prefix):] if name.startswith(prefix) else name
     return PACKED_HALVES if tp_style_of(model.config, inner) == PACKED_COLWISE else 1

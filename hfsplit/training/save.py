@@ -20,8 +20,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.merged import as_stored
-from ..errors import HfsplitError
+from hfsplit.apply.lora import lora_layers
+from hfsplit.apply.quantize import dequantized
+from hfsplit.apply.tp import full_tensor, local_tensor, tp_shard_dim
+from hfsplit.checkpoint.merged import as_stored
+from hfsplit.errors import HfsplitError
 
 _ADAPTER_NAME = re.compile(r"\.default(?=\.)")
 
@@ -42,9 +45,6 @@ def writable_dir(path: str | os.PathLike) -> Path:
 def full_state_of_stage(model, module, *, merge_lora: bool = False) -> dict[str, torch.Tensor]:
     """Checkpoint-named CPU tensors of one stage module, TP pieces joined (collective over the TP group);
     with `merge_lora`, LoRA layers' weights come out with their adapters folded in."""
-    from ..parallel.tensor import full_tensor
-    from ..quantize import dequantized
-
     # Saved in the run's dtype (bf16 runs keep fp32 master weights in memory, users expect bf16 files).
     dtype = getattr(torch, model.plan.spec.dtype)
     merged = merged_lora_weights(module) if merge_lora else {}
@@ -68,10 +68,6 @@ def merged_lora_weights(module) -> dict[str, torch.Tensor]:
     """
     from torch.distributed.tensor import DTensor
 
-    from ..parallel.tensor import local_tensor
-    from ..quantize import dequantized
-    from .lora import lora_layers
-
     merged = {}
     for prefix, sub in lora_layers(module):
         weight = dequantized(sub.base_layer.weight, sub.base_layer).detach()
@@ -86,8 +82,6 @@ def merged_lora_weights(module) -> dict[str, torch.Tensor]:
 def lora_state_of_stage(model, module) -> dict[str, torch.Tensor]:
     """peft-named adapter tensors of one stage (`base_model.model.<name>` without the adapter name),
     TP pieces joined (collective over the TP group)."""
-    from ..parallel.tensor import tp_shard_dim
-
     state = {}
     for name, p in module.named_parameters():
         if ".lora_" not in name:

@@ -66,9 +66,9 @@ def qlora_autocast_memory(*, checkpoint: str, seq_len: int, micro_batch_size: in
 
 def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_batches, dtype="float32",
            autocast=None, schedule="auto"):
-    from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel.launch import split_from_pretrained
-    from hfsplit.quantize import quantization_config
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.load.launch import split_from_pretrained
+    from hfsplit.apply.quantize import quantization_config
 
     spec = TrainingSpec(method=method, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype,
                         lora_r=8, activation_checkpointing=ac, autocast=autocast)
@@ -87,7 +87,7 @@ def _train(model, optimizer, ids, *, steps: int):
     assumes): the bytes held when it starts (weights, AdamW state) plus the peak of the storages it creates.
     And the bytes the third step leaves alive beyond what the second left (a leak grows it; 0 when each step
     frees what the one before kept), from one tracker over both."""
-    from hfsplit.training.trainer import causal_lm_loss
+    from hfsplit.models.loss import causal_lm_loss
 
     loss_fn = causal_lm_loss(model.config.vocab_size)
     losses, peak, left = [], 0, []

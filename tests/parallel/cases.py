@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from hfsplit.costs import TrainingSpec
+from hfsplit.plan import TrainingSpec
 from hfsplit.parallel.mesh import schedule_pp_rank
 from hfsplit.plan import Plan, Stage, StageMemory
 
@@ -46,7 +46,7 @@ def split_matches_transformers(*, checkpoint: str, tp: int, pp: int, layers: lis
     from hfsplit.checkpoint import load_config
     from hfsplit.parallel.mesh import init_parallel
     from hfsplit.parallel.split_model import build_split_model
-    from hfsplit.parallel.tensor import full_tensor
+    from hfsplit.apply.tp import full_tensor
 
     config = load_config(checkpoint)
     plan = hand_plan(config, tp=tp, pp=pp, layers=layers, schedule=schedule, micro_batches=micro_batches)

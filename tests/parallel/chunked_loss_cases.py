@@ -8,8 +8,8 @@ from tests.parallel.apply_cases import _train
 
 def chunked_vs_plain(*, checkpoint: str, seq_len: int, micro_batch_size: int, micro_batches: int, steps: int) -> dict:
     """For the plain and the chunked loss: this rank's planned figure, its measured step peak and the losses."""
-    from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel.launch import split_from_pretrained
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.load.launch import split_from_pretrained
     from hfsplit.plan import rank_total
 
     out = {}

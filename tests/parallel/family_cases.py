@@ -53,7 +53,7 @@ def train_split(checkpoint: str, split: dict, *, method: str, options: dict, pro
     model's probe logits, and where its output was saved under `out_dir` (LoRA: the adapter and the merged
     model; nothing without `out_dir`)."""
     from hfsplit.checkpoint import load_config
-    from hfsplit.parallel.launch import split_from_pretrained
+    from hfsplit.load.launch import split_from_pretrained
     from hfsplit.training.options import tiny_demo_options
 
     started = time.perf_counter()
@@ -86,8 +86,8 @@ def _save(run, *, method: str, out_dir: Path) -> dict[str, str]:
 
 
 def _lora(opts, checkpoint: str):
-    from hfsplit.parallel.apply import LoraSetup
-    from hfsplit.training.trainer import lora_of_run
+    from hfsplit.apply.lora import LoraSetup
+    from hfsplit.training.run import lora_of_run
 
     config = lora_of_run(opts, model_path=checkpoint)
     return LoraSetup(config, seed=opts.seed) if config is not None else None
@@ -95,7 +95,9 @@ def _lora(opts, checkpoint: str):
 
 def _run(opts, model, *, checkpoint: str):
     """The trainer's `Run` over `model` (a split made from a hand plan): its data, optimizer and schedule."""
-    from hfsplit.training.trainer import Run, causal_lm_loss, data_of_run, load_rows
+    from hfsplit.models.loss import causal_lm_loss
+    from hfsplit.training.run import data_of_run, load_rows
+    from hfsplit.training.trainer import Run
 
     tokenizer, rows = load_rows(opts, model_path=checkpoint)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -5,11 +5,11 @@ def probe_and_plan() -> dict:
     """Each rank probes the link, then plans a pp=2 split with it; returns what it measured and planned."""
     import time
 
-    from hfsplit import calibrate
+    from hfsplit.load import probes as calibrate
     from hfsplit.checkpoint.synthetic import tiny_config
-    from hfsplit.costs import TrainingSpec
+    from hfsplit.plan import TrainingSpec
     from hfsplit.parallel.mesh import init_distributed
-    from hfsplit.planner import make_plan
+    from hfsplit.planning.planner import make_plan
 
     init_distributed()
     start = time.perf_counter()

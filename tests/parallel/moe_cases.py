@@ -28,8 +28,8 @@ def router_loss_matches(*, checkpoint: str, tp: int, pp: int, layers: list, sche
     from hfsplit.checkpoint import load_config
     from hfsplit.parallel.mesh import init_parallel
     from hfsplit.parallel.split_model import build_split_model
-    from hfsplit.parallel.tensor import full_tensor
-    from hfsplit.training.trainer import causal_lm_loss
+    from hfsplit.apply.tp import full_tensor
+    from hfsplit.models.loss import causal_lm_loss
 
     config = load_config(checkpoint)
     plan = hand_plan(config, tp=tp, pp=pp, layers=layers, schedule=schedule, micro_batches=micro_batches)

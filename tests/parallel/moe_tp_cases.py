@@ -1,7 +1,7 @@
 """Rank side of the MoE tensor-parallel tests: one launch of ranks per split shape runs both families' cases in turn
 (tests/parallel/test_families_split.py: the split against transformers, the router auxiliary loss under TP, 20 steps
 of LoRA and of full training with the output saved, a resume under another split), and each rank's memory of a
-step against the plan (tests/test_costs.py)."""
+step against the plan (tests/planning/test_costs.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,8 +45,8 @@ def resume_under_another_split(*, checkpoint: str, split: dict, other: dict, opt
     """Two full-training steps on `split`, the trainer state written as a run writes it, read by a run on `other`
     (the same ranks): the largest difference of each trainable tensor and AdamW moment from the one saved."""
     from hfsplit.checkpoint import load_config
-    from hfsplit.parallel.launch import split_from_pretrained
-    from hfsplit.parallel.tensor import full_tensor
+    from hfsplit.load.launch import split_from_pretrained
+    from hfsplit.apply.tp import full_tensor
     from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.resume import checkpoint_names, read_trainer_state, write_trainer_state
     from tests.parallel.cases import hand_plan

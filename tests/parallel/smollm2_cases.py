@@ -13,7 +13,8 @@ def smollm2_pp2_generates_and_learns(*, checkpoint: str, out: str, steps: int) -
 
     from hfsplit.training.data import bundled_dataset_path
     from hfsplit.training.options import tiny_demo_options
-    from hfsplit.training.trainer import build_run, eval_loss, train_step
+    from hfsplit.training.run import build_run
+    from hfsplit.training.trainer import eval_loss, train_step
 
     options = tiny_demo_options(model=checkpoint, dataset=str(bundled_dataset_path("tiny_chat.jsonl")),
                               dataset_format="chat", method="lora", seq_len=64, micro_batch_size=2, micro_batches=2,
@@ -43,10 +44,11 @@ def smollm2_step_memory_against_plan(*, checkpoint: str, out: str, method: str, 
                                      micro_batches: int) -> dict:
     """One rank, fp32: the bytes one real training step holds at its peak (weights, optimizer state, and the
     tensors alive during the step as counted by costs' dispatch-mode counter) against the plan's stage total."""
-    from hfsplit.costs import _LiveBytes
+    from hfsplit.planning.costs.trace import LiveBytes as _LiveBytes
     from hfsplit.training.data import bundled_dataset_path
     from hfsplit.training.options import tiny_demo_options
-    from hfsplit.training.trainer import build_run, train_step
+    from hfsplit.training.run import build_run
+    from hfsplit.training.trainer import train_step
 
     options = tiny_demo_options(model=checkpoint, method=method, seq_len=seq_len, micro_batch_size=micro_batch_size,
                               micro_batches=micro_batches, max_steps=2, pp=1, tp=1, dtype="float32", warmup_steps=0,

@@ -45,7 +45,7 @@ def _check_bf16_qlora_autocast(results: list[dict]) -> None:
     autocast saves at least 70% of what the plan says it saves (peft's fp32 copies of the adapters' inputs), and
     the losses stay those of the run without it (same values: autocast casts peft's fp32 copy straight back to
     bf16)."""
-    from hfsplit.plan import autocast_label
+    from hfsplit.plan import autocast_step as autocast_label
 
     for rank, by_autocast in enumerate(results):  # every figure printed before any is asserted
         for autocast, r in by_autocast.items():

@@ -7,9 +7,9 @@ import torch
 def test_chunked_loss_equals_transformers_loss_and_gradients(family, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hfsplit.models import family_of
-    from hfsplit.parallel import chunked_loss
-    from hfsplit.training.trainer import causal_lm_loss
+    from hfsplit.models.families import family_of
+    from hfsplit.models import loss as chunked_loss
+    from hfsplit.models.loss import causal_lm_loss
 
     config = AutoConfig.for_model(family, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                                   num_key_value_heads=1, num_hidden_layers=1, vocab_size=300, head_dim=16,

@@ -1,4 +1,4 @@
-"""Families that do work outside their blocks (hfsplit.models.FAMILIES), split: logits, gradients and greedy
+"""Families that do work outside their blocks (hfsplit.models.families.FAMILIES), split: logits, gradients and greedy
 generation equal to transformers, and 20 steps of LoRA and of full training equal to a single process.
 
 One launch of ranks per split shape runs every family's case in turn (tests/parallel/family_cases.py), and
@@ -196,7 +196,7 @@ def test_moe_splits_match_transformers_router_loss_included(launch, tiny_checkpo
 
 
 # MoE under tensor parallelism: every expert on every TP rank, each expert's intermediate dim split
-# (hfsplit/parallel/experts.py); two layers, as the dense tp cases. name: (tp, pp, layers, schedule)
+# (hfsplit/apply/tp_experts.py); two layers, as the dense tp cases. name: (tp, pp, layers, schedule)
 MOE_TP_SHAPES = {"tp2": (2, 1, [(0, 2)], "GPipe"), "pp2xtp2": (2, 2, [(0, 1), (1, 2)], "1F1B")}
 
 

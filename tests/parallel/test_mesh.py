@@ -1,7 +1,8 @@
 """Rank layout arithmetic (no processes)."""
 import pytest
 
-from hfsplit.parallel.mesh import coordinates_of_rank, schedule_pp_rank
+from hfsplit.parallel.mesh import schedule_pp_rank
+from hfsplit.plan import coordinates_of_rank
 from hfsplit.parallel.split_model import micro_batches_for
 
 
@@ -30,9 +31,9 @@ def test_micro_batches_divide_the_batch(batch, planned, expected):
 
 def test_each_rank_runs_on_the_gpu_its_stage_was_planned_for():
     """Mismatched GPUs: the planner may put stage 0 on GPU 1; that rank must then use GPU 1, not GPU 0."""
-    from hfsplit.costs import TrainingSpec
+    from hfsplit.plan import TrainingSpec
     from hfsplit.parallel.mesh import gpu_index_of_rank
-    from hfsplit.planner import make_plan
+    from hfsplit.planning.planner import make_plan
 
     plan = make_plan("Qwen/Qwen2.5-14B", "24GiB,12GiB,12GiB", spec=TrainingSpec(method="lora", seq_len=2048, lora_r=16),
                      schedule="1F1B")  # one stage per rank: the reorder shows

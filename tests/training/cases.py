@@ -4,7 +4,7 @@
 def finetune_losses(runs: list[dict]) -> list[list[float]]:
     """Train each run's options in turn on this rank; the per-step losses of each."""
     from hfsplit.training.options import tiny_demo_options
-    from hfsplit.training.trainer import train
+    from hfsplit.training.run import train
 
     return [train(tiny_demo_options(**options), progress=False).losses for options in runs]
 
@@ -14,8 +14,8 @@ def crash_mid_save(*, checkpoint: str, out: str) -> dict:
     what the folder held after the crash."""
     from pathlib import Path
 
-    from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel.launch import split_from_pretrained
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.load.launch import split_from_pretrained
     from hfsplit.training.save import save_split_model
 
     model = split_from_pretrained(checkpoint, "2x2GiB", spec=TrainingSpec(method="full", seq_len=8, dtype="float32"),

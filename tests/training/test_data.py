@@ -6,21 +6,10 @@ import pytest
 import torch
 
 from hfsplit.errors import HfsplitError
+from hfsplit.checkpoint.synthetic import tiny_tokenizer
 from hfsplit.training.data import (
-    ALPACA_PROMPT,
-    ALPACA_PROMPT_NO_INPUT,
-    BUNDLED_DIR,
-    IGNORE_INDEX,
-    DatasetError,
-    MicroBatches,
-    TokenRows,
-    bundled_dataset_path,
-    detect_format,
-    load_token_rows,
-    micro_batches,
-    packed_text_rows,
-    tiny_tokenizer,
-    token_rows,
+    ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, BUNDLED_DIR, IGNORE_INDEX, DatasetError, MicroBatches, TokenRows,
+    bundled_dataset_path, detect_format, load_token_rows, micro_batches, packed_text_rows, token_rows,
 )
 
 PAD, UNK, BOS, EOS, IM_START, IM_END = range(6)
@@ -322,7 +311,7 @@ class FakeDataset:
 
 
 def test_bundled_files_are_what_the_script_regenerates(tmp_path):
-    from hfsplit.training.data import TINY_TOKENIZER_DIR
+    from hfsplit.checkpoint.synthetic import TINY_TOKENIZER_DIR
     from hfsplit.training.make_tiny import main
 
     main([str(tmp_path)])

@@ -248,8 +248,8 @@ def test_which_checkpoint_a_launch_resumes_from(tmp_path, monkeypatch):
 def test_a_larger_layout_is_taken_only_when_the_time_model_says_it_is_faster(tiny_checkpoint):
     """The growth decision: the best plan on 2 devices against the 1-device plan the run had, both
     estimated by the planner's time model for the same global batch; and the record of lost machines."""
-    from hfsplit.costs import TrainingSpec
-    from hfsplit.planner import make_plan
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.planning.planner import make_plan
     from hfsplit.training.elastic import LaunchState, describe, growth_decision, plan_record, restart_record
 
     spec = TrainingSpec(method="full", seq_len=64, dtype="float32", reserve_bytes=0)

@@ -9,7 +9,7 @@ from tests.parallel.launcher import launch
 from tests.training.test_trainer import reference_training, run_options, saved_model
 
 ROUTED = dict(output_router_logits=True, router_aux_loss_coef=0.5)
-# attention and the fused experts' 3-D parameters (peft target parameters, hfsplit/expert_lora.py)
+# attention and the fused experts' 3-D parameters (peft target parameters, hfsplit/models/expert_lora.py)
 EXPERT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
@@ -52,7 +52,8 @@ def qlora_moe_run(run: dict, probe: torch.Tensor) -> dict:
     `probe`, and how this rank's stages hold their block weights (4-bit linears, 16-bit fused experts)."""
     import bitsandbytes as bnb
 
-    from hfsplit.training.trainer import build_run, fit
+    from hfsplit.training.run import build_run
+    from hfsplit.training.trainer import fit
 
     run = build_run(tiny_demo_options(**run), progress=False)
     losses = fit(run).losses

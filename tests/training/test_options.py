@@ -104,7 +104,7 @@ def _option_actions(parser):
 def test_every_option_of_the_recipe_and_of_hfsplit_plan_has_help_with_its_default():
     import argparse
 
-    from hfsplit.cli import plan_parser
+    from hfsplit.cli.plan import plan_parser
     from hfsplit.training.options import GROUPS, options_parser
 
     plan = plan_parser(argparse.ArgumentParser().add_subparsers())

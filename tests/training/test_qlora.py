@@ -11,7 +11,7 @@ from tests.training.test_trainer import STEPS, assert_recipe_refuses, reference_
 
 
 def bnb_config(options: FinetuneOptions):
-    from hfsplit.quantize import quantization_config
+    from hfsplit.apply.quantize import quantization_config
 
     return quantization_config(quant_type=options.bnb_4bit_quant_type, double_quant=options.bnb_4bit_use_double_quant,
                                load_in_8bit=options.load_in_8bit, compute_dtype=options.dtype)
@@ -33,7 +33,8 @@ def train_and_probe(runs: list[dict], probe: torch.Tensor) -> list[dict]:
     losses, the trained split model's logits on `probe`, and this rank's planned bytes against the peak of one
     more step (held bytes, quant state included, + the peak of the storages the step creates)."""
     from hfsplit.plan import rank_total
-    from hfsplit.training.trainer import build_run, fit, train_step
+    from hfsplit.training.run import build_run
+    from hfsplit.training.trainer import fit, train_step
     from tests.parallel.apply_cases import LiveStorages
 
     out = []
@@ -71,7 +72,7 @@ def test_split_qlora_losses_equal_transformers_bnb_peft_qlora(tiny_checkpoint, t
                         **split)]
     if world == 2:
         runs.append(run_options(checkpoint, tmp_path, "qlora", merge=True, load_in_8bit=True, schedule="1F1B", **split))
-        # bf16 QLoRA, its forwards under autocast (hfsplit.parallel.autocast): against the reference under autocast
+        # bf16 QLoRA, its forwards under autocast (hfsplit.apply.autocast): against the reference under autocast
         # too, as transformers' Trainer runs bf16
         bf16 = runs[0]
         runs.append(dict(bf16, dtype="bfloat16", merge=False, output_dir=bf16["output_dir"] + "-bf16"))
@@ -157,7 +158,8 @@ def merged_reference(trained) -> dict[str, torch.Tensor]:
 def test_quantized_bytes_are_exactly_what_bitsandbytes_holds(shape, double_quant):
     from torch import nn
 
-    from hfsplit.quantize import quantization_config, quantize_linear, quantized_linear_bytes
+    from hfsplit.apply.quantize import quantization_config, quantize_linear
+    from hfsplit.checkpoint.quantized import quantized_linear_bytes
 
     layer = quantize_linear(nn.Linear(*shape, bias=False), quantization_config(double_quant=double_quant,
                                                                               compute_dtype="float32"),
@@ -172,10 +174,10 @@ def test_quantized_bytes_are_exactly_what_bitsandbytes_holds(shape, double_quant
 def test_70b_qlora_plans_on_2x24gib_at_seq_2048_under_autocast_only():
     """Issue 11's target on plan: r=8, micro-batch 1, chunked loss fits 2×24GiB (no offload) because 16-bit QLoRA
     runs under autocast (0.72 GiB less workspace per stage); without it, or at r=16, it does not."""
-    from hfsplit.costs import TrainingSpec
+    from hfsplit.plan import TrainingSpec
     from hfsplit.errors import PlanError
     from hfsplit.plan import rank_total
-    from hfsplit.planner import make_plan
+    from hfsplit.planning.planner import make_plan
 
     spec = TrainingSpec(method="qlora", seq_len=2048, micro_batch_size=1, lora_r=8, chunked_loss=True)
     plan = make_plan("meta-llama/Llama-3.1-70B", "2x24GiB", spec=spec)
@@ -187,9 +189,9 @@ def test_70b_qlora_plans_on_2x24gib_at_seq_2048_under_autocast_only():
 
 
 def test_70b_qlora_plans_on_4x24gib_and_is_a_listed_fix_for_lora():
-    from hfsplit.costs import TrainingSpec
+    from hfsplit.plan import TrainingSpec
     from hfsplit.errors import PlanError
-    from hfsplit.planner import make_plan
+    from hfsplit.planning.planner import make_plan
 
     plan = make_plan("meta-llama/Llama-3.1-70B", "4x24GiB", spec=TrainingSpec(method="qlora", seq_len=2048))
     assert plan.tp == 1 and plan.pp == 4
@@ -201,7 +203,7 @@ def test_70b_qlora_plans_on_4x24gib_and_is_a_listed_fix_for_lora():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
-    (["--method", "qlora", "--bnb-4bit-quant-type", "int3"], "bnb_4bit_quant_type='int3'"),
+    (["--method", "qlora", "--bnb-4bit-quant-type", "int3"], "--bnb-4bit-quant-type 'int3': choose nf4 or fp4"),
     (["--method", "qlora", "--tp", "2"], "--tp 2 with --method qlora"),
     (["--method", "full", "--load-in-8bit", "on"], "--load-in-8bit sets the quantized base"),
 ])
@@ -232,8 +234,8 @@ def prequantized_split_logits(checkpoint: str, probe: torch.Tensor) -> tuple[tor
 
     import torch.distributed as dist
 
-    from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel.launch import split_from_pretrained
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.load.launch import split_from_pretrained
 
     model = split_from_pretrained(checkpoint, "2x1GiB", spec=TrainingSpec(method="qlora", seq_len=32, dtype="float32"),
                                   pp=2)
@@ -254,7 +256,7 @@ def test_prequantized_checkpoint_splits_and_a_mismatched_request_is_refused(tiny
     transformers' logits on that folder; the recipe asked for another format exits 2 in one line, writing nothing."""
     from transformers import AutoModelForCausalLM
 
-    from tests.test_quantize import prequantized_checkpoint
+    from tests.apply.test_quantize import prequantized_checkpoint
 
     path = prequantized_checkpoint(tiny_checkpoint("llama"), tmp_path / "nf4")
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -285,10 +287,10 @@ def load_peaks(checkpoint: str, warmup: str, split: bool) -> dict:
     import torch.distributed as dist
 
     import hfsplit
-    from hfsplit.costs import TrainingSpec
-    from hfsplit.parallel.launch import split_from_pretrained
-    from hfsplit.planner import make_plan
-    from hfsplit.quantize import check_quantization, quantization_config
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.load.launch import split_from_pretrained
+    from hfsplit.planning.planner import make_plan
+    from hfsplit.apply.quantize import check_quantization, quantization_config
 
     qconfig = quantization_config(compute_dtype="float32")
     check_quantization(qconfig, device=torch.device("cpu"))  # bitsandbytes' import belongs to the baseline
@@ -321,7 +323,7 @@ def measured_load(load, *, layers) -> dict:
 
 
 def held_bytes_of(model) -> int:
-    from hfsplit.quantize import held_bytes
+    from hfsplit.apply.quantize import held_bytes
 
     return sum(held_bytes(stage) for stage in model.stages) if hasattr(model, "stages") else held_bytes(model)
 

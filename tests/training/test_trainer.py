@@ -11,9 +11,10 @@ import torch
 
 from hfsplit.checkpoint.synthetic import shard_files
 from hfsplit.training.data import MicroBatches, bundled_dataset_path, load_token_rows
-from hfsplit.training.lora import lora_config, seed_lora_weights
+from hfsplit.apply.lora import lora_config, seed_lora_weights
 from hfsplit.training.options import ACCELERATE_CPU_CONFIG, TINY_RECIPE, FinetuneOptions, tiny_demo_options
-from hfsplit.training.trainer import causal_lm_loss, tokenizer_for
+from hfsplit.models.loss import causal_lm_loss
+from hfsplit.training.run import tokenizer_for
 from tests.parallel.launcher import free_port, launch, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +97,7 @@ def run_options(checkpoint, tmp_path, method: str, **extra) -> dict:
     (2, dict(tp=1, pp=1, max_memory="2x1GiB"), "llama"),  # two data-parallel replicas
     (2, dict(pp=2, max_memory="2x1GiB"), "phi3"),  # fused qkv_proj / gate_up_proj as LoRA targets
     (2, dict(tp=2, pp=1, max_memory="2x1GiB"), "qwen3"),  # q/k norm gradients summed over TP
-    # the families of hfsplit.models.FAMILIES train on every split in tests/parallel/test_families_split.py
+    # the families of hfsplit.models.families.FAMILIES train on every split in tests/parallel/test_families_split.py
 ])
 def test_split_training_losses_equal_unsplit_training(tiny_checkpoint, tmp_path, world, split, arch):
     """pp=2, tp=2, pp=2×tp=2 and dp=2, LoRA and full: every step's loss equals the unsplit model's,
@@ -181,9 +182,9 @@ def test_the_recipe_runs_without_a_launcher_as_one_rank(tiny_checkpoint, tmp_pat
 def _calibration_wrong_by_4x(model: str, options: FinetuneOptions):
     """Store the calibration record a run of `options` on this CPU (one thread) reads, 4× too fast; returns a
     function reading it back (with the wrong figure kept as `wrong_seconds`)."""
-    from hfsplit import calibrate
+    from hfsplit.load import probes as calibrate
     from hfsplit.checkpoint import load_config
-    from hfsplit.trace_cache import read_cache, write_cache
+    from hfsplit.planning.costs.cache import read_cache, write_cache
     from hfsplit.training.options import training_spec
 
     threads = torch.get_num_threads()

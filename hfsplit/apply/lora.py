@@ -1,0 +1,187 @@
+"""The LoRA step: adapters on stage modules (after tensor parallelism), with initial values that do
+not depend on how the model is split.
+
+peft builds the adapters (`inject_adapter_in_model`) on the rank's local pieces of the
+sharded layers, so their shapes follow the base layer's sharding:
+- colwise layer (q/k/v, gate/up): A is whole (replicated), B holds this rank's output rows;
+- rowwise layer (o, down): A holds this rank's input columns, B is whole.
+Two small autograd functions make the adapter branch exact under TP (as Megatron's
+copy-to / reduce-from tensor-parallel region): after a colwise A the gradient is summed
+over the TP group; after a rowwise A the partial activations are summed in forward.
+
+A matrices are drawn from a generator keyed by (seed, checkpoint name) at full size and
+sliced, so the unsplit model and every split start from the same adapters.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hfsplit.apply.tp import mark_tp_sharded, tp_shard_dim
+from hfsplit.errors import HfsplitError
+from hfsplit.models.expert_lora import split_lora_targets
+from hfsplit.models.layout import block_linear_names
+from hfsplit.plan import Plan, Step, lora_step
+
+_LAYER_NAME = re.compile(r"(model\.layers\.\d+\..*)$")
+_IN_PLAN = re.compile(r"layers\.\d+\.(.*)$")
+
+
+def lora_config(*, r: int, alpha: int, dropout: float, targets: Optional[Sequence[str]], model_config):
+    """The peft LoraConfig hfsplit trains with (the same for split and unsplit models); without
+    `targets`, every linear projection of a decoder block of `model_config`'s model. A target naming an MoE's
+    fused expert parameter ("gate_up_proj", "down_proj") adapts the experts (`hfsplit.models.expert_lora`)."""
+    from peft import LoraConfig  # lazy: importing peft imports bitsandbytes and torch._inductor (~3 s)
+
+    # names of fused MoE expert parameters (gate_up_proj, down_proj) go to peft as target parameters
+    modules, parameters = split_lora_targets(list(targets or block_linear_names(model_config)), model_config)
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules,
+                      target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM")
+
+
+@dataclass(frozen=True)
+class LoraSetup:
+    """The LoRA a run trains: a peft `LoraConfig` (see `lora_config`) and the seed
+    its A matrices are drawn from."""
+
+    config: object
+    seed: int = 0
+
+
+def add_adapters(modules: Sequence[nn.Module], step: Step, inputs) -> Step:
+    """The step: the call's LoRA (`inputs.lora`, else the plan's own) in every stage; the step as applied
+    (its rank is that of the LoRA given)."""
+    lora = inputs.lora or default_lora(inputs.plan, modules[0].config)
+    apply_lora(modules, lora, plan=inputs.plan, ctx=inputs.ctx)
+    return lora_step(lora.config.r)
+
+
+def apply_lora(modules: Sequence[nn.Module], lora: LoraSetup, *, plan: Plan, ctx) -> None:
+    """Inject `lora` into every stage (after TP: the adapters follow the base layers' shards)."""
+    tp_group = ctx.tp_mesh.get_group() if plan.tp > 1 else None
+    for module in modules:
+        add_lora(module, lora.config, seed=lora.seed, tp_group=tp_group, tp_rank=ctx.coords.tp, tp_size=plan.tp,
+                 tp_plan=getattr(module.config, "base_model_tp_plan", None))
+
+
+def default_lora(plan: Plan, model_config) -> LoraSetup:
+    """The plan's LoRA (its rank and targets; alpha 2r and no dropout) when the caller gives none."""
+    spec = plan.spec
+    return LoraSetup(lora_config(r=spec.lora_r, alpha=2 * spec.lora_r, dropout=0.0, targets=spec.lora_targets,
+                                 model_config=model_config))
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward (the downstream gradient is already whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: int = 0, tp_size: int = 1,
+             tp_plan: Optional[dict] = None) -> nn.Module:
+    """Inject LoRA adapters into `module`, freeze everything else, seed the adapters.
+
+    Args:
+        module: a stage module (TP already applied) or a whole unsplit model.
+        config: from `lora_config`.
+        seed: keys the A matrices' values.
+        tp_group, tp_rank, tp_size, tp_plan: the TP group and the model's `base_model_tp_plan` when sharded.
+
+    Raises:
+        HfsplitError: a target names no module of the model.
+    """
+    from peft import inject_adapter_in_model  # lazy: importing peft imports bitsandbytes and torch._inductor (~3 s)
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in module.named_modules()}
+    missing = sorted(set(config.target_modules) - names)
+    if missing:
+        raise HfsplitError(f"LoRA target(s) {', '.join(missing)} name no module of the model; "
+                           f"linear layers here: {', '.join(sorted(n for n in names if n.endswith('proj')))}")
+    for p in module.parameters():
+        p.requires_grad_(False)
+    inject_adapter_in_model(config, module)
+    # 16-bit adapters (and their AdamW state) in fp32, as peft's get_peft_model keeps them
+    # (autocast_adapter_dtype=True) and the cost model counts them; inject_adapter_in_model leaves the base's dtype.
+    from peft.tuners.tuners_utils import cast_adapter_dtype  # lazy: ~3 s import (inductor)
+
+    cast_adapter_dtype(module, "default")
+    for name, sub in lora_layers(module):
+        style = _tp_style(name, tp_plan) if tp_size > 1 else None
+        a, b = sub.lora_A["default"], sub.lora_B["default"]
+        if style == "colwise":
+            mark_tp_sharded(b.weight, dim=0)
+            a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumGradOverTP.apply(out, g))
+        elif style == "rowwise":
+            mark_tp_sharded(a.weight, dim=1)
+            a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumOverTP.apply(out, g))
+    seed_lora_weights(module, seed=seed, tp_rank=tp_rank, tp_size=tp_size)
+    return module
+
+
+def seed_lora_weights(module: nn.Module, *, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Draw every LoRA A from a generator keyed by (seed, checkpoint name); B starts at zero, as in peft."""
+    for name, sub in lora_layers(module):
+        match = _LAYER_NAME.search(name)
+        key = match.group(1) if match else name
+        a = sub.lora_A["default"].weight
+        dim = tp_shard_dim(a)
+        shape = list(a.shape)
+        if dim is not None:
+            shape[dim] *= tp_size
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+        bound = 1 / math.sqrt(shape[1])  # kaiming-uniform(a=√5), peft's default for A
+        full = (torch.rand(shape, generator=generator, dtype=torch.float32) * 2 - 1) * bound
+        if dim is not None:
+            full = full.chunk(tp_size, dim=dim)[tp_rank]
+        with torch.no_grad():
+            a.copy_(full.to(device=a.device, dtype=a.dtype))
+            sub.lora_B["default"].weight.zero_()
+
+
+def lora_layers(module: nn.Module):
+    """(name, layer) of every peft LoRA layer in `module` (the adapter named "default")."""
+    for name, sub in module.named_modules():
+        if hasattr(sub, "lora_A") and "default" in getattr(sub, "lora_A", {}):
+            yield name, sub
+
+
+def _tp_style(name: str, tp_plan: Optional[dict]) -> Optional[str]:
+    match = _IN_PLAN.search(name)
+    if not match or not tp_plan:
+        return None
+    for pattern, style in tp_plan.items():
+        if fnmatch.fnmatchcase(f"layers.*.{match.group(1)}", pattern) or \
+                fnmatch.fnmatchcase(f"layers.0.{match.group(1)}", pattern):
+            return style
+    return None

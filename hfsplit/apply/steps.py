@@ -1,0 +1,86 @@
+"""Apply a Plan to this rank's stages: `plan.steps()` in order, each looked up in one table (as torchtitan's
+`parallelize_llama` applies what its config names):
+
+    tensor parallelism → activation checkpointing → load weights → quantization → LoRA → autocast (16-bit QLoRA)
+
+TP and checkpointing act on the stage while it is still on the meta device (TP so each rank
+reads only its slices); quantization needs real weights; LoRA comes after them because peft wraps
+whatever linear layer it finds (a TP-sharded one, later a quantized one), and autocast after LoRA because it
+turns off the adapters' input casts. Every step returns
+the `Step` it applied, and the run records them (`Plan.applied`): a test compares them with `plan.steps()`,
+so nothing the planner counts is left undone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence
+
+from torch import nn
+
+from hfsplit.apply.autocast import autocast_stages
+from hfsplit.apply.checkpointing import checkpoint_blocks
+from hfsplit.apply.load import read_weights
+from hfsplit.apply.lora import LoraSetup, add_adapters
+from hfsplit.apply.quantize import check_quantized
+from hfsplit.apply.tp import shard_stages
+from hfsplit.plan import Plan, Step, checkpointing_step, quantize_step
+
+# Step kind → the function applying it: `(modules, step, inputs) -> the Step applied`.
+STEPS: dict[str, Callable[[Sequence[nn.Module], Step, "StepInputs"], Step]] = {
+    "tp": shard_stages,
+    "checkpointing": checkpoint_blocks,
+    "load": read_weights,
+    "quantize": check_quantized,
+    "lora": add_adapters,
+    "autocast": autocast_stages,
+}
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the steps read beside the stage modules.
+
+    Args:
+        plan: the plan being run.
+        ctx: this rank's ParallelContext (TP mesh and coordinates).
+        load: reads this rank's bytes into the modules (after TP, before quantization).
+        lora: the LoRA to add; None with a LoRA plan means the plan's own rank and targets.
+    """
+
+    plan: Plan
+    ctx: object
+    load: Callable[[Sequence[nn.Module]], None]
+    lora: Optional[LoraSetup] = None
+
+
+def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx, load: Callable[[Sequence[nn.Module]], None],
+               lora: Optional[LoraSetup] = None) -> tuple[Step, ...]:
+    """Apply `plan`'s steps to this rank's stage modules (on meta); `load` gives them their weights.
+
+    Args:
+        modules: this rank's StageModules, still on the meta device.
+        plan: the plan being run.
+        ctx: this rank's ParallelContext (TP mesh and coordinates).
+        load: reads this rank's bytes into the modules (after TP, before quantization).
+        lora: the LoRA to add; None with a LoRA plan means the plan's own rank and targets.
+
+    Returns:
+        The steps applied, in order (compare `plan.steps()`).
+    """
+    inputs = StepInputs(plan=plan, ctx=ctx, load=load, lora=lora)
+    return tuple(STEPS[step.kind](modules, step, inputs) for step in plan.steps())
+
+
+def apply_plan_to_model(model: nn.Module, plan: Optional[Plan], *, training: str) -> Optional[Plan]:
+    """The single-process path (`hfsplit.from_pretrained`): whole blocks, TP = 1, the user adds LoRA with
+    peft. Turns on transformers' own gradient checkpointing (non-reentrant) where a training plan says
+    so; returns the plan with what was applied recorded."""
+    if plan is None:  # a hand-made device map: no decisions to apply
+        return None
+    applied = ()
+    if training != "inference" and plan.spec.activation_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        applied = (checkpointing_step(),)
+    if plan.spec.method == "qlora":  # quantized block by block as read (hfsplit.load.materialize.quantizer_of)
+        applied = (quantize_step(plan.spec),) + applied
+    return replace(plan, applied=applied)

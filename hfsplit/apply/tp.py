@@ -1,0 +1,164 @@
+"""The tensor-parallel step: each stage sharded by the model's own `base_model_tp_plan`.
+
+Implementation: torch DTensor `parallelize_module` (ColwiseParallel / RowwiseParallel),
+applied to the stage while it is still on the meta device; each parameter is then
+materialised as `DTensor.from_local(this rank's slice)`, so a rank never reads another
+rank's slice. Activations between modules are plain tensors (the styles' default
+`use_local_output=True`), so the pipeline only ever sees ordinary tensors.
+
+Beyond the block plan: the input embedding is sharded over the vocabulary
+(RowwiseParallel on nn.Embedding: masked lookup + all-reduce) and lm_head over the
+vocabulary with its output gathered (the model's own `colwise_gather_output`), so
+both ends of a tied pair hold matching `Shard(0)` pieces.
+
+Attention needs no per-rank head counts: transformers 5 attention reshapes with
+`view(*shape, -1, head_dim)` and uses `num_key_value_groups` (heads / kv heads, the
+same on every rank since both divide by the TP degree); q/k/v rows are head-major,
+so an even row split hands each rank whole query heads and their own KV heads.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from hfsplit.apply.tp_experts import ExpertsParallel
+from hfsplit.errors import UnsupportedModelError
+from hfsplit.models.families import MOE_EXPERTS, REPLICATED_SUMMED, expert_tp_params
+from hfsplit.plan import Step
+
+
+def block_styles(config) -> dict[str, object]:
+    """ParallelStyles of one stage keyed by module path pattern, from `config.base_model_tp_plan`."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    tp_plan = getattr(config, "base_model_tp_plan", None)
+    if not tp_plan:
+        raise UnsupportedModelError(f"{type(config).__name__} declares no base_model_tp_plan; use tp=1")
+    styles, experts = {}, expert_tp_params(config)
+    inside = {f"{module}.{name}" for module, params in experts.items() for name in params}
+    for pattern, kind in tp_plan.items():
+        if pattern in inside:
+            continue  # a fused experts module's own parameter: its module's style shards it
+        if kind == MOE_EXPERTS:
+            styles[pattern] = expert_style(config, pattern, experts[pattern])
+        elif kind == "colwise":
+            styles[pattern] = ColwiseParallel()
+        elif kind == "rowwise":
+            styles[pattern] = RowwiseParallel()
+        elif kind == REPLICATED_SUMMED:
+            continue  # stays whole on every rank; `mark_grad_summed` sees to its gradient
+        else:
+            raise UnsupportedModelError(
+                f"{type(config).__name__}: tensor-parallel style {kind!r} of {pattern} is not supported yet; use tp=1"
+            )
+    styles["embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+    return styles
+
+
+def expert_style(config, pattern: str, params: dict[str, str]):
+    """The ParallelStyle of fused experts `pattern` whose parameters the plan packs column-wise or splits row-wise."""
+    packed = tuple(name for name, kind in params.items() if kind == "packed_colwise")
+    rowwise = tuple(name for name, kind in params.items() if kind == "rowwise")
+    if len(packed) + len(rowwise) != len(params) or not packed or not rowwise:
+        raise UnsupportedModelError(f"{type(config).__name__}: fused experts {pattern} with parameter styles {params} "
+                                    "(hfsplit shards one packed_colwise and one rowwise parameter); use tp=1")
+    return ExpertsParallel(packed=packed, rowwise=rowwise)
+
+
+def mark_grad_summed(body: nn.Module, config) -> None:
+    """Flag the replicated modules whose gradient is partial on each TP rank and must be summed over the
+    TP group (Qwen3's per-head q/k norms see only this rank's heads); `SplitModel.sync_grads` sums them."""
+    import fnmatch
+
+    patterns = [p for p, kind in (getattr(config, "base_model_tp_plan", None) or {}).items() if kind == REPLICATED_SUMMED]
+    for name, sub in body.named_modules():
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            _GRAD_SUMMED.add(sub)
+
+
+def grad_summed_over_tp(module: nn.Module) -> bool:
+    """Whether `module`'s parameter gradients are summed over the TP group (see `mark_grad_summed`)."""
+    return module in _GRAD_SUMMED
+
+
+def mark_tp_sharded(param: torch.Tensor, *, dim: int) -> None:
+    """Record that `param`, a plain tensor (not a DTensor), holds this rank's piece of a tensor split
+    along `dim` over the TP group (LoRA adapters of sharded layers); see `tp_shard_dim`."""
+    _SHARD_DIM[param] = dim
+
+
+def tp_shard_dim(param: torch.Tensor) -> Optional[int]:
+    """The dim along which a plain (non-DTensor) parameter is split over the TP group, if any."""
+    return _SHARD_DIM.get(param)
+
+
+# The two public registries above, keyed by object identity (a tensor's == is elementwise);
+# entries go with their parameters and modules.
+_SHARD_DIM: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_GRAD_SUMMED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def shard_stages(modules: Sequence[nn.Module], step: Step, inputs) -> Step:
+    """The step (on meta, so each rank then reads only its slices): every stage module sharded over this
+    rank's TP mesh."""
+    for module in modules:
+        apply_tp(module, tp_mesh=inputs.ctx.tp_mesh, body_name=module.body_name)
+    return step
+
+
+def apply_tp(module: nn.Module, *, tp_mesh, body_name: str) -> nn.Module:
+    """Shard `module` (a StageModule, still on meta) over `tp_mesh` per the model's TP plan."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    body = getattr(module, body_name)
+    plan = {}
+    for pattern, style in block_styles(module.config).items():
+        # Skip patterns this stage has nothing for (parallelize_module warns on unmatched ones).
+        if pattern == "embed_tokens" and body.embed_tokens is None:
+            continue
+        if pattern.startswith("layers.") and len(body.layers) == 0:
+            continue
+        plan[f"{body_name}.{pattern}"] = style
+    if module.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(module, tp_mesh, plan)
+    mark_grad_summed(body, module.config)
+    if module.shares_embedding:
+        # parallelize_module replaced each module's parameter separately; both are Shard(0) over the vocabulary.
+        module.lm_head.weight = body.embed_tokens.weight
+    return module
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` gathered to its full shape when it is a DTensor; unchanged otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local piece of a DTensor (a plain tensor passes through), for in-place collectives."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def shard_layout(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(dim, packed) of a TP-sharded DTensor: this rank holds part `tp_rank` of each of `packed` equal blocks along
+    `dim` (packed=1: a plain `Shard(dim)`; 2: fused experts' `[gate_r; up_r]`, apply/tp_experts.py). None when
+    it is not sharded."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for p in t.placements if isinstance(t, DTensor) else ():
+        if isinstance(p, _StridedShard):  # not a Shard subclass
+            return p.dim, p.split_factor
+        if isinstance(p, Shard):
+            return p.dim, 1
+    return None

@@ -1,0 +1,5 @@
+import sys
+
+from hfsplit.cli.plan import main
+
+sys.exit(main())

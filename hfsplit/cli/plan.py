@@ -1,0 +1,138 @@
+"""Command line: `hfsplit plan` — will it fit, and how — before a byte of weights is read."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import replace
+from typing import Optional, Sequence
+
+from hfsplit import third_party_logs
+from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_max_memory, parse_size, torch_gpus
+from hfsplit.cli.charts import plan_memory_chart
+from hfsplit.errors import HfsplitError
+from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, FinetuneOptions, add_option_arguments, options_from,
+                                      plan_arguments)
+
+
+def plan_parser(sub) -> argparse.ArgumentParser:
+    """`hfsplit plan`: MODEL, every fine-tuning option (the same fields as the recipe's, so a recipe's command
+    line plans as it runs), and the flags that only a plan has."""
+    p = sub.add_parser("plan", help="plan a split of MODEL over a memory budget (reads config.json only)",
+                       description="Will it fit, and how: plan the split a fine-tuning run with these options "
+                                   "would make, before a byte of weights is read. Takes every option of "
+                                   "recipes/finetune.py; flags override a --config recipe.")
+    p.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
+                   help="hub name (org/name), local folder, or config.json (default: --model, or the --config recipe's)")
+    only = p.add_argument_group("plan options")
+    kind = only.add_mutually_exclusive_group()
+    kind.add_argument("--full", action="store_const", const="full", dest="method_alias", help="same as --method full")
+    kind.add_argument("--qlora", action="store_const", const="qlora", dest="method_alias", help="same as --method qlora")
+    kind.add_argument("--inference", action="store_true", help="plan forward only (no gradients, no optimizer)")
+    only.add_argument("--reserve", default=None, help="per-device reserve overriding the measured one (default: 0 on "
+                                                     "the CPU; on GPUs context + fragmentation + NCCL, hfsplit/planning/reserve.py)")
+    only.add_argument("--device-speeds", default=None, help="relative speed per device, e.g. 1,1,0.5 (default: 1 each)")
+    only.add_argument("--nproc", type=int, default=None, help="ranks the launch would start, for a --config recipe "
+                      "without max_memory (default: one per local GPU, else 2 CPU ranks as the bundled accelerate "
+                      "config launches)")
+    only.add_argument("--json", action="store_true", help="print the Plan as JSON instead of the table")
+    only.add_argument("--png", default=None, help="also draw per-device memory bars into this PNG file (default: no chart)")
+    add_option_arguments(p)
+    return p
+
+
+def plan_request(args) -> tuple[str, object, dict, tuple[str, ...]]:
+    """(model, budget, make_plan keyword arguments, notes for the plan): the fine-tuning options of the flags (over
+    the --config recipe's) planned exactly as the trainer plans them (`plan_arguments`), plus the plan-only flags.
+    The budget stays as written, so GPU kinds it names time the plan (`hfsplit.kind_rates`)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneOptions)}
+    if args.model_name is not None:
+        given["model"] = args.model_name
+    if args.method_alias is not None:
+        if args.method not in (None, args.method_alias):
+            raise HfsplitError(f"--{args.method_alias} and --method {args.method} disagree; give one")
+        given["method"] = args.method_alias
+    if args.inference and args.method:
+        raise HfsplitError("--inference plans forward only; drop --method")
+    if args.config is None and (given["model"] is None or args.max_memory is None):
+        raise HfsplitError("hfsplit plan needs MODEL and --max-memory, or --config RECIPE.yaml")
+    options = options_from(given)
+    budget, notes = options.max_memory, ()
+    if budget is None:  # what the recipe does without one: an equal share of what this machine has free
+        budget, notes = local_budget(args.nproc)
+    devices = parse_max_memory(budget)
+    # A recipe plans as it runs here; a model on numbered devices is planned for GPUs (16-bit, a reserve).
+    gpu = None if args.config else any(device != "cpu" for device in devices)
+    kwargs = plan_arguments(options, world_size=len(devices), gpu=gpu)
+    spec = kwargs["spec"]
+    if args.inference:
+        spec = replace(spec, method="inference")
+    if args.reserve:
+        spec = replace(spec, reserve_bytes=parse_size(args.reserve, what="--reserve"))
+    return options.model or tiny_model_folder(), budget, {**kwargs, "spec": spec}, notes
+
+
+def local_budget(nproc: Optional[int]) -> tuple[str, tuple[str, ...]]:
+    """(budget, the note saying so) of a recipe without max_memory, launched here on `nproc` ranks (default one
+    per local GPU, or the bundled accelerate config's two CPU ranks): each rank's equal share of what this
+    machine's devices have free now, as the run takes it (`budget.local_share`)."""
+    ranks = nproc or local_rank_count()
+    budget = local_share(ranks, ranks_here=ranks)
+    share = parse_max_memory(budget)["0"]
+    where = "GPU's free memory" if torch_gpus() else "free host RAM (CPU ranks share it)"
+    return budget, (f"budget: the recipe sets no max_memory, so this plans what it would run here: {ranks} rank(s), "
+                    f"each {format_bytes(share)} of this machine's {where}, measured now (--max-memory plans "
+                    f"other devices; --nproc other rank counts)",)
+
+
+def tiny_model_folder() -> str:
+    """The recipe's built-in tiny model, written to a temporary folder (its config is all planning reads)."""
+    import tempfile
+
+    from hfsplit.checkpoint.synthetic import TINY_MODEL, write_tiny_checkpoint  # lazy: as make_plan (run_plan)
+
+    spec = dict(TINY_MODEL)
+    folder = f"{tempfile.mkdtemp(prefix='hfsplit-tiny-')}/tiny-llama"
+    write_tiny_checkpoint(folder, spec.pop("arch"), sharded=True, **spec)
+    return folder
+
+
+def run_plan(args) -> int:
+    from hfsplit.planning.planner import make_plan  # lazy: transformers and the cost model; `plan --help` stays quick
+
+    model, budget, kwargs, notes = plan_request(args)
+    if args.device_speeds:
+        devices = parse_max_memory(budget)
+        values = [float(v) for v in args.device_speeds.split(",")]
+        if len(values) != len(devices):
+            raise HfsplitError(f"--device-speeds has {len(values)} values for {len(devices)} devices; give one each")
+        kwargs["device_speeds"] = dict(zip(devices, values))
+    plan = make_plan(model, budget, **kwargs)
+    plan = dataclasses.replace(plan, notes=notes + plan.notes)
+    print(plan.to_json() if args.json else plan.table())
+    if args.png:
+        print(f"memory chart: {plan_memory_chart(plan, args.png)}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="hfsplit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan_parser(sub)
+    sub.add_parser("accelerate-config", help="print the path of the bundled accelerate config for CPU ranks",
+                   description="accelerate launch --config_file \"$(hfsplit accelerate-config)\" -m hfsplit.finetune "
+                               "runs the built-in demo on two CPU ranks from an installed package")
+    args = parser.parse_args(argv)
+    if args.command == "accelerate-config":
+        print(ACCELERATE_CPU_CONFIG)
+        return 0
+    third_party_logs.install()
+    try:
+        return run_plan(args)
+    except HfsplitError as exc:
+        print(f"hfsplit {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

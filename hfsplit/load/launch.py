@@ -1,0 +1,75 @@
+"""The launch: plan on rank 0, share the plan with every rank, build this rank's SplitModel.
+
+The one place where running a split meets planning it: `split_model` runs a given Plan and
+never imports the planner; this module calls the planner only when no plan is given.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hfsplit import errors
+from hfsplit.apply.lora import LoraSetup
+from hfsplit.errors import PlanError
+from hfsplit.parallel.mesh import init_distributed, init_parallel
+from hfsplit.parallel.split_model import SplitModel, build_split_model
+from hfsplit.plan import Plan
+from hfsplit.planning.planner import make_plan
+
+
+def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
+                          dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None,
+                          quantization_config=None, **plan_options) -> SplitModel:
+    """Load `name_or_path` split over the ranks of a distributed launch (torchrun / accelerate launch).
+
+    Rank 0 plans (unless `plan` is given) and shares the plan, so every rank runs the same
+    one; a plan that does not match the launch fails on every rank before any weight is read.
+
+    Args:
+        name_or_path: hub name or local folder.
+        max_memory: per-device budget for the planner (ignored when `plan` is given).
+        plan: a ready Plan to run instead of planning.
+        dtype: override the plan's dtype for the weights.
+        lora: the LoRA of a LoRA plan (default: the plan's rank and targets).
+        quantization_config: a transformers `BitsAndBytesConfig`: the blocks' linears are quantized as read (QLoRA).
+        **plan_options: passed to `hfsplit.planning.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
+    """
+    init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
+    if plan is None:
+        spec = plan_options.get("spec")
+        if not torch.cuda.is_available() and spec is not None and spec.reserve_bytes is None:
+            plan_options["spec"] = replace(spec, reserve_bytes=0)  # CPU ranks: "0", "1" budgets are not GPUs
+        plan = shared_plan(name_or_path, max_memory, **plan_options)
+    ctx = init_parallel(plan)
+    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, lora=lora,
+                             quantization_config=quantization_config)
+
+
+def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:
+    """The plan made on rank 0 and broadcast; a planning error is raised on every rank (no hang).
+
+    An hfsplit error (bad budget, nothing fits, unsupported model...) is raised on every rank
+    with its own type and message; rank 0 re-raises anything else as it came (a bug keeps its
+    traceback there).
+    """
+    box: list = [None]
+    failure: Optional[BaseException] = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", make_plan(name_or_path, max_memory, **plan_options).to_json())
+        except Exception as exc:  # raised on every rank below, so no rank waits forever
+            failure = exc
+            kind = type(exc).__name__ if isinstance(exc, errors.HfsplitError) else ""
+            box[0] = ("error", kind, str(exc) if kind else f"planning failed on rank 0: {type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    if box[0][0] == "error":
+        if failure is not None:
+            raise failure
+        _, kind, message = box[0]
+        error_type = getattr(errors, kind, None) if kind else None
+        raise (error_type if isinstance(error_type, type) and issubclass(error_type, errors.HfsplitError)
+               else PlanError)(message)
+    return Plan.from_json(box[0][1])

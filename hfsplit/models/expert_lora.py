@@ -1,0 +1,67 @@
+"""LoRA on an MoE's fused experts, as peft does it (`LoraConfig(target_parameters=...)`).
+
+transformers 5 keeps a layer's experts as 3-D parameters (`mlp.experts.gate_up_proj [E, 2I, H]`,
+`mlp.experts.down_proj [E, H, I]`), not nn.Linear modules, so `target_modules` cannot name them. peft wraps such a
+parameter in a `ParamWrapper` whose adapters span the experts: A is `[r·E, in]`, B `[out, r·E]`, and each expert's
+delta is its slice of B @ A. hfsplit takes these names in `--lora-targets` beside module names ("q_proj,...,
+gate_up_proj,down_proj") and hands them to peft as target parameters; the cost model counts the same adapters.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+from hfsplit.errors import HfsplitError
+from hfsplit.models.layer_kinds import SPARSE, kind_config, layer_kinds
+from hfsplit.models.layout import block_linears, decoder_layout, meta_model, one_layer_config
+
+
+def expert_parameters(config) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{leaf name: (path within a block, shape)} of the 3-D expert parameters of `config`'s blocks ({} if dense)."""
+    if not getattr(config, "num_experts_per_tok", None):  # not an MoE: no model to build
+        return {}
+    key = config.to_json_string(use_diff=False)
+    _CONFIGS.setdefault(key, config)
+    return dict(_expert_parameters(key))
+
+
+_CONFIGS: dict[str, object] = {}  # lru_cache keys must be hashable; configs are not
+
+
+@functools.lru_cache(maxsize=32)
+def _expert_parameters(key: str) -> tuple:
+    config = _CONFIGS[key]
+    cfg = one_layer_config(kind_config(config, SPARSE) if layer_kinds(config) else config)
+    model = meta_model(cfg)
+    block = model.get_submodule(decoder_layout(model).layers)[0]
+    return tuple((name.rsplit(".", 1)[-1], (name, tuple(p.shape))) for name, p in block.named_parameters()
+                 if p.dim() == 3)
+
+
+def split_lora_targets(targets: Sequence[str], config) -> tuple[list[str], list[str]]:
+    """(module targets, peft target parameters) of `targets`: a name of a fused expert parameter becomes a target
+    parameter (its path within the block); any other name stays a module target.
+
+    Raises:
+        HfsplitError: a name that is both a block's linear and an expert parameter (Qwen3-MoE's dense
+            `down_proj` beside the experts' `down_proj` under `mlp_only_layers`): peft's MoE target conversion
+            would adapt the experts under both names.
+    """
+    experts = expert_parameters(config)
+    if not experts:
+        return list(targets), []
+    kinds = layer_kinds(config)
+    linear_names = {lin.name.rsplit(".", 1)[-1] for c in ([kind_config(config, k) for k in set(kinds)] if kinds
+                                                          else [config]) for lin in block_linears(c)}
+    both = sorted(t for t in targets if t in experts and t in linear_names)
+    if both:
+        raise HfsplitError(f"LoRA target(s) {', '.join(both)} name both a dense layer's linear and the fused experts' "
+                           "parameter; name the attention and expert targets only, or train the model fully")
+    return [t for t in targets if t not in experts], [experts[t][0] for t in targets if t in experts]
+
+
+def expert_lora_numel(config, targets: Optional[Sequence[str]], r: int) -> int:
+    """Adapter elements of one block's targeted expert parameters: r·E·(in + out) each (0 without such targets)."""
+    experts = expert_parameters(config)
+    shapes = [experts[t][1] for t in dict.fromkeys(targets or ()) if t in experts]
+    return sum(r * e * (out + inp) for e, out, inp in shapes)

@@ -1,0 +1,75 @@
+"""The causal-LM loss: transformers' own, and one on the last stage that never holds the whole micro-batch's logits.
+
+The plain head makes `tokens × vocab` logits in the compute dtype, the loss upcasts them to fp32 and keeps
+that copy for backward: for Llama-3.1-70B at seq 2048 that is 1.5 GiB per micro-batch on the last stage.
+With `TrainingSpec.chunked_loss` the last stage stops after its final norm; the loss runs lm_head (and the
+family's logit scaling / soft-cap) on `chunk_tokens(...)` tokens at a time, each chunk under activation
+checkpointing, so only the normed hidden states stay for backward and one chunk's logits exist at a time
+(backward recomputes them). The loss is transformers' `ForCausalLMLoss` (shift, ignore -100, mean over the
+tokens that count), summed chunk by chunk: the same loss and gradients up to summation order (tested).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+CHUNK_LOGIT_BYTES = 64 << 20  # fp32 logits of one chunk: small next to a block's workspace, large enough to stay fast
+MIN_CHUNKS = 8  # and at least this many chunks, so a small model saves as a large one does
+
+
+def causal_lm_loss(vocab_size: int):
+    """transformers' own causal-LM loss (shift, ignore -100, mean over a micro-batch's tokens)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return ForCausalLMLoss(logits, labels, vocab_size)
+
+    loss_fn.causal_lm = True  # a chunked_loss plan may compute it chunk by chunk (`chunked_causal_lm_loss`)
+    return loss_fn
+
+
+def chunk_tokens(vocab_size: int, tokens: int) -> int:
+    """Tokens per chunk: at most CHUNK_LOGIT_BYTES of fp32 logits, and at most 1/MIN_CHUNKS of the tokens."""
+    return max(1, min(CHUNK_LOGIT_BYTES // (4 * vocab_size), math.ceil(tokens / MIN_CHUNKS)))
+
+
+def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, *, head: Callable[[torch.Tensor], torch.Tensor],
+                           vocab_size: int) -> torch.Tensor:
+    """transformers' `ForCausalLMLoss(head(hidden), labels, vocab_size)`, computed `chunk_tokens` tokens at a time.
+
+    Args:
+        hidden: the final norm's output, `(batch, seq, hidden)`.
+        labels: `(batch, seq)`, unshifted (as the model's own loss takes them); -100 is ignored.
+        head: hidden states → logits (lm_head plus the family's output side); must act token by token.
+    """
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1).to(hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    step = chunk_tokens(vocab_size, flat.shape[0])
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for first in range(0, flat.shape[0], step):
+        total = total + checkpoint(_summed_loss, flat[first:first + step], shifted[first:first + step], head,
+                                   vocab_size, use_reentrant=False)
+    return total / (shifted != IGNORE_INDEX).sum()
+
+
+def _summed_loss(hidden: torch.Tensor, labels: torch.Tensor, head, vocab_size: int) -> torch.Tensor:
+    logits = head(hidden).float().view(-1, vocab_size)
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class ChunkedHeadLoss:
+    """The pipeline's loss function for a last stage that stops at its final norm (`StageModule.head_in_loss`):
+    applies that stage's lm_head chunk by chunk inside the loss."""
+
+    def __init__(self, stage):
+        self.stage = stage
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        stage = self.stage
+        return chunked_causal_lm_loss(hidden, labels, head=lambda h: stage.family.output_side(stage.config, stage.lm_head(h)),
+                                      vocab_size=stage.config.vocab_size)

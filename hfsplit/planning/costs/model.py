@@ -1,0 +1,344 @@
+"""Cost model: bytes and FLOPs of one decoder block, the embeddings and the head, per TP rank.
+
+Sizes come from the real transformers model class built on the meta device (`hfsplit.planning.costs.layout`),
+never from hand formulas. Activation bytes are measured by tracing one block at the real dimensions under
+FakeTensorMode (`hfsplit.planning.costs.trace`, cached by `hfsplit.planning.costs.traces`), so they follow
+whatever the attention implementation and MLP really keep for backward.
+
+The planner relies on exactly the public names below.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+
+from hfsplit.checkpoint.quantized import quantized_linear_bytes
+from hfsplit.errors import PlanError
+from hfsplit.models.expert_lora import expert_lora_numel, expert_parameters
+from hfsplit.models.families import tp_degree_error
+from hfsplit.models.layer_kinds import kind_config, layer_kinds
+from hfsplit.models.layout import block_linear_names, routed_expert_numel
+from hfsplit.plan import TrainingSpec
+from hfsplit.planning.costs.layout import (
+    CONFIGS, LORA_ADAPTER_DTYPE, Layout, Linear, dtype_of, head_dim, keyed, layout_of, lora_targets,
+)
+from hfsplit.planning.costs.trace import BlockTrace
+from hfsplit.planning.costs.traces import block_trace, ends_trace
+
+
+@dataclass(frozen=True)
+class PartCost:
+    """Costs of one part (the embeddings, one decoder block, or norm + head) on one rank.
+
+    All byte figures are for one tensor-parallel rank (already divided by the TP degree
+    where the part is sharded).
+
+    Args:
+        param_bytes: weights (frozen + trainable) in the model dtype.
+        grad_bytes: gradients of the trainable parameters.
+        optimizer_bytes: AdamW moments (fp32) plus fp32 master weights under mixed precision.
+        activation_bytes: bytes kept for backward per micro-batch (0 for inference).
+        workspace_bytes: transient peak while the part runs once (not multiplied by in-flight micro-batches).
+        flops: forward + backward (+ recompute) FLOPs per micro-batch.
+        comm_bytes: bytes all-reduced across the TP group per micro-batch (forward + backward).
+        deferred_bytes: what a split backward (zero-bubble schedules) keeps from the part's input pass to its
+            weight pass: the gradient of each trainable weight's output (see `_deferred_grad_bytes`).
+    """
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    workspace_bytes: int
+    flops: float
+    comm_bytes: int = 0
+    deferred_bytes: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes held for the whole step whatever the schedule: weights, grads, optimizer."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Per-part costs of a model for one training spec and TP degree.
+
+    Args:
+        num_layers: decoder blocks.
+        tp: tensor-parallel degree these figures are for.
+        embed: input embeddings (first stage).
+        block: one decoder block (all blocks are alike).
+        head: final norm + lm_head (+ loss) on the last stage. With tied embeddings the
+            head's param_bytes include the shared matrix again, since the last stage holds a copy.
+        tied: whether lm_head shares the embedding matrix.
+        boundary_bytes: one micro-batch's hidden states, what a stage sends its pipeline neighbour.
+        layer_blocks: each layer's own block cost where the layers are of several kinds (Qwen3-MoE's
+            `mlp_only_layers`, `hfsplit.models.layer_kinds`); empty when every layer costs `block` (layer 0's kind).
+    """
+
+    num_layers: int
+    tp: int
+    embed: PartCost
+    block: PartCost
+    head: PartCost
+    tied: bool
+    spec: TrainingSpec = field(default_factory=TrainingSpec)
+    boundary_bytes: int = 0
+    layer_blocks: tuple[PartCost, ...] = ()
+
+
+_ADAMW_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+_MASTER_WEIGHT_BYTES = 4  # fp32 master copy under mixed precision
+
+
+def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
+    """Costs of `config`'s model under `spec` with tensor-parallel degree `tp`.
+
+    Args:
+        config: a transformers config of a decoder-only causal LM (see `hfsplit.checkpoint.load_config`).
+        spec: what one step does.
+        tp: tensor-parallel degree; must be one of `valid_tp_degrees(config, tp)`.
+    """
+    why = tp_degree_error(config, tp)
+    if why:
+        raise PlanError(why)
+    if spec.method not in ("inference", "lora", "qlora", "full"):
+        raise PlanError(f"TrainingSpec.method {spec.method!r}: use 'inference', 'lora', 'qlora' or 'full'")
+    if spec.method == "qlora" and tp > 1:
+        raise PlanError(f"tp={tp} with QLoRA: a bitsandbytes 4-bit weight cannot be sharded by tensor parallelism "
+                        "here; use tp=1 (the planner splits QLoRA runs over pipeline stages × data parallelism)")
+    dtype_of(spec.dtype)  # fail early on an unknown dtype
+    return _with_layer_kinds(config, _model_costs(keyed(config), spec, tp), spec, tp)
+
+
+def _with_layer_kinds(config, costs: ModelCosts, spec: TrainingSpec, tp: int) -> ModelCosts:
+    """`costs` with each layer's block costed by its own kind, where the layers are not all alike."""
+    kinds = layer_kinds(config)
+    if kinds is None:
+        return costs
+    if spec.method in ("lora", "qlora") and spec.lora_targets is None:  # the default every kind shares
+        spec = replace(spec, lora_targets=tuple(block_linear_names(config)))
+        costs = replace(_model_costs(keyed(config), spec, tp), spec=costs.spec)
+    blocks = {}
+    for kind in set(kinds):
+        blocks[kind] = _model_costs(keyed(kind_config(config, kind)), spec, tp).block
+    return replace(costs, layer_blocks=tuple(blocks[kind] for kind in kinds))
+
+
+def estimate_peak_bytes(costs: ModelCosts) -> int:
+    """Estimated peak of one training step of the whole model in one process (no pipeline), without reserve.
+
+    Training is a steady-state step: AdamW state already exists and `zero_grad(set_to_none=True)`
+    freed the gradients, so the peak is the largest of: forward + loss, each part's backward
+    (its activations freed as its gradients appear) and the optimizer step. Inference is one
+    forward without a KV cache (`use_cache=False`).
+    """
+    embed, head = costs.embed, costs.head
+    blocks = list(costs.layer_blocks) or [costs.block] * costs.num_layers
+    shared = embed if costs.tied else None  # the tied matrix is held once in one process
+
+    def total(field_name: str) -> int:
+        value = getattr(embed, field_name) + sum(getattr(b, field_name) for b in blocks) + getattr(head, field_name)
+        return value - (getattr(shared, field_name) if shared is not None else 0)
+
+    params, grads, optim = total("param_bytes"), total("grad_bytes"), total("optimizer_bytes")
+    if costs.spec.method == "inference":
+        # The model's forward keeps `inputs_embeds` (the embedding output) alive to the end.
+        return params + embed.workspace_bytes + max(*(b.workspace_bytes for b in blocks), head.workspace_bytes)
+
+    held = params + optim
+    activations = embed.activation_bytes + sum(b.activation_bytes for b in blocks) + head.activation_bytes
+    phases = [held + activations + head.workspace_bytes]  # forward done, loss computed
+    # Backward walks head → blocks → embed; each part's activations go as its gradients arrive.
+    order = [head] + blocks[::-1] + [embed]
+    live_acts, live_grads = activations, 0
+    for part in order:
+        grad = part.grad_bytes
+        if part is embed and shared is not None:
+            grad = 0  # accumulates into the head's gradient of the shared matrix
+        phases.append(held + live_acts + live_grads + grad + part.workspace_bytes)
+        live_acts -= part.activation_bytes
+        live_grads += grad
+    phases.append(params + grads + optim + _optimizer_step_bytes(costs, optim))
+    return max(phases)
+
+
+# --- internals -------------------------------------------------------------------------------
+
+
+def _optimizer_step_bytes(costs: ModelCosts, optimizer_bytes: int) -> int:
+    """Transient of AdamW's step: the foreach implementation (default on GPUs) builds one fp32
+    temporary per trainable parameter (the square root of the second moment)."""
+    master = costs.spec.method == "full" and costs.spec.dtype != "float32"
+    per_param = _ADAMW_MOMENT_BYTES + (_MASTER_WEIGHT_BYTES if master else 0)
+    return optimizer_bytes // per_param * 4
+
+
+def _lora_numel(layout: Layout, spec: TrainingSpec, tp: int, config) -> int:
+    """Adapter elements of one block: its targeted linears' and (MoE) its targeted fused experts'."""
+    numel = expert_lora_numel(config, spec.lora_targets, spec.lora_r)
+    for lin in lora_targets(layout, spec, expert_parameters(config)):
+        in_f = lin.in_features // tp if lin.shard == "row" else lin.in_features  # A is r × in
+        out_f = lin.out_features // tp if lin.shard == "col" else lin.out_features  # B is out × r
+        numel += spec.lora_r * (in_f + out_f)
+    return numel
+
+
+@functools.lru_cache(maxsize=256)
+def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
+    config = CONFIGS[key]
+    layout = layout_of(key)
+    size = dtype_of(spec.dtype).itemsize
+    block_numel = layout.block_numel_replicated + layout.block_numel_sharded // tp
+    # hfsplit.apply.tp shards the embedding and lm_head over the vocabulary (the
+    # final norm stays whole), so each TP rank holds 1/tp of both matrices.
+    head_numel = layout.norm_numel + (layout.head_numel - layout.norm_numel) // tp
+    numels = {"embed": layout.embed_numel // tp, "block": block_numel, "head": head_numel}
+    lora_numel = _lora_numel(layout, spec, tp, config) if spec.method in ("lora", "qlora") else 0
+
+    traced = _traced_spec(spec)
+    trace = block_trace(key, traced, tp)
+    ends = ends_trace(key, traced)
+    tokens = spec.micro_batch_size * spec.seq_len
+    hidden_bytes = tokens * config.hidden_size * size
+
+    def state(part: str) -> tuple[int, int, int]:
+        params = numels[part] * size
+        if spec.method == "full":
+            master = _MASTER_WEIGHT_BYTES if spec.dtype != "float32" else 0
+            return params, numels[part] * size, numels[part] * (_ADAMW_MOMENT_BYTES + master)
+        if spec.method in ("lora", "qlora") and part == "block":
+            adapter = LORA_ADAPTER_DTYPE.itemsize
+            params = quantized_block_bytes(layout, spec) if spec.method == "qlora" else params
+            return params + lora_numel * adapter, lora_numel * adapter, lora_numel * _ADAMW_MOMENT_BYTES
+        return params, 0, 0
+
+    passes = 1 if spec.method == "inference" else 3  # backward ≈ 2 × forward
+    ckpt = spec.activation_checkpointing and spec.method != "inference"
+
+    # Block FLOPs: every matmul parameter (base + adapter) × 2 per token, plus QKᵀ and AV.
+    matmul_numel = sum(
+        lin.in_features * lin.out_features // (tp if lin.shard else 1) for lin in layout.linears
+    ) + lora_numel + routed_expert_numel(config) // tp  # MoE: only the top-k experts a token is routed to
+    heads_dim = config.num_attention_heads // tp * head_dim(config)
+    block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * spec.seq_len**2 * heads_dim
+    block_flops = block_fwd * (passes + (1 if ckpt else 0))
+    head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * (passes + spec.chunked_loss)  # + recompute
+    # Two all-reduces (after attention and after the MLP) each way; recompute repeats the forward ones.
+    all_reduces = 2 if spec.method == "inference" else 4 + (2 if ckpt else 0)
+    comm = all_reduces * hidden_bytes if tp > 1 else 0
+
+    block_acts, block_ws = _block_memory(trace, spec, ckpt=ckpt, hidden_bytes=hidden_bytes, tp=tp)
+    if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
+        block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size)
+    embed = PartCost(*state("embed"), ends.embed_activations, ends.embed_workspace, 0.0)
+    block = PartCost(*state("block"), block_acts, block_ws, block_flops, comm)
+    head = PartCost(*state("head"), ends.head_activations, ends.head_workspace, head_flops)
+    return _with_deferred_grads(ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec,
+                                           boundary_bytes=hidden_bytes), layout, config)
+
+
+def _block_memory(trace: BlockTrace, spec: TrainingSpec, *, ckpt: bool, hidden_bytes: int, tp: int) -> tuple[int, int]:
+    """A block's (kept activations, workspace) from its trace, before QLoRA's dequantized weight."""
+    if spec.method == "inference":
+        return 0, trace.inference_peak
+    # The single-process trace has no collectives: backward's input-gradient all-reduce
+    # (`_c10d_functional.all_reduce`, DTensor's Partial -> Replicate) copies the partial sum out of place, and
+    # both are alive at once (measured: +1 hidden state at that op, LoRA tp=2 with checkpointing).
+    reduce_copy = hidden_bytes if tp > 1 else 0
+    if ckpt:  # only the block input is kept; backward recomputes the block's activations transiently
+        return hidden_bytes, trace.activations + trace.workspace + reduce_copy
+    return trace.activations, trace.workspace + reduce_copy
+
+
+def _with_deferred_grads(costs: ModelCosts, layout: Layout, config) -> ModelCosts:
+    """`costs` with each part's `deferred_bytes` set."""
+    deferred = _deferred_grad_bytes(layout, costs.spec, config, costs.tp)
+    return replace(costs, **{name: replace(getattr(costs, name), deferred_bytes=deferred[name]) for name in deferred})
+
+
+def _deferred_grad_bytes(layout: Layout, spec: TrainingSpec, config, tp: int) -> dict[str, int]:
+    """Bytes per part that torch's split backward (`stage_backward_input`, then `stage_backward_weight`) keeps
+    between its two passes: each trainable weight's gradient needs the gradient of that weight's output, so
+    the input pass keeps one per trainable matmul or norm (activations it also needs are already kept).
+    Measured: tests/parallel/test_apply.py, full fine-tuning under ZB-V, whose rank 0 held 6.7 MiB beyond the
+    plan during its last stage's input pass; this counts 6.5 MiB there (a block's 5, the head's 1.5)."""
+    if spec.method == "inference":
+        return {"embed": 0, "block": 0, "head": 0}
+    tokens, hidden = spec.micro_batch_size * spec.seq_len, config.hidden_size
+
+    def out(lin: Linear) -> int:
+        return lin.out_features // tp if lin.shard == "col" else lin.out_features
+
+    if spec.method != "full":  # LoRA: B's output is its base layer's, A's is the rank; adapters in their dtype
+        adapters = sum(out(lin) + spec.lora_r for lin in lora_targets(layout, spec, expert_parameters(config)))
+        return {"embed": 0, "block": adapters * tokens * LORA_ADAPTER_DTYPE.itemsize, "head": 0}
+    size = dtype_of(spec.dtype).itemsize
+    norms = layout.block_numel_replicated // hidden  # the norms (a whole bias: a row too many)
+    block = sum(out(lin) for lin in layout.linears) + norms * hidden
+    head = config.vocab_size // tp + (hidden if layout.norm_numel else 0)  # lm_head's logits, the final norm
+    return {"embed": hidden * tokens * size, "block": block * tokens * size, "head": head * tokens * size}
+
+
+def _traced_spec(spec: TrainingSpec) -> TrainingSpec:
+    """The spec a run's parts are traced with: QLoRA's activations as LoRA's, under autocast where the run
+    autocasts (`TrainingSpec.autocast_dtype`; other methods never do)."""
+    if spec.method == "qlora":
+        return replace(spec, method="lora", autocast=spec.autocast_dtype is not None)
+    return replace(spec, autocast=None)
+
+
+def weight_bytes(config, spec: TrainingSpec) -> int:
+    """Bytes of the model's weights held once, without a trace: every split of a `spec` run holds at least
+    this much across its devices (TP replicates norms, adapters and optimizer state come on top)."""
+    layout = layout_of(keyed(config))
+    kinds = layer_kinds(config)
+    blocks = ([_block_weight_bytes(kind_config(config, k), spec) for k in kinds] if kinds
+              else [_block_weight_bytes(config, spec)] * config.num_hidden_layers)
+    ends = layout.embed_numel + layout.head_numel - (layout.embed_numel if layout.tied else 0)
+    return sum(blocks) + ends * dtype_of(spec.dtype).itemsize
+
+
+def _block_weight_bytes(config, spec: TrainingSpec) -> int:
+    layout = layout_of(keyed(config))
+    if spec.method == "qlora":
+        return quantized_block_bytes(layout, spec)
+    return (layout.block_numel_replicated + layout.block_numel_sharded) * dtype_of(spec.dtype).itemsize
+
+
+def quantized_block_bytes(layout: Layout, spec: TrainingSpec) -> int:
+    """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, the rest
+    (norms, biases) in the spec's dtype."""
+    weights = sum(lin.in_features * lin.out_features for lin in layout.linears)
+    rest = layout.block_numel_replicated + layout.block_numel_sharded - weights
+    return rest * dtype_of(spec.dtype).itemsize + sum(
+        quantized_linear_bytes(lin.in_features, lin.out_features, quant_type=spec.bnb_4bit_quant_type,
+                               double_quant=spec.bnb_4bit_use_double_quant, load_in_8bit=spec.load_in_8bit)
+        for lin in layout.linears)
+
+
+
+
+# Dequantizing one 4-bit value (and its double-quantized absmax share) costs as much time as this many matmul
+# FLOPs on the CPU (scripts/profile_qlora.py, one thread: 2816×1024 and 14336×4096 NF4 weights dequantized at
+# 6.3–7.6 ns a value against matmuls at 31–39 GFLOP/s, 196–297 FLOPs a value). Not measured on a GPU.
+DEQUANTIZE_FLOPS_PER_VALUE = 250.0
+
+
+def with_dequantize(workspace: int, flops: float, linears, spec, *, itemsize: int) -> tuple[int, float]:
+    """One QLoRA block's per-micro-batch (workspace bytes, FLOPs) with what dequantizing its `linears` adds.
+
+    Forward and backward each dequantize one weight at a time to the compute dtype, so the workspace is the
+    largest weight in 16 bits. bitsandbytes dequantizes every 4-bit weight afresh in forward, in backward (input
+    gradient) and, under activation checkpointing, in the recompute, for each micro-batch: a fixed time per
+    micro-batch, not per token, so fewer and larger micro-batches pay it fewer times (what the time model's
+    micro-batch choice weighs). 8-bit weights are not counted (not measured).
+    """
+    sizes = [lin.in_features * lin.out_features for lin in linears]
+    workspace += max(sizes) * itemsize
+    if spec.load_in_8bit:
+        return workspace, flops
+    passes = 3 if spec.activation_checkpointing else 2
+    return workspace, flops + DEQUANTIZE_FLOPS_PER_VALUE * sum(sizes) * passes

@@ -1,0 +1,55 @@
+"""Traced costs kept in memory and on disk, so a later process plans without tracing.
+
+Tracing one block under FakeTensorMode costs about half a second whatever its size, and a
+plan of a large model over many devices traces once per TP degree. The traced bytes depend
+on the config and on the spec's method, dtype, LoRA shape, sequence length and micro-batch
+size, but not on activation checkpointing or the reserve: those are normalised out of the
+key, so `activation_checkpointing="auto"` traces once, not twice.
+
+A fit over token counts (trace twice, extrapolate) was measured and rejected: the bytes a
+block keeps are not linear in tokens (a seq² term that TP does not shard, and SDPA's CPU
+kernel changes what it keeps with the sequence length), so exact traces are cached instead. Across TP
+degrees the bytes are exact functions of the degree: degrees above the second one are derived from two
+traces (`hfsplit.planning.costs.tp`), their profile cached too.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import Optional
+
+from hfsplit.planning.costs.cache import read_cache, write_cache
+from hfsplit.planning.costs.tp import block_trace_at
+from hfsplit.planning.costs.trace import BlockTrace, EndsTrace, trace_ends
+
+
+def trace_spec(spec):
+    """The spec with the fields that do not change a trace set to fixed values."""
+    lora = spec.method == "lora"
+    return replace(spec, activation_checkpointing=False, reserve_bytes=None,
+                   lora_r=spec.lora_r if lora else 0, lora_targets=spec.lora_targets if lora else None)
+
+
+def block_trace(key: str, spec, tp: int):
+    """`trace.trace_block` for `spec` at TP degree `tp`, from memory, disk, or a new trace."""
+    # degrees above the second one are derived from two traces (block_trace_at)
+    # the chunked loss changes only the head: a block trace serves both
+    return _cached("block", key, replace(trace_spec(spec), chunked_loss=False), tp, block_trace_at, BlockTrace)
+
+
+def ends_trace(key: str, spec):
+    """`trace.trace_ends` for `spec`, from memory, disk, or a new trace."""
+    return _cached("ends", key, trace_spec(spec), None, lambda k, s, _: trace_ends(k, s), EndsTrace)
+
+_MEMO: dict[str, object] = {}
+
+
+def _cached(kind: str, key: str, spec, tp: Optional[int], trace, cls):
+    full = f"{key}|{sorted(asdict(spec).items())}|tp={tp}"
+    if full in _MEMO:
+        return _MEMO[full]
+    record = read_cache(kind, full)
+    value = cls(**record) if record is not None else trace(key, spec, tp)
+    if record is None:
+        write_cache(kind, full, asdict(value))
+    _MEMO[full] = value
+    return value

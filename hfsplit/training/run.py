@@ -1,0 +1,253 @@
+"""Building a fine-tuning run: join the launch, plan, read the data, load this rank's part of the model, and set
+up everything the loop (`hfsplit.training.trainer`) works with. Every input problem surfaces here, before any
+weight is read.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hfsplit.apply.lora import LoraSetup, lora_config
+from hfsplit.apply.quantize import check_quantization, quantization_config_of
+from hfsplit.budget import local_share
+from hfsplit.checkpoint.quantized import quantization_of_checkpoint
+from hfsplit.checkpoint.resolve import load_config
+from hfsplit.checkpoint.synthetic import TINY_MODEL, tiny_tokenizer, write_tiny_checkpoint
+from hfsplit.errors import HfsplitError
+from hfsplit.load.launch import shared_plan, split_from_pretrained
+from hfsplit.load.probes import run_link, run_speeds
+from hfsplit.models.families import check_supported
+from hfsplit.models.loss import causal_lm_loss
+from hfsplit.parallel.mesh import device_of_rank, init_distributed
+from hfsplit.training import elastic
+from hfsplit.training.checkpointer import Checkpointer, TrainState
+from hfsplit.training.data import MicroBatches, TokenRows, bundled_dataset_path, load_token_rows
+from hfsplit.training.elastic import LaunchState, settle_growth
+from hfsplit.training.lr_schedule import cosine_schedule_with_warmup  # transformers' own, without its 7 s of imports
+from hfsplit.training.metrics import Metrics, TrainResult
+from hfsplit.training.options import FinetuneOptions, plan_arguments, training_spec, with_plan_batch
+from hfsplit.training.save import writable_dir
+from hfsplit.training.trainer import Run, fit
+
+
+def train(options: FinetuneOptions, *, progress: bool = True) -> TrainResult:
+    """Run the fine-tune `options` describe on this rank; return the run's figures.
+
+    Args:
+        options: the recipe options.
+        progress: show the progress bar on the rank that holds the loss.
+    """
+    return fit(build_run(options, progress=progress))
+
+
+def default_model_path(output_dir: str) -> str:
+    """The built-in tiny model, written once next to the run's output (rank 0 writes, others wait)."""
+    folder = Path(output_dir).parent / "tiny-llama"
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not (folder / "config.json").is_file():
+        spec = dict(TINY_MODEL)
+        arch = spec.pop("arch")
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        write_tiny_checkpoint(tmp, arch, sharded=True, **spec)
+        os.replace(tmp, folder)
+    if dist.is_initialized():
+        dist.barrier()
+    return str(folder)
+
+
+def default_max_memory(world_size: int) -> str:
+    """An equal share of what this host's devices have free, one budget per rank."""
+    # CPU ranks of this host share its memory (ranks on other hosts have their own).
+    return local_share(world_size, ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+def check_sequence_length(model_path: str, seq_len: int) -> None:
+    """A clear error, before any weight is read, for sequences longer than the model's positions."""
+    limit = getattr(load_config(model_path), "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        raise HfsplitError(f"--seq-len {seq_len} is beyond {model_path}'s {limit} positions "
+                           f"(max_position_embeddings); use --seq-len {limit} or less")
+
+
+def weights_dtype(method: str, dtype: str) -> torch.dtype:
+    """Dtype the weights are held in: full fine-tuning in 16 bits keeps fp32 weights (the master copy,
+    AMP-style) and computes under autocast; LoRA keeps the frozen base in 16 bits (peft keeps adapters fp32)."""
+    if method == "full" and dtype in ("bfloat16", "float16"):  # (QLoRA: base and compute in `dtype`)
+        return torch.float32
+    return getattr(torch, dtype)
+
+
+def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
+    """Join the launch, plan, read the data, load this rank's part of the model, add adapters, and set up
+    optimizer, schedule, metrics and checkpoints; resume when asked. Every input problem surfaces
+    before any weight is read."""
+    started = time.time()
+    model_path, launch = prepare(options)
+    # A resumed elastic run keeps its global batch: the planner sets micro-batches for the dp it finds now.
+    plan = plan_of_run(options, model_path=model_path, global_batch=launch.rows_per_step)
+    plan = settle_growth(launch, plan, replan=lambda: plan_of_run(options, model_path=model_path,
+                                                                  global_batch=launch.rows_per_step),
+                         timeout_s=options.peer_timeout)  # a larger layout runs only when estimated faster
+    tokenizer, rows = load_rows(options, model_path=model_path)
+    config = lora_of_run(options, model_path=model_path)
+    model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
+                                  lora=LoraSetup(config, seed=options.seed) if config is not None else None,
+                                  quantization_config=qlora_config_of_run(options, plan, model_path=model_path))
+    plan = model.plan
+    calibrated = training_spec(options)  # the shape its FLOP/s was probed at, which the run re-checks
+    options = with_plan_batch(options, plan)  # the cut --global-batch left to the planner, if it did
+    if dist.get_rank() == 0:
+        print(plan.table(), flush=True)  # its last lines say what the run applied to each stage
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
+    run = Run(options=options, model=model, model_path=model_path, tokenizer=tokenizer, params=params,
+              optimizer=optimizer, lora_config=config, loss_fn=causal_lm_loss(model.config.vocab_size),
+              calibration_spec=calibrated, **data_of_run(options, rows, plan=plan, optimizer=optimizer))
+    holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
+    run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
+                          tokens_per_step=run.rows_per_replica * plan.dp * options.seq_len,
+                          holds_loss=holds_loss, progress=progress, append=launch.append)
+    run.checkpointer = Checkpointer(
+        model=model, state=TrainState(params=params, optimizer=optimizer, scheduler=run.scheduler,
+                                      batches=run.batches),
+        output_dir=options.output_dir, method=saved_method(options.method), base_model=model_path, lora_config=config,
+        tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
+        metrics=run.metrics)
+    run.first_step = run.checkpointer.resume(launch.resume_from)
+    log_launch(run, launch, started=started)
+    run.metrics.begin(run.first_step)
+    return run
+
+
+def log_launch(run: Run, launch, *, started: float) -> None:
+    """Check the kept global batch and log this launch's plan, and the restart it is, if any."""
+    plan, options = run.model.plan, run.options
+    elastic.check_global_batch(plan, rows_then=launch.rows_per_step, micro_batch_size=options.micro_batch_size)
+    nodes = elastic.nodes_of_ranks()
+    restarted = elastic.restart_record(launch, plan, step=run.first_step - 1, started=started, nodes=nodes)
+    if restarted:
+        run.metrics.log.write(restarted)
+        if dist.get_rank() == 0:
+            print(elastic.describe(restarted), flush=True)
+    if launch.growth:
+        run.metrics.log.write({**launch.growth, "step": run.first_step - 1})
+        if dist.get_rank() == 0 and launch.growth["faster"]:  # the other verdict was printed before the regroup
+            print(elastic.describe_growth(launch.growth), flush=True)
+    run.metrics.log.write(elastic.plan_record(plan, step=run.first_step - 1, micro_batch_size=options.micro_batch_size,
+                                              seq_len=options.seq_len, nodes=nodes))
+
+
+def prepare(options: FinetuneOptions):
+    """(the model's path, this launch's `LaunchState`), once the process group is joined and the output
+    folder is checked: what to resume from (after a torchrun restart: the latest checkpoint)."""
+    init_distributed(timeout_s=options.peer_timeout)
+    writable_dir(options.output_dir)
+    torch.manual_seed(options.seed)
+    launch = LaunchState.decide(options.resume, options.output_dir)  # a missing checkpoint fails here
+    return options.model or default_model_path(options.output_dir), launch
+
+
+def load_rows(options: FinetuneOptions, *, model_path: str):
+    """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default)."""
+    tokenizer = tokenizer_for(options, model_path=model_path)
+    source = options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
+    return tokenizer, load_token_rows(source, tokenizer, seq_len=options.seq_len, format=options.dataset_format)
+
+
+def lora_of_run(options: FinetuneOptions, *, model_path: str):
+    """The run's peft LoraConfig (None unless --method lora or qlora): `apply_plan` adds it after TP, so the
+    adapters follow the base layers' sharding."""
+    if options.method not in ("lora", "qlora"):
+        return None
+    config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
+                         targets=options.lora_targets, model_config=load_config(model_path))
+    if options.merge and config.target_parameters:
+        raise HfsplitError(f"--merge folds adapters of linear layers; LoRA on fused experts "
+                           f"({', '.join(config.target_parameters)}) is saved as a peft adapter only: drop --merge")
+    return config
+
+
+def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
+    """The run's batches, held-out rows, step count and LR schedule (Run fields)."""
+    rows, held_out = split_eval_rows(rows, options)
+    per_step = plan.micro_batches * plan.dp
+    batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=per_step,
+                           seed=options.seed)
+    total_steps = total_steps_of(options, rows=len(rows), rows_per_step=per_step * options.micro_batch_size)
+    scheduler = cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
+    return dict(batches=batches, held_out=held_out, total_steps=total_steps, scheduler=scheduler,
+                metrics=None, checkpointer=None)
+
+
+def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Optional[int] = None):
+    """The run's Plan, made on rank 0 and shared with every rank, before any weight is read;
+    `global_batch` (rows per step) replaces --micro-batches when a resumed run must keep its batch."""
+    check_sequence_length(model_path, options.seq_len)
+    check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    budget = options.max_memory or default_max_memory(world)
+    arguments = plan_arguments(options, world_size=world)
+    if global_batch:
+        arguments.update(micro_batches=None, global_batch=global_batch)
+    # Measured on this rank's own device (cached per device kind and dtype): the time model picks the schedule.
+    arguments["device_speeds"] = run_speeds(model_path, arguments["spec"], budget)
+    # One p2p probe between neighbours (pipeline sends, TP all-reduces), with the block's split-backward cost.
+    arguments["link"] = run_link(model_path, arguments["spec"])
+    return shared_plan(model_path, budget, **arguments)
+
+
+def saved_method(method: str) -> str:
+    """What the output folder holds: QLoRA writes the same peft adapter folder as LoRA."""
+    return "lora" if method == "qlora" else method
+
+
+def qlora_config_of_run(options: FinetuneOptions, plan, *, model_path: str):
+    """The run's `BitsAndBytesConfig` (None unless --method qlora), refused in one line before any weight is
+    read where bitsandbytes cannot serve it on this rank's device."""
+    if options.method != "qlora":
+        return quantization_of_checkpoint(model_path, None, method=options.method)  # refuses a pre-quantized one
+
+    qconfig = quantization_config_of(plan.spec)  # the spec carries the options' knobs (options.training_spec)
+    qconfig = quantization_of_checkpoint(model_path, qconfig, method="qlora")  # as a pre-quantized one stores
+    check_quantization(qconfig, device=device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0"))))
+    return qconfig
+
+
+def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
+    """The tokenizer named by --tokenizer, else the model's own, else hfsplit's tiny one."""
+    name = options.tokenizer or model_path
+    if name is None:
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise HfsplitError(f"{name}: no tokenizer found ({exc}); pass --tokenizer NAME_OR_FOLDER") from exc
+
+
+def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -> int:
+    """Optimizer steps: `epochs` passes over the rows when given, else `max_steps`, else one epoch."""
+    if options.epochs is None and options.max_steps is not None:
+        return options.max_steps
+    per_epoch = rows // rows_per_step
+    if per_epoch < 1:
+        raise HfsplitError(f"the dataset has {rows} rows, fewer than one step needs ({rows_per_step}); "
+                           "lower --micro-batches or --micro-batch-size, or add data")
+    return (options.epochs or 1) * per_epoch
+
+
+def split_eval_rows(rows, options: FinetuneOptions):
+    """(training rows, held-out rows): with `eval_every`, 5% (at least one micro-batch) is held out."""
+    if not options.eval_every:
+        return rows, None
+    count = max(options.global_batch or options.micro_batch_size * options.micro_batches, len(rows) // 20)
+    if count >= len(rows):
+        raise HfsplitError(f"the dataset has {len(rows)} rows: too few to hold out {count} for --eval-every")
+    train = TokenRows(rows.input_ids[count:], rows.labels[count:])
+    return train, TokenRows(rows.input_ids[:count], rows.labels[:count])

@@ -1,0 +1,168 @@
+"""Families outside the distributed split: single-process `from_pretrained` equals transformers for any
+causal LM (the model's own forward runs over whole placed modules); the distributed split refuses them by name."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hfsplit.errors import UnsupportedModelError
+from hfsplit.load.materialize import from_pretrained
+from hfsplit.models.families import check_supported, family_of
+from hfsplit.models.layout import DecoderLayout, decoder_layout, meta_model
+from hfsplit.parallel.stage import StageModule
+from hfsplit.plan import Stage, StageMemory
+
+VOCAB = 256
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)
+# What makes each family differ from Llama outside its blocks, with non-default values so a skipped step shows.
+FAMILIES = {
+    "gpt2": dict(vocab_size=VOCAB, n_layer=3, n_embd=32, n_head=2, n_positions=64, bos_token_id=1, eos_token_id=2),
+    "gemma": dict(TINY),  # embedding × sqrt(hidden)
+    "gemma2": dict(TINY, final_logit_softcapping=3.0, attn_logit_softcapping=5.0, sliding_window=4),
+    "gemma3_text": dict(TINY, sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        final_logit_softcapping=3.0),
+    "granite": dict(TINY, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=4.0),
+    "cohere": dict(TINY, logit_scale=0.25, tie_word_embeddings=True),
+    "cohere2": dict(TINY, logit_scale=0.25, sliding_window=4, tie_word_embeddings=True,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    # Experts stored one by one: hfsplit's reader merges them with transformers' own conversion operations.
+    "mixtral": dict(TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen3_moe": dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+}
+
+
+def write_family(folder, arch: str):
+    config = AutoConfig.for_model(arch, **FAMILIES[arch])
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_single_process_equals_transformers(tmp_path, arch):
+    folder = write_family(tmp_path / arch, arch)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ours = from_pretrained(folder, max_memory={"cpu": "3GiB"})  # planned by the planner, not a given map
+    layout = decoder_layout(ours)
+    assert set(ours.hf_device_map) == {*layout.before, *layout.after, *layout.outside,
+                                       *(f"{layout.layers}.{i}" for i in range(3))}
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+    greedy = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(ours.generate(ids, **greedy), reference.generate(ids, **greedy))
+
+
+def test_layout_of_a_model_without_pp_plan():
+    config = AutoConfig.for_model("gpt2", **FAMILIES["gpt2"])
+    assert decoder_layout(meta_model(config)) == DecoderLayout(
+        base="transformer", before=("transformer.wte", "transformer.wpe", "transformer.drop"), layers="transformer.h",
+        after=("transformer.ln_f",), outside=("lm_head",))
+
+
+@pytest.mark.parametrize("arch", ["gpt2"])
+def test_distributed_split_refuses_undeclared_families_by_name(arch):
+    config = AutoConfig.for_model(arch, **FAMILIES[arch])
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{arch}'.*not verified against transformers"):
+        check_supported(config)
+    stage = Stage(index=0, pp_rank=0, devices=(("cpu",),), layers=(0, 3), has_embed=True, has_head=True,
+                  memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{arch}'"):
+        StageModule(config=config, stage=stage, tied=False)
+
+
+def test_distributed_split_refuses_a_bidirectional_gemma3_by_name():
+    config = AutoConfig.for_model("gemma3_text", **FAMILIES["gemma3_text"], use_bidirectional_attention=True)
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'gemma3_text'.*use_bidirectional_attention=True"):
+        family_of(config)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2", "mixtral", "qwen3_moe"])
+def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
+    """The stage builder redoes what the family declares outside its blocks (fast, in-process; the
+    multi-process splits are in tests/parallel/test_families_split.py)."""
+    folder = str(tiny_checkpoint(arch, tied=arch.startswith("cohere")))
+    module, reference = one_stage_and_reference(folder)
+    ids = torch.randint(3, module.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(module(ids), reference(ids).logits, rtol=0, atol=1e-5)
+
+
+def one_stage_and_reference(folder: str):
+    """One stage holding every block and both ends, loaded by hfsplit's reader; the transformers model."""
+    from hfsplit.checkpoint import load_config
+    from hfsplit.apply.load import load_stage_weights
+    from hfsplit.apply.load import open_reader
+
+    config = load_config(folder)
+    stage = Stage(index=0, pp_rank=0, devices=(("cpu",),), layers=(0, config.num_hidden_layers), has_embed=True,
+                  has_head=True, memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)
+    module = StageModule(config=config, stage=stage, tied=config.tie_word_embeddings)
+    needed = [name for name, _ in module.named_parameters()]
+    with open_reader(folder, needed=needed, model=meta_model(config)) as reader:
+        load_stage_weights(module, reader=reader, device=torch.device("cpu"), dtype=torch.float32)
+    return module, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_one_stage_router_loss_equals_transformers(tiny_checkpoint, arch):
+    """While carrying (a training step), the stage returns its logits and transformers' router auxiliary loss of
+    the forward; otherwise (inference, generation) the logits alone."""
+    from hfsplit.parallel.router import carrying
+
+    module, reference = one_stage_and_reference(str(tiny_checkpoint(arch, output_router_logits=True)))
+    ids = torch.randint(3, module.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = reference(ids)
+        with carrying([module]):
+            logits, aux = module(ids)
+        assert torch.is_tensor(module(ids))
+    torch.testing.assert_close(logits, want.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(aux, want.aux_loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_tensor_parallel_plans_and_packed_styles_elsewhere_are_refused(arch):
+    """Their TP plans shard the fused experts (packed_colwise gate_up_proj, rowwise down_proj under a
+    moe_tp_experts module): tp=2 plans, each rank holding half of every expert. packed_colwise anywhere else (a
+    fused nn.Linear) is refused by name before anything is built."""
+    from hfsplit.errors import PlanError
+    from hfsplit.planning.planner import make_plan
+    from hfsplit.plan import TrainingSpec
+
+    config = AutoConfig.for_model(arch, **FAMILIES[arch])
+    spec = TrainingSpec(method="lora", seq_len=8, dtype="float32")
+    one, two = make_plan(config, "64GiB", spec=spec, tp=1), make_plan(config, "2x64GiB", spec=spec, tp=2)
+    assert two.tp == 2 and two.stages[0].memory.weights < 0.6 * one.stages[0].memory.weights
+    plan = dict(config.base_model_tp_plan)
+    plan["layers.*.self_attn.q_proj"] = "packed_colwise"
+    config.base_model_tp_plan = plan
+    with pytest.raises(PlanError, match=rf"tp=2: {arch}'s tensor-parallel plan uses packed_colwise on "
+                                        r"layers\.\*\.self_attn\.q_proj outside fused experts.*use tp=1"):
+        make_plan(config, "2x64GiB", spec=spec, tp=2)
+
+
+def test_tensor_parallel_is_refused_where_the_family_tp_plan_is_wrong(tiny_checkpoint):
+    """Cohere with q/k norms (Command R+): a weight per head that transformers' TP plan leaves whole while the
+    heads are sharded. The planner keeps it at tp=1 and refuses tp=2 with one line, and so does a hand-made
+    tp=2 plan before any weight is read (its pp=2 split is in tests/parallel/test_families_split.py)."""
+    from hfsplit.checkpoint import load_config
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.errors import PlanError
+    from hfsplit.parallel.split_model import build_split_model
+    from hfsplit.planning.planner import make_plan
+    from tests.parallel.cases import hand_plan
+
+    folder = str(tiny_checkpoint("cohere", use_qk_norm=True))
+    config = load_config(folder)
+    spec = TrainingSpec(method="lora", seq_len=64, dtype="float32", reserve_bytes=0)
+    assert make_plan(config, "2x1GiB", spec=spec).tp == 1
+    assert make_plan(load_config(str(tiny_checkpoint("cohere"))), "2x1GiB", spec=spec, tp=2).tp == 2
+    message = r"tp=2: cohere with use_qk_norm=True .* use tp=1"
+    with pytest.raises(PlanError, match=message):
+        make_plan(config, "2x1GiB", spec=spec, tp=2)
+    with pytest.raises(PlanError, match=message):
+        build_split_model(hand_plan(config, tp=2, pp=1, layers=[(0, 4)], schedule="GPipe"), folder, ctx=None)

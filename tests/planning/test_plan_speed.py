@@ -1,0 +1,32 @@
+"""What keeps the no-fit diagnosis fast without changing what it says."""
+import pytest
+from transformers import LlamaConfig
+
+from hfsplit.planning import planner
+from hfsplit.plan import TrainingSpec
+from hfsplit.errors import PlanError
+
+
+def _config():
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=64)
+
+
+def _diagnose(budget: str, spec: TrainingSpec, monkeypatch) -> tuple[str, set]:
+    tried, real = set(), planner.best_plan
+    monkeypatch.setattr(planner, "best_plan",
+                        lambda config, b, s, **kw: tried.add(s.seq_len) or real(config, b, s, **kw))
+    with pytest.raises(PlanError) as err:
+        planner.make_plan(_config(), budget, spec=spec, schedule="1F1B")
+    return str(err.value), tried
+
+
+def test_shorter_sequences_are_searched_only_when_the_shortest_fits(monkeypatch):
+    spec = TrainingSpec(method="full", seq_len=2048, micro_batch_size=2, dtype="float32", reserve_bytes=0)
+    need = {seq: planner.make_plan(_config(), "64GiB", spec=TrainingSpec(**{**spec.__dict__, "seq_len": seq}),
+                                   activation_checkpointing=True).stages[0].memory.total for seq in (512, 1024)}
+    between = (need[512] + need[1024]) // 2  # seq 512 fits, 1024 does not
+    message, tried = _diagnose(f"{between}B", spec, monkeypatch)
+    assert "a shorter sequence (--seq-len 512)" in message and {1024, 512, 128} <= tried
+    message, tried = _diagnose("1KiB", spec, monkeypatch)  # not even the weights fit
+    assert "a shorter sequence (--seq-len" not in message and not tried & {1024, 512, 256}
