@@ -225,10 +225,15 @@ def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
         return tiny_tokenizer()
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(name)
+    try:  # False, not None: transformers would otherwise ask on a terminal whether to run the folder's code
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=options.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise HfsplitError(f"{name}: no tokenizer found ({exc}); pass --tokenizer NAME_OR_FOLDER") from exc
+        if "trust_remote_code" in str(exc):
+            raise HfsplitError(f"{name}: the tokenizer ships Python code of its own (auto_map), which hfsplit does "
+                               "not run unless told: read it, then pass --trust-remote-code, or pass --tokenizer "
+                               "NAME_OR_FOLDER of a tokenizer transformers knows") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HfsplitError(f"{name}: no tokenizer found ({first}); pass --tokenizer NAME_OR_FOLDER") from exc
 
 
 def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -> int:
