@@ -34,7 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         options = parse_options(argv)
-        from hfsplit.training.run import train  # after parsing: --help and a bad flag answer before the training stack loads
+        from hfsplit.training.run import train  # after parsing: --help, a bad flag answer before the stack loads
 
         train(options)
         return 0

@@ -80,7 +80,8 @@ def builder_for(source: str) -> tuple[str, dict[str, Any]]:
         return BUILDER_BY_SUFFIX[suffix], {"data_files": str(path)}
     if suffix in BUILDER_BY_SUFFIX:
         # Looks like a file, not a hub name: say so instead of a confusing hub lookup error.
-        raise DatasetError(f"dataset file {source!r} does not exist")
+        raise DatasetError(f"dataset file {source!r} does not exist; pass --dataset an existing file or folder, or "
+                           "a hub dataset name")
     return source, {}
 
 
@@ -113,7 +114,8 @@ def load_examples(source: str, *, split: str = "train", **load_kwargs: Any):
     except datasets.exceptions.DatasetGenerationError as err:
         if isinstance(err.__cause__, UnicodeDecodeError):
             raise not_utf8(source, err.__cause__) from None
-        raise DatasetError(f"could not read dataset {source!r}: {first_line(err.__cause__ or err)}") from err
+        raise DatasetError(f"could not read dataset {source!r}: {first_line(err.__cause__ or err)}; fix the file "
+                           "(.jsonl: one JSON object a line; .csv: a header row) or pass another") from err
     except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError) as err:
         raise DatasetError(f"dataset {source!r}: {first_line(err)}; pass a json/jsonl/csv/parquet/txt file or a folder "
                            "of them") from err

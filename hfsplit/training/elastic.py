@@ -30,8 +30,7 @@ import torch.distributed as dist
 
 from hfsplit.errors import HfsplitError, RankIdle, RegroupStop
 from hfsplit.parallel.mesh import backend_for, device_of_rank
-from hfsplit.training.resume import (checkpoint_to_resume, complete_checkpoints, latest_checkpoint, small_state_file,
-                                     trusted_checkpoint)
+from hfsplit.training.resume import checkpoint_to_resume, complete_checkpoints, latest_checkpoint, small_state_file
 from hfsplit.training.trainer_state import read_small_state
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
@@ -76,10 +75,7 @@ class LaunchState:
         box = [None]
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
-                state = cls._decide_here(resume, output_dir)
-                if state.resume_from is not None:
-                    trusted_checkpoint(state.resume_from)  # a crafted checkpoint: refused before any work
-                box[0] = ("ok", state)
+                box[0] = ("ok", cls._decide_here(resume, output_dir))
             except HfsplitError as exc:
                 box[0] = ("error", str(exc))
         if dist.is_initialized():

@@ -31,6 +31,7 @@ from hfsplit.training.elastic import LaunchState, settle_growth
 from hfsplit.training.lr_schedule import cosine_schedule_with_warmup  # transformers' own, without its 7 s of imports
 from hfsplit.training.metrics import Metrics, TrainResult
 from hfsplit.training.options import FinetuneOptions, plan_arguments, training_spec, with_plan_batch
+from hfsplit.training.resume import trusted_checkpoint
 from hfsplit.training.save import writable_dir
 from hfsplit.training.trainer import Run, fit
 
@@ -148,6 +149,8 @@ def prepare(options: FinetuneOptions):
     writable_dir(options.output_dir)
     torch.manual_seed(options.seed)
     launch = LaunchState.decide(options.resume, options.output_dir)  # a missing checkpoint fails here
+    if launch.resume_from is not None:  # every rank reads what it will resume from without running code, or refuses
+        trusted_checkpoint(launch.resume_from)
     return options.model or default_model_path(options.output_dir), launch
 
 
@@ -225,6 +228,9 @@ def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
         return tiny_tokenizer()
     from transformers import AutoTokenizer
 
+    if not Path(name).exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise HfsplitError(f"{name}: no such tokenizer folder; pass --tokenizer an existing folder or a hub name "
+                           "'org/name'")
     try:  # False, not None: transformers would otherwise ask on a terminal whether to run the folder's code
         return AutoTokenizer.from_pretrained(name, trust_remote_code=options.trust_remote_code)
     except (OSError, ValueError) as exc:

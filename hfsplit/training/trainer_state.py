@@ -135,8 +135,8 @@ class SafeFileSystemReader(FileSystemReader):
             with self.fs.create_stream(path, "rb") as stream:
                 metadata = _MetadataUnpickler(stream).load()
         except OSError as exc:
-            raise HfsplitError(f"{path}: unreadable ({exc.strerror or exc}); the checkpoint is incomplete — resume from "
-                               "an earlier one") from None
+            raise HfsplitError(f"{path}: unreadable ({exc.strerror or exc}); the checkpoint is incomplete — "
+                               "resume from an earlier one") from None
         except CheckpointTrustError as exc:
             raise CheckpointTrustError(
                 f"{path}: this checkpoint's DCP metadata asks to run {exc}, which DCP metadata never holds; refused. "

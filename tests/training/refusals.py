@@ -16,7 +16,7 @@ from hfsplit.training.options import TINY_RECIPE
 from tests.parallel.launcher import free_port, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
-# tqdm bars (ours, datasets', the checkpoint writer's): "name: 40%|####  | 2/5 [00:01<...]" or "name: 300 examples [...]"
+# tqdm bars (ours, datasets', the checkpoint writer's): "name: 40%|## | 2/5 [00:01<...]" or "name: 300 examples [...]"
 PROGRESS = re.compile(r"^[\w -]+: +(\d+%\||\d+ \w+ \[)")
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -81,7 +81,7 @@ def unsupported_architecture(tiny_checkpoint, tmp_path):
 
 
 def model_folder_missing(tiny_checkpoint, tmp_path):
-    return ["--model", str(tmp_path / "no-such-model")], ["no-such-model"]
+    return ["--model", str(tmp_path / "no-such-model")], ["no-such-model", "not a model folder", "config.json"]
 
 
 def model_folder_without_config(tiny_checkpoint, tmp_path):
@@ -91,7 +91,7 @@ def model_folder_without_config(tiny_checkpoint, tmp_path):
 
 
 def dataset_missing(tiny_checkpoint, tmp_path):
-    return [*model(tiny_checkpoint), "--dataset", "missing.jsonl"], ["missing.jsonl"]
+    return [*model(tiny_checkpoint), "--dataset", "missing.jsonl"], ["missing.jsonl", "does not exist", "--dataset"]
 
 
 def dataset_without_columns(tiny_checkpoint, tmp_path):
@@ -119,7 +119,7 @@ def dataset_folder_without_data(tiny_checkpoint, tmp_path):
 
 def dataset_malformed_json(tiny_checkpoint, tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "cut off\n')
-    return [*model(tiny_checkpoint), "--dataset", str(tmp_path / "broken.jsonl")], ["broken.jsonl"]
+    return [*model(tiny_checkpoint), "--dataset", str(tmp_path / "broken.jsonl")], ["broken.jsonl", "fix the file"]
 
 
 def dataset_format_against_columns(tiny_checkpoint, tmp_path):
@@ -129,7 +129,8 @@ def dataset_format_against_columns(tiny_checkpoint, tmp_path):
 
 
 def tokenizer_missing(tiny_checkpoint, tmp_path):
-    return [*model(tiny_checkpoint), "--tokenizer", str(tmp_path / "no-tokenizer")], ["no-tokenizer", "--tokenizer"]
+    return [*model(tiny_checkpoint), "--tokenizer", str(tmp_path / "no-tokenizer")], ["no-tokenizer",
+                                                                                      "no such tokenizer folder"]
 
 
 def tokenizer_with_remote_code(tiny_checkpoint, tmp_path):
