@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hfsplit.checkpoint.synthetic import shard_files
+from hfsplit.training.options import TINY_RECIPE
 from tests.training.refusals import assert_recipe_refuses
 
 MARKER = "hfsplit-crafted-pickle-ran"
@@ -240,7 +241,7 @@ def saved_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trained") / "run"
     os.environ["HFSPLIT_NO_CALIBRATION"] = "1"
     try:
-        code = main(["--config", str(Path(__file__).resolve().parents[2] / "hfsplit/training/bundled/tiny.yaml"),
+        code = main(["--config", str(TINY_RECIPE),
                      *model(tiny_checkpoint), "--max-memory", "1GiB", "--max-steps", "3", "--save-every", "2",
                      "--seq-len", "64", "--output-dir", str(out)])
     finally:
