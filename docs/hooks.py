@@ -1,6 +1,6 @@
 """MkDocs hook: the option and Plan JSON references are generated from the code at build time, so they cannot
-drift from it. A page asks for a table with a marker line: `<!-- hfsplit:options -->` or
-`<!-- hfsplit:dataclass hfsplit.plan.Plan -->`."""
+drift from it. A page asks for a table with a marker line: `<!-- hfsplit:options -->`,
+`<!-- hfsplit:dataclass hfsplit.plan.Plan -->` or `<!-- hfsplit:gpu_kinds -->`."""
 from __future__ import annotations
 
 import dataclasses
@@ -78,4 +78,20 @@ def _args_of(doc: str) -> dict[str, str]:
     return out
 
 
-TABLES = {"options": options_table, "dataclass": dataclass_table}
+def gpu_kinds_table(_: str = "") -> str:
+    """The bundled GPU kinds (`hfsplit.gpu_kinds.KINDS`): every figure the planner times with, and its source."""
+    from hfsplit.gpu_kinds import GIB, KINDS
+
+    out = ["| kind | memory | bf16 dense | efficiency | expected | memory bw | host link | GPU-GPU | source; derived |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for k in KINDS:
+        names = ", ".join(f"`{n}`" for n in (k.name, *k.aliases))
+        out.append(f"| {names} | {k.memory_bytes / GIB:.1f} GiB | {k.bf16_flops / 1e12:.1f} TFLOP/s "
+                   f"| {k.efficiency:.2f} | {k.expected_flops / 1e12:.1f} TFLOP/s | {k.memory_bandwidth / 1e9:.0f} GB/s"
+                   f" | {k.host_link}, "
+                   f"{k.host_link_bandwidth / 1e9:.0f} GB/s | {k.peer_bandwidth / 1e9:.0f} GB/s | {k.source}"
+                   f"{'; ' + k.notes if k.notes else ''} |")
+    return "\n".join(out)
+
+
+TABLES = {"options": options_table, "dataclass": dataclass_table, "gpu_kinds": gpu_kinds_table}

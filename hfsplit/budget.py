@@ -1,12 +1,22 @@
-"""Per-device memory budgets: parse what users write, discover local devices."""
+"""Per-device memory budgets: parse what users write (sizes or GPU kinds of `hfsplit.gpu_kinds`), discover local
+devices."""
 from __future__ import annotations
 
 import re
-from typing import Mapping, Union
+from typing import Mapping, NamedTuple, Optional, Union
 
 from hfsplit.errors import BudgetError
+from hfsplit.gpu_kinds import KIND_NAMES, GpuKind, gpu_kind, is_gpu_kind
 
 BudgetSpec = Union[str, int, Mapping[Union[int, str], Union[int, str]], None]
+
+
+class Device(NamedTuple):
+    """One device of a budget: the bytes a plan may use, and the GPU kind when the budget named one."""
+
+    memory: int
+    kind: Optional[GpuKind]
+
 
 _UNITS = {
     "b": 1,
@@ -15,9 +25,9 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _REPEAT = re.compile(r"^\s*(\d+)\s*[x×\*]\s*(.+)$", re.IGNORECASE)
-_EXAMPLE = ('examples: "24GiB", "4x24GiB", "24GiB,12GiB,12GiB", "2x24GiB,cpu:64GiB", '
-            '{0: "24GiB", 1: "12GiB", "cpu": "64GiB"}')
-_HOST = re.compile(r"^\s*cpu\s*[:=]\s*(.+)$", re.IGNORECASE)
+_KEYED = re.compile(r"^\s*(\d+|cpu|mps|disk|(?:cuda|xpu|npu):\d+)\s*[:=]\s*(.+)$", re.IGNORECASE)
+_EXAMPLE = ('examples: "24GiB", "4x24GiB", "24GiB,12GiB,12GiB", "2x24GiB,cpu:64GiB", "0:24GiB,1:12GiB,cpu:64GiB", '
+            '"2xRTX4090", "RTX4090,RTX3090", {0: "24GiB", 1: "12GiB", "cpu": "64GiB"}')
 
 
 def parse_size(value: Union[str, int, float], *, what: str = "size") -> int:
@@ -52,50 +62,85 @@ def _device_key(key: Union[int, str]) -> str:
     raise BudgetError(f"max_memory: unknown device key {key!r}; use GPU indices (0, 1, ...) or 'cpu'; {_EXAMPLE}")
 
 
-def parse_max_memory(spec: BudgetSpec) -> dict[str, int]:
-    """Parse a `max_memory` value into `{device: bytes}` with devices in order.
+def _device(value: Union[str, int, float], *, key: str, what: str) -> Device:
+    """One device's budget: a size, or a GPU kind of the table (its memory, and the kind for the time model)."""
+    if isinstance(value, str) and is_gpu_kind(value):
+        if key in ("cpu", "mps"):
+            raise BudgetError(f"{what}: {value!r} is a GPU kind; give device {key!r} a memory size")
+        kind = gpu_kind(value)
+        return Device(kind.memory_bytes, kind)
+    if isinstance(value, str) and not _SIZE.match(value):
+        raise BudgetError(f"{what}: cannot read {value!r} as a memory size or a GPU kind; {_EXAMPLE}; GPU kinds: "
+                          f"{', '.join(KIND_NAMES)}")
+    return Device(parse_size(value, what=what), None)
+
+
+def parse_devices(spec: BudgetSpec) -> dict[str, Device]:
+    """Parse a `max_memory` value into `{device: Device}` (bytes, and the GPU kind where one was named), in order.
 
     Args:
-        spec: a dict like accelerate's (`{0: "24GiB", "cpu": "64GiB"}`, values in bytes or strings),
-            a single size (one device), `"4x24GiB"`, or `"24GiB,12GiB,12GiB"`; a string may end with
-            `cpu:SIZE` (`"2x24GiB,cpu:64GiB"`), the host RAM, as the dict's "cpu" key.
-
-    Returns:
-        Ordered dict; GPU indices become "0", "1", ...; "cpu" stays "cpu".
+        spec: a dict like accelerate's (`{0: "24GiB", "cpu": "64GiB"}`, values in bytes, sizes or GPU kinds), a
+            single size or kind (one device), `"4x24GiB"`, `"24GiB,12GiB,12GiB"`, `"2xRTX4090"`,
+            `"RTX4090,RTX3090"`, or the dict's own form as text: `"0:24GiB,1:12GiB,cpu:64GiB"`; unnamed GPUs may
+            end with `cpu:SIZE` (`"2x24GiB,cpu:64GiB"`), the host RAM, as the dict's "cpu" key.
     """
     if spec is None:
         raise BudgetError(f"max_memory: no budget given; {_EXAMPLE}")
     if isinstance(spec, Mapping):
         if not spec:
             raise BudgetError(f"max_memory: the dict is empty; {_EXAMPLE}")
-        out = {}
-        for key, value in spec.items():
-            name = _device_key(key)
-            if name == "disk":
-                raise BudgetError("max_memory: hfsplit never offloads to disk; drop the 'disk' key")
-            out[name] = parse_size(value, what=f"max_memory[{key!r}]")
-        return out
+        return _keyed([(_device_key(k), v, f"max_memory[{k!r}]") for k, v in spec.items()])
     if isinstance(spec, (int, float)):
-        return {"0": parse_size(spec, what="max_memory")}
+        return {"0": Device(parse_size(spec, what="max_memory"), None)}
     text = str(spec).strip()
     if not text:
         raise BudgetError(f"max_memory: empty string; {_EXAMPLE}")
-    sizes: list[int] = []
-    host = None
-    for part in text.split(","):
-        if (named := _HOST.match(part)) is not None:
-            host = parse_size(named.group(1), what=f"max_memory part {part.strip()!r}")
-            continue
+    parts = [_KEYED.match(part) or part for part in text.split(",")]
+    keyed = [p for p in parts if not isinstance(p, str)]
+    host = [p for p in keyed if p.group(1).lower() == "cpu"]
+    if host and len(host) == len(keyed) < len(parts):  # unnamed GPUs, then the host's RAM: "2x24GiB,cpu:64GiB"
+        gpus = parse_devices(",".join(p for p in parts if isinstance(p, str)))
+        return {**gpus, **_keyed([("cpu", host[-1].group(2).strip(), f"max_memory part {host[-1].group(0).strip()!r}")])}
+    if keyed and len(keyed) < len(parts):
+        raise BudgetError(f"max_memory: {text!r} names the devices of some parts and not of others; name all "
+                          f"(0:24GiB,1:12GiB) or none (24GiB,12GiB); {_EXAMPLE}")
+    if keyed:
+        return _keyed([(_device_key(m.group(1)), m.group(2).strip(), f"max_memory part {m.group(0).strip()!r}")
+                       for m in keyed])
+    devices: list[Device] = []
+    for part in parts:
         repeat = _REPEAT.match(part)
-        if repeat:
-            count = int(repeat.group(1))
-            if count < 1:
-                raise BudgetError(f"max_memory: {part.strip()!r} asks for {count} devices; {_EXAMPLE}")
-            sizes += [parse_size(repeat.group(2), what=f"max_memory part {part.strip()!r}")] * count
-        else:
-            sizes.append(parse_size(part, what=f"max_memory part {part.strip()!r}"))
-    out = {str(i): size for i, size in enumerate(sizes)}
-    return {**out, "cpu": host} if host is not None else out
+        count, value = (int(repeat.group(1)), repeat.group(2)) if repeat else (1, part)
+        if count < 1:
+            raise BudgetError(f"max_memory: {part.strip()!r} asks for {count} devices; {_EXAMPLE}")
+        devices += [_device(value.strip(), key="0", what=f"max_memory part {part.strip()!r}")] * count
+    return {str(i): device for i, device in enumerate(devices)}
+
+
+def _keyed(items: list[tuple[str, object, str]]) -> dict[str, Device]:
+    """Devices named by key (the dict form, or "0:24GiB,cpu:64GiB"): each key once, never the disk."""
+    out: dict[str, Device] = {}
+    for name, value, what in items:
+        if name == "disk":
+            raise BudgetError("max_memory: hfsplit never offloads to disk; drop the 'disk' key")
+        if name in out:
+            raise BudgetError(f"max_memory: device {name!r} is given twice; give each device once; {_EXAMPLE}")
+        out[name] = _device(value, key=name, what=what)
+    return out
+
+
+def parse_max_memory(spec: BudgetSpec) -> dict[str, int]:
+    """Parse a `max_memory` value into `{device: bytes}` with devices in order (`parse_devices` without kinds).
+
+    Returns:
+        Ordered dict; GPU indices become "0", "1", ...; "cpu" stays "cpu"; a GPU kind becomes its memory.
+    """
+    return {name: device.memory for name, device in parse_devices(spec).items()}
+
+
+def budget_kinds(spec: BudgetSpec) -> dict:
+    """`{device: GpuKind}` for the devices `spec` names by GPU kind (none: an empty dict)."""
+    return {name: device.kind for name, device in parse_devices(spec).items() if device.kind is not None}
 
 
 def local_max_memory(reserve_bytes: int = 0) -> dict[str, int]:
@@ -110,6 +155,26 @@ def local_max_memory(reserve_bytes: int = 0) -> dict[str, int]:
             out[str(i)] = max(free - reserve_bytes, 0)
         return out
     return {"cpu": max(psutil.virtual_memory().available - reserve_bytes, 0)}
+
+
+def local_share(world_size: int, *, ranks_here: int) -> str:
+    """What a run without a budget plans with: `world_size` ranks, each an equal share of what this host's devices
+    have free (CPU ranks of one host share its RAM: `ranks_here` of them; GPUs are one a rank)."""
+    free = local_max_memory()
+    sharing = ranks_here if "cpu" in free else 1
+    return f"{world_size}x{min(free.values()) // sharing}B"
+
+
+def torch_gpus() -> int:
+    """How many CUDA devices this process sees."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_rank_count() -> int:
+    """Ranks a launch here starts by default: one per GPU, else the bundled accelerate config's two CPU ranks."""
+    return torch_gpus() or 2
 
 
 def format_bytes(n: float) -> str:

@@ -21,14 +21,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hfsplit"
 # Each part's rank: a module imports only modules of its own part or of a lower rank.
 LAYERS = {
     "hfsplit": 0, "hfsplit.errors": 0, "hfsplit.plan": 0, "hfsplit.schedules": 0, "hfsplit.budget": 0,
-    "hfsplit.configs": 0,
+    "hfsplit.configs": 0, "hfsplit.gpu_kinds": 0,
     "hfsplit.models": 1,
     "hfsplit.checkpoint": 2,
     "hfsplit.planning": 3, "hfsplit.apply": 3,
     "hfsplit.parallel": 4,
     "hfsplit.load": 5,
     "hfsplit.training": 6,
-    "hfsplit.cli": 7,
+    "hfsplit.cli": 7, "hfsplit.finetune": 7,
 }
 # Parts of one rank that must not import each other: deciding a split and applying one are independent.
 APART = {("hfsplit.planning", "hfsplit.apply"), ("hfsplit.apply", "hfsplit.planning")}
@@ -38,6 +38,7 @@ LAZY = {
         "the training loop loads the planner only to explain an out-of-memory step with a re-plan",
     ("cli/plan.py", "hfsplit.planning.planner"): "`hfsplit plan --help` loads no transformers nor cost model",
     ("cli/plan.py", "hfsplit.checkpoint.synthetic"): "the same (the checkpoint package imports torch)",
+    ("finetune.py", "hfsplit.training.run"): "the recipe parses its flags before the training stack loads",
 }
 
 
@@ -91,6 +92,12 @@ def test_no_function_in_the_package_runs_over_60_lines():
                 long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} "
                             f"({node.end_lineno - node.lineno + 1} lines)")
     assert not long, long
+
+
+def test_the_top_level_holds_only_the_contract_and_the_entry_point():
+    """At most six flat modules beside the packages: the rest of the code lives in the room of its part."""
+    flat = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(flat) <= 6, flat
 
 
 def test_no_import_cycle_among_the_package_modules():

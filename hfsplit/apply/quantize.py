@@ -16,11 +16,13 @@ quant state are read as stored, `hfsplit.checkpoint.quantized`) and `check_quant
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
+from hfsplit.apply import third_party_logs
 from hfsplit.apply.nf4 import quantize_4bit_state
 from hfsplit.apply.quantized_experts import (
     ExpertsNF4, dequantized_experts, experts_modules, is_placeholder, is_quantized_experts, quantize_block_experts,
@@ -57,10 +59,12 @@ def check_quantization(qconfig, *, device: torch.device) -> None:
         raise QuantizationError("the quantization config quantizes nothing: set load_in_4bit=True or load_in_8bit=True")
     if not qconfig.load_in_8bit and qconfig.bnb_4bit_quant_type not in ("nf4", "fp4"):
         raise QuantizationError(f"{what}: bitsandbytes knows nf4 and fp4; use --bnb-4bit-quant-type nf4")
+    third_party_logs.install()  # its import-time warning about optional kernels: one line of our own instead
     try:
         import bitsandbytes  # noqa: F401  (lazy: ~3 s import)
     except ImportError as exc:
         raise QuantizationError(f"QLoRA needs bitsandbytes ({exc}); pip install bitsandbytes") from None
+    third_party_logs.explain_missing_kernels()
     probe = nn.Linear(BLOCKSIZE, BLOCKSIZE, bias=False)
     try:
         layer = quantize_linear(probe, qconfig, device=device)
@@ -173,11 +177,11 @@ def dequantized(param: torch.Tensor, layer: Optional[nn.Module] = None) -> torch
     `layer` is the module holding `param`: a `Linear8bitLt`'s first forward moves the row scales (SCB) off its
     weight onto `layer.state`, so an 8-bit weight that has run is read with the layer's scales; 4-bit fused experts
     (`hfsplit.apply.quantized_experts`) hold their bytes beside the parameter, which is only their placeholder."""
-    import bitsandbytes as bnb  # lazy: importing bitsandbytes compiles kernels with torch._inductor (~3 s)
-
     if layer is not None and is_quantized_experts(layer) and is_placeholder(param):
         return dequantized_experts(layer, next(n for n, p in layer.named_parameters(recurse=False) if p is param))
-
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:  # nothing in this process quantized: no bitsandbytes weight exists, and no import is made
+        return param
     if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
         data, state = param.data, param.quant_state
         if getattr(state, "packing_format_for_cpu", False):  # repacked by bnb's CPU inference kernel (eval mode)

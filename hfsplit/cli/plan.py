@@ -7,11 +7,13 @@ import sys
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from hfsplit.budget import parse_max_memory, parse_size
+from hfsplit.apply import third_party_logs
+from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_max_memory, parse_size, torch_gpus
 from hfsplit.cli.charts import plan_memory_chart
 from hfsplit.errors import HfsplitError
 from hfsplit.planning.memory_choices import host_budget
-from hfsplit.training.options import FinetuneOptions, add_option_arguments, options_from, plan_arguments
+from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, FinetuneOptions, add_option_arguments, options_from,
+                                      plan_arguments)
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
@@ -31,15 +33,19 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     only.add_argument("--reserve", default=None, help="per-device reserve overriding the measured one (default: 0 on "
                                                      "the CPU; on GPUs context + fragmentation + NCCL, hfsplit/planning/reserve.py)")
     only.add_argument("--device-speeds", default=None, help="relative speed per device, e.g. 1,1,0.5 (default: 1 each)")
+    only.add_argument("--nproc", type=int, default=None, help="ranks the launch would start, for a --config recipe "
+                      "without max_memory (default: one per local GPU, else 2 CPU ranks as the bundled accelerate "
+                      "config launches)")
     only.add_argument("--json", action="store_true", help="print the Plan as JSON instead of the table")
     only.add_argument("--png", default=None, help="also draw per-device memory bars into this PNG file (default: no chart)")
     add_option_arguments(p)
     return p
 
 
-def plan_request(args) -> tuple[str, object, dict]:
-    """(model, budget, make_plan keyword arguments): the fine-tuning options of the flags (over the --config
-    recipe's) planned exactly as the trainer plans them (`plan_arguments`), plus the plan-only flags."""
+def plan_request(args) -> tuple[str, object, dict, tuple[str, ...]]:
+    """(model, budget, make_plan keyword arguments, notes for the plan): the fine-tuning options of the flags (over
+    the --config recipe's) planned exactly as the trainer plans them (`plan_arguments`), plus the plan-only flags.
+    The budget stays as written, so GPU kinds it names time the plan (`hfsplit.kind_rates`)."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneOptions)}
     if args.model_name is not None:
         given["model"] = args.model_name
@@ -52,20 +58,33 @@ def plan_request(args) -> tuple[str, object, dict]:
     if args.config is None and (given["model"] is None or args.max_memory is None):
         raise HfsplitError("hfsplit plan needs MODEL and --max-memory, or --config RECIPE.yaml")
     options = options_from(given)
-    if options.max_memory is None:
-        raise HfsplitError(f"{args.config} sets no max_memory (the run takes what its devices have free); "
-                           "pass --max-memory to plan it")
-    budgets = parse_max_memory(options.max_memory)
+    budget, notes = options.max_memory, ()
+    if budget is None:  # what the recipe does without one: an equal share of what this machine has free
+        budget, notes = local_budget(args.nproc)
+    devices = parse_max_memory(budget)
     # A recipe plans as it runs here; a model on numbered devices is planned for GPUs (16-bit, a reserve).
-    gpu = None if args.config else any(device != "cpu" for device in budgets)
-    devices, _ = host_budget(budgets, single_process=False)  # a "cpu" entry beside GPUs is their host's RAM
+    gpu = None if args.config else any(device != "cpu" for device in devices)
+    devices, _ = host_budget(devices, single_process=False)  # a "cpu" entry beside GPUs is their host's RAM
     kwargs = plan_arguments(options, world_size=len(devices), gpu=gpu)
     spec = kwargs["spec"]
     if args.inference:
         spec = replace(spec, method="inference")
     if args.reserve:
         spec = replace(spec, reserve_bytes=parse_size(args.reserve, what="--reserve"))
-    return options.model or tiny_model_folder(), budgets, {**kwargs, "spec": spec}
+    return options.model or tiny_model_folder(), budget, {**kwargs, "spec": spec}, notes
+
+
+def local_budget(nproc: Optional[int]) -> tuple[str, tuple[str, ...]]:
+    """(budget, the note saying so) of a recipe without max_memory, launched here on `nproc` ranks (default one
+    per local GPU, or the bundled accelerate config's two CPU ranks): each rank's equal share of what this
+    machine's devices have free now, as the run takes it (`budget.local_share`)."""
+    ranks = nproc or local_rank_count()
+    budget = local_share(ranks, ranks_here=ranks)
+    share = parse_max_memory(budget)["0"]
+    where = "GPU's free memory" if torch_gpus() else "free host RAM (CPU ranks share it)"
+    return budget, (f"budget: the recipe sets no max_memory, so this plans what it would run here: {ranks} rank(s), "
+                    f"each {format_bytes(share)} of this machine's {where}, measured now (--max-memory plans "
+                    f"other devices; --nproc other rank counts)",)
 
 
 def tiny_model_folder() -> str:
@@ -83,13 +102,15 @@ def tiny_model_folder() -> str:
 def run_plan(args) -> int:
     from hfsplit.planning.planner import make_plan  # lazy: transformers and the cost model; `plan --help` stays quick
 
-    model, budgets, kwargs = plan_request(args)
+    model, budget, kwargs, notes = plan_request(args)
     if args.device_speeds:
+        devices = parse_max_memory(budget)
         values = [float(v) for v in args.device_speeds.split(",")]
-        if len(values) != len(budgets):
-            raise HfsplitError(f"--device-speeds has {len(values)} values for {len(budgets)} devices; give one each")
-        kwargs["device_speeds"] = dict(zip(budgets, values))
-    plan = make_plan(model, budgets, **kwargs)
+        if len(values) != len(devices):
+            raise HfsplitError(f"--device-speeds has {len(values)} values for {len(devices)} devices; give one each")
+        kwargs["device_speeds"] = dict(zip(devices, values))
+    plan = make_plan(model, budget, **kwargs)
+    plan = dataclasses.replace(plan, notes=notes + plan.notes)
     print(plan.to_json() if args.json else plan.table())
     if args.png:
         print(f"memory chart: {plan_memory_chart(plan, args.png)}", file=sys.stderr)
@@ -100,7 +121,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="hfsplit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan_parser(sub)
+    sub.add_parser("accelerate-config", help="print the path of the bundled accelerate config for CPU ranks",
+                   description="accelerate launch --config_file \"$(hfsplit accelerate-config)\" -m hfsplit.finetune "
+                               "runs the built-in demo on two CPU ranks from an installed package")
     args = parser.parse_args(argv)
+    if args.command == "accelerate-config":
+        print(ACCELERATE_CPU_CONFIG)
+        return 0
+    third_party_logs.install()
     try:
         return run_plan(args)
     except HfsplitError as exc:

@@ -162,7 +162,7 @@ def load_with_transformers(source: str, config, model: torch.nn.Module, max_memo
     check_device_map(model, device_map)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation is not None else {}
     loaded = AutoModelForCausalLM.from_pretrained(source, device_map=dict(device_map), dtype=dtype or "auto",
-                                                  revision=revision, **kwargs)
+                                                  revision=revision, trust_remote_code=False, **kwargs)  # no prompt
     isolate_packed_rows(loaded)
     loaded.hf_device_map = dict(device_map)  # transformers sets it only for more than one device
     loaded.hfsplit_plan = plan if not isinstance(plan, Mapping) else None

@@ -6,7 +6,8 @@ so this runs real blocks and sits where planning meets running) at the run's mic
 device, and divides the block's counted FLOPs by it. The figure is cached on disk
 (`hfsplit.planning.costs.cache.cache_dir`) per device kind, dtype and block shape, so a run measures once;
 a run's own measured rate replaces it when they disagree (`recheck_speed`). `hfsplit plan` on a machine without
-the target GPUs uses `hfsplit.planning.timing.KNOWN_FLOPS`.
+the target GPUs uses the bundled table of GPU kinds (`hfsplit.gpu_kinds`, `hfsplit.planning.kind_rates`) where the
+budget names kinds, and finds there a run's measurement of the same kind and block shape in this cache.
 
 The link between ranks is measured at launch too (`probe_link`): every rank sends to the next and
 receives from the previous at once, at a small and a large size, and the slowest rank's times give
@@ -27,7 +28,8 @@ import torch
 from hfsplit.apply.autocast import autocast_forwards
 from hfsplit.apply.quantize import check_quantization, quantization_config_of, quantize_module
 from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
-from hfsplit.budget import parse_max_memory
+from hfsplit.budget import budget_kinds, parse_max_memory
+from hfsplit.gpu_kinds import kind_of_device_name
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.models.expert_lora import split_lora_targets
 from hfsplit.models.families import FAMILIES, Family
@@ -38,6 +40,7 @@ from hfsplit.planning.costs.layout import dtype_of, rank_layer_config
 from hfsplit.planning.costs.masks import traced_positions
 from hfsplit.planning.costs.model import model_costs
 from hfsplit.planning.costs.trace import set_trainable
+from hfsplit.planning.kind_rates import calibration_key, measured_speeds
 from hfsplit.planning.links import Link, fit_link
 from hfsplit.planning.timing import DEVICE_FLOPS, pipeline_busy
 
@@ -54,20 +57,21 @@ HOST_PROBE_BYTES = 16 << 20  # a block input of a small model; PCIe reaches its 
 
 
 def device_kind(device: torch.device) -> str:
-    """A name for what runs the work: the GPU model, or the CPU model, its thread count and how many ranks of
-    the launch share this host's cores (one process runs a block faster than each of two ranks sharing them:
-    a figure probed or measured by one must not plan the other)."""
+    """A name for what runs the work: the GPU's kind in the bundled table ("RTX4090", so `hfsplit plan --max-memory
+    2xRTX4090` finds what a run on one measured), else the name CUDA reports; or the CPU model, its thread count
+    and how many ranks of the launch share this host's cores (one process runs a block faster than each of two
+    ranks sharing them: a figure probed or measured by one must not plan the other)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        name = torch.cuda.get_device_name(device)
+        kind = kind_of_device_name(name)
+        return kind.name if kind is not None else name
     sharing = os.environ.get("LOCAL_WORLD_SIZE", "1")
     return f"cpu:{platform.processor() or platform.machine()}:threads={torch.get_num_threads()}:ranks={sharing}"
 
 
 def speed_key(config, spec, device: torch.device) -> str:
-    """The calibration cache's key: device kind, dtype, method and the block's shape at the spec's micro-batch."""
-    return (f"{device_kind(device)}|{spec.dtype}|{spec.method}|r={spec.lora_r}|b={spec.micro_batch_size}"
-            f"|s={spec.seq_len}|{config.hidden_size}|{config.intermediate_size}|{config.num_attention_heads}"
-            f"|{getattr(config, 'num_key_value_heads', None)}|{config.model_type}" + ("|packed" if spec.packing else ""))
+    """The calibration cache's key for `device` (`kind_rates.calibration_key` of its `device_kind`)."""
+    return calibration_key(config, spec, device_kind(device))
 
 
 def block_flops_per_s(config, spec, device: torch.device) -> float:
@@ -199,18 +203,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def calibrated_speeds(config, spec, budgets: dict, device: torch.device) -> dict:
-    """`make_plan(device_speeds=...)` for devices all like `device`: measured FLOP/s over the planner's unit."""
+def calibrated_speeds(config, spec, budgets: dict, device: torch.device, kinds: Optional[dict] = None) -> dict:
+    """`make_plan(device_speeds=...)` of a run on `device`: its measured FLOP/s over the planner's unit for every
+    device of `budgets`, or, where the budget names GPU kinds (`kinds`, `budget.budget_kinds`) and `device` is one
+    of them, the table's ratio between the kinds scaled by the measurement (`kind_rates.measured_speeds`)."""
     if os.environ.get("HFSPLIT_NO_CALIBRATION"):
         return {}
-    speed = block_flops_per_s(config, spec, device) / DEVICE_FLOPS
-    return {key: speed for key in budgets}
+    here = kind_of_device_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return measured_speeds(kinds or {}, budgets, measured_flops=block_flops_per_s(config, spec, device), here=here,
+                           unit=DEVICE_FLOPS)
 
 
 def run_speeds(model_path: str, spec, max_memory) -> dict:
     """The calibrated `device_speeds` of a launched run: every rank probes its own device at once, so the
     figure includes what ranks sharing a machine cost each other (rank 0's is the one planned with)."""
-    return calibrated_speeds(load_config(model_path), spec, parse_max_memory(max_memory), _run_device())
+    return calibrated_speeds(load_config(model_path), spec, parse_max_memory(max_memory), _run_device(),
+                             kinds=budget_kinds(max_memory))
 
 
 def recheck_speed(plan, config, device: torch.device, *, step_times_s: list[float], busy_s: list[float],

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence, Union
 
-from hfsplit.budget import BudgetSpec, format_bytes, parse_max_memory
+from hfsplit.budget import BudgetSpec, budget_kinds, format_bytes, parse_max_memory
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import PlanError
 from hfsplit.models.expert_lora import expert_parameters
@@ -29,6 +29,7 @@ from hfsplit.models.families import check_causal_lm, check_supported, tp_degree_
 from hfsplit.models.layer_kinds import runs_of
 from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec, checkpointing_mode, is_8bit, rank_total
 from hfsplit.planning.costs.model import ModelCosts, PartCost, model_costs, weight_bytes
+from hfsplit.planning.kind_rates import kind_rates
 from hfsplit.planning.links import DEFAULT_LINK, Link
 from hfsplit.planning.memory_choices import (
     AUTO as AUTO_CHOICE, Choice, frugal, host_budget, host_share, ladder, plan_spec,
@@ -92,9 +93,9 @@ def make_plan(
             every stage runs ("adamw_torch", "adamw_8bit", "paged_adamw_8bit").
         headroom: the fraction of each device's budget the plan leaves free (0.03: every device at most 97% full),
             a margin for what the estimate misses; the table still shows the whole budget.
-        device_speeds: relative speed per device key (default 1 each).
-        link: the link pipeline sends and TP all-reduces use (default `links.DEFAULT_LINK`; runs: probed), and the
-            host link offloaded activations cross.
+        device_speeds: relative speed per device key (default 1 each; a GPU kind's: `hfsplit.planning.kind_rates`).
+        link: the link pipeline sends and TP all-reduces use (default `DEFAULT_LINK` or the kinds'; runs: probed),
+            and the host link offloaded activations cross.
         tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
         world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
         single_process: plan for one process (the model's own forward; any causal LM), not the split.
@@ -106,20 +107,22 @@ def make_plan(
     config, name = _config_and_name(model, single_process=single_process)
     spec = spec or TrainingSpec()
     budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
+    rates = kind_rates(budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
+                       link_given=link is not None)
     if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
         spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
     _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing)
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
-                   device_speeds=device_speeds or {}, link=link or DEFAULT_LINK, world_size=world_size, host=host,
-                   headroom=_checked_headroom(headroom))
+                   device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
+                   world_size=world_size, host=host, headroom=_checked_headroom(headroom))
     choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim,
                      single_process=single_process)
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule)
     _check_budget_count(world_size, budgets)
     found = best_plan(config, budgets, spec, name=name, choices=choices, **options)
     if found is not None:
-        return _with_host_note(found, host)
+        return _with_host_note(replace(found, notes=found.notes + rates.notes), host)
     options["schedule"] = _diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
     raise PlanError(_explain_no_fit(config, budgets, frugal(choices).spec(spec), name=name, options=options))
 

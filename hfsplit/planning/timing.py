@@ -4,31 +4,26 @@ times compare with the plan's estimate.
 The planner's step estimate is FLOPs / throughput. A datasheet peak misleads by orders of magnitude on CPU
 ranks (and by 2-3× on GPUs, where attention and elementwise kernels run far below the matmul peak), so a
 launched run measures its devices (`hfsplit.load.probes`); `hfsplit plan` on a machine without the target GPUs
-uses `KNOWN_FLOPS`. The link between ranks is `hfsplit.planning.links`.
+uses the bundled table of GPU kinds (`hfsplit.gpu_kinds`, `hfsplit.planning.kind_rates`). The link between ranks is `hfsplit.planning.links`.
 """
 from __future__ import annotations
 
 import statistics
 from typing import Optional
 
+from hfsplit.gpu_kinds import gpu_kind, is_gpu_kind, kind_of_device_name
 from hfsplit.plan import coordinates_of_rank
 
 # Effective dense throughput of a device of speed 1 (the planner's unit). Only
 # ratios between plans matter for the choice; absolute step times are rough estimates.
 DEVICE_FLOPS = 100e12 * 0.4
-# Dense bf16 tensor-core peak (FLOP/s, datasheets) per GPU name fragment; a training step reaches about
-# ACHIEVED of it. Used by `hfsplit plan` for the GPU it is told about, never measured here.
-KNOWN_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
-               "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
-ACHIEVED = 0.4
 
 
 def known_flops(name: str) -> Optional[float]:
-    """Achieved FLOP/s of a GPU named like `name` ("H100", "NVIDIA A100-SXM4-80GB"), from KNOWN_FLOPS."""
-    for key, peak in sorted(KNOWN_FLOPS.items(), key=lambda kv: -len(kv[0])):
-        if key.lower() in name.lower():
-            return peak * ACHIEVED
-    return None
+    """Expected FLOP/s of a GPU named like `name` ("H100", "NVIDIA A100-SXM4-80GB") from the bundled table
+    (`hfsplit.gpu_kinds`: peak dense bf16 × the kind's efficiency); None for a GPU the table lacks."""
+    kind = gpu_kind(name) if is_gpu_kind(name) else kind_of_device_name(name)
+    return kind.expected_flops if kind is not None else None
 
 
 def time_report(plan, step_times_s: list[float], busy_s: list[float]) -> str:

@@ -14,6 +14,7 @@ example of its own.
 """
 from __future__ import annotations
 
+import codecs
 import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -37,6 +38,7 @@ BUILDER_BY_SUFFIX = {
     ".txt": "text",
     ".text": "text",
 }
+TEXT_SUFFIXES = (".json", ".jsonl", ".csv", ".txt", ".text")
 FORMATS = ("text", "instruction", "chat")
 
 # The prompts of Stanford Alpaca, so a model fine-tuned here answers prompts written that way.
@@ -68,6 +70,10 @@ def builder_for(source: str) -> tuple[str, dict[str, Any]]:
     """
     path = Path(os.path.expanduser(source))
     if path.is_dir():
+        if not any(p.is_file() and p.suffix.lower() in BUILDER_BY_SUFFIX for p in path.rglob("*")):
+            kinds = ", ".join(sorted(BUILDER_BY_SUFFIX))
+            raise DatasetError(f"dataset folder {source!r} holds no data files ({kinds}); put the examples in such "
+                               "files or pass a file")
         return str(path), {}
     suffix = path.suffix.lower()
     if path.is_file():
@@ -79,7 +85,8 @@ def builder_for(source: str) -> tuple[str, dict[str, Any]]:
         return BUILDER_BY_SUFFIX[suffix], {"data_files": str(path)}
     if suffix in BUILDER_BY_SUFFIX:
         # Looks like a file, not a hub name: say so instead of a confusing hub lookup error.
-        raise DatasetError(f"dataset file {source!r} does not exist")
+        raise DatasetError(f"dataset file {source!r} does not exist; pass --dataset an existing file or folder, or "
+                           "a hub dataset name")
     return source, {}
 
 
@@ -103,10 +110,20 @@ def load_examples(source: str, *, split: str = "train", **load_kwargs: Any):
     # An empty file fails deep inside the builders (StopIteration, "no columns"), so catch it first.
     if "data_files" in kwargs and is_blank_file(Path(kwargs["data_files"])):
         raise DatasetError(f"dataset file {source!r} is empty; add examples to it or pass another dataset")
+    for path in local_text_files(source):  # pyarrow keeps invalid UTF-8 as it is, to fail later on the first row
+        check_utf8(path)
     try:
         dataset = datasets.load_dataset(builder, split=split, **kwargs, **load_kwargs)
+    except UnicodeDecodeError as err:
+        raise not_utf8(source, err) from None
     except datasets.exceptions.DatasetGenerationError as err:
-        raise DatasetError(f"could not read dataset {source!r}: {err.__cause__ or err}") from err
+        if isinstance(err.__cause__, UnicodeDecodeError):
+            raise not_utf8(source, err.__cause__) from None
+        raise DatasetError(f"could not read dataset {source!r}: {first_line(err.__cause__ or err)}; fix the file "
+                           "(.jsonl: one JSON object a line; .csv: a header row) or pass another") from err
+    except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError) as err:
+        raise DatasetError(f"dataset {source!r}: {first_line(err)}; pass a json/jsonl/csv/parquet/txt file or a folder "
+                           "of them") from err
     except ValueError as err:
         # How `datasets` reports a split with zero rows, e.g. a JSON file holding `[]`.
         if "corresponds to no data" in str(err):
@@ -382,6 +399,42 @@ def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None, p
     else:
         examples = chat_examples(dataset["messages"], tokenizer)
     return layout_rows(examples, tokenizer, format=format, seq_len=seq_len, packing=packing, seed=seed)
+
+
+def local_text_files(source: str) -> list[Path]:
+    """The local json/jsonl/csv/txt files `source` names (itself, or those in its folder); none for a hub name."""
+    path = Path(os.path.expanduser(source))
+    found = sorted(path.rglob("*")) if path.is_dir() else [path] if path.is_file() else []
+    return [p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
+
+
+def check_utf8(path: Path, *, chunk: int = 1 << 20) -> None:
+    """DatasetError naming the first byte of `path` that is not UTF-8 (read a chunk at a time)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with path.open("rb") as f:
+        while True:
+            block = f.read(chunk)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as err:
+                raise not_utf8(str(path), err, offset=offset) from None
+            if not block:
+                return
+            offset += len(block)
+
+
+def not_utf8(source: str, err: UnicodeDecodeError, *, offset: int = 0) -> DatasetError:
+    """The one line for a dataset file that is not UTF-8 text."""
+    return DatasetError(f"dataset {source!r} is not UTF-8 text (byte {err.object[err.start:err.start + 1]!r} at "
+                        f"offset {offset + err.start}: {err.reason}); re-save it as UTF-8 (e.g. iconv -f latin1 -t "
+                        "utf-8)")
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's message cut to its first line (libraries' messages run on over several)."""
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def load_token_rows(

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from hfsplit.errors import HfsplitError, RankIdle, RegroupStop
 from hfsplit.plan import coordinates_of_rank
 from hfsplit.parallel.mesh import backend_for, device_of_rank
-from hfsplit.training.resume import STATE, checkpoint_to_resume, complete_checkpoints, latest_checkpoint
+from hfsplit.training.resume import checkpoint_to_resume, complete_checkpoints, latest_checkpoint, small_state_file
+from hfsplit.training.trainer_state import read_small_state
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 STOPPED = "stopped"  # the metrics key of a run ended at a step boundary for a membership change
@@ -133,8 +134,7 @@ def saved_rows_per_step(folder: Optional[Path]) -> Optional[int]:
     """The global batch (rows per optimizer step) the checkpoint was trained with."""
     if folder is None:
         return None
-    small = torch.load(Path(folder) / STATE / "rank00000.pt", map_location="cpu", weights_only=False)
-    return int(small["rows_per_step"])
+    return int(read_small_state(small_state_file(Path(folder), 0))["rows_per_step"])
 
 
 def check_global_batch(plan, *, rows_then: Optional[int], micro_batch_size: int) -> None:

@@ -23,6 +23,8 @@ from hfsplit.training.data import DatasetError, bundled_dataset_path, detect_for
 
 GROUPS = ("model", "data", "method", "parallelism", "optimisation", "checkpoints", "faults")
 TINY_RECIPE = Path(__file__).parent / "bundled" / "tiny.yaml"
+# accelerate launch on CPU ranks needs its multi-process launcher (STACK.md): `hfsplit accelerate-config` prints it.
+ACCELERATE_CPU_CONFIG = Path(__file__).parent / "bundled" / "accelerate_cpu.yaml"
 
 
 def option(default, group: str, help: str, **metadata):
@@ -41,6 +43,10 @@ class FinetuneOptions:
         "locally, the bundled alpaca data, two CPU ranks; its own values from hfsplit/training/bundled/tiny.yaml)")
     config: Optional[str] = option(None, "model", "a YAML recipe whose keys are these options; flags override it")
     tokenizer: Optional[str] = option(None, "model", "tokenizer name or folder; unset: the model's own")
+    trust_remote_code: bool = option(
+        False, "model", "let transformers run the Python code a tokenizer's folder or hub repo ships (its auto_map); "
+        "off: such a tokenizer is refused. Models never run a checkpoint's code: hfsplit builds transformers' own "
+        "classes")
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = option(
         None, "model", "weights and activations; unset: bfloat16 on GPUs, float32 on CPU ranks (full fine-tuning "
         "in 16 bits keeps fp32 master weights and computes under autocast)")
@@ -264,9 +270,18 @@ def check_qlora_options(options: FinetuneOptions) -> None:
     if given and options.method != "qlora":
         raise HfsplitError(f"--{given[0].replace('_', '-')} sets the quantized base of --method qlora; "
                            f"drop it or pass --method qlora (got --method {options.method})")
+    four_bit = [f"--{k.replace('_', '-')} {_shown(getattr(options, k))}" for k in given if k != "load_in_8bit"]
+    if options.load_in_8bit and four_bit:  # an 8-bit base has no 4-bit data type nor 4-bit constants to quantize
+        raise HfsplitError(f"--load-in-8bit and {four_bit[0]} contradict each other: {four_bit[0]} sets a 4-bit base; "
+                           f"drop {four_bit[0]} for an 8-bit base, or --load-in-8bit for a 4-bit one")
     if options.method == "qlora" and options.tp not in (None, 1):
         raise HfsplitError(f"--tp {options.tp} with --method qlora: a 4-bit base is not tensor-parallel here; "
                            "drop --tp (QLoRA splits over pipeline stages and data parallelism)")
+
+
+def _shown(value) -> str:
+    """A value as its flag takes it: on / off for a switch."""
+    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
 
 
 def add_option_arguments(parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None) -> None:

@@ -5,7 +5,8 @@ torch.distributed.checkpoint (DCP), keyed by checkpoint names with tensor-parall
 pieces described as DTensor shards. A run resumed under another split (another
 budget, rank count, pp or tp) therefore reads exactly the slices its own parameters
 need — weights and optimizer state alike. Step, scheduler, data position and RNG are
-small and go to one file per rank.
+small and go to one JSON + safetensors pair per rank: nothing on resume unpickles code
+(`hfsplit.training.trainer_state`).
 
 The moments are saved as fp32 whatever the optimizer keeps: bitsandbytes' 8-bit moments dequantized, so any split
 and either optimizer can read them. An 8-bit optimizer also saves its codes and absmax as they are, keyed by the
@@ -30,6 +31,7 @@ from hfsplit.apply.tp_experts import PACKED_HALVES
 from hfsplit.errors import HfsplitError
 from hfsplit.models.families import PACKED_COLWISE, tp_style_of
 from hfsplit.training.optimizers import RAW_KEYS, OnLocalPieces, load_moments, moments, raw_state
+from hfsplit.training.trainer_state import SafeFileSystemReader, read_small_state, small_state_path, write_small_state
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state"
@@ -71,6 +73,16 @@ def checkpoint_to_resume(resume: str, output_dir: str) -> Path:
     return folder
 
 
+def trusted_checkpoint(folder: Path) -> Path:
+    """`folder`, once every file a resume will read from it has been read without running code (each rank's small
+    state, DCP's metadata: `hfsplit.training.trainer_state`): a crafted checkpoint is refused here, in one line,
+    before any weight is read or anything written."""
+    for path in sorted((folder / STATE).glob("rank*.json")) + sorted((folder / STATE).glob("rank*.pt")):
+        read_small_state(path)
+    SafeFileSystemReader(str(folder / STATE / "tensors")).read_metadata()
+    return folder
+
+
 def write_trainer_state(folder: Path, *, model, params, optimizer, scheduler, batches, step: int) -> None:
     """Every rank's state into `folder/trainer_state/` (collective; called inside the atomic save)."""
     import torch.distributed.checkpoint as dcp
@@ -89,7 +101,7 @@ def write_trainer_state(folder: Path, *, model, params, optimizer, scheduler, ba
         "rows_per_step": batches.batch_size,
         "rng": torch.get_rng_state(),
     }
-    torch.save(small, folder / STATE / f"rank{dist.get_rank():05d}.pt")
+    write_small_state(folder / STATE, dist.get_rank(), small)  # JSON + safetensors: nothing to unpickle on resume
 
 
 def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, batches) -> int:
@@ -99,7 +111,8 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
 
     small = _small_state(folder)
     names = checkpoint_names(model, params)
-    saved = dcp.FileSystemReader(str(folder / STATE / "tensors")).read_metadata().state_dict_metadata
+    reader = SafeFileSystemReader(str(folder / STATE / "tensors"))  # DCP's .metadata pickle, DCP's classes only
+    saved = reader.read_metadata().state_dict_metadata
     wanted = {f"param/{names[p]}" for p in params}
     missing = sorted(wanted - set(saved))
     if missing:
@@ -114,7 +127,7 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
         if f"step/{names[p]}" in saved:
             moments[p] = _blank_moments(model, optimizer, p, names[p], saved)
             targets.update(moments[p]["targets"])
-    dcp.load(targets, checkpoint_id=str(folder / STATE / "tensors"))
+    dcp.load(targets, storage_reader=reader)
     for p, blank in moments.items():
         load_moments(optimizer, p, exp_avg=blank["exp_avg"], exp_avg_sq=blank["exp_avg_sq"],
                      step=float(blank["step"]), raw=blank["raw"])
@@ -192,12 +205,19 @@ def checkpoint_names(model, params) -> dict[torch.nn.Parameter, str]:
 
 
 def _small_state(folder: Path) -> dict:
-    """This rank's step/scheduler/data/RNG file, else rank 0's (a launch with more ranks than the writer)."""
-    mine = folder / STATE / f"rank{dist.get_rank():05d}.pt"
-    path = mine if mine.is_file() else folder / STATE / "rank00000.pt"
-    if not path.is_file():
-        raise HfsplitError(f"{path}: missing; the checkpoint {folder} is incomplete — resume from an earlier one")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """This rank's step/scheduler/data/RNG state, else rank 0's (a launch with more ranks than the writer)."""
+    return read_small_state(small_state_file(folder, dist.get_rank()))
+
+
+def small_state_file(folder: Path, rank: int) -> Path:
+    """Rank `rank`'s small-state file of checkpoint `folder` (rank 0's when the writer had fewer ranks): JSON, or an
+    older hfsplit's pickle (read without running code, `trainer_state.read_small_state`)."""
+    for candidate in (rank, 0):
+        for path in (small_state_path(folder / STATE, candidate), folder / STATE / f"rank{candidate:05d}.pt"):
+            if path.is_file():
+                return path
+    raise HfsplitError(f"{small_state_path(folder / STATE, 0)}: missing; the checkpoint {folder} is incomplete — "
+                       "resume from an earlier one")
 
 
 def data_position_for(small: dict, batches, *, folder: Path) -> dict:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hfsplit.apply.lora import LoraSetup, lora_config
 from hfsplit.apply.quantize import check_quantization, quantization_config_of
-from hfsplit.budget import local_max_memory
+from hfsplit.budget import local_share
 from hfsplit.checkpoint.quantized import quantization_of_checkpoint
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.checkpoint.synthetic import TINY_MODEL, tiny_tokenizer, write_tiny_checkpoint
@@ -32,6 +32,7 @@ from hfsplit.training.lr_schedule import cosine_schedule_with_warmup  # transfor
 from hfsplit.training.metrics import Metrics, TrainResult
 from hfsplit.training.optimizers import build_optimizer, optim_of_rank
 from hfsplit.training.options import FinetuneOptions, dataset_of, packing_of, plan_arguments, training_spec, with_plan_batch
+from hfsplit.training.resume import trusted_checkpoint
 from hfsplit.training.save import writable_dir
 from hfsplit.training.trainer import Run, fit
 
@@ -62,10 +63,8 @@ def default_model_path(output_dir: str) -> str:
 
 def default_max_memory(world_size: int) -> str:
     """An equal share of what this host's devices have free, one budget per rank."""
-    free = local_max_memory()
     # CPU ranks of this host share its memory (ranks on other hosts have their own).
-    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if "cpu" in free else 1
-    return f"{world_size}x{min(free.values()) // sharing}B"
+    return local_share(world_size, ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
 def check_sequence_length(model_path: str, seq_len: int) -> None:
@@ -153,6 +152,8 @@ def prepare(options: FinetuneOptions):
     writable_dir(options.output_dir)
     torch.manual_seed(options.seed)
     launch = LaunchState.decide(options.resume, options.output_dir)  # a missing checkpoint fails here
+    if launch.resume_from is not None:  # every rank reads what it will resume from without running code, or refuses
+        trusted_checkpoint(launch.resume_from)
     return options.model or default_model_path(options.output_dir), launch
 
 
@@ -230,10 +231,18 @@ def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):
         return tiny_tokenizer()
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(name)
+    if not Path(name).exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise HfsplitError(f"{name}: no such tokenizer folder; pass --tokenizer an existing folder or a hub name "
+                           "'org/name'")
+    try:  # False, not None: transformers would otherwise ask on a terminal whether to run the folder's code
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=options.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise HfsplitError(f"{name}: no tokenizer found ({exc}); pass --tokenizer NAME_OR_FOLDER") from exc
+        if "trust_remote_code" in str(exc):
+            raise HfsplitError(f"{name}: the tokenizer ships Python code of its own (auto_map), which hfsplit does "
+                               "not run unless told: read it, then pass --trust-remote-code, or pass --tokenizer "
+                               "NAME_OR_FOLDER of a tokenizer transformers knows") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HfsplitError(f"{name}: no tokenizer found ({first}); pass --tokenizer NAME_OR_FOLDER") from exc
 
 
 def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -> int:

@@ -226,3 +226,20 @@ def test_chunked_loss_flag_plans_a_lighter_last_stage(capsys):
     assert plain.activation_bytes - chunked.activation_bytes > logits
     assert chunked.workspace_bytes < plain.workspace_bytes / 4
     assert chunked.flops == pytest.approx(plain.flops * 4 / 3)  # backward recomputes each chunk's logits
+
+
+def test_plan_of_a_recipe_without_a_budget_plans_what_it_would_run_here_and_says_so(tiny_checkpoint, tmp_path,
+                                                                                     capsys):
+    import psutil
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tiny_checkpoint('llama')}\nmethod: lora\nlora_r: 4\nseq_len: 64\n")
+    assert main(["plan", "--config", str(recipe), "--json"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    share = psutil.virtual_memory().available / 2  # no GPU here: two CPU ranks, each half the free RAM
+    assert len({d for s in plan.stages for group in s.devices for d in group}) == 2
+    assert all(abs(s.budget - share) < 0.1 * share for s in plan.stages), [s.budget for s in plan.stages]
+    assert any(n.startswith("budget: the recipe sets no max_memory, so this plans what it would run here: 2 rank(s)")
+               for n in plan.notes), plan.notes
+    assert main(["plan", "--config", str(recipe), "--nproc", "1"]) == 0
+    assert "plans what it would run here: 1 rank(s)" in capsys.readouterr().out

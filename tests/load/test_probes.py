@@ -34,8 +34,10 @@ def test_probe_written_once_reused_and_keyed_by_kind_and_dtype(tmp_path, monkeyp
 def test_known_gpu_table_and_speeds_relative_to_the_planner_unit(tmp_path, monkeypatch):
     from hfsplit.planning.timing import DEVICE_FLOPS
 
-    assert timing.known_flops("NVIDIA H100 80GB HBM3") == pytest.approx(989e12 * timing.ACHIEVED)
-    assert timing.known_flops("NVIDIA L40S") == pytest.approx(362e12 * timing.ACHIEVED)  # not "L4"
+    assert timing.known_flops("NVIDIA H100 80GB HBM3") == pytest.approx(989.5e12 * 0.40)
+    assert timing.known_flops("NVIDIA L40S") == pytest.approx(362.05e12 * 0.40)  # not "L4"
+    assert timing.known_flops("NVIDIA L4") == pytest.approx(121e12 * 0.30)
+    assert timing.known_flops("RTX4090") == pytest.approx(165.2e12 * 0.40)
     assert timing.known_flops("Some NPU") is None
     monkeypatch.setenv("HFSPLIT_CACHE", str(tmp_path))
     spec = TrainingSpec(method="lora", seq_len=16, dtype="float32", lora_r=4)

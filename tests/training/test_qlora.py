@@ -7,7 +7,8 @@ import torch
 
 from hfsplit.training.options import FinetuneOptions, tiny_demo_options
 from tests.parallel.launcher import launch
-from tests.training.test_trainer import STEPS, assert_recipe_refuses, reference_training, run_options
+from tests.training.refusals import assert_recipe_refuses
+from tests.training.test_trainer import STEPS, reference_training, run_options
 
 
 def bnb_config(options: FinetuneOptions):
