@@ -101,8 +101,7 @@ def make_plan(
         single_process: plan for one process (the model's own forward; any causal LM), not the split.
 
     Raises:
-        PlanError: nothing fits; the message says per stage what is needed against
-            the budget and which computed change would fit.
+        PlanError: nothing fits; the message says per stage what is needed against the budget and which fix fits.
     """
     config, name = _config_and_name(model, single_process=single_process)
     spec = spec or TrainingSpec()
@@ -111,8 +110,7 @@ def make_plan(
                        link_given=link is not None)
     if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
         spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
-    _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing)
-    _check_world(world_size, tp=tp, pp=pp, dp=dp)
+    _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing, world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
                    device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
                    world_size=world_size, host=host, headroom=_checked_headroom(headroom))
@@ -624,7 +622,9 @@ def _micro_batches(micro_batches, global_batch, spec: TrainingSpec, p: int, d: i
     return micro_batches or max(1, 4 * p)
 
 
-def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpec, activation_checkpointing) -> None:
+def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpec, activation_checkpointing,
+                   world_size: Optional[int], *, tp, pp, dp) -> None:
+    _check_world(world_size, tp=tp, pp=pp, dp=dp)
     if activation_checkpointing != AUTO_CHOICE:
         _check_zero_bubble_checkpointing(schedule, checkpointing_mode(activation_checkpointing))
     if schedule != AUTO and schedule not in PLANNABLE:
