@@ -1,5 +1,4 @@
 """The per-device reserve (measured, 0 on the CPU) and activation checkpointing on the single-process path."""
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
