@@ -116,7 +116,7 @@ FAMILIES = {
     "gpt_oss": Family(router_aux_loss=True, mask_ignores_positions=True),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-# Families asked for whose split is not built yet, and what is missing (the README's "Model families" says more).
+# Families asked for whose split is not built yet, and what is missing (docs/guides/families.md says more).
 NOT_YET: dict[str, str] = {}
 
 
