@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 from hfsplit.gpu_kinds import GpuKind
 from hfsplit.planning.costs.cache import read_cache
-from hfsplit.planning.links import DEFAULT_LINK, Link
+from hfsplit.planning.links import DEFAULT_LINK, Link, pinned_copy_bandwidth
 
 
 @dataclass(frozen=True)
@@ -97,10 +97,12 @@ def device_list(devices: list[str]) -> str:
 
 
 def kinds_link(kinds: Mapping[str, GpuKind]) -> Optional[Link]:
-    """The rank-to-rank link of a budget of kinds: the slowest kind's GPU-to-GPU bandwidth (None: no kinds)."""
+    """The links of a budget of kinds: rank to rank, the slowest kind's GPU-to-GPU bandwidth; to the host (offloaded
+    activations), the slowest kind's host link at a pinned copy's rate (None: no kinds)."""
     if not kinds:
         return None
-    return Link(bandwidth=min(k.peer_bandwidth for k in kinds.values()))
+    return Link(bandwidth=min(k.peer_bandwidth for k in kinds.values()),
+                host_bandwidth=min(pinned_copy_bandwidth(k.host_link_bandwidth) for k in kinds.values()))
 
 
 def measured_speeds(kinds: Mapping[str, GpuKind], budgets: Mapping[str, int], *, measured_flops: float,

@@ -6,8 +6,8 @@ measures it with one small p2p probe (`hfsplit.load.probes.probe_link`); `hfspli
 without the target devices uses `DEFAULT_LINK`, a datasheet-like figure for a GPU interconnect.
 
 The host link (device ↔ host memory: PCIe on a GPU, a memory copy on a CPU rank) carries offloaded activations.
-Until the launch's probe measures it (`hfsplit.load.probes.host_copy_seconds`), its bandwidth is `host_link_bandwidth` of
-the device kind: one function, so a table of GPU kinds can replace it.
+Until the launch's probe measures it (`hfsplit.load.probes.host_copy_seconds`), its bandwidth is the budget's GPU kind's
+host link (`hfsplit.gpu_kinds`) at the share a pinned copy reaches (`pinned_copy_bandwidth`), else `host_link_bandwidth`.
 """
 from __future__ import annotations
 
@@ -62,13 +62,20 @@ class Link:
         launches = copies * HOST_COPY_LATENCY_S
         return launches + (max(moving - compute_s, 0.0) if self.host_overlap else moving)
 
+    def host_gbs_described(self) -> str:
+        """The host link's rate and where it comes from, for the plan's notes."""
+        rate = self.host_bandwidth or host_link_bandwidth()
+        where = "measured by the launch's probe" if self.measured else (
+            "the GPU kind's table" if self.host_bandwidth else "`links.host_link_bandwidth`, no GPU kind named")
+        return f"{rate / 1e9:.2f} GB/s ({where})"
+
     def describe(self) -> str:
         """One line for the plan's notes."""
         how = "measured by the launch's p2p probe" if self.measured else "assumed (no probe)"
         return (f"link {self.bandwidth / 1e9:.2f} GB/s, {self.latency_s * 1e6:.0f} µs per message, "
                 f"{self.action_s * 1e6:.0f} µs per schedule action, split backward ×{self.split_backward:.2f}, "
                 f"host link {(self.host_bandwidth or host_link_bandwidth()) / 1e9:.2f} GB/s"
-                f"{'' if self.host_bandwidth else ' (device table)'} ({how})")
+                f"{'' if self.measured else ' (device table)'} ({how})")
 
 
 def fit_link(sizes: tuple[int, int], seconds: tuple[float, float]) -> Link:
@@ -88,6 +95,16 @@ DEFAULT_LINK = Link(bandwidth=50e9)  # an NVLink-class figure, no latency (the p
 # moves about 25 GB/s of its 32, PCIe 5.0 about 50. A CPU rank's "host link" is a memory copy (one thread).
 HOST_LINKS = {"cuda": 25e9, "pcie4": 25e9, "pcie5": 50e9, "pcie3": 12e9, "cpu": 5e9}
 HOST_COPY_LATENCY_S = 10e-6  # launching one asynchronous copy and its event (CUDA); a call on a CPU rank
+
+
+# A pinned copy over PCIe reaches this share of the link's datasheet rate per direction (25 of PCIe 4.0 x16's 32 GB/s).
+PINNED_COPY_SHARE = HOST_LINKS["pcie4"] / 32e9
+
+
+def pinned_copy_bandwidth(datasheet_bandwidth: float) -> float:
+    """Bytes per second a pinned device ↔ host copy moves over a host link of `datasheet_bandwidth` (a GPU kind's
+    `host_link_bandwidth`, one direction): the figure the time model charges offload with until a probe measures it."""
+    return datasheet_bandwidth * PINNED_COPY_SHARE
 
 
 def host_link_bandwidth(kind: str = "cuda") -> float:

@@ -120,7 +120,7 @@ def make_plan(
     _check_budget_count(world_size, budgets)
     found = best_plan(config, budgets, spec, name=name, choices=choices, **options)
     if found is not None:
-        return _with_host_note(replace(found, notes=found.notes + rates.notes), host)
+        return _with_host_note(replace(found, notes=found.notes + rates.notes), host, options["link"])
     options["schedule"] = _diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
     raise PlanError(_explain_no_fit(config, budgets, frugal(choices).spec(spec), name=name, options=options))
 
@@ -140,8 +140,9 @@ def _checked_headroom(headroom: float) -> float:
     return float(headroom)
 
 
-def _with_host_note(plan: Plan, host: Optional[int]) -> Plan:
-    """`plan` with a note on the host RAM its offload takes (per rank, against the share of max_memory["cpu"])."""
+def _with_host_note(plan: Plan, host: Optional[int], link: Link) -> Plan:
+    """`plan` with a note on the host RAM its offload takes (per rank, against the share of max_memory["cpu"]) and the
+    host link rate its copies were charged at."""
     if not plan.offload_bytes:
         return plan
     ranks = plan.world_size
@@ -149,7 +150,7 @@ def _with_host_note(plan: Plan, host: Optional[int]) -> Plan:
     given = (f" of its share {format_bytes(host_share(host, ranks))} of max_memory['cpu'] {format_bytes(host)} "
              f"({ranks} local ranks)") if host is not None else " (no max_memory['cpu'] given: not checked)"
     note = (f"activation offload: {format_bytes(plan.offload_bytes * plan.dp)} of host RAM in all, the fullest rank "
-            f"{format_bytes(most)}{given}; its copies cross the host link (`links.host_link_bandwidth`)")
+            f"{format_bytes(most)}{given}; its copies cross the host link at {link.host_gbs_described()}")
     return replace(plan, notes=plan.notes + (note,))
 
 

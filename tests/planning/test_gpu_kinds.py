@@ -1,5 +1,6 @@
 """GPU kinds in budgets: the bundled table, parsing, and plans timed with the kinds' rates (or what a run measured)."""
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -9,7 +10,10 @@ from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli import main
 from hfsplit.errors import BudgetError
 from hfsplit.gpu_kinds import KINDS, gpu_kind, host_link_bandwidth, kind_of_device_name
-from hfsplit.planning.kind_rates import calibration_key, measured_speeds
+from hfsplit.plan import TrainingSpec
+from hfsplit.planning.kind_rates import calibration_key, kinds_link, measured_speeds
+from hfsplit.planning.links import HOST_COPY_LATENCY_S
+from hfsplit.planning.planner import make_plan
 from hfsplit.planning.costs.cache import write_cache
 
 GiB = 2**30
@@ -38,6 +42,28 @@ def test_host_link_bandwidth_per_kind_for_offload_costs():
     assert host_link_bandwidth(gpu_kind("B200")) == 64e9
     with pytest.raises(BudgetError, match="RTX4080"):
         host_link_bandwidth("RTX4080")
+
+
+def test_two_kinds_with_different_host_links_charge_offload_in_the_ratio_of_their_links():
+    pcie4, pcie5 = kinds_link(budget_kinds("2xRTX4090")), kinds_link(budget_kinds("2xH100-80GB"))
+    assert pcie4.host_bandwidth == 25e9 and pcie5.host_bandwidth == 50e9  # a pinned copy's share of 32 and 64 GB/s
+    assert kinds_link(budget_kinds("RTX4090,H100-80GB")).host_bandwidth == 25e9  # the slowest kind's
+    copies = [replace(link, host_overlap=False).host_copy_s(4e9, 8, compute_s=1.0) - 8 * HOST_COPY_LATENCY_S
+              for link in (pcie4, pcie5)]
+    assert copies[0] == pytest.approx(2 * copies[1]) and copies[1] == pytest.approx(4e9 / 50e9)
+    # in a plan: the same job, offload against checkpointing, copies in line (as a CPU rank runs them) so that the
+    # whole copy shows; what offload adds is the host-copy time at each kind's link, 2:1
+    spec = TrainingSpec(method="lora", seq_len=2048)
+    added = []
+    for budget, link in (("2xRTX4090", pcie4), ("2xH100-80GB", pcie5)):
+        common = dict(spec=spec, pp=2, schedule="1F1B", micro_batches=8, link=replace(link, host_overlap=False))
+        on, off = (make_plan("meta-llama/Llama-3.1-8B", budget, activation_checkpointing=c, **common)
+                   for c in (True, "offload"))
+        assert [s.layers for s in on.stages] == [s.layers for s in off.stages]
+        added.append(off.step_time_s - on.step_time_s)
+    assert added[1] > 0 and added[0] == pytest.approx(2 * added[1], rel=0.02)
+    assert "host link at 50.00 GB/s (the GPU kind's table)" in " ".join(make_plan(
+        "meta-llama/Llama-3.1-8B", "2xH100-80GB", spec=spec, pp=2, activation_checkpointing="offload").notes)
 
 
 @pytest.mark.parametrize("reported, kind", [
