@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 import torch
 
 from hfsplit.training.data import MicroBatches, bundled_dataset_path, load_token_rows
@@ -239,6 +240,19 @@ def test_epochs_and_evaluation(tiny_checkpoint, tmp_path):
     records = [json.loads(x) for x in (Path(run["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(evals) == len(losses) // 5 and evals[-1] < evals[0]
+    # issue 20's metrics on packed rows: tokens_per_s counts real tokens only, trained_tokens_per_s the label tokens,
+    # padding the rest of the step's 2 × 4 rows of 64 positions; each a whole count over the step's seconds
+    steps = [r for r in records if "loss" in r and not r.get("skipped")]
+    for r in steps:
+        real, trained = r["tokens_per_s"] * r["step_s"], r["trained_tokens_per_s"] * r["step_s"]
+        assert real == pytest.approx(round(real), abs=1e-3) and trained == pytest.approx(round(trained), abs=1e-3)
+        assert 0 < round(trained) < round(real) <= 2 * 4 * 64
+        assert round(real) == pytest.approx((1 - r["padding"]) * 2 * 4 * 64, abs=1e-6)
+    assert any(r["padding"] > 0 for r in steps) and all(r["padding"] < 0.5 for r in steps)  # packed rows
+    events = [EventAccumulator(str(p.parent)).Reload() for p in (Path(run["output_dir"]) / "tensorboard").rglob(
+        "events.out.tfevents.*")]
+    tags = {t for e in events for t in e.Tags()["scalars"]}
+    assert {"tokens_per_s", "trained_tokens_per_s", "padding"} <= tags, tags
 
 
 @pytest.mark.slow
