@@ -1,8 +1,11 @@
 """Recipe options: YAML recipe, flags overriding it, and the refusals."""
+from pathlib import Path
+
 import pytest
 
 from hfsplit.errors import HfsplitError
-from hfsplit.training.options import FinetuneOptions, parse_options, tiny_demo_options
+from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, TINY_RECIPE, FinetuneOptions, parse_options,
+                                      tiny_demo_options)
 
 
 def test_flags_override_the_yaml_recipe(tmp_path):
@@ -167,6 +170,23 @@ def test_one_set_of_defaults_for_real_models_and_the_tiny_demo_keeps_its_own():
     assert (demo.method, demo.seq_len, demo.micro_batch_size, demo.max_steps, demo.output_dir) == \
         ("full", 128, 2, 200, "runs/tiny")
     assert parse_options(["--seq-len", "64"]).seq_len == 64  # flags still win over the demo's recipe
+
+
+RECIPES = sorted(p for p in {*Path(__file__).parents[2].glob("recipes/**/*.yaml"), TINY_RECIPE}
+                 if p.name != ACCELERATE_CPU_CONFIG.name)  # the launcher's config, not a recipe
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.parent.name + "/" + p.name)
+def test_every_bundled_recipe_packs_by_default_and_packing_off_turns_it_off(recipe):
+    """Issue 20: the bundled recipes (instruction or chat data) pack unless told; the README's `--packing off`
+    turns it off, in the plan's spec too."""
+    from hfsplit.training.options import packing_of, training_spec
+
+    assert recipe.name != "accelerate_cpu.yaml" and len(RECIPES) >= 4
+    options = parse_options(["--config", str(recipe)])
+    assert options.packing == "auto" and packing_of(options) and training_spec(options).packing
+    off = parse_options(["--config", str(recipe), "--packing", "off"])
+    assert not packing_of(off) and not training_spec(off).packing
 
 
 def test_packing_follows_the_format_unless_told(tmp_path):
