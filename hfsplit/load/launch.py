@@ -16,13 +16,14 @@ from hfsplit.apply.lora import LoraSetup
 from hfsplit.errors import PlanError
 from hfsplit.parallel.mesh import init_distributed, init_parallel
 from hfsplit.parallel.split_model import SplitModel, build_split_model
-from hfsplit.plan import Plan
+from hfsplit.checkpoint.resolve import load_config
+from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.planner import make_plan
 
 
 def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
                           dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None,
-                          quantization_config=None, **plan_options) -> SplitModel:
+                          quantization_config=None, training: str = "inference", **plan_options) -> SplitModel:
     """Load `name_or_path` split over the ranks of a distributed launch (torchrun / accelerate launch).
 
     Rank 0 plans (unless `plan` is given) and shares the plan, so every rank runs the same
@@ -35,17 +36,27 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         dtype: override the plan's dtype for the weights.
         lora: the LoRA of a LoRA plan (default: the plan's rank and targets).
         quantization_config: a transformers `BitsAndBytesConfig`: the blocks' linears are quantized as read (QLoRA).
+        training: what the plan budgets memory for when no `spec` is given: "inference" (weights, generation's KV
+            cache, one forward), "lora" or "full" (`spec_of_intent`); QLoRA with `quantization_config`.
         **plan_options: passed to `hfsplit.planning.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
-    init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
+    world = init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
     if plan is None:
-        spec = plan_options.get("spec")
-        if not torch.cuda.is_available() and spec is not None and spec.reserve_bytes is None:
-            plan_options["spec"] = replace(spec, reserve_bytes=0)  # CPU ranks: "0", "1" budgets are not GPUs
-        plan = shared_plan(name_or_path, max_memory, **plan_options)
+        spec = plan_options.pop("spec", None) or spec_of_intent(
+            training, dtype=dtype or load_config(name_or_path).dtype, quantized=quantization_config is not None)
+        if world.device.type == "cpu" and spec.reserve_bytes is None:
+            spec = replace(spec, reserve_bytes=0)  # CPU ranks: "0", "1" budgets are not GPUs
+        plan = shared_plan(name_or_path, max_memory, spec=spec, **plan_options)
     ctx = init_parallel(plan)
     return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, lora=lora,
                              quantization_config=quantization_config)
+
+
+def spec_of_intent(training: str, *, dtype, quantized: bool = False) -> TrainingSpec:
+    """The TrainingSpec `from_pretrained` plans for its intent `training` ("inference", "lora", "qlora", "full"),
+    its weights in `dtype` (a torch dtype or its name; None: bfloat16): with `quantized`, QLoRA."""
+    name = str(dtype).removeprefix("torch.") if dtype is not None else "bfloat16"
+    return TrainingSpec(method="qlora" if quantized else training, dtype=name)
 
 
 def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:

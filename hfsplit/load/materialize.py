@@ -20,10 +20,10 @@ from hfsplit.checkpoint.quantized import for_stored, stored_quantization
 from hfsplit.checkpoint.reader import CheckpointReader
 from hfsplit.checkpoint.resolve import load_config, resolve_file
 from hfsplit.errors import CheckpointError, ConvertedOnLoadError
-from hfsplit.load.launch import split_from_pretrained
+from hfsplit.load.launch import spec_of_intent, split_from_pretrained
 from hfsplit.models.families import check_causal_lm
 from hfsplit.models.layout import decoder_layout, meta_model, recompute_buffers
-from hfsplit.plan import TrainingSpec
+from hfsplit.parallel.mesh import World, launcher_world
 from hfsplit.planning.planner import make_plan
 
 logger = logging.getLogger(__name__)
@@ -56,14 +56,15 @@ def from_pretrained(
             config's dtype, else the checkpoint's.
         plan: a `Plan` (tp=1) or an accelerate-style device map `{"model.layers.3": 0, ...}`;
             default: `make_plan(..., tp=1)`.
-        training: "inference", "lora" or "full": what the plan budgets memory for.
+        training: "inference" (the weights, generation's KV cache and one forward's activations), "lora" or "full":
+            what the plan budgets memory for, on one process and under a launcher alike.
         attn_implementation: passed to the model ("sdpa", "eager", ...).
         revision: hub revision.
         quantization_config: transformers' `BitsAndBytesConfig`: each decoder block's linears are quantized on
             their device right after the block is read (embeddings, norms, lm_head stay 16-bit); planned as QLoRA.
         planner_options: further `make_plan` options (seq_len etc. go in `spec`).
 
-    Under a distributed launch (WORLD_SIZE > 1: torchrun, accelerate launch) this returns this
+    Under a distributed launch (more than one rank: torchrun, accelerate launch) this returns this
     rank's `hfsplit.parallel.split_model.SplitModel` instead: the plan spans all ranks, each rank reads and
     holds only its stage's (and TP slice's) bytes.
 
@@ -75,9 +76,10 @@ def from_pretrained(
         CheckpointError: the checkpoint is missing tensors or disagrees with its config.
         PlanError: nothing fits the budget.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return _split_across_ranks(str(name_or_path), max_memory, dtype=dtype, plan=plan,
-                                   quantization_config=quantization_config, **planner_options)
+    world = launcher_world()
+    if world.launched:
+        return split_across_ranks(str(name_or_path), max_memory, world=world, dtype=dtype, plan=plan,
+                                  training=training, quantization_config=quantization_config, **planner_options)
     return load_whole_blocks(str(name_or_path), max_memory, dtype=dtype, plan=plan, training=training,
                              attn_implementation=attn_implementation, revision=revision,
                              quantization_config=quantization_config, **planner_options)
@@ -123,13 +125,15 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
     return model.eval()
 
 
-def _split_across_ranks(source: str, max_memory, *, dtype, plan, quantization_config=None, **planner_options):
-    """Under a distributed launch: this rank's SplitModel of the plan spanning all ranks."""
+def split_across_ranks(source: str, max_memory, *, world: World, dtype, plan, training: str,
+                       quantization_config=None, **planner_options):
+    """Under a distributed launch: this rank's SplitModel of the plan spanning `world`'s ranks, planned for
+    `training` (inference by default, as the single-process path)."""
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     return split_from_pretrained(source, max_memory, plan=plan, dtype=dtype if isinstance(dtype, torch.dtype) else None,
-                                 quantization_config=quantization_config, world_size=int(os.environ["WORLD_SIZE"]),
-                                 **planner_options)
+                                 quantization_config=quantization_config, training=training,
+                                 world_size=world.world_size, **planner_options)
 
 
 # ---- steps ------------------------------------------------------------------------------
@@ -192,7 +196,7 @@ def checkpoint_float_dtype(reader: CheckpointReader, model: torch.nn.Module) -> 
 
 def plan_for(config, source: str, max_memory: BudgetSpec, *, training: str, dtype: torch.dtype, **options):
     """The planner's single-process (tp=1) plan for this model and budget."""
-    spec = options.pop("spec", None) or TrainingSpec(method=training, dtype=str(dtype).removeprefix("torch."))
+    spec = options.pop("spec", None) or spec_of_intent(training, dtype=dtype)
     budget = max_memory if max_memory is not None else local_max_memory()
     if not isinstance(config.name_or_path, str) or not config.name_or_path:
         config.name_or_path = source

@@ -194,3 +194,33 @@ def planned_split_runs(*, checkpoint: str, max_memory: str, pp: int, tp: int, sc
             "logits_diff": (logits - reference(ids).logits).abs().max().item(),
             "weight_bytes": model.weight_bytes(),
             "planned_weight_bytes": sum(model.plan.stages[i].memory.weights for i in model.stage_indices)}
+
+
+def default_intent_runs(*, checkpoint: str, max_memory: str) -> dict:
+    """`hfsplit.from_pretrained(checkpoint, max_memory)` under a launch, no intent given: what it planned, what the
+    training plans of the same budget raised, and its greedy continuation against transformers'."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    import hfsplit
+    from hfsplit.errors import PlanError
+    from hfsplit.load.launch import spec_of_intent
+    from hfsplit.planning.planner import make_plan
+
+    refused = {}
+    for training in ("lora", "full"):
+        try:
+            make_plan(checkpoint, max_memory, spec=replace(spec_of_intent(training, dtype="float32"), reserve_bytes=0),
+                      world_size=2)
+            refused[training] = ""
+        except PlanError as exc:
+            refused[training] = str(exc)
+    model = hfsplit.from_pretrained(checkpoint, max_memory)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
+    ours = model.generate(prompt, max_new_tokens=5)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    theirs = reference.generate(prompt, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                                min_new_tokens=5, pad_token_id=0)
+    return {"method": model.plan.spec.method, "refused": refused, "generated": ours.tolist(),
+            "expected": theirs.tolist(), "kv_bytes": [s.memory.activations for s in model.plan.stages]}

@@ -107,3 +107,16 @@ def test_plan_not_matching_the_launch_fails_on_every_rank(pp, layers, message, l
     results = launch("tests.parallel.cases:bad_plan_error", world_size=2,
                      kwargs=dict(checkpoint=str(tiny_checkpoint("llama")), pp=pp, layers=layers), timeout_s=60)
     assert all(message in r for r in results), results
+
+
+def test_distributed_from_pretrained_plans_inference_by_default(launch, tiny_checkpoint):
+    """Under a launcher, `from_pretrained(path, max_memory)` plans for inference, as on one process: on a budget
+    where every training plan is refused (the LoRA plan at seq 2048 it used to make among them), the model loads
+    and generates what transformers generates."""
+    checkpoint = str(tiny_checkpoint("llama"))
+    results = launch("tests.parallel.cases:default_intent_runs", world_size=2,
+                     kwargs=dict(checkpoint=checkpoint, max_memory="2x8MiB"))
+    for r in results:
+        assert r["method"] == "inference"
+        assert all("no split fits the budget" in why for why in r["refused"].values()), r["refused"]
+        assert r["generated"] == r["expected"]
