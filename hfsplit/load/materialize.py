@@ -16,7 +16,7 @@ import torch
 from hfsplit.apply.quantize import Staging, check_quantization, quantize_module
 from hfsplit.apply.steps import apply_plan_to_model
 from hfsplit.budget import BudgetSpec, local_max_memory, torch_device
-from hfsplit.checkpoint.quantized import for_stored, stored_quantization
+from hfsplit.checkpoint.quantized import quantization_of_checkpoint
 from hfsplit.checkpoint.reader import CheckpointReader
 from hfsplit.checkpoint.resolve import load_config, resolve_file
 from hfsplit.errors import CheckpointError, ConvertedOnLoadError
@@ -99,12 +99,12 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
         model = meta_model(config, dtype=wanted, attn_implementation=attn_implementation)
         return load_with_transformers(source, config, model, max_memory, plan=plan, training=training, dtype=wanted,
                                       attn_implementation=attn_implementation, revision=revision, **planner_options)
-    stored = stored_quantization(config, where=source)
-    if stored is not None:  # pre-quantized: load its packed weights as stored, as transformers does
-        quantization_config = for_stored(quantization_config, stored, where=source)
+    # pre-quantized: load its packed weights as stored, as transformers does
+    quantization_config = quantization_of_checkpoint(source, quantization_config, config=config, method="qlora"
+                                                     if quantization_config or training == "inference" else training)
     if plan is None:
-        plan = plan_for(config, source, max_memory, training="qlora" if quantization_config else training,
-                        dtype=model.dtype, **planner_options)
+        plan = plan_for(config, source, max_memory, training=training, dtype=model.dtype,
+                        quantization=quantization_config, **planner_options)
     device_map = device_map_of(plan, model)
     check_device_map(model, device_map)
     with reader:
@@ -117,7 +117,7 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
     model = dispatch(model, device_map)
     isolate_packed_rows(model)
     model.hf_device_map = dict(device_map)
-    model.hfsplit_plan = apply_plan_to_model(model, plan if not isinstance(plan, Mapping) else None, training=training)
+    model.hfsplit_plan = apply_plan_to_model(model, plan if not isinstance(plan, Mapping) else None)
     load_generation_config(model, source, revision)
     if quantization_config is not None:  # what peft and transformers read to pick their bitsandbytes paths
         model.is_loaded_in_4bit = not quantization_config.load_in_8bit
@@ -194,9 +194,10 @@ def checkpoint_float_dtype(reader: CheckpointReader, model: torch.nn.Module) -> 
     return None
 
 
-def plan_for(config, source: str, max_memory: BudgetSpec, *, training: str, dtype: torch.dtype, **options):
-    """The planner's single-process (tp=1) plan for this model and budget."""
-    spec = options.pop("spec", None) or spec_of_intent(training, dtype=dtype)
+def plan_for(config, source: str, max_memory: BudgetSpec, *, training: str, dtype: torch.dtype, quantization=None,
+             **options):
+    """The planner's single-process (tp=1) plan for this model and budget (QLoRA with `quantization`)."""
+    spec = options.pop("spec", None) or spec_of_intent(training, dtype=dtype, quantization=quantization)
     budget = max_memory if max_memory is not None else local_max_memory()
     if not isinstance(config.name_or_path, str) or not config.name_or_path:
         config.name_or_path = source

@@ -12,10 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hfsplit.apply.lora import LoraSetup, lora_config
-from hfsplit.apply.quantize import check_quantization, quantization_config_of
+from hfsplit.apply.lora import lora_config_of
 from hfsplit.budget import local_share
-from hfsplit.checkpoint.quantized import quantization_of_checkpoint
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.checkpoint.synthetic import TINY_MODEL, tiny_tokenizer, write_tiny_checkpoint
 from hfsplit.errors import HfsplitError
@@ -75,14 +73,6 @@ def check_sequence_length(model_path: str, seq_len: int) -> None:
                            f"(max_position_embeddings); use --seq-len {limit} or less")
 
 
-def weights_dtype(method: str, dtype: str) -> torch.dtype:
-    """Dtype the weights are held in: full fine-tuning in 16 bits keeps fp32 weights (the master copy,
-    AMP-style) and computes under autocast; LoRA keeps the frozen base in 16 bits (peft keeps adapters fp32)."""
-    if method == "full" and dtype in ("bfloat16", "float16"):  # (QLoRA: base and compute in `dtype`)
-        return torch.float32
-    return getattr(torch, dtype)
-
-
 def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     """Join the launch, plan, read the data, load this rank's part of the model, add adapters, and set up
     optimizer, schedule, metrics and checkpoints; resume when asked. Every input problem surfaces
@@ -95,11 +85,10 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
         options, model_path=model_path, world=regrouped, global_batch=launch.rows_per_step),
         timeout_s=options.peer_timeout)  # a larger layout runs only when estimated faster
     tokenizer, rows = load_rows(options, model_path=model_path)
-    config = lora_of_run(options, model_path=model_path)
-    model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
-                                  lora=LoraSetup(config, seed=options.seed) if config is not None else None,
-                                  quantization_config=qlora_config_of_run(options, plan, model_path=model_path,
-                                                                          device=world.device))
+    config = lora_of_run(plan, model_path=model_path, merge=options.merge)  # the adapters the plan adds, checked
+    # the plan carries the LoRA, the quantization and the weights' dtype: the seed alone travels beside it
+    model = split_from_pretrained(model_path, plan=plan, dtype=getattr(torch, plan.spec.weights_dtype),
+                                  lora_seed=options.seed)
     plan = model.plan
     calibrated = training_spec(options)  # the shape its FLOP/s was probed at, which the run re-checks
     options = with_plan_batch(options, plan)  # the cut --global-batch left to the planner, if it did
@@ -165,14 +154,13 @@ def load_rows(options: FinetuneOptions, *, model_path: str):
                                       format=options.dataset_format, packing=packing_of(options), seed=options.seed)
 
 
-def lora_of_run(options: FinetuneOptions, *, model_path: str):
-    """The run's peft LoraConfig (None unless --method lora or qlora): `apply_plan` adds it after TP, so the
-    adapters follow the base layers' sharding."""
-    if options.method not in ("lora", "qlora"):
+def lora_of_run(plan, *, model_path: str, merge: bool):
+    """The peft LoraConfig of the plan's adapters (None unless a LoRA or QLoRA plan), as the LoRA step builds it
+    (`lora_config_of` the plan's spec), refused before any weight is read where --merge cannot fold it."""
+    if plan.spec.method not in ("lora", "qlora"):
         return None
-    config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
-                         targets=options.lora_targets, model_config=load_config(model_path))
-    if options.merge and config.target_parameters:
+    config = lora_config_of(plan.spec, load_config(model_path))
+    if merge and config.target_parameters:
         raise HfsplitError(f"--merge folds adapters of linear layers; LoRA on fused experts "
                            f"({', '.join(config.target_parameters)}) is saved as a peft adapter only: drop --merge")
     return config
@@ -209,18 +197,6 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, glob
 def saved_method(method: str) -> str:
     """What the output folder holds: QLoRA writes the same peft adapter folder as LoRA."""
     return "lora" if method == "qlora" else method
-
-
-def qlora_config_of_run(options: FinetuneOptions, plan, *, model_path: str, device: torch.device):
-    """The run's `BitsAndBytesConfig` (None unless --method qlora), refused in one line before any weight is
-    read where bitsandbytes cannot serve it on this rank's device."""
-    if options.method != "qlora":
-        return quantization_of_checkpoint(model_path, None, method=options.method)  # refuses a pre-quantized one
-
-    qconfig = quantization_config_of(plan.spec)  # the spec carries the options' knobs (options.training_spec)
-    qconfig = quantization_of_checkpoint(model_path, qconfig, method="qlora")  # as a pre-quantized one stores
-    check_quantization(qconfig, device=device)
-    return qconfig
 
 
 def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):

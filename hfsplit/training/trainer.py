@@ -7,6 +7,7 @@ pipeline and tensor groups, each rank's optimizer steps over its own parameters.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass
@@ -153,14 +154,12 @@ def peer_lost_error(exc: BaseException, *, step: int, output_dir: str) -> PeerLo
 
 
 def compute_precision(model):
-    """Autocast to the plan's 16-bit dtype where the weights are fp32 masters; a no-op otherwise."""
-    import contextlib
-
-    wanted = getattr(torch, model.plan.spec.dtype)
-    held = next(p.dtype for p in model.parameters())
-    if wanted in (torch.bfloat16, torch.float16) and held == torch.float32 and model.plan.spec.method == "full":
-        return torch.autocast(device_type=model.device.type, dtype=wanted)
-    return contextlib.nullcontext()
+    """Autocast to the plan's 16-bit dtype where the weights are fp32 masters (`TrainingSpec.full_autocast_dtype`,
+    decided in planning); a no-op otherwise."""
+    wanted = model.plan.spec.full_autocast_dtype
+    if wanted is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=model.device.type, dtype=getattr(torch, wanted))
 
 
 def clip_(params: list[torch.nn.Parameter], *, norm: torch.Tensor, max_norm: float) -> None:

@@ -224,3 +224,21 @@ def default_intent_runs(*, checkpoint: str, max_memory: str) -> dict:
                                 min_new_tokens=5, pad_token_id=0)
     return {"method": model.plan.spec.method, "refused": refused, "generated": ours.tolist(),
             "expected": theirs.tolist(), "kv_bytes": [s.memory.activations for s in model.plan.stages]}
+
+
+def steps_by_method(*, checkpoint: str, single: bool = False) -> dict:
+    """For each method, `hfsplit.from_pretrained` under a training plan with checkpointing (QLoRA: with a
+    BitsAndBytesConfig): the steps its plan lists and those the load applied, on one process or on a rank."""
+    import hfsplit
+    from hfsplit.apply.quantize import quantization_config
+
+    out = {}
+    for method in ("lora", "qlora", "full"):
+        spec = TrainingSpec(method=method, seq_len=16, dtype="float32", activation_checkpointing=True, reserve_bytes=0)
+        qconfig = quantization_config(compute_dtype="float32") if method == "qlora" else None
+        split = {} if single else dict(micro_batches=2, pp=2, tp=1, dp=1)
+        model = hfsplit.from_pretrained(checkpoint, {"cpu": "8GiB"} if single else "2x4GiB", training=method,
+                                        spec=spec, quantization_config=qconfig, activation_checkpointing=True, **split)
+        plan = model.hfsplit_plan if single else model.plan
+        out[method] = {"steps": plan.steps(), "applied": plan.applied}
+    return out

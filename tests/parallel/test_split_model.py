@@ -120,3 +120,20 @@ def test_distributed_from_pretrained_plans_inference_by_default(launch, tiny_che
         assert r["method"] == "inference"
         assert all("no split fits the budget" in why for why in r["refused"].values()), r["refused"]
         assert r["generated"] == r["expected"]
+
+
+def test_both_paths_apply_what_the_plan_lists_for_every_method(launch, tiny_checkpoint):
+    """`from_pretrained` on one process and under a launcher records the plan's steps in the plan's order for LoRA,
+    QLoRA and full fine-tuning; the single-process model leaves only the adapters to peft (`LEFT_TO_PEFT`)."""
+    from hfsplit.apply.steps import LEFT_TO_PEFT
+    from tests.parallel.cases import steps_by_method
+
+    checkpoint = str(tiny_checkpoint("llama"))
+    one = steps_by_method(checkpoint=checkpoint, single=True)
+    ranks = launch("tests.parallel.cases:steps_by_method", world_size=2, kwargs=dict(checkpoint=checkpoint))
+    for method in ("lora", "qlora", "full"):
+        for r in ranks:
+            assert r[method]["applied"] == r[method]["steps"], (method, r[method])
+        assert one[method]["applied"] == tuple(s for s in one[method]["steps"] if s.kind not in LEFT_TO_PEFT), method
+        assert [s.kind for s in one[method]["steps"]] == [s.kind for s in ranks[0][method]["steps"]], method
+        assert "checkpointing" in [s.kind for s in one[method]["applied"]]

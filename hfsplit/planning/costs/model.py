@@ -232,7 +232,7 @@ def _part_state(layout: Layout, spec: TrainingSpec, tp: int, config, part: str, 
     trainable = _trainable_tensors(layout, spec, tp, config, part)
     params, grads, optim, values = numel * size, 0, 0, 0
     if spec.method == "full":
-        master = _MASTER_WEIGHT_BYTES if spec.dtype != "float32" else 0
+        master = _MASTER_WEIGHT_BYTES if spec.full_autocast_dtype else 0  # the run's fp32 masters
         grads, optim, values = numel * size, moments_bytes(trainable, spec.optim) + master * numel, numel
     elif spec.method in ("lora", "qlora") and part == "block":
         values = sum(trainable)
