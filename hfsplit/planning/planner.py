@@ -96,8 +96,7 @@ def make_plan(
         device_speeds: relative speed per device key (default 1 each; a GPU kind's: `hfsplit.planning.kind_rates`).
         link: the link pipeline sends and TP all-reduces use (default `DEFAULT_LINK` or the kinds'; runs: probed),
             and the host link offloaded activations cross.
-        tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use). world_size: use exactly
-            this many devices (tp × pp × dp), as a distributed launch needs.
+        tp, pp, dp, world_size: force a degree (tp=1 for single-process use), or exactly so many devices in all.
         single_process: plan for one process (the model's own forward; any causal LM), not the split. gpus: the
             numbered budgets are GPUs; False: CPU ranks, charged no reserve (`hfsplit.planning.reserve`).
 
