@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hfsplit.budget import gpu_index
 from hfsplit.errors import PlanError
 from hfsplit.parallel.host_memory import fix_mmap_threshold
 from hfsplit.plan import Coordinates, Plan, coordinates_of_rank
@@ -35,7 +36,7 @@ def stage_to_pp_rank(plan: Plan) -> dict[int, int]:
 
 def stage_indices_of_pp_rank(plan: Plan, *, pp_rank: int) -> tuple[int, ...]:
     """The stage indices pipeline rank `pp_rank` runs, in pipeline order."""
-    return tuple(i for i, r in sorted(stage_to_pp_rank(plan).items()) if r == pp_rank)
+    return tuple(sorted(s.index for s in plan.stages_of_rank(pp_rank)))
 
 
 def check_plan_for_world(plan: Plan, *, world_size: int) -> None:
@@ -87,9 +88,9 @@ def gpu_index_of_rank(plan: Plan, *, rank: int, local_rank: int, gpus_per_host: 
     (dp, tp) place. Budget devices are numbered host after host, so device g is GPU g % gpus_per_host
     of its host; a budget keyed by something else ("cpu") leaves the launcher's local rank."""
     coords = coordinates_of_rank(plan, rank=rank)
-    stage = next(s for s in plan.stages if s.pp_rank == coords.pp)
-    index = stage.devices[coords.dp][coords.tp].rsplit(":", 1)[-1]
-    return int(index) % gpus_per_host if index.isdigit() else local_rank
+    stage = plan.stages_of_rank(coords.pp)[0]
+    index = gpu_index(stage.devices[coords.dp][coords.tp])
+    return index % gpus_per_host if index is not None else local_rank
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 from typing import Mapping
 
+from hfsplit.budget import gpu_index
+
 # Measured by others on A100/H100 with torch 2.x: the context alone takes 400–600 MiB. Used when the
 # planning process cannot see the GPU (planning on a laptop for a remote cluster).
 CUDA_CONTEXT_BYTES = 512 << 20
@@ -92,5 +94,4 @@ def _nvml_used(index: int):
 
 
 def _cuda_index(device: str) -> int:
-    tail = device.rsplit(":", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
+    return gpu_index(device) or 0

@@ -78,7 +78,10 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     optimizer, schedule, metrics and checkpoints; resume when asked. Every input problem surfaces
     before any weight is read."""
     started = time.time()
-    world, model_path, launch = prepare(options)
+    world = init_distributed(timeout_s=options.peer_timeout)
+    torch.manual_seed(options.seed)
+    launch = launch_state(options)
+    model_path = options.model or default_model_path(options.output_dir)
     # A resumed elastic run keeps its global batch: the planner sets micro-batches for the dp it finds now.
     plan = plan_of_run(options, model_path=model_path, world=world, global_batch=launch.rows_per_step)
     plan = settle_growth(launch, plan, replan=lambda regrouped: plan_of_run(
@@ -135,16 +138,14 @@ def log_launch(run: Run, launch, *, started: float) -> None:
                                               seq_len=options.seq_len, nodes=nodes))
 
 
-def prepare(options: FinetuneOptions) -> tuple[World, str, LaunchState]:
-    """(this rank's World, the model's path, this launch's `LaunchState`), once the process group is joined and
-    the output folder is checked: what to resume from (after a torchrun restart: the latest checkpoint)."""
-    world = init_distributed(timeout_s=options.peer_timeout)
+def launch_state(options: FinetuneOptions) -> LaunchState:
+    """What this launch resumes from (after a torchrun restart: the latest checkpoint), every file of it checked
+    on every rank before any weight is read; the output folder checked writable first."""
     writable_dir(options.output_dir)
-    torch.manual_seed(options.seed)
     launch = LaunchState.decide(options.resume, options.output_dir)  # a missing checkpoint fails here
     if launch.resume_from is not None:  # every rank reads what it will resume from without running code, or refuses
         trusted_checkpoint(launch.resume_from)
-    return world, options.model or default_model_path(options.output_dir), launch
+    return launch
 
 
 def load_rows(options: FinetuneOptions, *, model_path: str):
