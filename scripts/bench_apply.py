@@ -1,4 +1,4 @@
-"""The README's "run keeps the plan" table: each rank's measured peak of one training step against the plan's
+"""The "run against the plan" table of docs/benchmarks/apply.md: each rank's measured peak of one training step against the plan's
 figure, from the very cases `tests/parallel/test_apply.py` asserts (same model, same step, same launcher).
 
     python scripts/bench_apply.py            # the four splits × methods, checkpointing off, on, offload (~7 min)

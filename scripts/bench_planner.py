@@ -3,7 +3,7 @@
     python scripts/bench_planner.py            # all tables
     python scripts/bench_planner.py --timing   # only the planning-time tables
 
-Prints markdown tables (pasted into the README). Both splits are judged by the same
+Prints markdown tables (published in docs/benchmarks/planner.md). Both splits are judged by the same
 cost model: weights, LoRA state and the activations a training step really keeps.
 """
 from __future__ import annotations

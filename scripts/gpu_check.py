@@ -217,7 +217,7 @@ def _sync(device: str) -> None:
 
 
 def report(rows: list[dict], *, plain: dict, loads: dict, tiny: bool, device: str) -> str:
-    """The printed table (plain text, also pasted into the README)."""
+    """The printed table (plain text; its figures go to the docs pages that await them, docs/guides/memory.md)."""
     gib = 2 ** 30
     model = "tiny Llama (4 layers, hidden 64)" if tiny else "synthetic Llama 1.1B (22 layers, hidden 2048)"
     what = "peak RSS above baseline" if device == "cpu" else "CUDA allocator peak"

@@ -210,11 +210,14 @@ class CheckpointReader:
     def read_expert_into(self, name: str, expert: int, out: torch.Tensor) -> torch.Tensor:
         """Copy `tensor[expert]` of a fused expert tensor `name` (`[E, d1, d2]`) into `out` (`[d1, d2]`, any device and
         floating dtype), reading that expert's bytes only: its stored pieces where the checkpoint stores the experts
-        one by one (merged on load), else its rows of the stored fused tensor."""
+        one by one (merged on load), its MXFP4 blocks and scales dequantized (gpt-oss), else its rows of the stored
+        fused tensor."""
         shape = self.shape(name)
         if tuple(out.shape) != tuple(shape[1:]) or not 0 <= expert < shape[0]:
             raise CheckpointError(f"{self._where()}: expert {expert} of tensor {name!r} {list(shape)} does not fit "
                                   f"the destination {list(out.shape)}")
+        if name in self._mxfp4:
+            return self._dequantize_expert_into(self._mxfp4[name], expert, out)
         if name not in self._merged:
             entry = self._entry(name)
             size = math.prod(shape[1:]) * entry.dtype.itemsize

@@ -21,8 +21,9 @@ from hfsplit.checkpoint.reader import CheckpointReader
 from hfsplit.checkpoint.resolve import load_config, resolve_file
 from hfsplit.errors import CheckpointError, ConvertedOnLoadError
 from hfsplit.load.launch import spec_of_intent, split_from_pretrained
-from hfsplit.models.families import check_causal_lm
+from hfsplit.models.families import FAMILIES, check_causal_lm
 from hfsplit.models.layout import decoder_layout, meta_model, recompute_buffers
+from hfsplit.models.masks import causal_masks
 from hfsplit.parallel.mesh import World, launcher_world
 from hfsplit.planning.planner import make_plan
 
@@ -383,14 +384,31 @@ def isolate_packed_rows(model: torch.nn.Module) -> None:
     forward makes a cache whenever `use_cache` is left to the config (True for every causal LM), so a packed
     row called as a transformers model is called attended across its examples unless the caller also passes
     `use_cache=False`. A call with position ids and neither a cache nor `use_cache` runs without a cache here;
-    generation (which passes its cache) and every other call are unchanged."""
+    generation (which passes its cache) and every other call are unchanged. A family whose forward builds its
+    masks without the position ids (`Family.mask_ignores_positions`) is handed transformers' packed masks."""
     def no_cache_for_given_positions(module, args, kwargs):
         given_cache = any(kwargs.get(name) is not None for name in ("cache", "past_key_values"))
         if kwargs.get("position_ids") is not None and kwargs.get("use_cache") is None and not given_cache:
             kwargs["use_cache"] = False
         return args, kwargs
 
+    def packed_masks_for_given_positions(module, args, kwargs):
+        positions, given_cache = kwargs.get("position_ids"), kwargs.get("cache") is not None
+        if positions is not None and not given_cache and kwargs.get("attention_mask") is None:
+            kwargs["attention_mask"] = packed_masks(model, positions)
+        return args, kwargs
+
     model.register_forward_pre_hook(no_cache_for_given_positions, with_kwargs=True)
+    family = FAMILIES.get(model.config.model_type)
+    if family is not None and family.mask_ignores_positions:
+        # on the decoder, not the causal LM: the LM's router loss reads its own 2-D attention mask
+        model.get_decoder().register_forward_pre_hook(packed_masks_for_given_positions, with_kwargs=True)
+
+
+def packed_masks(model: torch.nn.Module, positions: torch.Tensor) -> dict:
+    """transformers' masks by attention type for rows whose position ids restart at each example."""
+    shape_only = torch.empty(*positions.shape, 1, dtype=model.dtype, device=positions.device)
+    return causal_masks(model.config, hidden=shape_only, position_ids=positions)
 
 
 def load_generation_config(model, source: str, revision: Optional[str]) -> None:

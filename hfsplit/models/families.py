@@ -50,6 +50,9 @@ class Family:
         router_aux_loss: an MoE whose training loss adds `router_aux_loss_coef` × transformers'
             load-balancing loss over every layer's router logits when `output_router_logits` is set; the
             stages carry its running sums and the last stage adds it (parallel/router.py).
+        mask_ignores_positions: the model's own forward builds its masks without the position ids, so a packed
+            row called as a transformers model attends across its examples (gpt-oss in transformers 5); the
+            single-process model is then handed transformers' packed masks (load/materialize.py).
     """
 
     embed_multiplier: Optional[str] = None
@@ -60,6 +63,7 @@ class Family:
     refused_flags: tuple[str, ...] = ()
     tp_refused_flags: tuple[str, ...] = ()
     router_aux_loss: bool = False
+    mask_ignores_positions: bool = False
 
     def position_embeddings(self, rotary_emb: nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
                             kinds) -> dict:
@@ -109,10 +113,10 @@ FAMILIES = {
     # attention sinks, sliding/full layers, clamped SwiGLU, biased router and experts, YaRN rope: all inside its
     # modules; its MXFP4 experts are dequantized as read (checkpoint/mxfp4.py); its TP plan shards only the
     # embeddings (embedding_rowwise), so it splits over pipeline stages at tp=1
-    "gpt_oss": Family(router_aux_loss=True),
+    "gpt_oss": Family(router_aux_loss=True, mask_ignores_positions=True),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-# Families asked for whose split is not built yet, and what is missing (the README's "Model families" says more).
+# Families asked for whose split is not built yet, and what is missing (docs/guides/families.md says more).
 NOT_YET: dict[str, str] = {}
 
 

@@ -22,7 +22,7 @@ def chunked_vs_plain(*, checkpoint: str, seq_len: int, micro_batch_size: int, mi
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches, seq_len),
                             generator=torch.Generator().manual_seed(0))
-        losses, peak, _ = _train(model, optimizer, ids, steps=steps)
+        losses, peak, _, _ = _train(model, optimizer, ids, steps=steps)
         probe = model.forward(ids[:1, :16], broadcast=True)  # outside a step the last stage gives logits
         out[chunked] = {"planned": rank_total([model.plan.stages[i].memory for i in model.stage_indices]),
                         "measured": peak, "losses": losses, "probe_shape": tuple(probe.shape),

@@ -44,6 +44,7 @@ def router_loss_matches(*, checkpoint: str, tp: int, pp: int, layers: list, sche
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 4)
     loss = model.step(ids, ids, causal_lm_loss(config.vocab_size), position_ids=positions)
     ref_losses, aux = [], []
+    given_packed_masks(reference)
     # the schedule's micro-batches, each its own transformers forward (equal token counts: the token mean is the
     # mean of theirs), the router term the mean of theirs
     for chunk, pos in zip(ids.chunk(micro_batches), positions.chunk(micro_batches)):
@@ -62,3 +63,21 @@ def router_loss_matches(*, checkpoint: str, tp: int, pp: int, layers: list, sche
     # the router loss reaches every router: its gradient differs from the cross-entropy-only one
     out["router_grads"] = [name for name in out["grad_rel_diff"] if name.endswith(ROUTER_WEIGHTS)]
     return out
+
+
+
+def given_packed_masks(reference) -> None:
+    """Hand transformers' own packed masks to a family whose forward builds its masks without the position ids
+    (gpt-oss in transformers 5 attends across a packed row's examples); on the decoder, whose caller's router
+    loss reads the 2-D mask. Nothing for the other families."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    def masks(module, args, kwargs):
+        inputs = dict(config=reference.config, inputs_embeds=torch.empty(*kwargs["position_ids"].shape, 1),
+                      attention_mask=None, cache=None, position_ids=kwargs["position_ids"])
+        kwargs["attention_mask"] = {"full_attention": create_causal_mask(**inputs),
+                                    "sliding_attention": create_sliding_window_causal_mask(**inputs)}
+        return args, kwargs
+
+    if reference.config.model_type == "gpt_oss":
+        reference.get_decoder().register_forward_pre_hook(masks, with_kwargs=True)

@@ -60,7 +60,7 @@ def test_auto_cut_keeps_the_rows_per_replica_and_needs_a_global_batch():
 
 
 def test_the_split_backward_is_why_zbv_lost_to_interleaved_on_cpu_ranks():
-    """The quiet bench run (README, scripts/bench_train.py --rows full: 8-layer hidden-256 Llama, pp=2, m=8, fp32)
+    """The quiet bench run (docs/benchmarks/training.md, scripts/bench_train.py --rows full: 8-layer hidden-256 Llama, pp=2, m=8, fp32)
     measured Interleaved1F1B 1191 ms, ZBVZeroBubble 1303 ms and 1F1B 1345 ms a step, with the launch's probe at
     0.95 GB/s, 232 µs per message, 58 µs per action. Fed those figures at the speed that makes 1F1B's estimate its
     measured step, the model without the split backward's cost put ZBV first (auto chose it: 0.89× the best row);

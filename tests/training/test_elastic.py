@@ -326,7 +326,7 @@ def test_the_lr_schedule_is_transformers_cosine_with_warmup_step_by_step_and_in_
 
 @pytest.mark.slow
 def test_accelerate_launch_with_max_restarts_restarts_the_failed_workers_and_the_run_resumes(tmp_path):
-    """The README's accelerate form (--max_restarts, --rdzv_backend c10d): rank 0 fails in step 3 (an
+    """The accelerate form of docs/guides/faults.md (--max_restarts, --rdzv_backend c10d): rank 0 fails in step 3 (an
     injected allocation failure, once), accelerate's torchrun restarts both workers, they resume from
     checkpoint-2 on the same machine and finish."""
     from hfsplit.training.memory import INJECT

@@ -31,7 +31,7 @@ def test_moe_data_parallel_equals_transformers_and_resumes_under_another_split(t
                              pp=2, max_memory="4x1GiB"), max_steps=4, output_dir=str(tmp_path / "mixed"))
     # QLoRA, 4-bit experts with LoRA on them (router loss on): against one process on the dequantized NF4 bytes
     qlora = dict(run_options(tiny_checkpoint("mixtral", **ROUTED), tmp_path, "qlora", tp=1, pp=2, max_memory="4x1GiB"),
-                 max_steps=6, lora_targets=EXPERT_TARGETS, output_dir=str(tmp_path / "qlora"))
+                 max_steps=6, lora_targets=EXPERT_TARGETS, output_dir=str(tmp_path / "qlora"), schedule="1F1B")
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     ids = torch.randint(3, 256, (8, 16), generator=torch.Generator().manual_seed(2))
     both = launch("tests.training.test_moe_training:losses_and_4bit_runs", world_size=4, timeout_s=500,
@@ -169,19 +169,39 @@ def test_moe_qlora_4bit_experts_split_equals_transformers_on_the_dequantized_byt
     Qwen3-MoE with LoRA on attention and on the 4-bit experts (peft target parameters); each against one process on
     the same NF4 bytes dequantized (`check_4bit_expert_run`). Mixtral's `--merge` folder loads in transformers and
     gives the trained logits."""
+    # 1F1B pinned: the planner picks the schedule from timings, and its Interleaved1F1B figure sums each chunk's own
+    # peak of micro-batches in flight, which do not coincide (measured/planned ~0.82 on these runs: conservative)
     runs = [dict(run_options(tiny_checkpoint("mixtral", **ROUTED), tmp_path, "qlora", tp=1, pp=2, max_memory="2x1GiB"),
-                 output_dir=str(tmp_path / "mixtral"), merge=True),
+                 output_dir=str(tmp_path / "mixtral"), merge=True, schedule="1F1B"),
             dict(run_options(tiny_checkpoint("qwen3_moe"), tmp_path, "qlora", tp=1, pp=2, max_memory="2x1GiB"),
-                 lora_targets=EXPERT_TARGETS, output_dir=str(tmp_path / "qwen3_moe"))]
+                 lora_targets=EXPERT_TARGETS, output_dir=str(tmp_path / "qwen3_moe"), schedule="1F1B"),
+            # gpt-oss read MXFP4-packed: each expert dequantized as read, then quantized to NF4
+            dict(run_options(tiny_checkpoint("gpt_oss", mxfp4=True), tmp_path, "qlora", tp=1, pp=2,
+                             max_memory="2x1GiB"), output_dir=str(tmp_path / "gpt_oss"), schedule="1F1B")]
     probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     ids = torch.randint(3, 256, (8, 16), generator=torch.Generator().manual_seed(2))
     results = launch("tests.training.test_moe_training:qlora_moe_runs", world_size=2,
                      kwargs={"runs": runs, "probe": probe, "ids": ids}, timeout_s=400)
     for index, run in enumerate(runs):
-        check_4bit_expert_run(run, [r[index] for r in results], replicas=1, probe=probe, ids=ids)
+        # the reference of an MXFP4 checkpoint: transformers' own dequantization, saved 16-bit (transformers cannot
+        # apply bitsandbytes to an MXFP4 checkpoint itself)
+        reference = dict(run, model=str(dequantized_twin(run["model"], tmp_path))) if "gpt_oss" in run["output_dir"] else run
+        check_4bit_expert_run(reference, [r[index] for r in results], replicas=1, probe=probe, ids=ids)
     # --merge: a plain fp32 folder, the experts dequantized and stored one by one as transformers saves them
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral" / "merged", dtype=torch.float32)
     with torch.no_grad():
         assert (merged(input_ids=probe).logits - results[0][0]["logits"]).abs().max() < 1e-4
+
+
+def dequantized_twin(folder: str, tmp_path: Path) -> Path:
+    """`folder`'s MXFP4 checkpoint as transformers dequantizes it on load (fp32), saved as a plain folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "dequantized-twin"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(out)
+    return out
+

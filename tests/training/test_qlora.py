@@ -8,7 +8,7 @@ import torch
 from hfsplit.training.options import FinetuneOptions, tiny_demo_options
 from tests.parallel.launcher import launch
 from tests.training.refusals import assert_recipe_refuses
-from tests.training.test_trainer import STEPS, reference_training, run_options
+from tests.training.test_trainer import reference_training, run_options
 
 
 def bnb_config(options: FinetuneOptions):

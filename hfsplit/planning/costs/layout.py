@@ -85,6 +85,7 @@ class Layout:
     embed_params: tuple[tuple[int, bool], ...] = ()
     block_params: tuple[tuple[int, bool], ...] = ()
     head_params: tuple[tuple[int, bool], ...] = ()
+    attn_implementation: str = ""  # the attention transformers picks for the model class (its masks follow)
 
 
 def _shard(style: Optional[str]) -> Optional[str]:
@@ -143,6 +144,7 @@ def _build_layout(key: str) -> Layout:
         block_params=tuple(block_params),
         head_params=tuple((p.numel(), False) for m in after for p in m.parameters())
         + tuple((p.numel(), True) for p in lm_head.parameters()),
+        attn_implementation=model.config._attn_implementation,
     )
 
 
@@ -164,7 +166,8 @@ def lora_targets(layout: Layout, spec: TrainingSpec, experts=()) -> list[Linear]
 def cached_layout(key: str, build):
     """The `Layout` of the config `key`, from disk or `build(key)`."""
     record = read_cache("layout", key)
-    if record is not None and "block_params" in record:  # (a layout cached before it listed its parameters: rebuilt)
+    # (a layout cached before it listed its parameters or its attention: rebuilt)
+    if record is not None and "block_params" in record and record.get("attn_implementation"):
         params = {k: tuple(tuple(p) for p in record[k]) for k in ("embed_params", "block_params", "head_params")}
         return Layout(**{**record, **params, "linears": tuple(Linear(**lin) for lin in record["linears"])})
     layout = build(key)
