@@ -186,6 +186,13 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+def gpu_index(device: str) -> Optional[int]:
+    """The GPU index a device key names ("0", "cuda:1"), None for any other ("cpu", "mps", "cuda"): the one
+    parser of device names for the planner's reserve and a rank's GPU."""
+    tail = str(device).rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
 def torch_device(device):
     """A device in accelerate's notation (0, "1", "cpu", "cuda:1") or a torch.device, as a torch.device:
     the one device parser (budgets, device maps and the checkpoint reader all use it)."""

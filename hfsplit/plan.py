@@ -32,6 +32,8 @@ class TrainingSpec:
         micro_batch_size: sequences per micro-batch.
         dtype: dtype of the weights and activations ("bfloat16", "float16", "float32").
         lora_r: LoRA rank.
+        lora_alpha: LoRA alpha (the adapters' scale is alpha / r); None: 2 × `lora_r`.
+        lora_dropout: dropout on the adapters' inputs.
         lora_targets: module names LoRA wraps; None means every attention and MLP projection.
         activation_checkpointing: recompute each block's activations in backward: False / "off", True / "on", or
             "offload" (checkpointing with each block's saved input moved to host memory until its recompute,
@@ -74,6 +76,8 @@ class TrainingSpec:
     packing: bool = False
     optim: str = "adamw_torch"
     quantize_experts: bool = True
+    lora_alpha: Optional[int] = None
+    lora_dropout: float = 0.0
 
     def __post_init__(self):
         mode = checkpointing_mode(self.activation_checkpointing)
@@ -90,6 +94,24 @@ class TrainingSpec:
         """The dtype this run's stage forwards autocast to (see `autocast`), or None when they do not."""
         on = self.method == "qlora" and not self.load_in_8bit and self.dtype != "float32" and self.autocast is not False
         return self.dtype if on else None
+
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype a run holds the weights in: full fine-tuning in 16 bits keeps fp32 master weights (AMP-style,
+        the cost model's fp32 masters) and computes under autocast to `dtype` (`full_autocast_dtype`); every other
+        method holds them in `dtype` (a LoRA / QLoRA base frozen in 16 bits; peft keeps the adapters fp32)."""
+        return "float32" if self.method == "full" and self.dtype in ("bfloat16", "float16") else self.dtype
+
+    @property
+    def full_autocast_dtype(self) -> Optional[str]:
+        """The dtype full fine-tuning's fp32 master weights compute in under `torch.autocast`, or None when the
+        weights are held in the dtype they compute in."""
+        return self.dtype if self.weights_dtype != self.dtype else None
+
+    @property
+    def alpha(self) -> int:
+        """LoRA alpha: `lora_alpha`, else 2 × `lora_r`."""
+        return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_r
 
     @property
     def experts_in_4bit(self) -> bool:

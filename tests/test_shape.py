@@ -161,3 +161,17 @@ def test_runtime_modules_do_not_load_planning_code(module, absent):
     code = f"import sys, {module}; print([m for m in {list(absent)!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"importing {module} loads {out.strip()}"
+
+
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_only_the_mesh_reads_the_launchers_environment():
+    """One way in: `hfsplit.parallel.mesh` (`launcher_world`, `init_distributed`) reads what the launcher sets;
+    every other module takes a `World` (the elastic regroup returns a new one, it writes no environment)."""
+    readers = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in LAUNCHER_ENV:
+                readers.add(name)
+    assert readers <= {"hfsplit.parallel.mesh"}, sorted(readers)

@@ -63,7 +63,7 @@ class LoraSetup:
 def add_adapters(modules: Sequence[nn.Module], step: Step, inputs) -> Step:
     """The step: the call's LoRA (`inputs.lora`, else the plan's own) in every stage; the step as applied
     (its rank is that of the LoRA given)."""
-    lora = inputs.lora or default_lora(inputs.plan, modules[0].config)
+    lora = inputs.lora or default_lora(inputs.plan, modules[0].config, seed=inputs.lora_seed)
     apply_lora(modules, lora, plan=inputs.plan, ctx=inputs.ctx)
     return lora_step(lora.config.r)
 
@@ -76,11 +76,16 @@ def apply_lora(modules: Sequence[nn.Module], lora: LoraSetup, *, plan: Plan, ctx
                  tp_plan=getattr(module.config, "base_model_tp_plan", None))
 
 
-def default_lora(plan: Plan, model_config) -> LoraSetup:
-    """The plan's LoRA (its rank and targets; alpha 2r and no dropout) when the caller gives none."""
-    spec = plan.spec
-    return LoraSetup(lora_config(r=spec.lora_r, alpha=2 * spec.lora_r, dropout=0.0, targets=spec.lora_targets,
-                                 model_config=model_config))
+def lora_config_of(spec, model_config):
+    """The peft LoraConfig a LoRA `TrainingSpec` describes (its rank, alpha, dropout and targets): the one builder
+    the run's adapters and its saved adapter config share."""
+    return lora_config(r=spec.lora_r, alpha=spec.alpha, dropout=spec.lora_dropout, targets=spec.lora_targets,
+                       model_config=model_config)
+
+
+def default_lora(plan: Plan, model_config, *, seed: int = 0) -> LoraSetup:
+    """The plan's own LoRA (`lora_config_of` its spec), its A matrices drawn from `seed`, when the caller gives none."""
+    return LoraSetup(lora_config_of(plan.spec, model_config), seed=seed)
 
 
 class _SumGradOverTP(torch.autograd.Function):

@@ -25,7 +25,7 @@ from hfsplit.apply.lora import LoraSetup, add_adapters
 from hfsplit.apply.quantize import check_quantized
 from hfsplit.apply.tp import shard_stages
 from hfsplit.errors import PlanError
-from hfsplit.plan import Plan, Step, checkpointing_step, quantize_step
+from hfsplit.plan import Plan, Step
 
 # Step kind → the function applying it: `(modules, step, inputs) -> the Step applied`.
 STEPS: dict[str, Callable[[Sequence[nn.Module], Step, "StepInputs"], Step]] = {
@@ -46,17 +46,20 @@ class StepInputs:
         plan: the plan being run.
         ctx: this rank's ParallelContext (TP mesh and coordinates).
         load: reads this rank's bytes into the modules (after TP, before quantization).
-        lora: the LoRA to add; None with a LoRA plan means the plan's own rank and targets.
+        lora: the LoRA to add; None with a LoRA plan means the plan's own (`TrainingSpec`'s rank, alpha, dropout
+            and targets).
+        lora_seed: what the plan's own LoRA draws its A matrices from.
     """
 
     plan: Plan
     ctx: object
     load: Callable[[Sequence[nn.Module]], None]
     lora: Optional[LoraSetup] = None
+    lora_seed: int = 0
 
 
 def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx, load: Callable[[Sequence[nn.Module]], None],
-               lora: Optional[LoraSetup] = None) -> tuple[Step, ...]:
+               lora: Optional[LoraSetup] = None, lora_seed: int = 0) -> tuple[Step, ...]:
     """Apply `plan`'s steps to this rank's stage modules (on meta); `load` gives them their weights.
 
     Args:
@@ -64,28 +67,31 @@ def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx, load: Callable[
         plan: the plan being run.
         ctx: this rank's ParallelContext (TP mesh and coordinates).
         load: reads this rank's bytes into the modules (after TP, before quantization).
-        lora: the LoRA to add; None with a LoRA plan means the plan's own rank and targets.
+        lora: the LoRA to add; None with a LoRA plan means the plan's own.
+        lora_seed: what the plan's own LoRA draws its A matrices from.
 
     Returns:
         The steps applied, in order (compare `plan.steps()`).
     """
-    inputs = StepInputs(plan=plan, ctx=ctx, load=load, lora=lora)
+    inputs = StepInputs(plan=plan, ctx=ctx, load=load, lora=lora, lora_seed=lora_seed)
     return tuple(STEPS[step.kind](modules, step, inputs) for step in plan.steps())
 
 
-def apply_plan_to_model(model: nn.Module, plan: Optional[Plan], *, training: str) -> Optional[Plan]:
-    """The single-process path (`hfsplit.from_pretrained`): whole blocks, TP = 1, the user adds LoRA with
-    peft. Turns on transformers' own gradient checkpointing (non-reentrant) where a training plan says
-    so; returns the plan with what was applied recorded."""
+# What the single-process model (`hfsplit.from_pretrained`) leaves to its caller, as transformers' models do: the
+# user adds LoRA with peft (`get_peft_model`), and peft's adapters then run as transformers' Trainer runs them.
+LEFT_TO_PEFT = ("lora", "autocast")
+
+
+def apply_plan_to_model(model: nn.Module, plan: Optional[Plan]) -> Optional[Plan]:
+    """The single-process path (`hfsplit.from_pretrained`): whole blocks, TP = 1, read (and quantized, QLoRA) block
+    by block by the loader, then transformers' own gradient checkpointing (non-reentrant) where the plan says so.
+    Returns the plan with what was applied recorded: `plan.steps()` in order, less `LEFT_TO_PEFT`."""
     if plan is None:  # a hand-made device map: no decisions to apply
         return None
-    applied = ()
-    if training != "inference" and plan.spec.checkpointing == "offload":
+    if plan.spec.method != "inference" and plan.spec.checkpointing == "offload":
         raise PlanError("the single-process model does not offload activations; plan it with "
                         "activation_checkpointing=True (offload runs on split stages, under a launcher)")
-    if training != "inference" and plan.spec.activation_checkpointing:
+    applied = tuple(step for step in plan.steps() if step.kind not in LEFT_TO_PEFT)
+    if any(step.kind == "checkpointing" for step in applied):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        applied = (checkpointing_step(),)
-    if plan.spec.method == "qlora":  # quantized block by block as read (hfsplit.load.materialize.quantizer_of)
-        applied = (quantize_step(plan.spec, experts=plan.fused_experts),) + applied
     return replace(plan, applied=applied)

@@ -13,8 +13,9 @@ every library still reaches the user. `install()` is called by the entry points 
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+import torch.distributed as dist
 
 BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 MISSING_KERNELS = "Failed to load CPU gemm_4bit_forward from kernels-community"
@@ -54,7 +55,12 @@ def explain_missing_kernels() -> None:
     """Print what bitsandbytes' missing-kernels warning means, once per process and on rank 0 only, when
     bitsandbytes logged it (call where a run quantizes: elsewhere it means nothing)."""
     global _explained
-    if _explained or not _MISSING_KERNELS_FILTER.dropped or int(os.environ.get("RANK", "0")) != 0:
+    if _explained or not _MISSING_KERNELS_FILTER.dropped or rank_of_group() != 0:
         return
     _explained = True
     print(MISSING_KERNELS_MEANING, file=sys.stderr, flush=True)
+
+
+def rank_of_group() -> int:
+    """This process's rank in the joined process group (0 before any: a single process, or before the join)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

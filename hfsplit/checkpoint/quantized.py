@@ -29,13 +29,15 @@ def stored_quantization(config, *, where: str):
     return BitsAndBytesConfig.from_dict(dict(raw))
 
 
-def quantization_of_checkpoint(source: str, requested, *, method: str):
-    """What to load `source` with: `requested` checked against the checkpoint's own quantization (a
-    pre-quantized folder needs `--method qlora` and the format it stores); None for a plain 16-bit run."""
-    stored = stored_quantization(load_config(source), where=source)
+def quantization_of_checkpoint(source: str, requested, *, method: str, config=None):
+    """The one place deciding whether `source` is pre-quantized and what to load it with: `requested` checked
+    against the checkpoint's own quantization (a pre-quantized folder loads as it stores, for inference or
+    QLoRA: training it needs `--method qlora` and the format it stores); `requested` for a 16-bit checkpoint.
+    `config`: `source`'s config when already read."""
+    stored = stored_quantization(config if config is not None else load_config(source), where=source)
     if stored is None:
         return requested
-    if method != "qlora":
+    if method not in ("qlora", "inference"):
         raise QuantizationError(f"{source} is pre-quantized (bitsandbytes); train it with --method qlora, "
                                 "or use its 16-bit checkpoint")
     return for_stored(requested, stored, where=source)

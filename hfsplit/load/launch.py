@@ -5,7 +5,6 @@ never imports the planner; this module calls the planner only when no plan is gi
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -13,16 +12,20 @@ import torch.distributed as dist
 
 from hfsplit import errors
 from hfsplit.apply.lora import LoraSetup
+from hfsplit.apply.quantize import check_quantization, quantization_config_of
+from hfsplit.checkpoint.quantized import quantization_of_checkpoint
 from hfsplit.errors import PlanError
 from hfsplit.parallel.mesh import init_distributed, init_parallel
 from hfsplit.parallel.split_model import SplitModel, build_split_model
-from hfsplit.plan import Plan
+from hfsplit.checkpoint.resolve import load_config
+from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.planner import make_plan
 
 
 def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
                           dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None,
-                          quantization_config=None, **plan_options) -> SplitModel:
+                          quantization_config=None, training: str = "inference", lora_seed: int = 0,
+                          **plan_options) -> SplitModel:
     """Load `name_or_path` split over the ranks of a distributed launch (torchrun / accelerate launch).
 
     Rank 0 plans (unless `plan` is given) and shares the plan, so every rank runs the same
@@ -33,19 +36,51 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         max_memory: per-device budget for the planner (ignored when `plan` is given).
         plan: a ready Plan to run instead of planning.
         dtype: override the plan's dtype for the weights.
-        lora: the LoRA of a LoRA plan (default: the plan's rank and targets).
-        quantization_config: a transformers `BitsAndBytesConfig`: the blocks' linears are quantized as read (QLoRA).
+        lora: the LoRA of a LoRA plan (default: the plan's own, `TrainingSpec` rank, alpha, dropout, targets).
+        quantization_config: a transformers `BitsAndBytesConfig`: the blocks' linears are quantized as read (QLoRA);
+            default: the QLoRA plan's own (`TrainingSpec`'s knobs), or a pre-quantized checkpoint's.
+        training: what the plan budgets memory for when no `spec` is given: "inference" (weights, generation's KV
+            cache, one forward), "lora" or "full" (`spec_of_intent`); QLoRA with `quantization_config`.
+        lora_seed: what the plan's own LoRA draws its A matrices from.
         **plan_options: passed to `hfsplit.planning.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
-    init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
+    world = init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
     if plan is None:
-        spec = plan_options.get("spec")
-        if not torch.cuda.is_available() and spec is not None and spec.reserve_bytes is None:
-            plan_options["spec"] = replace(spec, reserve_bytes=0)  # CPU ranks: "0", "1" budgets are not GPUs
-        plan = shared_plan(name_or_path, max_memory, **plan_options)
+        wanted = quantization_of_checkpoint(name_or_path, quantization_config, method="qlora"
+                                            if quantization_config is not None else training)  # or as stored
+        spec = plan_options.pop("spec", None) or spec_of_intent(
+            training, dtype=dtype or load_config(name_or_path).dtype, quantization=wanted)
+        plan_options.setdefault("gpus", world.device.type == "cuda")  # CPU ranks: "0", "1" budgets are not GPUs
+        plan = shared_plan(name_or_path, max_memory, spec=spec, **plan_options)
     ctx = init_parallel(plan)
-    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, lora=lora,
-                             quantization_config=quantization_config)
+    qconfig = quantization_of_run(plan, name_or_path, requested=quantization_config, device=ctx.device)
+    return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, lora=lora, lora_seed=lora_seed,
+                             quantization_config=qconfig)
+
+
+def quantization_of_run(plan: Plan, source: str, *, requested, device: torch.device):
+    """The `BitsAndBytesConfig` a split loads `source` with (None: 16-bit): the caller's, else the QLoRA plan's
+    own (`quantization_config_of` its spec), as a pre-quantized checkpoint stores it (`quantization_of_checkpoint`,
+    which refuses a pre-quantized base under a LoRA or full plan); refused in one line where bitsandbytes cannot
+    serve it on `device`, before any weight is read."""
+    if requested is None and plan.spec.method == "qlora":
+        requested = quantization_config_of(plan.spec)
+    qconfig = quantization_of_checkpoint(source, requested, method=plan.spec.method)
+    if qconfig is not None:
+        check_quantization(qconfig, device=device)
+    return qconfig
+
+
+def spec_of_intent(training: str, *, dtype, quantization=None) -> TrainingSpec:
+    """The TrainingSpec `from_pretrained` plans for its intent `training` ("inference", "lora", "qlora", "full"),
+    its weights in `dtype` (a torch dtype or its name; None: bfloat16); with `quantization` (a `BitsAndBytesConfig`:
+    the caller's, or a pre-quantized checkpoint's), QLoRA with its knobs."""
+    name = str(dtype).removeprefix("torch.") if dtype is not None else "bfloat16"
+    if quantization is None:
+        return TrainingSpec(method=training, dtype=name)
+    return TrainingSpec(method="qlora", dtype=name, load_in_8bit=bool(quantization.load_in_8bit),
+                        bnb_4bit_quant_type=quantization.bnb_4bit_quant_type,
+                        bnb_4bit_use_double_quant=bool(quantization.bnb_4bit_use_double_quant))
 
 
 def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:

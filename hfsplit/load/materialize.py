@@ -16,15 +16,15 @@ import torch
 from hfsplit.apply.quantize import Staging, check_quantization, quantize_module
 from hfsplit.apply.steps import apply_plan_to_model
 from hfsplit.budget import BudgetSpec, local_max_memory, torch_device
-from hfsplit.checkpoint.quantized import for_stored, stored_quantization
+from hfsplit.checkpoint.quantized import quantization_of_checkpoint
 from hfsplit.checkpoint.reader import CheckpointReader
 from hfsplit.checkpoint.resolve import load_config, resolve_file
 from hfsplit.errors import CheckpointError, ConvertedOnLoadError
-from hfsplit.load.launch import split_from_pretrained
+from hfsplit.load.launch import spec_of_intent, split_from_pretrained
 from hfsplit.models.families import FAMILIES, check_causal_lm
 from hfsplit.models.layout import decoder_layout, meta_model, recompute_buffers
 from hfsplit.models.masks import causal_masks
-from hfsplit.plan import TrainingSpec
+from hfsplit.parallel.mesh import World, launcher_world
 from hfsplit.planning.planner import make_plan
 
 logger = logging.getLogger(__name__)
@@ -57,14 +57,15 @@ def from_pretrained(
             config's dtype, else the checkpoint's.
         plan: a `Plan` (tp=1) or an accelerate-style device map `{"model.layers.3": 0, ...}`;
             default: `make_plan(..., tp=1)`.
-        training: "inference", "lora" or "full": what the plan budgets memory for.
+        training: "inference" (the weights, generation's KV cache and one forward's activations), "lora" or "full":
+            what the plan budgets memory for, on one process and under a launcher alike.
         attn_implementation: passed to the model ("sdpa", "eager", ...).
         revision: hub revision.
         quantization_config: transformers' `BitsAndBytesConfig`: each decoder block's linears are quantized on
             their device right after the block is read (embeddings, norms, lm_head stay 16-bit); planned as QLoRA.
         planner_options: further `make_plan` options (seq_len etc. go in `spec`).
 
-    Under a distributed launch (WORLD_SIZE > 1: torchrun, accelerate launch) this returns this
+    Under a distributed launch (more than one rank: torchrun, accelerate launch) this returns this
     rank's `hfsplit.parallel.split_model.SplitModel` instead: the plan spans all ranks, each rank reads and
     holds only its stage's (and TP slice's) bytes.
 
@@ -76,9 +77,10 @@ def from_pretrained(
         CheckpointError: the checkpoint is missing tensors or disagrees with its config.
         PlanError: nothing fits the budget.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return _split_across_ranks(str(name_or_path), max_memory, dtype=dtype, plan=plan,
-                                   quantization_config=quantization_config, **planner_options)
+    world = launcher_world()
+    if world.launched:
+        return split_across_ranks(str(name_or_path), max_memory, world=world, dtype=dtype, plan=plan,
+                                  training=training, quantization_config=quantization_config, **planner_options)
     return load_whole_blocks(str(name_or_path), max_memory, dtype=dtype, plan=plan, training=training,
                              attn_implementation=attn_implementation, revision=revision,
                              quantization_config=quantization_config, **planner_options)
@@ -98,12 +100,12 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
         model = meta_model(config, dtype=wanted, attn_implementation=attn_implementation)
         return load_with_transformers(source, config, model, max_memory, plan=plan, training=training, dtype=wanted,
                                       attn_implementation=attn_implementation, revision=revision, **planner_options)
-    stored = stored_quantization(config, where=source)
-    if stored is not None:  # pre-quantized: load its packed weights as stored, as transformers does
-        quantization_config = for_stored(quantization_config, stored, where=source)
+    # pre-quantized: load its packed weights as stored, as transformers does
+    quantization_config = quantization_of_checkpoint(source, quantization_config, config=config, method="qlora"
+                                                     if quantization_config or training == "inference" else training)
     if plan is None:
-        plan = plan_for(config, source, max_memory, training="qlora" if quantization_config else training,
-                        dtype=model.dtype, **planner_options)
+        plan = plan_for(config, source, max_memory, training=training, dtype=model.dtype,
+                        quantization=quantization_config, **planner_options)
     device_map = device_map_of(plan, model)
     check_device_map(model, device_map)
     with reader:
@@ -116,7 +118,7 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
     model = dispatch(model, device_map)
     isolate_packed_rows(model)
     model.hf_device_map = dict(device_map)
-    model.hfsplit_plan = apply_plan_to_model(model, plan if not isinstance(plan, Mapping) else None, training=training)
+    model.hfsplit_plan = apply_plan_to_model(model, plan if not isinstance(plan, Mapping) else None)
     load_generation_config(model, source, revision)
     if quantization_config is not None:  # what peft and transformers read to pick their bitsandbytes paths
         model.is_loaded_in_4bit = not quantization_config.load_in_8bit
@@ -124,13 +126,15 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
     return model.eval()
 
 
-def _split_across_ranks(source: str, max_memory, *, dtype, plan, quantization_config=None, **planner_options):
-    """Under a distributed launch: this rank's SplitModel of the plan spanning all ranks."""
+def split_across_ranks(source: str, max_memory, *, world: World, dtype, plan, training: str,
+                       quantization_config=None, **planner_options):
+    """Under a distributed launch: this rank's SplitModel of the plan spanning `world`'s ranks, planned for
+    `training` (inference by default, as the single-process path)."""
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     return split_from_pretrained(source, max_memory, plan=plan, dtype=dtype if isinstance(dtype, torch.dtype) else None,
-                                 quantization_config=quantization_config, world_size=int(os.environ["WORLD_SIZE"]),
-                                 **planner_options)
+                                 quantization_config=quantization_config, training=training,
+                                 world_size=world.world_size, **planner_options)
 
 
 # ---- steps ------------------------------------------------------------------------------
@@ -191,9 +195,10 @@ def checkpoint_float_dtype(reader: CheckpointReader, model: torch.nn.Module) -> 
     return None
 
 
-def plan_for(config, source: str, max_memory: BudgetSpec, *, training: str, dtype: torch.dtype, **options):
-    """The planner's single-process (tp=1) plan for this model and budget."""
-    spec = options.pop("spec", None) or TrainingSpec(method=training, dtype=str(dtype).removeprefix("torch."))
+def plan_for(config, source: str, max_memory: BudgetSpec, *, training: str, dtype: torch.dtype, quantization=None,
+             **options):
+    """The planner's single-process (tp=1) plan for this model and budget (QLoRA with `quantization`)."""
+    spec = options.pop("spec", None) or spec_of_intent(training, dtype=dtype, quantization=quantization)
     budget = max_memory if max_memory is not None else local_max_memory()
     if not isinstance(config.name_or_path, str) or not config.name_or_path:
         config.name_or_path = source

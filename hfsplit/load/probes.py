@@ -35,6 +35,7 @@ from hfsplit.models.expert_lora import split_lora_targets
 from hfsplit.models.families import FAMILIES, Family
 from hfsplit.models.layout import block_linear_names
 from hfsplit.models.masks import causal_masks, layer_attention_type
+from hfsplit.parallel.mesh import launcher_world
 from hfsplit.planning.costs.cache import read_cache, write_cache
 from hfsplit.planning.costs.layout import dtype_of, rank_layer_config
 from hfsplit.planning.costs.masks import traced_positions
@@ -65,7 +66,7 @@ def device_kind(device: torch.device) -> str:
         name = torch.cuda.get_device_name(device)
         kind = kind_of_device_name(name)
         return kind.name if kind is not None else name
-    sharing = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    sharing = launcher_world().local_world_size
     return f"cpu:{platform.processor() or platform.machine()}:threads={torch.get_num_threads()}:ranks={sharing}"
 
 
@@ -341,7 +342,5 @@ def run_link(model_path: Optional[str] = None, spec=None) -> Optional[Link]:
 
 
 def _run_device() -> torch.device:
-    """This rank's device: its GPU (by LOCAL_RANK), else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.device("cpu")
+    """This rank's device: its GPU (by its local rank), else the CPU."""
+    return launcher_world().device

@@ -8,7 +8,8 @@ fails with a PlanError on every rank instead of hanging in a collective.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from datetime import timedelta
 from typing import Optional
@@ -16,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hfsplit.budget import gpu_index
 from hfsplit.errors import PlanError
 from hfsplit.parallel.host_memory import fix_mmap_threshold
 from hfsplit.plan import Coordinates, Plan, coordinates_of_rank
@@ -34,7 +36,7 @@ def stage_to_pp_rank(plan: Plan) -> dict[int, int]:
 
 def stage_indices_of_pp_rank(plan: Plan, *, pp_rank: int) -> tuple[int, ...]:
     """The stage indices pipeline rank `pp_rank` runs, in pipeline order."""
-    return tuple(i for i, r in sorted(stage_to_pp_rank(plan).items()) if r == pp_rank)
+    return tuple(sorted(s.index for s in plan.stages_of_rank(pp_rank)))
 
 
 def check_plan_for_world(plan: Plan, *, world_size: int) -> None:
@@ -75,8 +77,8 @@ def device_of_rank(*, local_rank: int, plan: Optional[Plan] = None, rank: int = 
     there is a plan the launcher's local GPU; without CUDA: the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    if plan is None:
-        return torch.device(f"cuda:{local_rank}")
+    if plan is None:  # more ranks than GPUs on a host share them round-robin
+        return torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
     index = gpu_index_of_rank(plan, rank=rank, local_rank=local_rank, gpus_per_host=torch.cuda.device_count())
     return torch.device(f"cuda:{index}")
 
@@ -86,35 +88,75 @@ def gpu_index_of_rank(plan: Plan, *, rank: int, local_rank: int, gpus_per_host: 
     (dp, tp) place. Budget devices are numbered host after host, so device g is GPU g % gpus_per_host
     of its host; a budget keyed by something else ("cpu") leaves the launcher's local rank."""
     coords = coordinates_of_rank(plan, rank=rank)
-    stage = next(s for s in plan.stages if s.pp_rank == coords.pp)
-    index = stage.devices[coords.dp][coords.tp].rsplit(":", 1)[-1]
-    return int(index) % gpus_per_host if index.isdigit() else local_rank
+    stage = plan.stages_of_rank(coords.pp)[0]
+    index = gpu_index(stage.devices[coords.dp][coords.tp])
+    return index % gpus_per_host if index is not None else local_rank
 
 
-def init_distributed(*, timeout_s: float = 600.0) -> None:
-    """Join the launch's default process group, once: the one way into torch.distributed.
+@dataclass(frozen=True)
+class World:
+    """This process's place in the launch, as the launcher (torchrun, accelerate launch) gave it.
+
+    Args:
+        rank: the global rank (0 without a launcher).
+        world_size: the ranks of the launch (1 without a launcher).
+        local_rank: the rank's index on its host (picks its GPU before there is a plan).
+        device: the rank's device before there is a plan (`device_of_rank`).
+        local_world_size: ranks on this host (CPU ranks share its RAM and cores).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    local_world_size: int = 1
+
+    @property
+    def launched(self) -> bool:
+        """Started by a launcher with more than one rank: loading splits the model over the ranks."""
+        return self.world_size > 1
+
+
+def launcher_world() -> World:
+    """The World the launcher's environment describes (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), without
+    joining any group: the one reader of that environment (`init_distributed` joins the group it names)."""
+    env = os.environ
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    return World(rank=int(env.get("RANK", "0")), world_size=world_size, local_rank=local_rank,
+                 device=device_of_rank(local_rank=local_rank),
+                 local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+def joined_world() -> World:
+    """The World of the process group this process has joined (after an elastic regroup: the regrouped one)."""
+    given = launcher_world()
+    return replace(given, rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def init_distributed(*, timeout_s: float = 600.0) -> World:
+    """Join the launch's default process group, once: the one way into torch.distributed; this rank's World.
 
     nccl on GPUs (each rank on its launcher-given GPU first), gloo otherwise; `timeout_s` bounds
     every wait on a peer, so a dead or hung rank ends the run instead of hanging it. Started
     without a launcher (no WORLD_SIZE), a one-rank group on a file store, so the same SPMD code
-    runs and no port is needed. Does nothing when a group already exists.
+    runs and no port is needed. Joins nothing when a group already exists (the World is that group's).
     """
     if dist.is_initialized():
-        return
-    device = device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL's first collective needs one GPU per rank
+        return joined_world()
+    world = launcher_world()
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)  # NCCL's first collective needs one GPU per rank
     else:
         fix_mmap_threshold()  # opt-in: a CPU rank's RSS then follows its live tensors (hfsplit/parallel/host_memory.py)
     timeout = timedelta(seconds=timeout_s)
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend_for(device), timeout=timeout)
-        return
-    import tempfile
-
+    if "WORLD_SIZE" in os.environ:  # MASTER_ADDR / MASTER_PORT: read by torch's env:// rendezvous
+        dist.init_process_group(backend=backend_for(world.device), timeout=timeout)
+        return joined_world()
     store = Path(tempfile.mkdtemp(prefix="hfsplit-pg-")) / "store"
-    dist.init_process_group(backend=backend_for(device), init_method=f"file://{store}", rank=0, world_size=1,
+    dist.init_process_group(backend=backend_for(world.device), init_method=f"file://{store}", rank=0, world_size=1,
                             timeout=timeout)
+    return joined_world()
 
 
 def backend_for(device: torch.device) -> str:
@@ -166,16 +208,15 @@ def init_parallel(plan: Plan, *, timeout_s: float = 600.0) -> ParallelContext:
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Checked before init so that a wrong launch never reaches a collective.
-    check_plan_for_world(plan, world_size=world_size)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    init_distributed(timeout_s=timeout_s)
-    device = device_of_rank(local_rank=local_rank, plan=plan, rank=dist.get_rank())
+    given = joined_world() if dist.is_initialized() else launcher_world()
+    check_plan_for_world(plan, world_size=given.world_size)
+    world = init_distributed(timeout_s=timeout_s)
+    device = device_of_rank(local_rank=world.local_rank, plan=plan, rank=world.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     mesh = init_device_mesh(device.type, (plan.dp, plan.pp, plan.tp), mesh_dim_names=("dp", "pp", "tp"))
-    coords = coordinates_of_rank(plan, rank=dist.get_rank())
+    coords = coordinates_of_rank(plan, rank=world.rank)
     return ParallelContext(plan=plan, coords=coords, device=device, mesh=mesh, tied_group=tied_group(plan, coords=coords))
 
 

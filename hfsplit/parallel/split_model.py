@@ -28,7 +28,6 @@ from hfsplit.apply.load import load_stages
 from hfsplit.apply.lora import LoraSetup
 from hfsplit.apply.steps import apply_plan
 from hfsplit.apply.tp import grad_summed_over_tp, local_tensor, shard_layout, tp_shard_dim
-from hfsplit.checkpoint.quantized import for_stored, stored_quantization
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import PlanError
 from hfsplit.models.loss import IGNORE_INDEX
@@ -380,12 +379,12 @@ def eos_token_ids(config) -> torch.Tensor:
 
 
 def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, config=None,
-                      dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None,
+                      dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None, lora_seed: int = 0,
                       quantization_config=None) -> SplitModel:
     """This rank's SplitModel: stage modules on meta, the plan applied (`apply_plan`: TP, activation
     checkpointing, only this rank's bytes read — with `quantization_config`, a transformers
-    `BitsAndBytesConfig`, each block quantized on its device as it is read —, LoRA); `plan.applied`
-    records the steps."""
+    `BitsAndBytesConfig` (a pre-quantized checkpoint's as `hfsplit.load.launch` resolved it), each block quantized
+    on its device as it is read —, LoRA); `plan.applied` records the steps."""
     config = config if config is not None else load_config(name_or_path)
     if bool(getattr(config, "tie_word_embeddings", False)) != plan.tied_embeddings:
         raise PlanError(
@@ -395,9 +394,6 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     if why := tp_degree_error(config, plan.tp):  # a plan made by hand or for another config
         raise PlanError(f"{name_or_path}: {why}")
     dtype = dtype or getattr(torch, plan.spec.dtype)
-    if quantization_config is not None or getattr(config, "quantization_config", None) is not None:
-        stored = stored_quantization(config, where=name_or_path)  # pre-quantized: read as stored
-        quantization_config = for_stored(quantization_config, stored, where=name_or_path) if stored else quantization_config
     indices = stage_indices_of_pp_rank(plan, pp_rank=ctx.coords.pp)
     by_index = {s.index: s for s in plan.stages}
     modules = [StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings) for index in indices]
@@ -405,7 +401,7 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     load = functools.partial(load_stages, source=name_or_path, config=config, device=ctx.device, dtype=dtype,
                              tp_rank=ctx.coords.tp, tp_size=plan.tp, quantization_config=quantization_config,
                              experts=plan.spec.quantize_experts)
-    applied = apply_plan(modules, plan=plan, ctx=ctx, load=load, lora=lora)
+    applied = apply_plan(modules, plan=plan, ctx=ctx, load=load, lora=lora, lora_seed=lora_seed)
     return SplitModel(plan=replace(plan, applied=applied), config=config, ctx=ctx, stages=modules,
                       stage_indices=indices)
 

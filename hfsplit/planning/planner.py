@@ -74,7 +74,7 @@ def make_plan(
     activation_checkpointing: Union[bool, str] = "auto", optim: str = "auto", headroom: float = 0.0,
     device_speeds: Optional[dict] = None, link: Optional[Link] = None,
     tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
-    world_size: Optional[int] = None, single_process: bool = False,
+    world_size: Optional[int] = None, single_process: bool = False, gpus: bool = True,
 ) -> Plan:
     """Plan the split of `model` over the devices of `max_memory`.
 
@@ -96,9 +96,9 @@ def make_plan(
         device_speeds: relative speed per device key (default 1 each; a GPU kind's: `hfsplit.planning.kind_rates`).
         link: the link pipeline sends and TP all-reduces use (default `DEFAULT_LINK` or the kinds'; runs: probed),
             and the host link offloaded activations cross.
-        tp, pp, dp: force a degree instead of searching it (tp=1 for single-process use).
-        world_size: use exactly this many devices (tp × pp × dp), as a distributed launch needs.
-        single_process: plan for one process (the model's own forward; any causal LM), not the split.
+        tp, pp, dp, world_size: force a degree (tp=1 for single-process use), or exactly so many devices in all.
+        single_process: plan for one process (the model's own forward; any causal LM), not the split. gpus: the
+            numbered budgets are GPUs; False: CPU ranks, charged no reserve (`hfsplit.planning.reserve`).
 
     Raises:
         PlanError: nothing fits; the message says per stage what is needed against the budget and which fix fits.
@@ -109,7 +109,7 @@ def make_plan(
     rates = kind_rates(budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
                        link_given=link is not None)
     if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
-        spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1))
+        spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1, gpus=gpus))
     _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing, world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
                    device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,

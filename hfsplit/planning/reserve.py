@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 from typing import Mapping
 
+from hfsplit.budget import gpu_index
+
 # Measured by others on A100/H100 with torch 2.x: the context alone takes 400–600 MiB. Used when the
 # planning process cannot see the GPU (planning on a laptop for a remote cluster).
 CUDA_CONTEXT_BYTES = 512 << 20
@@ -46,12 +48,16 @@ def device_reserve_bytes(device: str, *, distributed: bool = True) -> int:
     return context + nccl + FRAGMENTATION_BYTES
 
 
-def reserve_for(budgets: Mapping[str, int], *, distributed: bool = True) -> int:
+def reserve_for(budgets: Mapping[str, int], *, distributed: bool = True, gpus: bool = True) -> int:
     """The reserve the planner charges every device of `budgets`: the largest device's own figure.
 
     One figure per plan keeps the planner's per-stage arithmetic unchanged; on a mix of CPU and
-    GPU budgets the CPU is charged the GPU's reserve (conservative).
+    GPU budgets the CPU is charged the GPU's reserve (conservative). The one place saying that a CPU budget has
+    no reserve: a "cpu" key, and every key where the ranks run on CPUs (`gpus=False`: gloo ranks' "0", "1"
+    budgets are not GPUs).
     """
+    if not gpus:
+        return 0
     return max((device_reserve_bytes(d, distributed=distributed) for d in budgets), default=0)
 
 
@@ -88,5 +94,4 @@ def _nvml_used(index: int):
 
 
 def _cuda_index(device: str) -> int:
-    tail = device.rsplit(":", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
+    return gpu_index(device) or 0

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hfsplit.errors import HfsplitError, RankIdle, RegroupStop
 from hfsplit.plan import coordinates_of_rank
-from hfsplit.parallel.mesh import backend_for, device_of_rank
+from hfsplit.parallel.mesh import World, backend_for, joined_world, launcher_world
 from hfsplit.training.resume import checkpoint_to_resume, complete_checkpoints, latest_checkpoint, small_state_file
 from hfsplit.training.trainer_state import read_small_state
 
@@ -323,8 +323,8 @@ def describe_growth(record: dict) -> str:
 def settle_growth(launch: LaunchState, plan, *, replan, timeout_s: float):
     """The plan this launch runs: `plan`, unless it is a growth the time model says is not faster; then
     the ranks beyond the old world leave the group (raising `RankIdle`: exit 0, their launcher waits at
-    torchrun's exit barrier) and the others form a group of the old size and re-plan on it (`replan()`),
-    which gives the old layout again. torchrun cannot be told to leave a joined machine out, so its
+    torchrun's exit barrier) and the others form a group of the old size and re-plan on it (`replan(world)`, with
+    the regrouped World), which gives the old layout again. torchrun cannot be told to leave a joined machine out, so its
     ranks idle rather than run a layout the model says is slower."""
     decision = growth_decision(launch, plan, step=0)
     launch.growth = decision
@@ -334,15 +334,15 @@ def settle_growth(launch: LaunchState, plan, *, replan, timeout_s: float):
     rank = dist.get_rank()
     if rank == 0:
         print(describe_growth(decision), flush=True)
-    store = shrink_group(keep, timeout_s=timeout_s)
-    if store is None:
+    world = shrink_group(keep, timeout_s=timeout_s)
+    if world is None:
         raise RankIdle(f"rank {rank} idles: {describe_growth(decision)}")
-    return replan()
+    return replan(world)
 
 
-def shrink_group(keep: int, *, timeout_s: float):
+def shrink_group(keep: int, *, timeout_s: float) -> Optional[World]:
     """Leave the default process group; ranks below `keep` join a new one of `keep` ranks on the same
-    store (rank 0 serves it and stays). The store, None on a rank that leaves."""
+    store (rank 0 serves it and stays). The new group's World, None on a rank that leaves."""
     from datetime import timedelta
 
     store = dist.distributed_c10d._get_default_store()  # held: rank 0's server must outlive the old group
@@ -351,8 +351,7 @@ def shrink_group(keep: int, *, timeout_s: float):
     dist.destroy_process_group()
     if rank >= keep:
         return None
-    os.environ["WORLD_SIZE"] = str(keep)
-    device = device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend_for(device), store=dist.PrefixStore(f"hfsplit-keep-{keep}/", store),
+    given = launcher_world()  # the launcher's local rank picks the device, as at the first join
+    dist.init_process_group(backend=backend_for(given.device), store=dist.PrefixStore(f"hfsplit-keep-{keep}/", store),
                             rank=rank, world_size=keep, timeout=timedelta(seconds=timeout_s))
-    return store
+    return joined_world()

@@ -224,15 +224,14 @@ def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
     on CPU ranks (`gpu`; None: whatever this machine has)."""
     gpu = torch.cuda.is_available() if gpu is None else gpu
     dtype = options.dtype or ("bfloat16" if gpu else "float32")
-    # CPU ranks: no reserve; GPUs: None, measured per device by the planner (hfsplit/planning/reserve.py).
     return TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
-                        dtype=dtype, lora_r=options.lora_r,
+                        dtype=dtype, lora_r=options.lora_r, lora_alpha=options.lora_alpha,
+                        lora_dropout=options.lora_dropout,
                         lora_targets=tuple(options.lora_targets) if options.lora_targets else None,
                         # what the user fixed (off, on, offload), else off until the planner decides (auto)
                         activation_checkpointing=False if options.activation_checkpointing == "auto"
                         else options.activation_checkpointing,
                         optim=options.optim if options.optim != "auto" else "adamw_torch",
-                        reserve_bytes=None if gpu else 0,
                         bnb_4bit_quant_type=options.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
                         chunked_loss=options.chunked_loss, packing=packing_of(options),
@@ -245,7 +244,8 @@ def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[b
     exactly these."""
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world_size if options.model is None and options.tp is None else None)
-    return dict(spec=training_spec(options, gpu=gpu), **batch_arguments(options), schedule=options.schedule,
+    gpu = torch.cuda.is_available() if gpu is None else gpu  # CPU ranks: no reserve (hfsplit/planning/reserve.py)
+    return dict(spec=training_spec(options, gpu=gpu), **batch_arguments(options), schedule=options.schedule, gpus=gpu,
                 tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing,
                 optim=options.optim, headroom=options.headroom)
 

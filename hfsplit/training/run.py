@@ -12,10 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hfsplit.apply.lora import LoraSetup, lora_config
-from hfsplit.apply.quantize import check_quantization, quantization_config_of
+from hfsplit.apply.lora import lora_config_of
 from hfsplit.budget import local_share
-from hfsplit.checkpoint.quantized import quantization_of_checkpoint
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.checkpoint.synthetic import TINY_MODEL, tiny_tokenizer, write_tiny_checkpoint
 from hfsplit.errors import HfsplitError
@@ -23,7 +21,7 @@ from hfsplit.load.launch import shared_plan, split_from_pretrained
 from hfsplit.load.probes import run_link, run_speeds
 from hfsplit.models.families import check_supported
 from hfsplit.models.loss import causal_lm_loss
-from hfsplit.parallel.mesh import device_of_rank, init_distributed
+from hfsplit.parallel.mesh import World, init_distributed
 from hfsplit.training import elastic
 from hfsplit.training.checkpointer import Checkpointer, TrainState
 from hfsplit.training.data import MicroBatches, load_token_rows
@@ -61,10 +59,10 @@ def default_model_path(output_dir: str) -> str:
     return str(folder)
 
 
-def default_max_memory(world_size: int) -> str:
+def default_max_memory(world: World) -> str:
     """An equal share of what this host's devices have free, one budget per rank."""
     # CPU ranks of this host share its memory (ranks on other hosts have their own).
-    return local_share(world_size, ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return local_share(world.world_size, ranks_here=world.local_world_size)
 
 
 def check_sequence_length(model_path: str, seq_len: int) -> None:
@@ -75,30 +73,25 @@ def check_sequence_length(model_path: str, seq_len: int) -> None:
                            f"(max_position_embeddings); use --seq-len {limit} or less")
 
 
-def weights_dtype(method: str, dtype: str) -> torch.dtype:
-    """Dtype the weights are held in: full fine-tuning in 16 bits keeps fp32 weights (the master copy,
-    AMP-style) and computes under autocast; LoRA keeps the frozen base in 16 bits (peft keeps adapters fp32)."""
-    if method == "full" and dtype in ("bfloat16", "float16"):  # (QLoRA: base and compute in `dtype`)
-        return torch.float32
-    return getattr(torch, dtype)
-
-
 def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     """Join the launch, plan, read the data, load this rank's part of the model, add adapters, and set up
     optimizer, schedule, metrics and checkpoints; resume when asked. Every input problem surfaces
     before any weight is read."""
     started = time.time()
-    model_path, launch = prepare(options)
+    world = init_distributed(timeout_s=options.peer_timeout)
+    torch.manual_seed(options.seed)
+    launch = launch_state(options)
+    model_path = options.model or default_model_path(options.output_dir)
     # A resumed elastic run keeps its global batch: the planner sets micro-batches for the dp it finds now.
-    plan = plan_of_run(options, model_path=model_path, global_batch=launch.rows_per_step)
-    plan = settle_growth(launch, plan, replan=lambda: plan_of_run(options, model_path=model_path,
-                                                                  global_batch=launch.rows_per_step),
-                         timeout_s=options.peer_timeout)  # a larger layout runs only when estimated faster
+    plan = plan_of_run(options, model_path=model_path, world=world, global_batch=launch.rows_per_step)
+    plan = settle_growth(launch, plan, replan=lambda regrouped: plan_of_run(
+        options, model_path=model_path, world=regrouped, global_batch=launch.rows_per_step),
+        timeout_s=options.peer_timeout)  # a larger layout runs only when estimated faster
     tokenizer, rows = load_rows(options, model_path=model_path)
-    config = lora_of_run(options, model_path=model_path)
-    model = split_from_pretrained(model_path, plan=plan, dtype=weights_dtype(options.method, plan.spec.dtype),
-                                  lora=LoraSetup(config, seed=options.seed) if config is not None else None,
-                                  quantization_config=qlora_config_of_run(options, plan, model_path=model_path))
+    config = lora_of_run(plan, model_path=model_path, merge=options.merge)  # the adapters the plan adds, checked
+    # the plan carries the LoRA, the quantization and the weights' dtype: the seed alone travels beside it
+    model = split_from_pretrained(model_path, plan=plan, dtype=getattr(torch, plan.spec.weights_dtype),
+                                  lora_seed=options.seed)
     plan = model.plan
     calibrated = training_spec(options)  # the shape its FLOP/s was probed at, which the run re-checks
     options = with_plan_batch(options, plan)  # the cut --global-batch left to the planner, if it did
@@ -145,16 +138,14 @@ def log_launch(run: Run, launch, *, started: float) -> None:
                                               seq_len=options.seq_len, nodes=nodes))
 
 
-def prepare(options: FinetuneOptions):
-    """(the model's path, this launch's `LaunchState`), once the process group is joined and the output
-    folder is checked: what to resume from (after a torchrun restart: the latest checkpoint)."""
-    init_distributed(timeout_s=options.peer_timeout)
+def launch_state(options: FinetuneOptions) -> LaunchState:
+    """What this launch resumes from (after a torchrun restart: the latest checkpoint), every file of it checked
+    on every rank before any weight is read; the output folder checked writable first."""
     writable_dir(options.output_dir)
-    torch.manual_seed(options.seed)
     launch = LaunchState.decide(options.resume, options.output_dir)  # a missing checkpoint fails here
     if launch.resume_from is not None:  # every rank reads what it will resume from without running code, or refuses
         trusted_checkpoint(launch.resume_from)
-    return options.model or default_model_path(options.output_dir), launch
+    return launch
 
 
 def load_rows(options: FinetuneOptions, *, model_path: str):
@@ -164,14 +155,13 @@ def load_rows(options: FinetuneOptions, *, model_path: str):
                                       format=options.dataset_format, packing=packing_of(options), seed=options.seed)
 
 
-def lora_of_run(options: FinetuneOptions, *, model_path: str):
-    """The run's peft LoraConfig (None unless --method lora or qlora): `apply_plan` adds it after TP, so the
-    adapters follow the base layers' sharding."""
-    if options.method not in ("lora", "qlora"):
+def lora_of_run(plan, *, model_path: str, merge: bool):
+    """The peft LoraConfig of the plan's adapters (None unless a LoRA or QLoRA plan), as the LoRA step builds it
+    (`lora_config_of` the plan's spec), refused before any weight is read where --merge cannot fold it."""
+    if plan.spec.method not in ("lora", "qlora"):
         return None
-    config = lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
-                         targets=options.lora_targets, model_config=load_config(model_path))
-    if options.merge and config.target_parameters:
+    config = lora_config_of(plan.spec, load_config(model_path))
+    if merge and config.target_parameters:
         raise HfsplitError(f"--merge folds adapters of linear layers; LoRA on fused experts "
                            f"({', '.join(config.target_parameters)}) is saved as a peft adapter only: drop --merge")
     return config
@@ -189,15 +179,13 @@ def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
                 metrics=None, checkpointer=None)
 
 
-def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Optional[int] = None):
-    """The run's Plan, made on rank 0 and shared with every rank, before any weight is read;
+def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, global_batch: Optional[int] = None):
+    """The run's Plan for `world`'s ranks, made on rank 0 and shared with every rank, before any weight is read;
     `global_batch` (rows per step) replaces --micro-batches when a resumed run must keep its batch."""
     check_sequence_length(model_path, options.seq_len)
     check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-
     budget = options.max_memory or default_max_memory(world)
-    arguments = plan_arguments(options, world_size=world)
+    arguments = plan_arguments(options, world_size=world.world_size)
     if global_batch:
         arguments.update(micro_batches=None, global_batch=global_batch)
     # Measured on this rank's own device (cached per device kind and dtype): the time model picks the schedule.
@@ -210,18 +198,6 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, global_batch: Opti
 def saved_method(method: str) -> str:
     """What the output folder holds: QLoRA writes the same peft adapter folder as LoRA."""
     return "lora" if method == "qlora" else method
-
-
-def qlora_config_of_run(options: FinetuneOptions, plan, *, model_path: str):
-    """The run's `BitsAndBytesConfig` (None unless --method qlora), refused in one line before any weight is
-    read where bitsandbytes cannot serve it on this rank's device."""
-    if options.method != "qlora":
-        return quantization_of_checkpoint(model_path, None, method=options.method)  # refuses a pre-quantized one
-
-    qconfig = quantization_config_of(plan.spec)  # the spec carries the options' knobs (options.training_spec)
-    qconfig = quantization_of_checkpoint(model_path, qconfig, method="qlora")  # as a pre-quantized one stores
-    check_quantization(qconfig, device=device_of_rank(local_rank=int(os.environ.get("LOCAL_RANK", "0"))))
-    return qconfig
 
 
 def tokenizer_for(options: FinetuneOptions, *, model_path: Optional[str]):

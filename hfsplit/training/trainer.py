@@ -7,10 +7,11 @@ pipeline and tensor groups, each rank's optimizer steps over its own parameters.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,14 +19,20 @@ import torch.distributed as dist
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import NonFiniteError, PeerLostError
 from hfsplit.load.probes import recheck_speed
+from hfsplit.parallel.split_model import SplitModel
+from hfsplit.plan import TrainingSpec
 from hfsplit.planning.timing import time_report
 from hfsplit.training.checkpointer import Checkpointer
 from hfsplit.training.elastic import StopAtBoundary, stop_for_regroup
 from hfsplit.training.memory import out_of_memory_is_one_line
+from hfsplit.training.data import MicroBatches, TokenRows
 from hfsplit.training.metrics import Metrics, StepOutcome, TrainResult, summary_line
 from hfsplit.training.options import FinetuneOptions
 from hfsplit.training.packing import label_tokens
 from hfsplit.training.resume import latest_checkpoint
+
+if TYPE_CHECKING:  # the annotation only: importing peft costs ~3 s (inductor), which a run pays where it adds adapters
+    from peft import LoraConfig
 
 __all__ = ["Run", "eval_loss", "fit", "train_step"]
 
@@ -153,14 +160,12 @@ def peer_lost_error(exc: BaseException, *, step: int, output_dir: str) -> PeerLo
 
 
 def compute_precision(model):
-    """Autocast to the plan's 16-bit dtype where the weights are fp32 masters; a no-op otherwise."""
-    import contextlib
-
-    wanted = getattr(torch, model.plan.spec.dtype)
-    held = next(p.dtype for p in model.parameters())
-    if wanted in (torch.bfloat16, torch.float16) and held == torch.float32 and model.plan.spec.method == "full":
-        return torch.autocast(device_type=model.device.type, dtype=wanted)
-    return contextlib.nullcontext()
+    """Autocast to the plan's 16-bit dtype where the weights are fp32 masters (`TrainingSpec.full_autocast_dtype`,
+    decided in planning); a no-op otherwise."""
+    wanted = model.plan.spec.full_autocast_dtype
+    if wanted is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=model.device.type, dtype=getattr(torch, wanted))
 
 
 def clip_(params: list[torch.nn.Parameter], *, norm: torch.Tensor, max_norm: float) -> None:
@@ -176,21 +181,21 @@ class Run:
     """Everything one fine-tuning run works with, built by `build_run` (the same fields on every rank)."""
 
     options: FinetuneOptions
-    model: object  # SplitModel
+    model: SplitModel
     model_path: str
     tokenizer: object
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
-    scheduler: object
-    batches: object  # MicroBatches over the training rows
-    held_out: object  # TokenRows for --eval-every, else None
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: MicroBatches  # over the training rows
+    held_out: Optional[TokenRows]  # for --eval-every, else None
     loss_fn: Callable
     total_steps: int
     metrics: Metrics
     checkpointer: Checkpointer
-    lora_config: object = None
+    lora_config: Optional[LoraConfig] = None  # the adapters' (LoRA / QLoRA runs), saved beside them
     first_step: int = 1
-    calibration_spec: object = None  # the TrainingSpec the plan's FLOP/s was measured with
+    calibration_spec: Optional[TrainingSpec] = None  # the TrainingSpec the plan's FLOP/s was measured with
 
     @property
     def rows_per_replica(self) -> int:

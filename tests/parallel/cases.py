@@ -194,3 +194,51 @@ def planned_split_runs(*, checkpoint: str, max_memory: str, pp: int, tp: int, sc
             "logits_diff": (logits - reference(ids).logits).abs().max().item(),
             "weight_bytes": model.weight_bytes(),
             "planned_weight_bytes": sum(model.plan.stages[i].memory.weights for i in model.stage_indices)}
+
+
+def default_intent_runs(*, checkpoint: str, max_memory: str) -> dict:
+    """`hfsplit.from_pretrained(checkpoint, max_memory)` under a launch, no intent given: what it planned, what the
+    training plans of the same budget raised, and its greedy continuation against transformers'."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    import hfsplit
+    from hfsplit.errors import PlanError
+    from hfsplit.load.launch import spec_of_intent
+    from hfsplit.planning.planner import make_plan
+
+    refused = {}
+    for training in ("lora", "full"):
+        try:
+            make_plan(checkpoint, max_memory, spec=replace(spec_of_intent(training, dtype="float32"), reserve_bytes=0),
+                      world_size=2)
+            refused[training] = ""
+        except PlanError as exc:
+            refused[training] = str(exc)
+    model = hfsplit.from_pretrained(checkpoint, max_memory)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
+    ours = model.generate(prompt, max_new_tokens=5)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    theirs = reference.generate(prompt, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                                min_new_tokens=5, pad_token_id=0)
+    return {"method": model.plan.spec.method, "refused": refused, "generated": ours.tolist(),
+            "expected": theirs.tolist(), "kv_bytes": [s.memory.activations for s in model.plan.stages]}
+
+
+def steps_by_method(*, checkpoint: str, single: bool = False) -> dict:
+    """For each method, `hfsplit.from_pretrained` under a training plan with checkpointing (QLoRA: with a
+    BitsAndBytesConfig): the steps its plan lists and those the load applied, on one process or on a rank."""
+    import hfsplit
+    from hfsplit.apply.quantize import quantization_config
+
+    out = {}
+    for method in ("lora", "qlora", "full"):
+        spec = TrainingSpec(method=method, seq_len=16, dtype="float32", activation_checkpointing=True, reserve_bytes=0)
+        qconfig = quantization_config(compute_dtype="float32") if method == "qlora" else None
+        split = {} if single else dict(micro_batches=2, pp=2, tp=1, dp=1)
+        model = hfsplit.from_pretrained(checkpoint, {"cpu": "8GiB"} if single else "2x4GiB", training=method,
+                                        spec=spec, quantization_config=qconfig, activation_checkpointing=True, **split)
+        plan = model.hfsplit_plan if single else model.plan
+        out[method] = {"steps": plan.steps(), "applied": plan.applied}
+    return out

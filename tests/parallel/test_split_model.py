@@ -107,3 +107,33 @@ def test_plan_not_matching_the_launch_fails_on_every_rank(pp, layers, message, l
     results = launch("tests.parallel.cases:bad_plan_error", world_size=2,
                      kwargs=dict(checkpoint=str(tiny_checkpoint("llama")), pp=pp, layers=layers), timeout_s=60)
     assert all(message in r for r in results), results
+
+
+def test_distributed_from_pretrained_plans_inference_by_default(launch, tiny_checkpoint):
+    """Under a launcher, `from_pretrained(path, max_memory)` plans for inference, as on one process: on a budget
+    where every training plan is refused (the LoRA plan at seq 2048 it used to make among them), the model loads
+    and generates what transformers generates."""
+    checkpoint = str(tiny_checkpoint("llama"))
+    results = launch("tests.parallel.cases:default_intent_runs", world_size=2,
+                     kwargs=dict(checkpoint=checkpoint, max_memory="2x8MiB"))
+    for r in results:
+        assert r["method"] == "inference"
+        assert all("no split fits the budget" in why for why in r["refused"].values()), r["refused"]
+        assert r["generated"] == r["expected"]
+
+
+def test_both_paths_apply_what_the_plan_lists_for_every_method(launch, tiny_checkpoint):
+    """`from_pretrained` on one process and under a launcher records the plan's steps in the plan's order for LoRA,
+    QLoRA and full fine-tuning; the single-process model leaves only the adapters to peft (`LEFT_TO_PEFT`)."""
+    from hfsplit.apply.steps import LEFT_TO_PEFT
+    from tests.parallel.cases import steps_by_method
+
+    checkpoint = str(tiny_checkpoint("llama"))
+    one = steps_by_method(checkpoint=checkpoint, single=True)
+    ranks = launch("tests.parallel.cases:steps_by_method", world_size=2, kwargs=dict(checkpoint=checkpoint))
+    for method in ("lora", "qlora", "full"):
+        for r in ranks:
+            assert r[method]["applied"] == r[method]["steps"], (method, r[method])
+        assert one[method]["applied"] == tuple(s for s in one[method]["steps"] if s.kind not in LEFT_TO_PEFT), method
+        assert [s.kind for s in one[method]["steps"]] == [s.kind for s in ranks[0][method]["steps"]], method
+        assert "checkpointing" in [s.kind for s in one[method]["applied"]]

@@ -69,7 +69,8 @@ def test_expert_lora_targets_refused_where_ambiguous_or_merged(tiny_checkpoint):
     refused naming it; --merge with expert adapters is refused before any weight is read."""
     from hfsplit.errors import HfsplitError
     from hfsplit.apply.lora import lora_config
-    from hfsplit.training.options import tiny_demo_options
+    from hfsplit.planning.planner import make_plan
+    from hfsplit.training.options import plan_arguments, tiny_demo_options
     from hfsplit.training.run import lora_of_run
 
     mixed = tiny_config("qwen3_moe")
@@ -79,7 +80,7 @@ def test_expert_lora_targets_refused_where_ambiguous_or_merged(tiny_checkpoint):
     path = str(tiny_checkpoint("mixtral"))
     options = tiny_demo_options(model=path, method="lora", lora_targets=["q_proj", "gate_up_proj"], merge=True)
     with pytest.raises(HfsplitError, match=r"LoRA on fused experts \(mlp.experts.gate_up_proj\) .* drop --merge"):
-        lora_of_run(options, model_path=path)
+        lora_of_run(make_plan(path, "1GiB", **plan_arguments(options, world_size=1)), model_path=path, merge=True)
 
 
 def test_calibration_probe_adapts_the_runs_expert_targets():

@@ -60,7 +60,8 @@ def test_single_process_training_plan_turns_on_gradient_checkpointing(tiny_check
         model = from_pretrained(folder, max_memory={"cpu": "8GiB"}, training="full", activation_checkpointing=ac,
                                 spec=TrainingSpec(**spec, activation_checkpointing=ac))
         assert model.is_activation_checkpointing == ac
-        assert model.hfsplit_plan.applied == ((activation_checkpointing_label(),) if ac else ())
+        # loading is a step of every plan, recorded on this path too (the steps: tests/parallel/test_split_model.py)
+        assert [s for s in model.hfsplit_plan.applied if s.kind != "load"] == ([activation_checkpointing_label()] if ac else [])
         model.train()
         ids = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(0))
         model(input_ids=ids, labels=ids).loss.backward()

@@ -43,7 +43,8 @@ class PartCost:
         grad_bytes: gradients of the trainable parameters.
         optimizer_bytes: AdamW moments (fp32, or bitsandbytes' 8-bit with their absmax:
             `hfsplit.planning.costs.optimizer`) plus fp32 master weights under mixed precision.
-        activation_bytes: bytes kept on the device for backward per micro-batch (0 for inference).
+        activation_bytes: bytes kept on the device for backward per micro-batch (inference: a block's KV cache of
+            generation, `kv_cache_bytes`).
         workspace_bytes: transient peak while the part runs once (not multiplied by in-flight micro-batches).
         flops: forward + backward (+ recompute) FLOPs per micro-batch.
         comm_bytes: bytes all-reduced across the TP group per micro-batch (forward + backward).
@@ -232,7 +233,7 @@ def _part_state(layout: Layout, spec: TrainingSpec, tp: int, config, part: str, 
     trainable = _trainable_tensors(layout, spec, tp, config, part)
     params, grads, optim, values = numel * size, 0, 0, 0
     if spec.method == "full":
-        master = _MASTER_WEIGHT_BYTES if spec.dtype != "float32" else 0
+        master = _MASTER_WEIGHT_BYTES if spec.full_autocast_dtype else 0  # the run's fp32 masters
         grads, optim, values = numel * size, moments_bytes(trainable, spec.optim) + master * numel, numel
     elif spec.method in ("lora", "qlora") and part == "block":
         values = sum(trainable)
@@ -280,6 +281,8 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     comm = all_reduces * hidden_bytes if tp > 1 else 0
 
     block_acts, block_ws, offload = _block_memory(trace, spec, hidden_bytes=hidden_bytes, tp=tp)
+    if spec.method == "inference":  # what generation keeps per block: held, like kept activations, per micro-batch
+        block_acts = kv_cache_bytes(config, spec, tp)
     if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
         experts = _experts_4bit(config, spec)  # their dequantized matrices: in the trace (costs.moe)
         block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size,
@@ -295,6 +298,15 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     return _with_deferred_grads(ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec,
                                            boundary_bytes=hidden_bytes, stage_inputs=_stage_inputs(key, spec, ckpt)),
                                 layout, config)
+
+
+def kv_cache_bytes(config, spec: TrainingSpec, tp: int) -> int:
+    """Bytes of one block's KV cache on one TP rank when a micro-batch generates up to `spec.seq_len` tokens: keys
+    and values of every position for this rank's key-value heads, in `spec.dtype` (transformers' DynamicCache;
+    sliding-window layers are counted whole, an upper bound)."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_rank = max(1, kv_heads // tp)
+    return 2 * spec.micro_batch_size * spec.seq_len * per_rank * head_dim(config) * dtype_of(spec.dtype).itemsize
 
 
 def _stage_inputs(key: str, spec: TrainingSpec, ckpt: bool) -> PartCost:

@@ -43,11 +43,13 @@ def ends_trace(key: str, spec):
                    lambda k, s, _: trace_ends(k, s), EndsTrace)
 
 _MEMO: dict[str, object] = {}
+_UNTRACED = ("optim", "lora_alpha", "lora_dropout")
 
 
 def _cached(kind: str, key: str, spec, tp: Optional[int], trace, cls):
-    # `optim` never changes a trace (trace_spec fixes it): left out of the key, caches from before it stay valid
-    full = f"{key}|{sorted((k, v) for k, v in asdict(spec).items() if k != 'optim')}|tp={tp}"
+    # `optim` never changes a trace (trace_spec fixes it), nor do LoRA's alpha and dropout (the trace's adapters are
+    # its own): left out of the key, caches from before they were fields stay valid
+    full = f"{key}|{sorted((k, v) for k, v in asdict(spec).items() if k not in _UNTRACED)}|tp={tp}"
     if full in _MEMO:
         return _MEMO[full]
     record = read_cache(kind, full)
