@@ -25,8 +25,9 @@ CONFIGS: dict[str, object] = {}
 
 
 def config_key(config) -> str:
-    """The key a config is cached under: its full JSON (configs are not hashable)."""
-    return config.to_json_string(use_diff=False)
+    """The key a config is cached under: its full JSON (configs are not hashable), and the attention implementation
+    asked for, which the JSON leaves out but the masks and traces follow (eager materialises what sdpa does not)."""
+    return f"{config.to_json_string(use_diff=False)}|attn={getattr(config, '_attn_implementation', None)}"
 
 
 def keyed(config) -> str:
