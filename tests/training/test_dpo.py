@@ -1,0 +1,107 @@
+"""DPO (issue 23): preference rows as TRL lays them out, the adapters-off reference, and the loss against TRL."""
+import json
+import math
+
+import pytest
+import torch
+
+from hfsplit.checkpoint.synthetic import tiny_tokenizer
+from hfsplit.errors import HfsplitError
+from hfsplit.training.data import DatasetError
+from hfsplit.training.options import FinetuneOptions, reference_of
+from hfsplit.training.packing import IGNORE_INDEX
+from hfsplit.training.preference import (LN2, adapters_disabled, dpo_loss, dpo_metrics, paired_rows,
+                                         preference_examples, reference_logps, sequence_logps)
+
+BUNDLED = "hfsplit/training/bundled/tiny_preference.jsonl"
+
+
+def bundled_rows():
+    with open(BUNDLED) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_dpo_options_default_sft_and_refuse_adapters_off_without_adapters():
+    assert FinetuneOptions().objective == "sft"
+    assert reference_of(FinetuneOptions(objective="dpo")) == "adapters-off"
+    assert reference_of(FinetuneOptions(objective="dpo", method="full")) == "precomputed"
+    with pytest.raises(HfsplitError, match="--reference adapters-off.*--method full"):
+        FinetuneOptions(objective="dpo", method="full", reference="adapters-off").validate()
+    with pytest.raises(HfsplitError, match="--beta"):
+        FinetuneOptions(objective="dpo", beta=0).validate()
+
+
+def test_pairs_sit_chosen_then_rejected_with_only_the_response_supervised():
+    tok, rows = tiny_tokenizer(), bundled_rows()
+    assert len(rows) == 32
+    table = paired_rows(rows, tok, seq_len=64, source=BUNDLED)
+    assert table.input_ids.shape == (64, 64)
+    for i, row in enumerate(rows):
+        for j, key in enumerate(("chosen", "rejected")):
+            labels = table.labels[2 * i + j]
+            supervised = labels[labels != IGNORE_INDEX].tolist()
+            # TRL: the response with EOS appended is what counts; the prompt and the padding do not
+            assert tok.decode(supervised) == row[key] + tok.eos_token
+            first = int((labels != IGNORE_INDEX).nonzero()[0])
+            assert tok.decode(table.input_ids[2 * i + j, :first].tolist(), skip_special_tokens=True) == row["prompt"]
+
+
+@pytest.mark.parametrize("row, says", [
+    ({"prompt": "p", "chosen": "a"}, "row 1: missing rejected"),
+    ({"prompt": "p", "chosen": "  ", "rejected": "b"}, "row 1: the chosen response is empty"),
+    ({"prompt": "x" * 200, "chosen": "a", "rejected": "b"}, "row 1: the prompt is .* beyond --seq-len 64"),
+])
+def test_bad_preference_rows_name_the_file_and_the_row(row, says):
+    good = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    with pytest.raises(DatasetError, match=f"prefs.jsonl {says}"):
+        preference_examples([good, row], tiny_tokenizer(), seq_len=64, source="prefs.jsonl")
+
+
+def lora_model(folder, *, init=True):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=init)
+    return get_peft_model(base, config)
+
+
+def test_adapters_off_reference_is_the_base_model_and_the_adapters_come_back(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_checkpoint("llama")
+    table = paired_rows(bundled_rows()[:4], tiny_tokenizer(), seq_len=64, source=BUNDLED)
+    model = lora_model(folder, init=False)  # random adapters: the policy differs from the reference
+    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        expected = sequence_logps(base(input_ids=table.input_ids).logits, table.labels)
+        policy = sequence_logps(model(input_ids=table.input_ids).logits, table.labels)
+        with model.disable_adapter():  # peft's own switch: the oracle
+            peft_ref = sequence_logps(model(input_ids=table.input_ids).logits, table.labels)
+    ref = reference_logps(model, table.input_ids, table.labels)
+    torch.testing.assert_close(ref, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref, peft_ref, rtol=1e-5, atol=1e-5)
+    assert (policy - ref).abs().max() > 1e-3
+    with torch.no_grad():  # the adapters are on again
+        torch.testing.assert_close(sequence_logps(model(input_ids=table.input_ids).logits, table.labels), policy)
+    with adapters_disabled([model]):
+        pass
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    assert layers and all(not m.disable_adapters for m in layers)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_first_step_loss_is_ln2_when_the_policy_is_the_reference(tiny_checkpoint):
+    table = paired_rows(bundled_rows()[:4], tiny_tokenizer(), seq_len=64, source=BUNDLED)
+    model = lora_model(tiny_checkpoint("llama"))  # peft's init: B = 0, the policy is the reference
+    ref = reference_logps(model, table.input_ids, table.labels)
+    logits = model(input_ids=table.input_ids).logits
+    loss = dpo_loss(logits, table.labels, ref, beta=0.1)
+    assert math.isclose(loss.item(), LN2, rel_tol=1e-6)
+    metrics = dpo_metrics(sequence_logps(logits, table.labels), ref, beta=0.1)
+    assert set(metrics) == {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                            "logps/chosen", "logps/rejected"}
+    assert metrics["rewards/margins"] == pytest.approx(0.0, abs=1e-7)
