@@ -172,6 +172,13 @@ def check_dpo_options(options) -> None:
     if options.reference == "adapters-off" and options.method not in ("lora", "qlora"):
         raise HfsplitError("--reference adapters-off disables LoRA adapters, and --method full has none; "
                            "use --reference precomputed (or leave it unset)")
+    if options.micro_batch_size % 2:
+        raise HfsplitError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch: "
+                           f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size})")
+    if options.eval_every is not None:
+        raise HfsplitError("--eval-every is not implemented for --objective dpo yet; drop it")
+    if options.chunked_loss:
+        raise HfsplitError("--objective dpo needs the last stage's logits for its log-probs: drop --chunked-loss")
 
 
 def reference_of(options) -> str:
@@ -228,8 +235,9 @@ def _check_number(options, name: str, *, low: float, high: float = math.inf, abo
 
 
 def dataset_of(options: FinetuneOptions) -> str:
-    """The run's dataset: --dataset, else the bundled tiny alpaca set."""
-    return options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
+    """The run's dataset: --dataset, else the bundled tiny alpaca set (preference pairs with --objective dpo)."""
+    default = "tiny_preference.jsonl" if options.objective == "dpo" else "tiny_alpaca.jsonl"
+    return options.dataset or str(bundled_dataset_path(default))
 
 
 def packing_of(options: FinetuneOptions) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from hfsplit.training.data import DatasetError, pad_id, rendered_chat
+from hfsplit.training.data import DatasetError, load_examples, pad_id, rendered_chat
 from hfsplit.training.packing import IGNORE_INDEX, Example, TokenRows, padded_rows
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
@@ -151,3 +151,44 @@ def dpo_loss(logits: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor
         policy, reference = ipo_normalised(policy, labels), ipo_normalised(reference, labels)
     losses = pair_losses(policy, reference.to(policy.device), beta=beta, loss_type=loss_type)
     return losses.sum() / (pairs_in_batch if pairs_in_batch is not None else losses.numel())
+
+
+def load_paired_rows(source: str, tokenizer, *, seq_len: int) -> TokenRows:
+    """The preference file or hub set `source` as paired rows (see `paired_rows`)."""
+    dataset = load_examples(source)
+    missing = [c for c in PREFERENCE_COLUMNS if c not in dataset.column_names]
+    if missing:
+        raise DatasetError(f"{source}: --objective dpo needs columns prompt, chosen and rejected (TRL's preference "
+                           f"format); missing {', '.join(missing)}")
+    return paired_rows(list(dataset), tokenizer, seq_len=seq_len, source=source)
+
+
+def indexed_labels(labels: torch.Tensor) -> torch.Tensor:
+    """`labels` with each row's index appended as a last column: the loss finds the row's reference log-prob by
+    it, whichever micro-batch the schedule hands it."""
+    return torch.cat([labels, torch.arange(labels.shape[0], dtype=labels.dtype)[:, None]], dim=1)
+
+
+class DpoLoss:
+    """The pipeline's loss function for DPO on the last stage: `reference` holds this step's reference log-probs
+    of this replica's rows; the targets are `indexed_labels`. Keeps the step's policy log-probs for the metrics."""
+
+    def __init__(self, *, beta: float, loss_type: str):
+        self.beta, self.loss_type = beta, loss_type
+        self.reference: torch.Tensor | None = None
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (policy, reference) sequence log-probs
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        labels, index = target[:, :-1], target[:, -1]
+        reference = self.reference.to(logits.device)[index.to(logits.device)]
+        self.seen.append((sequence_logps(logits.detach(), labels), reference))
+        return dpo_loss(logits, labels, reference, beta=self.beta, loss_type=self.loss_type,
+                        pairs_in_batch=num_items_in_batch)
+
+    def step_metrics(self) -> dict[str, float]:
+        """TRL's metrics over this step's pairs on this replica (empty off the last stage); resets them."""
+        if not self.seen:
+            return {}
+        policy, reference = (torch.cat(t) for t in zip(*self.seen))
+        self.seen = []
+        return dpo_metrics(policy, reference, beta=self.beta)

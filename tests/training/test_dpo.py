@@ -105,3 +105,78 @@ def test_first_step_loss_is_ln2_when_the_policy_is_the_reference(tiny_checkpoint
     assert set(metrics) == {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                             "logps/chosen", "logps/rejected"}
     assert metrics["rewards/margins"] == pytest.approx(0.0, abs=1e-7)
+
+
+def trl_losses(options: FinetuneOptions, pairs: list[dict], *, steps: int, pairs_per_step: int):
+    """TRL's DPOTrainer on the same LoRA (hfsplit's seeded adapters), rows and order: its per-step logs."""
+    from datasets import Dataset
+    from peft import get_peft_model
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from hfsplit.apply.lora import lora_config, seed_lora_weights
+    from hfsplit.training.run import tokenizer_for
+
+    class InOrder(DPOTrainer):  # the rows exactly in hfsplit's order
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    torch.manual_seed(options.seed)
+    base = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
+    model = get_peft_model(base, lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=0.0,
+                                             targets=options.lora_targets, model_config=base.config))
+    seed_lora_weights(model, seed=options.seed)
+    args = DPOConfig(output_dir=options.output_dir + "-trl", beta=options.beta, loss_type=options.dpo_loss,
+                     max_length=options.seq_len, per_device_train_batch_size=1,
+                     gradient_accumulation_steps=pairs_per_step, max_steps=steps, learning_rate=options.learning_rate,
+                     lr_scheduler_type="cosine", warmup_steps=options.warmup_steps, weight_decay=0.0,
+                     max_grad_norm=options.max_grad_norm, optim="adamw_torch", logging_steps=1, report_to=[],
+                     save_strategy="no", use_cpu=True, seed=options.seed, dataloader_num_workers=0)
+    trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(pairs),
+                      processing_class=tokenizer_for(options, model_path=options.model))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h and "rewards/margins" in h]
+
+
+def hfsplit_pair_order(options: FinetuneOptions, rows: list[dict], *, steps: int, pairs_per_step: int) -> list[dict]:
+    """The preference rows in the order hfsplit's batches visit them (pairs shuffled as units, per epoch)."""
+    from hfsplit.training.data import MicroBatches
+
+    table = paired_rows(rows, tiny_tokenizer(), seq_len=options.seq_len, source=BUNDLED)
+    batches = MicroBatches(table, micro_batch_size=options.micro_batch_size,
+                           num_micro_batches=pairs_per_step * 2 // options.micro_batch_size, seed=options.seed, group=2)
+    order = []
+    for _ in range(steps):
+        if batches.step == batches.steps_per_epoch:
+            batches._start_epoch(batches.epoch + 1)
+        chunk = batches._order[batches.step * batches.batch_size:(batches.step + 1) * batches.batch_size]
+        order.extend(int(r) // 2 for r in chunk[0::2])
+        batches.step += 1
+    return [rows[i] for i in order]
+
+
+@pytest.mark.slow
+def test_dpo_lora_at_pp2_equals_trl_dpotrainer_step_by_step(tiny_checkpoint, tmp_path):
+    """LoRA DPO on two pipeline stages (reference: the same stages with the adapters off): per-step losses and
+    rewards over 10 steps equal TRL's DPOTrainer on the same rows in the same order; the first loss is ln 2."""
+    from hfsplit.training.options import tiny_demo_options
+    from tests.parallel.launcher import launch
+
+    steps, pairs_per_step = 10, 4
+    run = dict(model=str(tiny_checkpoint("llama")), objective="dpo", method="lora", lora_dropout=0.0, seq_len=64,
+               micro_batch_size=2, micro_batches=pairs_per_step, pp=2, max_memory="2x1GiB", max_steps=steps,
+               learning_rate=5e-3, warmup_steps=2, dtype="float32", output_dir=str(tmp_path / "dpo"))
+    (losses,), _ = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [run]},
+                          timeout_s=600)
+    options = tiny_demo_options(**run)
+    logs = trl_losses(options, hfsplit_pair_order(options, bundled_rows(), steps=steps, pairs_per_step=pairs_per_step),
+                      steps=steps, pairs_per_step=pairs_per_step)
+    assert math.isclose(losses[0], LN2, rel_tol=1e-6)
+    assert len(logs) == steps
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([h["loss"] for h in logs]), rtol=1e-4, atol=1e-6)
+    assert losses[-1] < losses[0]  # it learns the preferences
+    records = [json.loads(line) for line in open(tmp_path / "dpo" / "metrics.jsonl") if '"rewards/margins"' in line]
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in records]), torch.tensor([h[key] for h in logs]),
+                                   rtol=1e-4, atol=1e-5)
