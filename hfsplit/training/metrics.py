@@ -56,6 +56,13 @@ class StepOutcome:
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
 
 
+def preference_postfix(extra: dict) -> dict:
+    """The bar's DPO fields (none for SFT): the reward margin and the pairs ranked right."""
+    if "rewards/margins" not in extra:
+        return {}
+    return {"margin": f"{extra['rewards/margins']:.3f}", "acc": f"{extra['rewards/accuracies']:.2f}"}
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this rank: the accelerator's allocator peak, else the process's peak RSS."""
     if device.type == "cuda":
@@ -129,7 +136,8 @@ class Metrics:
                         "tokens_per_s": rate, "trained_tokens_per_s": trained, "padding": padding,
                         "step_s": outcome.seconds, "peak_memory_bytes": peaks, **offloaded, **outcome.extra})
         self.bar.set_postfix(loss=f"{outcome.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", trained_s=f"{trained:.0f}",
-                             pad=f"{100 * padding:.0f}%", peak_mib="/".join(str(p >> 20) for p in peaks))
+                             pad=f"{100 * padding:.0f}%", peak_mib="/".join(str(p >> 20) for p in peaks),
+                             **preference_postfix(outcome.extra))
         self.bar.update(1)
         self.result.peak_memory_bytes = peaks
 

@@ -118,9 +118,16 @@ def trl_losses(options: FinetuneOptions, pairs: list[dict], *, steps: int, pairs
     from hfsplit.apply.lora import lora_config, seed_lora_weights
     from hfsplit.training.run import tokenizer_for
 
-    class InOrder(DPOTrainer):  # the rows exactly in hfsplit's order
+    class InOrder(DPOTrainer):  # the rows exactly in hfsplit's order; each micro-batch's exact loss kept
+        micro_losses: list = []
+
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, *args, **kwargs):
+            loss = super().compute_loss(*args, **kwargs)
+            self.micro_losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+            return loss
 
     torch.manual_seed(options.seed)
     base = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
@@ -136,7 +143,11 @@ def trl_losses(options: FinetuneOptions, pairs: list[dict], *, steps: int, pairs
     trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(pairs),
                       processing_class=tokenizer_for(options, model_path=options.model))
     trainer.train()
-    return [h for h in trainer.state.log_history if "loss" in h and "rewards/margins" in h]
+    logs = [h for h in trainer.state.log_history if "loss" in h and "rewards/margins" in h]
+    micro = torch.tensor(trainer.micro_losses).reshape(steps, pairs_per_step)
+    for h, exact in zip(logs, micro.mean(1).tolist()):  # the Trainer's log rounds the loss to 4 decimals
+        h["loss"] = exact
+    return logs
 
 
 def hfsplit_pair_order(options: FinetuneOptions, rows: list[dict], *, steps: int, pairs_per_step: int) -> list[dict]:
@@ -174,6 +185,7 @@ def test_dpo_lora_at_pp2_equals_trl_dpotrainer_step_by_step(tiny_checkpoint, tmp
                       steps=steps, pairs_per_step=pairs_per_step)
     assert math.isclose(losses[0], LN2, rel_tol=1e-6)
     assert len(logs) == steps
+    print("hfsplit", losses, "\ntrl", [h["loss"] for h in logs])
     torch.testing.assert_close(torch.tensor(losses), torch.tensor([h["loss"] for h in logs]), rtol=1e-4, atol=1e-6)
     assert losses[-1] < losses[0]  # it learns the preferences
     records = [json.loads(line) for line in open(tmp_path / "dpo" / "metrics.jsonl") if '"rewards/margins"' in line]
