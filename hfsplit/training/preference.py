@@ -20,6 +20,8 @@ from hfsplit.training.packing import IGNORE_INDEX, Example, TokenRows, padded_ro
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 LN2 = math.log(2.0)
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected")  # TRL's names
 
 
 def preference_texts(row: dict, index: int, source: str, tokenizer) -> tuple[str, str, str]:

@@ -29,7 +29,7 @@ from hfsplit.training.data import MicroBatches, TokenRows
 from hfsplit.training.metrics import Metrics, StepOutcome, TrainResult, summary_line
 from hfsplit.training.options import FinetuneOptions
 from hfsplit.training.packing import label_tokens
-from hfsplit.training.preference import DpoLoss, adapters_disabled, indexed_labels, sequence_logps
+from hfsplit.training.preference import DPO_METRICS, DpoLoss, adapters_disabled, indexed_labels, sequence_logps
 from hfsplit.training.resume import latest_checkpoint
 
 if TYPE_CHECKING:  # the annotation only: importing peft costs ~3 s (inductor), which a run pays where it adds adapters
@@ -100,7 +100,7 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0, tokens=int(batch["lengths"].sum()),
                           trained_tokens=items, positions=batch["input_ids"].numel(),
                           offload_bytes=model.activation_offload_bytes(),
-                          extra=run.loss_fn.step_metrics() if isinstance(run.loss_fn, DpoLoss) else {})
+                          extra=dpo_step_metrics(run) if isinstance(run.loss_fn, DpoLoss) else {})
     if outcome.finite:
         clip_(run.params, norm=norm, max_norm=run.options.max_grad_norm)
         run.optimizer.step()
@@ -109,6 +109,14 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     outcome.seconds = time.perf_counter() - start
     outcome.busy_s = model.busy_seconds() - busy
     return outcome
+
+
+def dpo_step_metrics(run: Run) -> dict[str, float]:
+    """TRL's DPO metrics of the step on every rank (collective): each replica's last stage holds its pairs'
+    means; the replicas hold equal numbers of pairs, so their mean is the global batch's."""
+    local = run.loss_fn.step_metrics()
+    return {name: run.model.reduce_loss(torch.tensor(local.get(name, 0.0))) / run.model.plan.dp
+            for name in DPO_METRICS}
 
 
 def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

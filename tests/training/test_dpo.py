@@ -185,7 +185,9 @@ def test_dpo_lora_at_pp2_equals_trl_dpotrainer_step_by_step(tiny_checkpoint, tmp
                       steps=steps, pairs_per_step=pairs_per_step)
     assert math.isclose(losses[0], LN2, rel_tol=1e-6)
     assert len(logs) == steps
-    print("hfsplit", losses, "\ntrl", [h["loss"] for h in logs])
+    records = [json.loads(line) for line in open(tmp_path / "dpo" / "metrics.jsonl") if '"rewards/margins"' in line]
+    for key in ("loss", "logps/chosen", "rewards/margins"):
+        print(key, "\nhfsplit", [r[key] for r in records], "\ntrl    ", [h[key] for h in logs])
     torch.testing.assert_close(torch.tensor(losses), torch.tensor([h["loss"] for h in logs]), rtol=1e-4, atol=1e-6)
     assert losses[-1] < losses[0]  # it learns the preferences
     records = [json.loads(line) for line in open(tmp_path / "dpo" / "metrics.jsonl") if '"rewards/margins"' in line]
