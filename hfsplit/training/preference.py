@@ -187,10 +187,12 @@ class DpoLoss:
         return dpo_loss(logits, labels, reference, beta=self.beta, loss_type=self.loss_type,
                         pairs_in_batch=num_items_in_batch)
 
-    def step_metrics(self) -> dict[str, float]:
-        """TRL's metrics over this step's pairs on this replica (empty off the last stage); resets them."""
+    def step_metrics(self, *, calls: int) -> dict[str, float]:
+        """TRL's metrics over this step's pairs on this replica (empty off the last stage), from the loss's last
+        `calls` calls (the step's micro-batches: the first step's schedule also runs it once more, on its
+        warm-up); resets them."""
         if not self.seen:
             return {}
-        policy, reference = (torch.cat(t) for t in zip(*self.seen))
+        policy, reference = (torch.cat(t) for t in zip(*self.seen[-calls:]))
         self.seen = []
         return dpo_metrics(policy, reference, beta=self.beta)

@@ -114,7 +114,7 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
 def dpo_step_metrics(run: Run) -> dict[str, float]:
     """TRL's DPO metrics of the step on every rank (collective): each replica's last stage holds its pairs'
     means; the replicas hold equal numbers of pairs, so their mean is the global batch's."""
-    local = run.loss_fn.step_metrics()
+    local = run.loss_fn.step_metrics(calls=run.rows_per_replica // run.options.micro_batch_size)
     return {name: run.model.reduce_loss(torch.tensor(local.get(name, 0.0))) / run.model.plan.dp
             for name in DPO_METRICS}
 
@@ -123,6 +123,7 @@ def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: to
     """The reference policy's pass for DPO: a no-grad pipeline forward of these rows with every stage's adapters
     off; the last stage keeps each row's reference log-prob in the loss. Returns the targets the loss reads
     (`indexed_labels`: the labels, each row's index appended)."""
+    run.loss_fn.seen = []  # this step's pairs only (the plan's probes may have run the loss before)
     with torch.no_grad(), adapters_disabled(run.model.stages):
         logits = run.model.forward(ids, position_ids=positions)
     if logits is not None:
