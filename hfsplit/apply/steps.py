@@ -14,8 +14,9 @@ so nothing the planner counts is left undone.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
+import torch
 from torch import nn
 
 from hfsplit.apply.autocast import autocast_stages
@@ -38,6 +39,18 @@ STEPS: dict[str, Callable[[Sequence[nn.Module], Step, "StepInputs"], Step]] = {
 }
 
 
+class StageContext(Protocol):
+    """What the steps read of this rank's place in the launch; `hfsplit.parallel.mesh.ParallelContext` is one (typed
+    here, not imported: apply sits below parallel)."""
+
+    device: torch.device  # where this rank's stages run
+    coords: "object"  # this rank's (dp, pp, tp) coordinates: `.tp` its index in the TP group
+
+    @property
+    def tp_mesh(self) -> "object":  # the 1-D DeviceMesh of this rank's TP group
+        ...
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """What the steps read beside the stage modules.
@@ -52,13 +65,14 @@ class StepInputs:
     """
 
     plan: Plan
-    ctx: object
+    ctx: StageContext
     load: Callable[[Sequence[nn.Module]], None]
     lora: Optional[LoraSetup] = None
     lora_seed: int = 0
 
 
-def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx, load: Callable[[Sequence[nn.Module]], None],
+def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx: StageContext,
+               load: Callable[[Sequence[nn.Module]], None],
                lora: Optional[LoraSetup] = None, lora_seed: int = 0) -> tuple[Step, ...]:
     """Apply `plan`'s steps to this rank's stage modules (on meta); `load` gives them their weights.
 
