@@ -177,6 +177,9 @@ def check_dpo_options(options) -> None:
                            f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size})")
     if options.eval_every is not None:
         raise HfsplitError("--eval-every is not implemented for --objective dpo yet; drop it")
+    if options.packing == "on":
+        raise HfsplitError("--objective dpo lays each pair out as two padded rows; packed pairs are not "
+                           "implemented yet: drop --packing on")
     if options.chunked_loss:
         raise HfsplitError("--objective dpo needs the last stage's logits for its log-probs: drop --chunked-loss")
 
@@ -243,6 +246,8 @@ def dataset_of(options: FinetuneOptions) -> str:
 def packing_of(options: FinetuneOptions) -> bool:
     """Whether the run packs its rows: --packing on / off, or under auto whether its format packs by default
     (instruction and chat do; the format is --dataset-format, else read from the dataset's columns)."""
+    if options.objective == "dpo":  # a chosen/rejected pair is two padded rows (packed pairs: not yet)
+        return False
     if options.packing != "auto":
         return options.packing == "on"
     if options.dataset_format:
