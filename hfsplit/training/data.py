@@ -481,10 +481,12 @@ class MicroBatches:
         num_micro_batches: micro-batches per optimizer step.
         seed: the shuffling seed.
         epoch: the epoch to start in.
+        group: rows that travel together (DPO: 2, a chosen and a rejected row), shuffled as one unit.
     """
 
-    def __init__(self, rows: TokenRows, *, micro_batch_size: int, num_micro_batches: int, seed: int, epoch: int = 0):
-        self.rows = rows
+    def __init__(self, rows: TokenRows, *, micro_batch_size: int, num_micro_batches: int, seed: int, epoch: int = 0,
+                 group: int = 1):
+        self.rows, self.group = rows, group
         self.batch_size = micro_batch_size * num_micro_batches
         if micro_batch_size < 1 or num_micro_batches < 1:
             raise DatasetError(
@@ -497,7 +499,12 @@ class MicroBatches:
                 f"{micro_batch_size} rows = {self.batch_size}; lower micro_batch_size or num_micro_batches"
             )
         self.seed, self.epoch, self.step = seed, epoch, 0
-        self._order = epoch_order(len(rows), seed=seed, epoch=epoch)
+        self._order = self._epoch_rows(epoch)
+
+    def _epoch_rows(self, epoch: int) -> np.ndarray:
+        """This epoch's row order: the groups in `epoch_order`, each group's rows in place."""
+        units = epoch_order(len(self.rows) // self.group, seed=self.seed, epoch=epoch)
+        return (units[:, None] * self.group + np.arange(self.group)).reshape(-1)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of `input_ids`, `labels`, `position_ids` (restarting at each packed example) and `lengths`
@@ -515,7 +522,7 @@ class MicroBatches:
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch, self.step = epoch, 0
-        self._order = epoch_order(len(self.rows), seed=self.seed, epoch=epoch)
+        self._order = self._epoch_rows(epoch)
 
     def state_dict(self) -> dict[str, int]:
         """Where the batches stand: seed, epoch, and steps already taken in that epoch."""

@@ -87,6 +87,29 @@ def chat_examples(rng: random.Random, count: int) -> list[dict]:
     return conversations
 
 
+def preference_examples(rng: random.Random, count: int) -> list[dict]:
+    """TRL's standard preference rows (prompt, chosen, rejected): the right answer preferred to a near miss."""
+    words = ["stone", "river", "cloud", "apple", "tiger", "lemon", "piano", "candle"]
+    rows = []
+    for i in range(count):
+        if i % 4 == 0:
+            a, b = rng.randint(2, 60), rng.randint(2, 40)
+            rows.append({"prompt": f"What is {a} + {b}?", "chosen": f"{a} + {b} is {a + b}.",
+                         "rejected": f"{a} + {b} is {a + b + rng.randint(1, 9)}."})
+        elif i % 4 == 1:
+            word = rng.choice(words)
+            rows.append({"prompt": f"Reverse the word {word}.", "chosen": word[::-1], "rejected": word})
+        elif i % 4 == 2:
+            word = rng.choice(words)
+            rows.append({"prompt": f"Write {word} in capital letters.", "chosen": word.upper(),
+                         "rejected": word.capitalize()})
+        else:
+            word = rng.choice(words)
+            rows.append({"prompt": f"How many letters are in {word}?", "chosen": f"{word} has {len(word)} letters.",
+                         "rejected": f"{word} has {len(word) + 2} letters."})
+    return rows
+
+
 def text_lines(rng: random.Random, num_bytes: int) -> list[str]:
     """Paragraphs of simple sentences, one per line, about `num_bytes` in all."""
     lines, size = [], 0
@@ -107,10 +130,11 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def write_data(out: Path) -> None:
-    """Write tiny_alpaca.jsonl, tiny_chat.jsonl and tiny_text.txt into `out`."""
+    """Write tiny_alpaca.jsonl, tiny_chat.jsonl, tiny_preference.jsonl and tiny_text.txt into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "tiny_alpaca.jsonl", alpaca_examples(random.Random(0), 300))
     write_jsonl(out / "tiny_chat.jsonl", chat_examples(random.Random(1), 50))
+    write_jsonl(out / "tiny_preference.jsonl", preference_examples(random.Random(0), 32))  # DPO (issue 23)
     (out / "tiny_text.txt").write_text("\n".join(text_lines(random.Random(2), 50_000)) + "\n")
 
 

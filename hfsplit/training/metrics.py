@@ -47,12 +47,20 @@ class StepOutcome:
     trained_tokens: int = 0  # its label tokens
     positions: int = 0  # its positions (rows × seq_len)
     offload_bytes: int = 0  # peak host bytes this rank's activation offload held during the step
+    extra: dict = field(default_factory=dict)  # objective metrics (DPO: TRL's rewards/*, logps/*)
 
     @property
     def finite(self) -> bool:
         import math
 
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+
+def preference_postfix(extra: dict) -> dict:
+    """The bar's DPO fields (none for SFT): the reward margin and the pairs ranked right."""
+    if "rewards/margins" not in extra:
+        return {}
+    return {"margin": f"{extra['rewards/margins']:.3f}", "acc": f"{extra['rewards/accuracies']:.2f}"}
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -126,9 +134,10 @@ class Metrics:
         offloaded = {"activation_offload_bytes": gather(int(outcome.offload_bytes))} if self.offloads else {}
         self.log.write({"step": step, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm,
                         "tokens_per_s": rate, "trained_tokens_per_s": trained, "padding": padding,
-                        "step_s": outcome.seconds, "peak_memory_bytes": peaks, **offloaded})
+                        "step_s": outcome.seconds, "peak_memory_bytes": peaks, **offloaded, **outcome.extra})
         self.bar.set_postfix(loss=f"{outcome.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", trained_s=f"{trained:.0f}",
-                             pad=f"{100 * padding:.0f}%", peak_mib="/".join(str(p >> 20) for p in peaks))
+                             pad=f"{100 * padding:.0f}%", peak_mib="/".join(str(p >> 20) for p in peaks),
+                             **preference_postfix(outcome.extra))
         self.bar.update(1)
         self.result.peak_memory_bytes = peaks
 

@@ -64,6 +64,16 @@ class FinetuneOptions:
     eval_every: Optional[int] = option(None, "data", "evaluate on held-out rows (5%%) every N steps; unset: never")
     method: Literal["lora", "qlora", "full"] = option(
         "lora", "method", "lora (frozen base + adapters), qlora (LoRA on a bitsandbytes 4-bit or 8-bit base) or full")
+    objective: Literal["sft", "dpo"] = option(
+        "sft", "method", "sft (next-token loss on the responses) or dpo (direct preference optimisation on "
+        "prompt/chosen/rejected pairs, TRL's DPOTrainer loss)")
+    beta: float = option(0.1, "method", "DPO: the strength of the pull towards the reference model (TRL's beta)")
+    dpo_loss: Literal["sigmoid", "ipo"] = option(
+        "sigmoid", "method", "DPO: the loss on the log-ratio margin, by TRL's loss_type names")
+    reference: Optional[Literal["adapters-off", "precomputed"]] = option(
+        None, "method", "DPO: where the reference log-probs come from: adapters-off (the same stages with the LoRA "
+        "adapters disabled, a no-grad pass per micro-batch) or precomputed (one no-grad pass before training, what "
+        "full fine-tuning uses); unset: adapters-off with LoRA/QLoRA, precomputed with full")
     lora_r: int = option(16, "method", "LoRA rank")
     lora_alpha: int = option(32, "method", "LoRA alpha (the adapters' scale is alpha / r)")
     lora_dropout: float = option(0.05, "method", "dropout on the adapters' inputs")
@@ -133,6 +143,7 @@ class FinetuneOptions:
                                    f"{' or ' + allowed if allowed else ''}; got {getattr(self, f.name)!r}")
         if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
+        check_dpo_options(self)
         if self.peer_timeout <= 0:
             raise HfsplitError(f"--peer-timeout must be a positive number of seconds (got {self.peer_timeout})")
         for name in ("seq_len", "micro_batch_size", "lora_r"):
@@ -151,6 +162,33 @@ class FinetuneOptions:
     def __post_init__(self):
         if self.output_dir is None:  # runs/<the model's folder or hub name>
             self.output_dir = f"runs/{Path(self.model).name}" if self.model else "runs/tiny"
+
+
+def check_dpo_options(options) -> None:
+    """One line when the DPO options contradict each other or the method."""
+    _check_number(options, "beta", low=0, above=True)
+    if options.objective != "dpo":
+        return
+    if options.reference == "adapters-off" and options.method not in ("lora", "qlora"):
+        raise HfsplitError("--reference adapters-off disables LoRA adapters, and --method full has none; "
+                           "use --reference precomputed (or leave it unset)")
+    if options.micro_batch_size % 2:
+        raise HfsplitError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch: "
+                           f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size})")
+    if options.eval_every is not None:
+        raise HfsplitError("--eval-every is not implemented for --objective dpo yet; drop it")
+    if options.packing == "on":
+        raise HfsplitError("--objective dpo lays each pair out as two padded rows; packed pairs are not "
+                           "implemented yet: drop --packing on")
+    if options.chunked_loss:
+        raise HfsplitError("--objective dpo needs the last stage's logits for its log-probs: drop --chunked-loss")
+
+
+def reference_of(options) -> str:
+    """The DPO reference a run uses: the option, else adapters-off with adapters and precomputed without."""
+    if options.reference is not None:
+        return options.reference
+    return "adapters-off" if options.method in ("lora", "qlora") else "precomputed"
 
 
 def _flag(name: str) -> str:
@@ -200,13 +238,16 @@ def _check_number(options, name: str, *, low: float, high: float = math.inf, abo
 
 
 def dataset_of(options: FinetuneOptions) -> str:
-    """The run's dataset: --dataset, else the bundled tiny alpaca set."""
-    return options.dataset or str(bundled_dataset_path("tiny_alpaca.jsonl"))
+    """The run's dataset: --dataset, else the bundled tiny alpaca set (preference pairs with --objective dpo)."""
+    default = "tiny_preference.jsonl" if options.objective == "dpo" else "tiny_alpaca.jsonl"
+    return options.dataset or str(bundled_dataset_path(default))
 
 
 def packing_of(options: FinetuneOptions) -> bool:
     """Whether the run packs its rows: --packing on / off, or under auto whether its format packs by default
     (instruction and chat do; the format is --dataset-format, else read from the dataset's columns)."""
+    if options.objective == "dpo":  # a chosen/rejected pair is two padded rows (packed pairs: not yet)
+        return False
     if options.packing != "auto":
         return options.packing == "on"
     if options.dataset_format:

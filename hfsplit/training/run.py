@@ -29,7 +29,9 @@ from hfsplit.training.elastic import LaunchState, settle_growth
 from hfsplit.training.lr_schedule import cosine_schedule_with_warmup  # transformers' own, without its 7 s of imports
 from hfsplit.training.metrics import Metrics, TrainResult
 from hfsplit.training.optimizers import build_optimizer, optim_of_rank
-from hfsplit.training.options import FinetuneOptions, dataset_of, packing_of, plan_arguments, training_spec, with_plan_batch
+from hfsplit.training.options import (FinetuneOptions, dataset_of, packing_of, plan_arguments, reference_of,
+                                     training_spec, with_plan_batch)
+from hfsplit.training.preference import DpoLoss, load_paired_rows
 from hfsplit.training.resume import trusted_checkpoint
 from hfsplit.training.save import writable_dir
 from hfsplit.training.trainer import Run, fit
@@ -101,7 +103,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     optimizer = build_optimizer(params, optim=optim_of_rank(plan, model.stage_indices), lr=options.learning_rate,
                                 weight_decay=options.weight_decay)  # the plan's: fp32 or 8-bit moments
     run = Run(options=options, model=model, model_path=model_path, tokenizer=tokenizer, params=params,
-              optimizer=optimizer, lora_config=config, loss_fn=causal_lm_loss(model.config.vocab_size),
+              optimizer=optimizer, lora_config=config, loss_fn=loss_of_run(options, model),
               calibration_spec=calibrated, **data_of_run(options, rows, plan=plan, optimizer=optimizer))
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
     run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
@@ -148,9 +150,21 @@ def launch_state(options: FinetuneOptions) -> LaunchState:
     return launch
 
 
+def loss_of_run(options: FinetuneOptions, model):
+    """The last stage's loss: transformers' causal-LM loss, or with --objective dpo TRL's DPO loss."""
+    if options.objective == "dpo":
+        return DpoLoss(beta=options.beta, loss_type=options.dpo_loss)
+    return causal_lm_loss(model.config.vocab_size)
+
+
 def load_rows(options: FinetuneOptions, *, model_path: str):
     """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default)."""
     tokenizer = tokenizer_for(options, model_path=model_path)
+    if options.objective == "dpo":
+        if reference_of(options) != "adapters-off":  # before any weight is read
+            raise HfsplitError("--reference precomputed (full fine-tuning DPO) is not implemented yet; use --method "
+                               "lora or qlora (reference: the same stages with the adapters off)")
+        return tokenizer, load_paired_rows(dataset_of(options), tokenizer, seq_len=options.seq_len)
     return tokenizer, load_token_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
                                       format=options.dataset_format, packing=packing_of(options), seed=options.seed)
 
@@ -172,7 +186,7 @@ def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
     rows, held_out = split_eval_rows(rows, options)
     per_step = plan.micro_batches * plan.dp
     batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=per_step,
-                           seed=options.seed)
+                           seed=options.seed, group=2 if options.objective == "dpo" else 1)
     total_steps = total_steps_of(options, rows=len(rows), rows_per_step=per_step * options.micro_batch_size)
     scheduler = cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
     return dict(batches=batches, held_out=held_out, total_steps=total_steps, scheduler=scheduler,

@@ -29,6 +29,7 @@ from hfsplit.training.data import MicroBatches, TokenRows
 from hfsplit.training.metrics import Metrics, StepOutcome, TrainResult, summary_line
 from hfsplit.training.options import FinetuneOptions
 from hfsplit.training.packing import label_tokens
+from hfsplit.training.preference import DPO_METRICS, DpoLoss, adapters_disabled, indexed_labels, sequence_logps
 from hfsplit.training.resume import latest_checkpoint
 
 if TYPE_CHECKING:  # the annotation only: importing peft costs ~3 s (inductor), which a run pays where it adds adapters
@@ -87,14 +88,19 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     busy = model.busy_seconds()
     model.activation_offload_bytes(reset=True)
     start = time.perf_counter()
+    ids, labels, positions = batch["input_ids"][mine], batch["labels"][mine], batch["position_ids"][mine]
     with compute_precision(model):
-        loss = model.step(batch["input_ids"][mine], batch["labels"][mine], run.loss_fn,
-                          position_ids=batch["position_ids"][mine], num_items_in_batch=items)
+        if isinstance(run.loss_fn, DpoLoss):  # the loss is the mean over the global batch's pairs
+            labels, divisor = dpo_targets(run, ids, labels, positions), batch["labels"].shape[0] // 2
+        else:
+            divisor = items
+        loss = model.step(ids, labels, run.loss_fn, position_ids=positions, num_items_in_batch=divisor)
     loss = model.reduce_loss(loss)
     norm = model.grad_norm(run.params)
     outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0, tokens=int(batch["lengths"].sum()),
                           trained_tokens=items, positions=batch["input_ids"].numel(),
-                          offload_bytes=model.activation_offload_bytes())
+                          offload_bytes=model.activation_offload_bytes(),
+                          extra=dpo_step_metrics(run) if isinstance(run.loss_fn, DpoLoss) else {})
     if outcome.finite:
         clip_(run.params, norm=norm, max_norm=run.options.max_grad_norm)
         run.optimizer.step()
@@ -103,6 +109,26 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     outcome.seconds = time.perf_counter() - start
     outcome.busy_s = model.busy_seconds() - busy
     return outcome
+
+
+def dpo_step_metrics(run: Run) -> dict[str, float]:
+    """TRL's DPO metrics of the step on every rank (collective): each replica's last stage holds its pairs'
+    means; the replicas hold equal numbers of pairs, so their mean is the global batch's."""
+    local = run.loss_fn.step_metrics(calls=run.rows_per_replica // run.options.micro_batch_size)
+    return {name: run.model.reduce_loss(torch.tensor(local.get(name, 0.0))) / run.model.plan.dp
+            for name in DPO_METRICS}
+
+
+def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The reference policy's pass for DPO: a no-grad pipeline forward of these rows with every stage's adapters
+    off; the last stage keeps each row's reference log-prob in the loss. Returns the targets the loss reads
+    (`indexed_labels`: the labels, each row's index appended)."""
+    run.loss_fn.seen = []  # this step's pairs only (the plan's probes may have run the loss before)
+    with torch.no_grad(), adapters_disabled(run.model.stages):
+        logits = run.model.forward(ids, position_ids=positions)
+    if logits is not None:
+        run.loss_fn.reference = sequence_logps(logits, labels.to(logits.device))
+    return indexed_labels(labels)
 
 
 @torch.no_grad()
