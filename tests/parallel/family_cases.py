@@ -86,11 +86,16 @@ def _save(run, *, method: str, out_dir: Path) -> dict[str, str]:
 
 
 def _lora(opts, checkpoint: str):
-    from hfsplit.apply.lora import LoraSetup
-    from hfsplit.training.run import lora_of_run
+    """The options' LoRA (None for full training): the hand plan's spec does not carry them, so the adapters are built
+    from the options with the builder a run's spec uses."""
+    from hfsplit.apply.lora import LoraSetup, lora_config
+    from hfsplit.checkpoint import load_config
 
-    config = lora_of_run(opts, model_path=checkpoint)
-    return LoraSetup(config, seed=opts.seed) if config is not None else None
+    if opts.method not in ("lora", "qlora"):
+        return None
+    config = lora_config(r=opts.lora_r, alpha=opts.lora_alpha, dropout=opts.lora_dropout, targets=opts.lora_targets,
+                         model_config=load_config(checkpoint))
+    return LoraSetup(config, seed=opts.seed)
 
 
 def _run(opts, model, *, checkpoint: str):
