@@ -163,7 +163,8 @@ def test_runtime_modules_do_not_load_planning_code(module, absent):
     assert out.strip() == "[]", f"importing {module} loads {out.strip()}"
 
 
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
 
 
 def test_only_the_mesh_reads_the_launchers_environment():

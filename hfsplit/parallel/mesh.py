@@ -103,6 +103,8 @@ class World:
         local_rank: the rank's index on its host (picks its GPU before there is a plan).
         device: the rank's device before there is a plan (`device_of_rank`).
         local_world_size: ranks on this host (CPU ranks share its RAM and cores).
+        restart_count: how many times torchrun restarted the worker group after a failure (0 on a first launch).
+        run_id: torchrun's --rdzv-id, the same for every launch of one elastic job (None outside an elastic launch).
     """
 
     rank: int
@@ -110,6 +112,8 @@ class World:
     local_rank: int
     device: torch.device
     local_world_size: int = 1
+    restart_count: int = 0
+    run_id: Optional[str] = None
 
     @property
     def launched(self) -> bool:
@@ -118,14 +122,17 @@ class World:
 
 
 def launcher_world() -> World:
-    """The World the launcher's environment describes (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), without
-    joining any group: the one reader of that environment (`init_distributed` joins the group it names)."""
+    """The World the launcher's environment describes (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and
+    torchrun's TORCHELASTIC_RESTART_COUNT / TORCHELASTIC_RUN_ID), without joining any group: the one reader of
+    that environment (`init_distributed` joins the group it names)."""
     env = os.environ
     world_size = int(env.get("WORLD_SIZE", "1"))
     local_rank = int(env.get("LOCAL_RANK", "0"))
     return World(rank=int(env.get("RANK", "0")), world_size=world_size, local_rank=local_rank,
                  device=device_of_rank(local_rank=local_rank),
-                 local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)))
+                 local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+                 restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                 run_id=env.get("TORCHELASTIC_RUN_ID"))
 
 
 def joined_world() -> World:

@@ -34,18 +34,17 @@ from hfsplit.parallel.mesh import World, backend_for, joined_world, launcher_wor
 from hfsplit.training.resume import checkpoint_to_resume, complete_checkpoints, latest_checkpoint, small_state_file
 from hfsplit.training.trainer_state import read_small_state
 
-RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 STOPPED = "stopped"  # the metrics key of a run ended at a step boundary for a membership change
 
 
 def restart_count() -> int:
     """How many times torchrun restarted this worker group after a failure (0 on a first launch)."""
-    return int(os.environ.get(RESTART_COUNT, "0") or 0)
+    return launcher_world().restart_count
 
 
 def run_id() -> Optional[str]:
     """torchrun's --rdzv-id: the same for every launch of one elastic job."""
-    return os.environ.get("TORCHELASTIC_RUN_ID")
+    return launcher_world().run_id
 
 
 @dataclass

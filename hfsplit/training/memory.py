@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hfsplit.errors import HfsplitError, OutOfMemory
+from hfsplit.parallel.mesh import launcher_world
 from hfsplit.training.metrics import peak_memory_bytes
 
 INJECT = "HFSPLIT_TEST_OOM_AT_STEP"
@@ -54,7 +55,7 @@ def _inject(model, step: int) -> list:
     if not wanted:
         return []
     at, _, rank = wanted.partition(":")
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    restarted = launcher_world().restart_count > 0
     if int(at) != step or int(rank or 0) != dist.get_rank() or restarted:  # a fault happens once, as a lost
         return []  # machine does: the launcher's restart then runs on (tests the restart path alone)
 

@@ -1,7 +1,7 @@
 """Rank layout arithmetic (no processes)."""
 import pytest
 
-from hfsplit.parallel.mesh import schedule_pp_rank
+from hfsplit.parallel.mesh import launcher_world, schedule_pp_rank
 from hfsplit.plan import coordinates_of_rank
 from hfsplit.parallel.split_model import micro_batches_for
 
@@ -43,3 +43,17 @@ def test_each_rank_runs_on_the_gpu_its_stage_was_planned_for():
     assert any(gpu != rank for rank, gpu in chosen.items())  # the plan did reorder the GPUs
     # the same plan on three one-GPU hosts: each host's only GPU
     assert {gpu_index_of_rank(plan, rank=r, local_rank=0, gpus_per_host=1) for r in range(3)} == {0}
+
+
+def test_the_launchers_world_carries_torchruns_restart_count_and_run_id(monkeypatch):
+    """Elastic code reads the restart count and the job id from the World, never from the environment."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    first = launcher_world()
+    assert (first.rank, first.world_size, first.restart_count, first.run_id) == (0, 1, 0, None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    restarted = launcher_world()
+    assert (restarted.rank, restarted.world_size, restarted.restart_count, restarted.run_id) == (3, 4, 2, "job-7")
