@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Optional
 
@@ -119,8 +120,9 @@ def read_table(path: Path, fingerprint: str, *, rows: int, mmap: bool = False) -
     """The table at `path` when it is there and for these rows, model and precision; else None."""
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except (OSError, RuntimeError, EOFError):
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
         return None
-    if saved.get("fingerprint") != fingerprint or saved["logps"].shape != (rows,):
+    if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint or \
+            getattr(saved.get("logps"), "shape", None) != (rows,):
         return None
     return saved["logps"]

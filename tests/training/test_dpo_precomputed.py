@@ -54,6 +54,8 @@ def test_the_table_file_is_read_back_only_for_the_same_rows_model_and_precision(
     assert read_table(path, "another", rows=len(rows)) is None
     assert read_table(path, fingerprint, rows=len(rows) + 2) is None
     assert read_table(tmp_path / "missing.pt", fingerprint, rows=len(rows)) is None
+    (tmp_path / "torn.pt").write_bytes(path.read_bytes()[:100])  # a file cut short: recomputed, not read
+    assert read_table(tmp_path / "torn.pt", fingerprint, rows=len(rows)) is None
 
 
 def trl_full_dpo(options, pairs: list[dict], *, steps: int, pairs_per_step: int):
