@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import pickle
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -45,6 +46,7 @@ def precompute_reference(run: Run, *, progress: bool = False, in_memory_rows: in
     table = read_table(path, fingerprint, rows=len(rows))
     covered = torch.tensor([int(table is not None and not table[needed].isnan().any())], device=run.model.device)
     dist.all_reduce(covered, op=dist.ReduceOp.MIN)  # every rank reads the file, or every rank runs the pass
+    started = time.perf_counter()
     if not covered.item():
         lora = run.lora_config is not None
         table = reference_pass(run.model, rows, needed, rows_per_replica=run.rows_per_replica, lora=lora,
@@ -52,6 +54,11 @@ def precompute_reference(run: Run, *, progress: bool = False, in_memory_rows: in
         if dist.get_rank() == 0:
             write_table(path, table, fingerprint)
         dist.barrier()  # the file is whole before any rank may map it
+    done = "read back" if covered.item() else "computed"
+    run.metrics.log.write({"step": 0, "reference_logps": done, "reference_rows": len(needed),
+                           "reference_s": time.perf_counter() - started, "reference_file": str(path)})
+    if dist.get_rank() == 0:
+        print(f"reference log-probs of {len(needed)} rows {done} ({path})", flush=True)
     if len(rows) > in_memory_rows:
         mapped = read_table(path, fingerprint, rows=len(rows), mmap=True)
         table = mapped if mapped is not None else table  # a folder this rank cannot see: it keeps its copy

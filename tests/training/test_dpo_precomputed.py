@@ -3,6 +3,8 @@ and full fine-tuning DPO against TRL's DPOTrainer (`precompute_ref_log_probs=Tru
 with its saved model and an exact resume."""
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,47 @@ def test_full_dpo_with_the_precomputed_reference_equals_trl_at_pp2_and_pp_dp_sav
                                    torch.tensor([h[key] for h in logs]), **REWARD_TOLERANCE, msg=key)
     # the table read back (keyed by row, whichever replica now holds it): the uninterrupted curve goes on
     torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(pp2_losses[5:]), rtol=1e-5, atol=0)
+
+
+def accelerate_dpo(out: Path, *, env: dict, restarts: int = 0):
+    """The tiny DPO recipe, full fine-tuning, on two CPU ranks under accelerate launch (torchrun restarts)."""
+    from tests.parallel.launcher import ROOT, free_port, run_command
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate_cpu.yaml"),
+           "--main_process_port", str(free_port()), "--rdzv_backend", "c10d", "--max_restarts", str(restarts),
+           "--monitor_interval", "0.2", "--rdzv_conf", "last_call_timeout=1", str(ROOT / "recipes/finetune.py"),
+           "--config", str(ROOT / "recipes/tiny/dpo.yaml"), "--dataset", str(ROOT / BUNDLED), "--method", "full", "--learning-rate", "1e-4",
+           "--max-steps", "4", "--save-every", "2", "--dtype", "float32", "--max-memory", "2x1GiB",
+           "--output-dir", str(out)]
+    return run_command(cmd, cwd=out.parent, env=env, timeout_s=400)
+
+
+@pytest.mark.slow
+def test_an_elastic_restart_of_full_dpo_reads_the_reference_back_and_keeps_the_curve(tmp_path):
+    """Full DPO under accelerate launch --max_restarts 1 (docs/guides/faults.md): rank 0 fails in step 3 (an
+    injected allocation failure, once); torchrun restarts both workers, which read the reference table back from
+    the output folder (no second pass: the weights are step 2's by then), resume from checkpoint-2 and finish
+    with the losses of a run that was never interrupted."""
+    from hfsplit.training.memory import INJECT
+    from tests.training.test_elastic import records_of, restarts
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                      os.environ.get("PYTHONPATH")]))}
+    whole, failed = tmp_path / "whole", tmp_path / "failed"
+    done = accelerate_dpo(whole, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "reference log-probs of 32 rows computed" in done.stdout
+    proc = accelerate_dpo(failed, env={**env, INJECT: "3"}, restarts=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ran out of memory in step 3" in proc.stderr
+    (restart,) = restarts(failed)
+    assert restart["restart"] == "restart" and restart["step"] == 2
+    passes = [r["reference_logps"] for r in records_of(failed) if "reference_logps" in r]
+    assert passes == ["computed", "read back"], passes
+
+    def losses(out):
+        return {r["step"]: r["loss"] for r in records_of(out) if "loss" in r and not r.get("skipped")}
+
+    assert sorted(losses(failed)) == [1, 2, 3, 4]
+    assert losses(failed) == pytest.approx(losses(whole), rel=1e-6)
