@@ -185,12 +185,13 @@ def accelerate_dpo(out: Path, *, env: dict, restarts: int = 0):
     """The tiny DPO recipe, full fine-tuning, on two CPU ranks under accelerate launch (torchrun restarts)."""
     from tests.parallel.launcher import ROOT, free_port, run_command
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate_cpu.yaml"),
-           "--main_process_port", str(free_port()), "--rdzv_backend", "c10d", "--max_restarts", str(restarts),
-           "--monitor_interval", "0.2", "--rdzv_conf", "last_call_timeout=1", str(ROOT / "recipes/finetune.py"),
-           "--config", str(ROOT / "recipes/tiny/dpo.yaml"), "--dataset", str(ROOT / BUNDLED), "--method", "full", "--learning-rate", "1e-4",
-           "--max-steps", "4", "--save-every", "2", "--dtype", "float32", "--max-memory", "2x1GiB",
-           "--output-dir", str(out)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--config_file", str(ROOT / "recipes/accelerate_cpu.yaml"), "--main_process_port", str(free_port()),
+           "--rdzv_backend", "c10d", "--max_restarts", str(restarts), "--monitor_interval", "0.2",
+           "--rdzv_conf", "last_call_timeout=1", str(ROOT / "recipes/finetune.py"),
+           "--config", str(ROOT / "recipes/tiny/dpo.yaml"), "--dataset", str(ROOT / BUNDLED), "--method", "full",
+           "--learning-rate", "1e-4", "--max-steps", "4", "--save-every", "2", "--dtype", "float32",
+           "--max-memory", "2x1GiB", "--output-dir", str(out)]
     return run_command(cmd, cwd=out.parent, env=env, timeout_s=400)
 
 
