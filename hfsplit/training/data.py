@@ -507,8 +507,9 @@ class MicroBatches:
         return (units[:, None] * self.group + np.arange(self.group)).reshape(-1)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches of `input_ids`, `labels`, `position_ids` (restarting at each packed example) and `lengths`
-        (each row's real tokens)."""
+        """Batches of `input_ids`, `labels`, `position_ids` (restarting at each packed example), `lengths`
+        (each row's real tokens) and `index` (each row's index in `rows`: what a precomputed DPO reference is
+        keyed by)."""
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -518,7 +519,14 @@ class MicroBatches:
         self.step += 1
         rows = self.rows.select(index)
         return {"input_ids": rows.input_ids, "labels": rows.labels, "position_ids": rows.positions(),
-                "lengths": rows.real_tokens()}
+                "lengths": rows.real_tokens(), "index": index}
+
+    def rows_of_steps(self, steps: int) -> np.ndarray:
+        """The row indices a run's first `steps` batches draw, `(steps, rows per step)`, from the first epoch's
+        start whatever this sampler's position (the same on every rank, and for a resumed run)."""
+        epochs = -(-steps // self.steps_per_epoch)
+        drawn = [self._epoch_rows(e)[:self.steps_per_epoch * self.batch_size] for e in range(epochs)]
+        return np.concatenate(drawn).reshape(-1, self.batch_size)[:steps]
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch, self.step = epoch, 0

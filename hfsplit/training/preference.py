@@ -173,11 +173,14 @@ def indexed_labels(labels: torch.Tensor) -> torch.Tensor:
 
 class DpoLoss:
     """The pipeline's loss function for DPO on the last stage: `reference` holds this step's reference log-probs
-    of this replica's rows; the targets are `indexed_labels`. Keeps the step's policy log-probs for the metrics."""
+    of this replica's rows; the targets are `indexed_labels`. Keeps the step's policy log-probs for the metrics.
+    `precomputed`: with `--reference precomputed`, every training row's reference log-prob by its index
+    (`hfsplit.training.reference`), where `reference` is read from."""
 
     def __init__(self, *, beta: float, loss_type: str):
         self.beta, self.loss_type = beta, loss_type
         self.reference: torch.Tensor | None = None
+        self.precomputed: torch.Tensor | None = None
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (policy, reference) sequence log-probs
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:

@@ -32,6 +32,7 @@ from hfsplit.training.optimizers import build_optimizer, optim_of_rank
 from hfsplit.training.options import (FinetuneOptions, dataset_of, packing_of, plan_arguments, reference_of,
                                      training_spec, with_plan_batch)
 from hfsplit.training.preference import DpoLoss, load_paired_rows
+from hfsplit.training.reference import precompute_reference
 from hfsplit.training.resume import trusted_checkpoint
 from hfsplit.training.save import writable_dir
 from hfsplit.training.trainer import Run, fit
@@ -116,6 +117,8 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
         output_dir=options.output_dir, method=saved_method(options.method), base_model=model_path, lora_config=config,
         tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
         metrics=run.metrics)
+    if options.objective == "dpo" and reference_of(options) == "precomputed":  # the starting weights', not a resume's
+        run.loss_fn.precomputed = precompute_reference(run, progress=progress and holds_loss)
     run.first_step = run.checkpointer.resume(launch.resume_from)
     log_launch(run, launch, started=started)
     run.metrics.begin(run.first_step)
@@ -161,9 +164,6 @@ def load_rows(options: FinetuneOptions, *, model_path: str):
     """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default)."""
     tokenizer = tokenizer_for(options, model_path=model_path)
     if options.objective == "dpo":
-        if reference_of(options) != "adapters-off":  # before any weight is read
-            raise HfsplitError("--reference precomputed (full fine-tuning DPO) is not implemented yet; use --method "
-                               "lora or qlora (reference: the same stages with the adapters off)")
         return tokenizer, load_paired_rows(dataset_of(options), tokenizer, seq_len=options.seq_len)
     return tokenizer, load_token_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
                                       format=options.dataset_format, packing=packing_of(options), seed=options.seed)

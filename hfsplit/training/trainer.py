@@ -91,7 +91,8 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     ids, labels, positions = batch["input_ids"][mine], batch["labels"][mine], batch["position_ids"][mine]
     with compute_precision(model):
         if isinstance(run.loss_fn, DpoLoss):  # the loss is the mean over the global batch's pairs
-            labels, divisor = dpo_targets(run, ids, labels, positions), batch["labels"].shape[0] // 2
+            labels = dpo_targets(run, ids, labels, positions, rows=batch["index"][mine])
+            divisor = batch["labels"].shape[0] // 2
         else:
             divisor = items
         loss = model.step(ids, labels, run.loss_fn, position_ids=positions, num_items_in_batch=divisor)
@@ -119,11 +120,16 @@ def dpo_step_metrics(run: Run) -> dict[str, float]:
             for name in DPO_METRICS}
 
 
-def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The reference policy's pass for DPO: a no-grad pipeline forward of these rows with every stage's adapters
-    off; the last stage keeps each row's reference log-prob in the loss. Returns the targets the loss reads
-    (`indexed_labels`: the labels, each row's index appended)."""
+def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, *,
+                rows: torch.Tensor) -> torch.Tensor:
+    """The reference log-probs of these rows (`rows`: their indices in the training rows) for the loss: read from
+    the precomputed table (`--reference precomputed`), else a no-grad pipeline forward of them with every stage's
+    adapters off, whose last stage keeps each row's log-prob. Returns the targets the loss reads
+    (`indexed_labels`: the labels, each row's index in this batch appended)."""
     run.loss_fn.seen = []  # this step's pairs only (the plan's probes may have run the loss before)
+    if run.loss_fn.precomputed is not None:
+        run.loss_fn.reference = run.loss_fn.precomputed[rows]
+        return indexed_labels(labels)
     with torch.no_grad(), adapters_disabled(run.model.stages):
         logits = run.model.forward(ids, position_ids=positions)
     if logits is not None:

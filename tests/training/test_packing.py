@@ -104,7 +104,7 @@ def test_batches_carry_position_ids_and_real_lengths():
     rows = packed_rows([([7] * n, [7] * n) for n in (3, 5, 2, 6, 4, 4)], seq_len=8, pad=PAD)
     batches = MicroBatches(rows, micro_batch_size=1, num_micro_batches=len(rows), seed=0)
     batch = next(batches)
-    assert set(batch) == {"input_ids", "labels", "position_ids", "lengths"}
+    assert set(batch) == {"input_ids", "labels", "position_ids", "lengths", "index"}
     assert batch["position_ids"].shape == batch["input_ids"].shape
     assert int(batch["lengths"].sum()) == 24
     plain = MicroBatches(padded_rows([([1, 2], [1, 2])] * 4, seq_len=3, pad=PAD), micro_batch_size=2,

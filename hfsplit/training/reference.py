@@ -1,0 +1,135 @@
+"""The precomputed DPO reference (issue 23, `--reference precomputed`), as TRL's `precompute_ref_log_probs=True`
+computes it: before the first step, one no-grad pass of the starting weights over every row the run will train on
+(the sampler's order, each replica its share of each step's rows, the pipeline run as for evaluation, with any
+LoRA adapters off); the last stage sums each row's response log-prob. The table, keyed by the row's index in the
+training rows (so a resumed, regrouped or data-parallel run finds its rows' values), is gathered on every rank
+and written atomically to `reference_logps.pt` in the output folder: a restart with the same rows, model and
+precision reads it back instead of a second pass (the weights it would run are the trained ones by then). Each
+step's loss then reads the table instead of running a reference forward, so full fine-tuning DPO holds one model.
+Above `IN_MEMORY_ROWS` rows the ranks read the table memory-mapped from that file rather than holding it.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from hfsplit.training.packing import TokenRows
+from hfsplit.training.preference import adapters_disabled, sequence_logps
+from hfsplit.training.trainer import Run, compute_precision
+
+REFERENCE_FILE = "reference_logps.pt"
+IN_MEMORY_ROWS = 1 << 22  # 16 MiB of fp32 log-probs: beyond, the table is read memory-mapped from its file
+
+__all__ = ["IN_MEMORY_ROWS", "REFERENCE_FILE", "precompute_reference", "reference_fingerprint", "visited_rows"]
+
+
+def precompute_reference(run: Run, *, progress: bool = False, in_memory_rows: int = IN_MEMORY_ROWS) -> torch.Tensor:
+    """The reference log-prob of every training row the run visits (NaN for the rest), `(rows,)` fp32, on every
+    rank (collective): read from the output folder's `reference_logps.pt` when every rank finds there one for
+    these rows, model and precision, else computed by `reference_pass` from the weights as loaded (call it before
+    a resume loads trained ones) and written there. `progress`: a tqdm bar over the pass on this rank."""
+    rows = run.batches.rows
+    needed = visited_rows(run.batches, steps=run.total_steps)
+    path = Path(run.options.output_dir) / REFERENCE_FILE
+    fingerprint = reference_fingerprint(rows, run.model.plan.spec, model_path=run.model_path)
+    table = read_table(path, fingerprint, rows=len(rows))
+    covered = torch.tensor([int(table is not None and not table[needed].isnan().any())], device=run.model.device)
+    dist.all_reduce(covered, op=dist.ReduceOp.MIN)  # every rank reads the file, or every rank runs the pass
+    started = time.perf_counter()
+    if not covered.item():
+        lora = run.lora_config is not None
+        table = reference_pass(run.model, rows, needed, rows_per_replica=run.rows_per_replica, lora=lora,
+                               progress=progress)
+        if dist.get_rank() == 0:
+            write_table(path, table, fingerprint)
+        dist.barrier()  # the file is whole before any rank may map it
+    done = "read back" if covered.item() else "computed"
+    run.metrics.log.write({"step": 0, "reference_logps": done, "reference_rows": len(needed),
+                           "reference_s": time.perf_counter() - started, "reference_file": str(path)})
+    if dist.get_rank() == 0:
+        print(f"reference log-probs of {len(needed)} rows {done} ({path})", flush=True)
+    if len(rows) > in_memory_rows:
+        mapped = read_table(path, fingerprint, rows=len(rows), mmap=True)
+        table = mapped if mapped is not None else table  # a folder this rank cannot see: it keeps its copy
+    return table
+
+
+def visited_rows(batches, *, steps: int) -> torch.Tensor:
+    """The indices of the rows a run's `steps` steps train on, each once, in the order it first meets them."""
+    drawn = batches.rows_of_steps(steps).reshape(-1)
+    _, first = np.unique(drawn, return_index=True)
+    return torch.from_numpy(drawn[np.sort(first)])
+
+
+def reference_pass(model, rows: TokenRows, order: torch.Tensor, *, rows_per_replica: int, lora: bool,
+                   progress: bool = False) -> torch.Tensor:
+    """The reference's summed response log-prob of the rows `order` names, `(len(rows),)` fp32 (NaN elsewhere),
+    on every rank: no-grad pipeline forwards in the training step's shape (each data-parallel replica its
+    `rows_per_replica` of every `dp * rows_per_replica`, the last chunk filled up with repeats), the last
+    stage's log-probs summed into every rank's copy. `lora`: the adapters are off (the reference is the base)."""
+    dp, coords = model.plan.dp, model.ctx.coords
+    chunk = rows_per_replica * dp
+    table = torch.full((len(rows),), float("nan"), dtype=torch.float32)
+    bar = tqdm(total=len(order), desc="reference log-probs", unit="row", disable=not progress, leave=False)
+    mine = slice(coords.dp * rows_per_replica, (coords.dp + 1) * rows_per_replica)
+    for start in range(0, len(order), chunk):
+        real = order[start:start + chunk]
+        index = real.repeat(-(-chunk // len(real)))[:chunk]  # a short last chunk: its rows again, discarded
+        batch = rows.select(index[mine])
+        values = torch.zeros(chunk, dtype=torch.float32, device=model.device)
+        with torch.no_grad(), compute_precision(model), \
+                adapters_disabled(model.stages) if lora else contextlib.nullcontext():
+            logits = model.forward(batch.input_ids, position_ids=batch.positions())
+        if logits is not None and coords.tp == 0:
+            values[mine] = sequence_logps(logits, batch.labels.to(logits.device)).to(values.device)
+        dist.all_reduce(values)  # each row from the one replica's last stage that ran it; zeros elsewhere
+        table[real] = values[:len(real)].cpu()
+        bar.update(len(real))
+    bar.close()
+    return table
+
+
+def reference_fingerprint(rows: TokenRows, spec, *, model_path: str) -> str:
+    """What the reference log-probs depend on: the rows' tokens and labels, the model (its path and config) and
+    the precision and quantization its weights run in."""
+    digest = hashlib.sha256()
+    for tensor in (rows.input_ids, rows.labels) + ((rows.position_ids,) if rows.position_ids is not None else ()):
+        digest.update(tensor.contiguous().numpy().tobytes())
+    config = Path(model_path) / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    precision = {k: getattr(spec, k, None) for k in ("method", "dtype", "weights_dtype", "full_autocast_dtype",
+                                                     "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                                                     "load_in_8bit", "quantize_experts", "autocast")}
+    digest.update(json.dumps({"model": str(Path(model_path).resolve()), **precision}, sort_keys=True,
+                             default=str).encode())
+    return digest.hexdigest()
+
+
+def write_table(path: Path, table: torch.Tensor, fingerprint: str) -> None:
+    """The table and its fingerprint at `path`, atomically (a crash leaves the old file or none)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    torch.save({"fingerprint": fingerprint, "logps": table}, tmp)
+    os.replace(tmp, path)
+
+
+def read_table(path: Path, fingerprint: str, *, rows: int, mmap: bool = False) -> Optional[torch.Tensor]:
+    """The table at `path` when it is there and for these rows, model and precision; else None."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        return None
+    if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint or \
+            getattr(saved.get("logps"), "shape", None) != (rows,):
+        return None
+    return saved["logps"]
