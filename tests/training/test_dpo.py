@@ -224,6 +224,16 @@ def test_dpo_lora_at_pp2_equals_trl_dpotrainer_step_by_step(tiny_checkpoint, tmp
     # measured worst relative: loss 2.8e-7, logps 1.8e-7, rewards/margins 9.3e-6, rewards/chosen 7.1e-5 (at ~3e-3)
     assert_equals_trl(run, losses, rows=bundled_rows(), pairs_per_step=4)
     assert losses[-1] < losses[0]  # it learns the preferences
+    # TensorBoard holds the same figures under TRL's names, step by step (as float32)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = [EventAccumulator(str(p.parent)).Reload() for p in (tmp_path / "dpo" / "tensorboard").rglob(
+        "events.out.tfevents.*")]
+    records = metrics_records(run["output_dir"])
+    for key in LOGGED:
+        scalars = sorted((s.step, s.value) for e in events if key in e.Tags()["scalars"] for s in e.Scalars(key))
+        assert [step for step, _ in scalars] == [r["step"] for r in records], key
+        assert [v for _, v in scalars] == pytest.approx([r[key] for r in records], rel=1e-6, abs=1e-7), key
 
 
 # attention and the fused experts' 3-D parameters (peft target parameters), as tests/training/test_moe_training.py
