@@ -108,7 +108,8 @@ def test_first_step_loss_is_ln2_when_the_policy_is_the_reference(tiny_checkpoint
     assert metrics["rewards/margins"] == pytest.approx(0.0, abs=1e-7)
 
 
-def trl_logs(options: FinetuneOptions, pairs: list[dict], *, steps: int, pairs_per_step: int, base=None):
+def trl_logs(options: FinetuneOptions, pairs: list[dict], *, steps: int, pairs_per_step: int, base=None,
+             eval_pairs: list[dict] | None = None):
     """TRL's DPOTrainer on the same LoRA (hfsplit's seeded adapters), rows and order, in fp32 (TRL defaults to bf16
     autocast and gradient checkpointing: both off): its per-step logs, each loss the exact mean of its
     micro-batches' (the Trainer's log rounds it to 4 decimals). `base`: a ready base model (QLoRA's quantized one)."""
@@ -147,8 +148,11 @@ def trl_logs(options: FinetuneOptions, pairs: list[dict], *, steps: int, pairs_p
                      bf16=False, gradient_checkpointing=False,
                      # TRL adds an MoE's router loss whenever the config has the field; hfsplit (as transformers) when
                      # it is set
-                     router_aux_loss_coef=None if getattr(base.config, "output_router_logits", False) else 0.0)
+                     router_aux_loss_coef=None if getattr(base.config, "output_router_logits", False) else 0.0,
+                     eval_strategy="steps" if eval_pairs else "no", eval_steps=options.eval_every,
+                     per_device_eval_batch_size=1)
     trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(pairs),
+                      eval_dataset=Dataset.from_list(eval_pairs) if eval_pairs else None,
                       processing_class=tokenizer_for(options, model_path=options.model))
     trainer.micro_losses = []
     for name, param in model.named_parameters():  # TRL casts a quantized model's adapters to bf16 (QLoRA's
@@ -156,10 +160,24 @@ def trl_logs(options: FinetuneOptions, pairs: list[dict], *, steps: int, pairs_p
             param.data = seeded[name]
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "rewards/margins" in h]
-    micro = torch.tensor(trainer.micro_losses).reshape(steps, pairs_per_step)
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    calls = trainer.micro_losses if not eval_pairs else training_calls(
+        trainer.micro_losses, steps=steps, pairs_per_step=pairs_per_step, every=options.eval_every,
+        evaluated=len(eval_pairs))
+    micro = torch.tensor(calls).reshape(steps, pairs_per_step)
     for h, exact in zip(logs, micro.mean(1).tolist()):
         h["loss"] = exact
-    return logs
+    return logs + evals
+
+
+def training_calls(calls: list[float], *, steps: int, pairs_per_step: int, every: int, evaluated: int) -> list[float]:
+    """The training micro-batches' losses of `calls` (compute_loss also runs on each held-out pair at each
+    evaluation, after step `every`, 2 × `every`, ...)."""
+    out, at = [], 0
+    for step in range(1, steps + 1):
+        out += calls[at:at + pairs_per_step]
+        at += pairs_per_step + (evaluated if step % every == 0 else 0)
+    return out
 
 
 def hfsplit_pair_order(options: FinetuneOptions, rows: list[dict], *, steps: int, pairs_per_step: int) -> list[dict]:
@@ -192,8 +210,10 @@ def assert_equals_trl(run: dict, losses: list[float], *, rows: list[dict], pairs
     difference of each logged figure."""
     options = tiny_demo_options(**run)
     steps = options.max_steps
-    logs = trl_logs(options, hfsplit_pair_order(options, rows, steps=steps, pairs_per_step=pairs_per_step),
-                    steps=steps, pairs_per_step=pairs_per_step, base=base)
+    held = held_out_pairs(options, rows)  # hfsplit holds out the first rows: the first pairs
+    logs = trl_logs(options, hfsplit_pair_order(options, rows[held:], steps=steps, pairs_per_step=pairs_per_step),
+                    steps=steps, pairs_per_step=pairs_per_step, base=base, eval_pairs=rows[:held] or None)
+    evals, logs = [h for h in logs if "eval_loss" in h], [h for h in logs if "eval_loss" not in h]
     records = metrics_records(options.output_dir)
     assert len(logs) == len(records) == len(losses) == steps
     assert [r["loss"] for r in records] == losses
@@ -205,8 +225,26 @@ def assert_equals_trl(run: dict, losses: list[float], *, rows: list[dict], pairs
         torch.testing.assert_close(ours, theirs, rtol=loss_rtol if key == "loss" else rtol,
                                    atol=0 if key == "loss" else 1e-6,
                                    msg=f"{run['output_dir']} {key}:\nhfsplit {ours.tolist()}\ntrl     {theirs.tolist()}")
+    ours = metrics_records(options.output_dir, has="eval_loss")
+    assert len(ours) == len(evals) == (steps // options.eval_every if options.eval_every else 0)
+    for key in ("eval_loss", *(f"eval_{k}" for k in DPO_METRICS)):  # TRL's eval names
+        mine, theirs = (torch.tensor([float(r[key]) for r in table], dtype=torch.float64) for table in (ours, evals))
+        if len(mine):
+            worst[key] = float(((mine - theirs).abs() / theirs.abs().clamp(min=1e-12)).max())
+        torch.testing.assert_close(mine, theirs, rtol=rtol, atol=0 if key == "eval_loss" else 1e-6,
+                                   msg=f"{run['output_dir']} {key}:\nhfsplit {mine.tolist()}\ntrl     {theirs.tolist()}")
     print(run["output_dir"], "worst rel diff vs TRL:", {k: f"{v:.1e}" for k, v in worst.items()})
     return worst
+
+
+def held_out_pairs(options: FinetuneOptions, rows: list[dict]) -> int:
+    """The pairs hfsplit holds out for --eval-every (`split_eval_rows` on the paired rows): the first ones."""
+    from hfsplit.training.packing import TokenRows
+    from hfsplit.training.run import split_eval_rows
+
+    index = torch.arange(2 * len(rows))[:, None]
+    _, held = split_eval_rows(TokenRows(index, index), options)
+    return 0 if held is None else len(held) // 2
 
 
 @pytest.mark.slow
@@ -270,7 +308,8 @@ def chat_tokenizer_folder(folder) -> str:
 @pytest.mark.slow
 def test_dpo_matrix_on_two_ranks_equals_trl(tiny_checkpoint, tmp_path):
     """One launch of two ranks, six 10-step DPO runs, each against TRL's DPOTrainer on the same rows in the same
-    order: tp=2; GPipe (the other runs: 1F1B); activation checkpointing; a MoE (Mixtral, LoRA on attention and
+    order: tp=2; GPipe (the other runs: 1F1B), evaluating every 5 steps (eval_loss and TRL's eval_rewards/...
+    on the 4 held-out pairs, against TRL's evaluation of them); activation checkpointing; a MoE (Mixtral, LoRA on attention and
     the fused experts); conversational pairs through a chat template; QLoRA (4-bit base, TRL on transformers'
     own bitsandbytes load of it). Losses and rewards within rel 1e-4; QLoRA's losses within the QLoRA SFT tests'
     rel 1e-5 (both run the same bitsandbytes kernels)."""
@@ -281,7 +320,7 @@ def test_dpo_matrix_on_two_ranks_equals_trl(tiny_checkpoint, tmp_path):
     dataset, conversational = conversational_set(tmp_path / "chat_pairs.jsonl")
     runs = {
         "tp2": dpo_run(llama, tmp_path / "tp2", tp=2, pp=1),
-        "gpipe": dpo_run(llama, tmp_path / "gpipe", pp=2, schedule="GPipe"),
+        "gpipe": dpo_run(llama, tmp_path / "gpipe", pp=2, schedule="GPipe", eval_every=5),  # + eval on 4 pairs
         "checkpointing": dpo_run(llama, tmp_path / "checkpointing", pp=2, schedule="1F1B",
                                  activation_checkpointing=True),
         "moe": dpo_run(tiny_checkpoint("mixtral"), tmp_path / "moe", pp=2, schedule="1F1B",
@@ -341,3 +380,38 @@ def test_bad_preference_row_through_the_cli_is_one_line_exit_2(tiny_checkpoint, 
     assert lines == [f"finetune: {bad} row 1: missing rejected; every preference row needs prompt, chosen and "
                      "rejected"], lines
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.slow
+def test_dpo_worker_failure_restarts_and_the_curve_equals_trl(tmp_path):
+    """tests/training/test_elastic.py's accelerate form under DPO: rank 0 fails in step 3 (an injected allocation
+    failure, once), accelerate's torchrun restarts both workers, they resume from checkpoint-2 and finish; the
+    curve, steps 1-2 before the fault and 3-10 after it, equals TRL's uninterrupted one (rel 1e-4)."""
+    import dataclasses
+    import sys
+
+    from hfsplit.training.memory import INJECT
+    from hfsplit.training.options import parse_options
+    from tests.parallel.launcher import free_port, run_command
+    from tests.training.refusals import ROOT
+
+    out = tmp_path / "run"
+    flags = ["--config", str(ROOT / "recipes/tiny/dpo.yaml"), "--dataset", str(ROOT / BUNDLED), "--max-steps", "10",
+             "--save-every", "2", "--learning-rate", "5e-3", "--warmup-steps", "2", "--dtype", "float32",
+             "--output-dir", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), INJECT: "3",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate_cpu.yaml"),
+           "--main_process_port", str(free_port()), "--rdzv_backend", "c10d", "--max_restarts", "1",
+           "--monitor_interval", "0.2", "--rdzv_conf", "last_call_timeout=1", str(ROOT / "recipes/finetune.py"), *flags]
+    proc = run_command(cmd, cwd=tmp_path, env=env, timeout_s=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ran out of memory in step 3" in proc.stderr
+    (restart,) = metrics_records(str(out), has="restart")
+    assert restart["restart"] == "restart" and restart["step"] == 2 and restart["steps_redone"] == 0
+    records = metrics_records(str(out))
+    assert [r["step"] for r in records] == list(range(1, 11))
+    options = parse_options(flags)
+    run = {k: v for k, v in dataclasses.asdict(options).items() if k != "config"}
+    run["model"] = str(tmp_path / "tiny-llama")  # the recipe's built-in tiny model, written beside the output
+    assert_equals_trl(run, [r["loss"] for r in records], rows=bundled_rows(), pairs_per_step=4)
