@@ -141,9 +141,10 @@ class Metrics:
         self.bar.update(1)
         self.result.peak_memory_bytes = peaks
 
-    def evaluated(self, step: int, loss: float) -> None:
+    def evaluated(self, step: int, loss: float, extra: Optional[dict] = None) -> None:
+        """An evaluation's loss, and its objective's figures (DPO: TRL's names, prefixed eval_ as TRL logs them)."""
         self.note(f"step {step}: eval loss {loss:.4f}")
-        self.log.write({"step": step, "eval_loss": loss})
+        self.log.write({"step": step, "eval_loss": loss, **{f"eval_{k}": v for k, v in (extra or {}).items()}})
         self.result.eval_losses.append(loss)
 
     def saved(self, step: int, *, folder: Path, seconds: float, removed: list[Path]) -> None:

@@ -175,8 +175,6 @@ def check_dpo_options(options) -> None:
     if options.micro_batch_size % 2:
         raise HfsplitError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch: "
                            f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size})")
-    if options.eval_every is not None:
-        raise HfsplitError("--eval-every is not implemented for --objective dpo yet; drop it")
     if options.packing == "on":
         raise HfsplitError("--objective dpo lays each pair out as two padded rows; packed pairs are not "
                            "implemented yet: drop --packing on")

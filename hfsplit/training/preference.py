@@ -190,6 +190,14 @@ class DpoLoss:
         return dpo_loss(logits, labels, reference, beta=self.beta, loss_type=self.loss_type,
                         pairs_in_batch=num_items_in_batch)
 
+    def evaluate(self, policy: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+        """The mean pair loss ("loss") and TRL's metrics of held-out pairs from their rows' sequence log-probs."""
+        metrics = dpo_metrics(policy, reference, beta=self.beta)
+        if self.loss_type == "ipo":
+            policy, reference = ipo_normalised(policy, labels), ipo_normalised(reference, labels)
+        losses = pair_losses(policy, reference.to(policy.device), beta=self.beta, loss_type=self.loss_type)
+        return {"loss": losses.mean().item(), **metrics}
+
     def step_metrics(self, *, calls: int) -> dict[str, float]:
         """TRL's metrics over this step's pairs on this replica (empty off the last stage), from the loss's last
         `calls` calls (the step's micro-batches: the first step's schedule also runs it once more, on its

@@ -251,6 +251,7 @@ def split_eval_rows(rows, options: FinetuneOptions):
     if not options.eval_every:
         return rows, None
     count = max(options.global_batch or options.micro_batch_size * options.micro_batches, len(rows) // 20)
+    count += count % 2 if options.objective == "dpo" else 0  # whole pairs
     if count >= len(rows):
         raise HfsplitError(f"the dataset has {len(rows)} rows: too few to hold out {count} for --eval-every")
     return rows.select(slice(count, None)), rows.select(slice(None, count))

@@ -35,7 +35,7 @@ from hfsplit.training.resume import latest_checkpoint
 if TYPE_CHECKING:  # the annotation only: importing peft costs ~3 s (inductor), which a run pays where it adds adapters
     from peft import LoraConfig
 
-__all__ = ["Run", "eval_loss", "fit", "train_step"]
+__all__ = ["Run", "dpo_eval", "eval_loss", "evaluation", "fit", "train_step"]
 
 
 def fit(run: Run) -> TrainResult:
@@ -52,8 +52,7 @@ def fit(run: Run) -> TrainResult:
                 continue
             run.metrics.stepped(step, outcome, lr=run.scheduler.get_last_lr()[0], device=run.model.device)
             if options.eval_every and step % options.eval_every == 0:
-                run.metrics.evaluated(step, eval_loss(run.model, run.held_out, run.loss_fn,
-                                                      micro_batch_size=options.micro_batch_size))
+                run.metrics.evaluated(step, *evaluation(run))
             stop = step < run.total_steps and stopper.now()
             folder = run.checkpointer.after_step(step, total_steps=run.total_steps, force=stop)
             if stop:
@@ -135,6 +134,34 @@ def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: to
     if logits is not None:
         run.loss_fn.reference = sequence_logps(logits, labels.to(logits.device))
     return indexed_labels(labels)
+
+
+def evaluation(run: Run) -> tuple[float, dict[str, float]]:
+    """(eval loss, further eval figures) on the held-out rows: the SFT token mean, or DPO's (`dpo_eval`)."""
+    if isinstance(run.loss_fn, DpoLoss):
+        return dpo_eval(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size)
+    return eval_loss(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size), {}
+
+
+@torch.no_grad()
+def dpo_eval(model, rows, loss_fn: DpoLoss, *, micro_batch_size: int) -> tuple[float, dict[str, float]]:
+    """DPO on the held-out pairs, forward only: the mean pair loss against the same reference (the stages with
+    their adapters off) and TRL's metrics of those pairs, on every rank."""
+    size = micro_batch_size * model.plan.micro_batches  # the training step's shape: same micro-batch count
+    seen = []
+    for start in range(0, len(rows) - size + 1, size):
+        batch = rows.select(slice(start, start + size))
+        with compute_precision(model):
+            with adapters_disabled(model.stages):
+                reference = model.forward(batch.input_ids, position_ids=batch.positions())
+            logits = model.forward(batch.input_ids, position_ids=batch.positions())
+        if logits is not None:
+            labels = batch.labels.to(logits.device)
+            seen.append((sequence_logps(logits, labels), sequence_logps(reference, labels), labels))
+    local = loss_fn.evaluate(*(torch.cat(t) for t in zip(*seen))) if seen else {}
+    figures = {name: model.reduce_loss(torch.tensor(local.get(name, 0.0)), replicas=False)
+               for name in ("loss", *DPO_METRICS)}
+    return figures.pop("loss"), figures
 
 
 @torch.no_grad()
