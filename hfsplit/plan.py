@@ -58,6 +58,14 @@ class TrainingSpec:
         packing: rows hold several examples, each isolated by its position ids: every stage builds transformers'
             block-diagonal causal mask (under sdpa and eager a materialised `seq_len²` mask per micro-batch,
             where unpacked rows under sdpa need none), which the costs count and the calibration times.
+        objective: "sft" (the causal-LM loss) or "dpo" (TRL's DPO loss on chosen/rejected pairs: each pair is two
+            rows of one micro-batch, so `micro_batch_size` counts rows and is even; the last stage computes each
+            row's response log-prob, `hfsplit.planning.reference`).
+        reference: DPO's reference log-probs: "adapters-off" (a no-grad forward of each step's rows through the same
+            stages with the adapters off, before its training pass) or "precomputed" (one no-grad pass over the
+            data before training, the log-probs kept on the last stage); None for SFT.
+        reference_pairs: DPO with a precomputed reference: the pairs of the data set whose log-probs the last stage
+            keeps (None: not known where the plan was made, counted as one step's pairs).
     """
 
     method: Method = "lora"
@@ -78,11 +86,19 @@ class TrainingSpec:
     quantize_experts: bool = True
     lora_alpha: Optional[int] = None
     lora_dropout: float = 0.0
+    objective: str = "sft"
+    reference: Optional[str] = None
+    reference_pairs: Optional[int] = None
 
     def __post_init__(self):
         mode = checkpointing_mode(self.activation_checkpointing)
         # on and off stay booleans (today's plans and their JSON); offload is the one string
         object.__setattr__(self, "activation_checkpointing", {"off": False, "on": True}.get(mode, mode))
+
+    @property
+    def pairs_per_micro_batch(self) -> int:
+        """DPO: the chosen/rejected pairs of one micro-batch (two rows each); 0 for SFT."""
+        return self.micro_batch_size // 2 if self.objective == "dpo" else 0
 
     @property
     def checkpointing(self) -> str:
@@ -214,6 +230,9 @@ class Plan:
         tied_embeddings: lm_head shares the embedding matrix.
         fused_experts: the model's sparse blocks hold fused MoE experts (3-D parameters; QLoRA may quantize them).
         applied: the steps the run applied to its stages (`apply_plan`'s; empty until a run builds them).
+        reference_s: DPO's reference pass over one step's rows (`hfsplit.planning.reference`): with adapters-off,
+            seconds within each step (in `step_time_s`); precomputed, the one-off pass's seconds per global batch
+            of the data, before training (not in `step_time_s`); 0 for SFT.
     """
 
     model: str
@@ -233,6 +252,7 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     applied: tuple[Step, ...] = field(default_factory=tuple)
     fused_experts: bool = False
+    reference_s: float = 0.0
 
     def steps(self) -> tuple[Step, ...]:
         """What `hfsplit.apply.steps.apply_plan` does to each stage for this plan, in order: data, one
@@ -344,7 +364,7 @@ class Plan:
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         tail = (
             f"\nestimated step: {self.step_time_s * 1e3:.1f} ms, bubble {100 * self.bubble_fraction:.1f}%"
-        )
+        ) + self._reference_line()
         if self.virtual_stages > 1:  # a device's stages share it: their figures together, as the planner fits them
             tail += "\nper device, its stages together: " + ", ".join(
                 f"{mine[0].devices[0][0]} {format_bytes(rank_total(s.memory for s in mine))} of "
@@ -359,6 +379,20 @@ class Plan:
         steps = " → ".join(map(str, applied or planned)) or "nothing (plain stages)"
         runs = f"\n{'applied' if applied else 'applies'} per stage: {steps}"
         return head + "\n".join(lines) + tail + runs + notes
+
+    def _reference_line(self) -> str:
+        """DPO: the pairs a micro-batch holds and what the reference costs (empty for SFT)."""
+        spec = self.spec
+        if spec.objective != "dpo":
+            return ""
+        pairs = f"\nDPO: {spec.pairs_per_micro_batch} pair(s) a micro-batch (chosen + rejected rows), "
+        if spec.reference == "precomputed":
+            cached = "" if spec.reference_pairs is None else f" for {spec.reference_pairs} pairs"
+            return pairs + (f"reference precomputed: a one-off no-grad pass of {self.reference_s * 1e3:.1f} ms per "
+                            f"global batch before training (not in the step); the last stage keeps 8 bytes a "
+                            f"pair{cached}")
+        how = "each micro-batch" if self.virtual_stages == 1 else "the step's rows at once, stage after stage"
+        return pairs + f"reference adapters-off: a no-grad forward of {how}, {self.reference_s * 1e3:.1f} ms of the step"
 
     def _uniform(self, of, mixed: str) -> str:
         values = {of(s) for s in self.stages}

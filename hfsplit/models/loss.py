@@ -35,6 +35,25 @@ def causal_lm_loss(vocab_size: int):
     return loss_fn
 
 
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-prob of its label tokens (labels unshifted, -100 ignored), in fp32: (rows,). DPO's
+    per-sequence log-prob, as TRL sums it (`hfsplit.training.preference`; the planner traces the head with it)."""
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(logits.device)
+    mask = shifted != IGNORE_INDEX
+    logps = torch.log_softmax(logits.float(), dim=-1)
+    token = torch.gather(logps, -1, shifted.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (token * mask).sum(-1)
+
+
+def dpo_head_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """What the DPO loss does with a micro-batch's logits, for tracing its memory: the metrics' log-probs of the
+    detached logits, then the policy's with gradients, into the sigmoid loss of each pair (chosen row, rejected
+    row) against a constant reference (`hfsplit.training.preference.DpoLoss`)."""
+    sequence_logps(logits.detach(), labels)
+    policy = sequence_logps(logits, labels)
+    return -F.logsigmoid(policy[0::2] - policy[1::2]).sum()
+
+
 def chunk_tokens(vocab_size: int, tokens: int) -> int:
     """Tokens per chunk: at most CHUNK_LOGIT_BYTES of fp32 logits, and at most 1/MIN_CHUNKS of the tokens."""
     return max(1, min(CHUNK_LOGIT_BYTES // (4 * vocab_size), math.ceil(tokens / MIN_CHUNKS)))

@@ -31,6 +31,7 @@ from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec, checkpointing_m
 from hfsplit.planning.costs.model import ModelCosts, PartCost, model_costs, weight_bytes
 from hfsplit.planning.kind_rates import kind_rates
 from hfsplit.planning.links import DEFAULT_LINK, Link
+from hfsplit.planning.reference import forward_fraction, per_step, reference_bytes
 from hfsplit.planning.memory_choices import (
     AUTO as AUTO_CHOICE, Choice, frugal, host_budget, host_share, ladder, plan_spec,
 )
@@ -61,6 +62,8 @@ class Slot:
     actions: int = 2  # schedule actions per micro-batch: forward, backward (zero bubble: + weight gradient)
     host_budget: Optional[int] = None  # host bytes this rank's activation offload may hold (None: no limit given)
     cap: Optional[int] = None  # what the plan may fill of `budget` (None: all of it; less under make_plan's headroom)
+    micro_batches: int = 1  # per step per replica (DPO's reference pass covers them all)
+    relay: bool = False  # the rank runs several stages: a forward-only pass relays all rows at once (`reference`)
 
 
 def make_plan(
@@ -408,6 +411,11 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     acts = slot.in_flight * (sum(c.activation_bytes * k for c, k in parts) + kept +
                              costs.stage_inputs.activation_bytes) + workspace
     host = slot.in_flight * (sum(c.offload_bytes * k for c, k in parts) - kept)
+    # DPO's reference: what it keeps through the step, and its own pass's peak where the training pass's is lower
+    ref_kept, ref_peak = reference_bytes(costs, has_embed=slot.has_embed, has_head=slot.has_head,
+                                         micro_batches=slot.micro_batches, relay=slot.relay)
+    workspace += max(0, ref_peak - acts)
+    acts = ref_kept + max(acts, ref_peak)
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
                        reserve=costs.spec.reserve_bytes, workspace=int(workspace), offload=int(host))
 
@@ -479,7 +487,18 @@ def _slot_time(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> floa
     parts = _parts(costs, slot, layers)
     flops = sum(c.flops * k for c, k in parts)
     compute = flops / (DEVICE_FLOPS * slot.speed) * _split_factor(costs, slot)
-    return compute + _comm_time(costs, slot, parts) + _offload_time(costs, slot, layers, parts, compute=compute)
+    seconds = compute + _comm_time(costs, slot, parts) + _offload_time(costs, slot, layers, parts, compute=compute)
+    if per_step(costs.spec) and not slot.relay:  # DPO: the reference's forward of the micro-batch, in the schedule
+        seconds += reference_forward_s(costs, slot, layers)
+    return seconds
+
+
+def reference_forward_s(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float:
+    """Seconds of one no-grad forward of a micro-batch through `slot`'s stage (DPO's reference): the forward share
+    of its training compute, and its sends one way."""
+    parts = _parts(costs, slot, layers)
+    compute = sum(c.flops * k for c, k in parts) / (DEVICE_FLOPS * slot.speed) * forward_fraction(costs)
+    return compute + (slot.sends * slot.link.send_s(costs.boundary_bytes) if costs.boundary_bytes else 0.0)
 
 
 def _offload_time(costs: ModelCosts, slot: Slot, layers, parts, *, compute: float) -> float:
@@ -549,12 +568,30 @@ def _plan(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequence[Slot],
         start += count
     bubble = bubble_fraction(schedule, p, m, v)
     spec = plan_spec(variants[0].spec, [choices[level] for level in levels])
+    reference = _reference_s(variants, slots, counts, levels, m=m, bubble=bubble)
+    step = max(times.values()) * m / (1 - bubble) + (reference if per_step(spec) and v > 1 else 0.0)
     return Plan(
         model=name, model_type=config.model_type, num_layers=variants[0].num_layers, tp=t, pp=p, dp=d,
         virtual_stages=v, schedule=schedule, micro_batches=m, spec=spec, stages=tuple(stages),
-        step_time_s=max(times.values()) * m / (1 - bubble), bubble_fraction=bubble, tied_embeddings=variants[0].tied,
-        fused_experts=bool(expert_parameters(config)),
+        step_time_s=step, bubble_fraction=bubble, tied_embeddings=variants[0].tied,
+        fused_experts=bool(expert_parameters(config)), reference_s=reference,
     )
+
+
+def _reference_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels: Sequence[int], *, m: int,
+                 bubble: float) -> float:
+    """Seconds of DPO's reference pass over one step's rows (0 for SFT): a forward-only pipeline of the `m`
+    micro-batches where each rank runs one stage, else a relay of all rows through the stages in turn."""
+    if variants[0].spec.objective != "dpo":
+        return 0.0
+    ranks: dict[int, float] = {}
+    for slot, level in zip(slots, levels):
+        costs = variants[level]
+        seconds = reference_forward_s(costs, slot, stage_layers(costs, counts, slot.index))
+        ranks[slot.pp_rank] = ranks.get(slot.pp_rank, 0.0) + seconds
+    if slots[0].relay:
+        return m * sum(ranks.values())
+    return max(ranks.values()) * m / (1 - bubble)
 
 
 def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: dict, *, p: int, d: int, v: int,
@@ -574,6 +611,7 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
             sends=sum(0 <= j < count and ranks[j] != rank for j in (index - 1, index + 1)),
             actions=3 if TABLE[schedule].zero_bubble and p > 1 else 2, host_budget=host_budget,
             cap=int(min(budgets[x] for x in flat) * (1 - headroom)) if headroom else None,
+            micro_batches=m, relay=v > 1,
         ))
     return slots
 
@@ -778,8 +816,9 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     if seqs and fits(budgets, replace(spec, seq_len=seqs[-1])):
         seq = next(s for s in seqs if fits(budgets, replace(spec, seq_len=s)))
         fixes.append(f"a shorter sequence (--seq-len {seq})")
-    if spec.micro_batch_size > 1 and fits(budgets, replace(spec, micro_batch_size=1)):
-        fixes.append("micro-batch size 1 (--micro-batch-size 1)")
+    least = 2 if spec.objective == "dpo" else 1  # a DPO micro-batch holds whole pairs: one pair is two rows
+    if spec.micro_batch_size > least and fits(budgets, replace(spec, micro_batch_size=least)):
+        fixes.append(f"micro-batch size {least} (--micro-batch-size {least}{', one pair' if least == 2 else ''})")
     count = _fewest_devices(lambda b: fits(b, spec), budgets)
     if count is not None:
         fixes.append(f"{count} devices (add {count - len(budgets)} × {format_bytes(min(budgets.values()))})")

@@ -274,7 +274,8 @@ def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
                         bnb_4bit_quant_type=options.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
                         chunked_loss=options.chunked_loss, packing=packing_of(options),
-                        quantize_experts=options.quantize_experts)
+                        quantize_experts=options.quantize_experts, objective=options.objective,
+                        reference=reference_of(options) if options.objective == "dpo" else None)
 
 
 def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[bool] = None) -> dict:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from hfsplit.models.loss import sequence_logps  # with the planner's trace of the DPO head (one definition)
 from hfsplit.training.data import DatasetError, load_examples, pad_id, rendered_chat
 from hfsplit.training.packing import IGNORE_INDEX, Example, TokenRows, padded_rows
 
@@ -82,15 +83,6 @@ def paired_rows(rows: Sequence[dict], tokenizer, *, seq_len: int, source: str) -
     """The preference rows as padded token rows, row 2i the chosen and 2i+1 the rejected response of example i."""
     examples = preference_examples(rows, tokenizer, seq_len=seq_len, source=source)
     return padded_rows(examples, seq_len=seq_len, pad=pad_id(tokenizer))
-
-
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's summed log-prob of its label tokens (labels unshifted, -100 ignored), in fp32: (rows,)."""
-    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(logits.device)
-    mask = shifted != IGNORE_INDEX
-    logps = torch.log_softmax(logits.float(), dim=-1)
-    token = torch.gather(logps, -1, shifted.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (token * mask).sum(-1)
 
 
 def pair_losses(policy: torch.Tensor, reference: torch.Tensor, *, beta: float, loss_type: str) -> torch.Tensor:

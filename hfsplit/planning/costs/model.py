@@ -94,6 +94,7 @@ class ModelCosts:
             keeps a micro-batch's keyword inputs until its backward) and the attention masks its forward builds
             (`hfsplit.planning.costs.masks.stage_mask_bytes`): transient while the stage's forward runs, kept per
             micro-batch in flight under activation checkpointing (each checkpointed block saves its inputs).
+        logits_bytes: one micro-batch's logits on one TP rank in the compute dtype (`hfsplit.planning.reference`).
     """
 
     num_layers: int
@@ -106,6 +107,7 @@ class ModelCosts:
     boundary_bytes: int = 0
     layer_blocks: tuple[PartCost, ...] = ()
     stage_inputs: PartCost = PartCost(0, 0, 0, 0, 0, 0.0)
+    logits_bytes: int = 0  # one micro-batch's logits on one TP rank, in the compute dtype (DPO's reference counts them)
 
 
 _MASTER_WEIGHT_BYTES = 4  # fp32 master copy under mixed precision
@@ -296,7 +298,8 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     head = PartCost(**state("head"), activation_bytes=ends.head_activations, workspace_bytes=ends.head_workspace,
                     flops=head_flops)
     return _with_deferred_grads(ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec,
-                                           boundary_bytes=hidden_bytes, stage_inputs=_stage_inputs(key, spec, ckpt)),
+                                           boundary_bytes=hidden_bytes, stage_inputs=_stage_inputs(key, spec, ckpt),
+                                           logits_bytes=tokens * (config.vocab_size // tp) * size),
                                 layout, config)
 
 

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.models.families import FAMILIES, Family
 from hfsplit.models.layout import meta_model
-from hfsplit.models.loss import chunked_causal_lm_loss
+from hfsplit.models.loss import chunked_causal_lm_loss, dpo_head_loss
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.layout import (
     CONFIGS, LORA_ADAPTER_DTYPE, dtype_of, layout_of, lora_targets, numel, parts, rank_layer_config,
@@ -316,7 +316,9 @@ def trace_ends(key: str, spec: TrainingSpec) -> EndsTrace:
                     loss = chunked_causal_lm_loss(logits, ids, head=head, vocab_size=config.vocab_size)
                 else:
                     logits = head(norm(x))
-                    if train:
+                    if train and spec.objective == "dpo":  # each row's response log-prob, then the pairs' loss
+                        loss = dpo_head_loss(logits, ids)
+                    elif train:
                         loss = model.loss_function(logits=logits, labels=ids, vocab_size=config.vocab_size)
             head_fwd = live.peak
             if not train:

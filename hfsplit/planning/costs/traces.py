@@ -25,15 +25,18 @@ from hfsplit.planning.costs.trace import BlockTrace, EndsTrace, trace_ends
 def trace_spec(spec):
     """The spec with the fields that do not change a trace set to fixed values."""
     lora = spec.method == "lora"
+    # DPO's reference is counted beside the traces (`hfsplit.planning.reference`); its objective changes the head only
     return replace(spec, activation_checkpointing=False, reserve_bytes=None, optim="adamw_torch",
-                   lora_r=spec.lora_r if lora else 0, lora_targets=spec.lora_targets if lora else None)
+                   lora_r=spec.lora_r if lora else 0, lora_targets=spec.lora_targets if lora else None,
+                   reference=None, reference_pairs=None)
 
 
 def block_trace(key: str, spec, tp: int):
     """`trace.trace_block` for `spec` at TP degree `tp`, from memory, disk, or a new trace."""
     # degrees above the second one are derived from two traces (block_trace_at)
     # the chunked loss changes only the head: a block trace serves both
-    return _cached("block", key, replace(trace_spec(spec), chunked_loss=False), tp, block_trace_at, BlockTrace)
+    return _cached("block", key, replace(trace_spec(spec), chunked_loss=False, objective="sft"), tp, block_trace_at,
+                   BlockTrace)
 
 
 def ends_trace(key: str, spec):
@@ -44,12 +47,15 @@ def ends_trace(key: str, spec):
 
 _MEMO: dict[str, object] = {}
 _UNTRACED = ("optim", "lora_alpha", "lora_dropout")
+_NEWER = {"objective": "sft", "reference": None, "reference_pairs": None}  # keyed only where they differ from these
 
 
 def _cached(kind: str, key: str, spec, tp: Optional[int], trace, cls):
     # `optim` never changes a trace (trace_spec fixes it), nor do LoRA's alpha and dropout (the trace's adapters are
     # its own): left out of the key, caches from before they were fields stay valid
-    full = f"{key}|{sorted((k, v) for k, v in asdict(spec).items() if k not in _UNTRACED)}|tp={tp}"
+    # and fields added since (DPO's) only where they differ from their defaults, so SFT keys stay as they were
+    items = ((k, v) for k, v in asdict(spec).items() if k not in _UNTRACED and (k not in _NEWER or v != _NEWER[k]))
+    full = f"{key}|{sorted(items)}|tp={tp}"
     if full in _MEMO:
         return _MEMO[full]
     record = read_cache(kind, full)

@@ -1,0 +1,97 @@
+"""DPO plans (issue 23): pairs as two rows of a micro-batch, the adapters-off reference's memory and time, a
+precomputed reference's one-off pass and cached log-probs; the Plan stays data. No ranks: bundled configs only."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from hfsplit.checkpoint.resolve import load_config
+from hfsplit.cli.plan import main
+from hfsplit.plan import Plan, TrainingSpec
+from hfsplit.planning.costs.model import model_costs
+from hfsplit.planning.planner import Slot, make_plan, stage_memory
+
+MODEL = "Qwen/Qwen2.5-0.5B"  # bundled config (hfsplit/configs): vocab 151936, hidden 896, 24 layers
+SEQ, ROWS, MICRO = 256, 2, 4
+DPO = TrainingSpec(method="lora", seq_len=SEQ, micro_batch_size=ROWS, dtype="bfloat16", activation_checkpointing=True,
+                   reserve_bytes=0, objective="dpo", reference="adapters-off")
+SFT = replace(DPO, objective="sft", reference=None)  # twice the pairs' count of rows: the same rows
+
+
+def slot(*, head: bool, relay: bool = False) -> Slot:
+    return Slot(index=int(head), pp_rank=int(head), devices=(("0",),), budget=24 << 30, speed=1.0,
+                in_flight=1 if head else 2, has_embed=not head, has_head=head, micro_batches=MICRO, relay=relay)
+
+
+def test_dpo_activations_are_sft_at_the_pairs_rows_plus_the_reference():
+    """Each pair is two rows: a DPO micro-batch of one pair costs the blocks, masks and boundary of an SFT micro-batch
+    of two rows. Beside them the reference (hand-counted here): stage 0 keeps each micro-batch's reference output (a
+    hidden state, bf16) through the step; the last stage keeps each micro-batch's reference logits (bf16) and one fp32
+    log-prob a row, and its reference pass peaks at the step's joined logits, their fp32 copy and fp32 log-softmax."""
+    config = load_config(MODEL)
+    dpo, sft = model_costs(config, DPO), model_costs(config, SFT)
+    assert dpo.block == sft.block and dpo.stage_inputs == sft.stage_inputs and dpo.embed == sft.embed
+    hidden = ROWS * SEQ * config.hidden_size * 2
+    logits = ROWS * SEQ * config.vocab_size * 2
+    assert dpo.logits_bytes == logits and dpo.boundary_bytes == hidden
+    first_dpo, first_sft = (stage_memory(c, slot(head=False), 12) for c in (dpo, sft))
+    assert first_dpo.activations == first_sft.activations + MICRO * hidden
+    assert (first_dpo.weights, first_dpo.optimizer) == (first_sft.weights, first_sft.optimizer)
+    last_dpo = stage_memory(dpo, slot(head=True), 12)
+    training = stage_memory(replace(dpo, spec=replace(DPO, objective="sft")), slot(head=True), 12).activations
+    kept = MICRO * logits + 4 * MICRO * ROWS
+    peak = MICRO * logits * (1 + 2 + 2)  # joined bf16 logits, their fp32 copy, the fp32 log-softmax
+    assert last_dpo.activations == kept + max(training, peak)
+    # the DPO head (each row's fp32 log-softmax for the metrics, then for the loss) is traced, not the CE loss's
+    assert dpo.head.activation_bytes >= ROWS * SEQ * config.vocab_size * 4
+    assert dpo.head != sft.head
+
+
+def test_a_dpo_plan_counts_the_reference_forward_in_each_step_and_says_so():
+    options = dict(pp=2, micro_batches=MICRO, schedule="1F1B", activation_checkpointing="on", optim="adamw_torch")
+    dpo, sft = (make_plan(MODEL, "2x24GiB", spec=s, **options) for s in (DPO, SFT))
+    assert sft.reference_s == 0.0 and "DPO" not in sft.table()
+    # a third more per stage: LoRA's training pass is about 3 forwards under checkpointing (forward, the input
+    # gradients' backward, the recompute), the reference one more
+    for d, s in zip(dpo.stages, sft.stages):
+        if d.layers == s.layers and not d.has_head:
+            assert d.time_s == pytest.approx(s.time_s * 4 / 3, rel=0.02)
+    assert dpo.step_time_s > sft.step_time_s and dpo.reference_s > 0
+    assert dpo.stages[-1].memory.total > sft.stages[-1].memory.total
+    assert "DPO: 1 pair(s) a micro-batch" in dpo.table() and "reference adapters-off" in dpo.table()
+
+
+def test_a_precomputed_reference_is_a_one_off_pass_and_eight_bytes_a_pair_on_the_last_stage():
+    full = replace(DPO, method="full", reference="precomputed", reference_pairs=0)
+    options = dict(pp=2, micro_batches=MICRO, schedule="1F1B", activation_checkpointing="on", optim="adamw_torch")
+    none, many = (make_plan(MODEL, "2x80GiB", spec=replace(full, reference_pairs=n), **options) for n in (0, 10**6))
+    assert [s.layers for s in none.stages] == [s.layers for s in many.stages]
+    assert many.stages[-1].memory.activations - none.stages[-1].memory.activations == 8 * 10**6
+    assert many.stages[0].memory == none.stages[0].memory
+    sft = make_plan(MODEL, "2x80GiB", spec=replace(full, objective="sft", reference=None, reference_pairs=None),
+                    **options)
+    assert many.reference_s > 0 and many.step_time_s == pytest.approx(sft.step_time_s, rel=1e-9)  # not in the step
+    assert "one-off no-grad pass" in many.table() and "for 1000000 pairs" in many.table()
+
+
+def test_plan_json_round_trips_the_objective_and_an_older_plan_reads_as_sft():
+    plan = make_plan(MODEL, "2x24GiB", spec=DPO, pp=2, micro_batches=MICRO, schedule="1F1B")
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert (again.spec.objective, again.spec.reference, again.reference_s) == ("dpo", "adapters-off", plan.reference_s)
+    old = json.loads(make_plan(MODEL, "2x24GiB", spec=SFT, pp=2, micro_batches=MICRO, schedule="1F1B").to_json())
+    for key in ("objective", "reference", "reference_pairs"):
+        del old["spec"][key]
+    del old["reference_s"]
+    assert Plan.from_json(json.dumps(old)).spec.objective == "sft"
+
+
+def test_hfsplit_plan_objective_dpo_plans_a_bundled_config(capsys):
+    code = main(["plan", MODEL, "--max-memory", "2x24GiB", "--objective", "dpo", "--seq-len", str(SEQ),
+                 "--micro-batch-size", "2", "--json"])
+    assert code == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.spec.objective == "dpo" and plan.spec.reference == "adapters-off" and plan.reference_s > 0
+    assert main(["plan", MODEL, "--max-memory", "2x24GiB", "--objective", "dpo", "--micro-batch-size", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--micro-batch-size" in err[0] and "even" in err[0]

@@ -1,0 +1,107 @@
+"""The DPO run keeps its plan (issue 23): the tiny DPO recipe at pp=2, each rank's measured peak of a step against
+the plan's figure for its stage, and the measured busy time against the plan's estimate (the reference pass in it)."""
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfsplit.training.options import recipe_values
+from tests.parallel.launcher import launch
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "dpo.yaml"
+
+
+def dpo_step_against_plan(options: dict) -> dict:
+    """On every rank: the recipe's DPO run as `hfsplit.finetune` builds and fits it, then one more step measured as
+    the QLoRA tests measure theirs (bytes held: weights, quant state and AdamW state, + the peak of the storages the
+    step creates); the plan's figure for this rank's stages, the same split planned for SFT (what the reference and
+    the DPO head add), and the run's step and busy times."""
+    from hfsplit.checkpoint.resolve import load_config
+    from hfsplit.plan import rank_total
+    from hfsplit.planning.costs.model import model_costs
+    from hfsplit.planning.planner import make_plan
+    from hfsplit.planning.reference import forward_fraction
+    from hfsplit.training import trainer
+    from hfsplit.training.options import tiny_demo_options
+    from hfsplit.training.run import build_run
+    from hfsplit.training.trainer import fit, train_step
+    from tests.parallel.apply_cases import LiveStorages
+    from tests.training.test_qlora import held_bytes_of
+
+    run = build_run(tiny_demo_options(**options), progress=False)
+    reference_busy = []  # each step's busy seconds in the reference pass (the rest of train_step's are training's)
+
+    def timed(run, *args):
+        before = run.model.busy_seconds()
+        targets = original(run, *args)
+        reference_busy.append(run.model.busy_seconds() - before)
+        return targets
+
+    original, trainer.dpo_targets = trainer.dpo_targets, timed  # timed, not replaced: it runs as it does
+    result = fit(run)
+    trainer.dpo_targets = original
+    model, plan = run.model, run.model.plan
+    held = held_bytes_of(model) + sum(t.nbytes for state in run.optimizer.state.values() for t in state.values()
+                                      if isinstance(t, torch.Tensor))
+    with LiveStorages() as live:
+        train_step(run, next(run.batches))
+    mine = list(model.stage_indices)
+    sft = make_plan(options["model"], options["max_memory"], spec=replace(plan.spec, objective="sft", reference=None),
+                    micro_batches=plan.micro_batches, schedule=plan.schedule, pp=plan.pp, tp=plan.tp,
+                    activation_checkpointing=plan.spec.activation_checkpointing, optim=plan.spec.optim, gpus=False)
+    return dict(measured=held + live.peak, planned=rank_total(plan.stages[i].memory for i in mine),
+                planned_sft=rank_total(sft.stages[i].memory for i in mine), losses=result.losses,
+                same_split=[s.layers for s in sft.stages] == [s.layers for s in plan.stages],
+                objective=plan.spec.objective, reference=plan.spec.reference, reference_s=plan.reference_s,
+                plan=plan, step_times_s=result.step_times_s, busy_s=result.busy_s_per_rank,
+                # the timed steps' (Metrics leaves the first, which builds the schedules, out of its busy total)
+                reference_busy=sum(reference_busy[1:]), busy=result.busy_s_per_rank[torch.distributed.get_rank()],
+                planned_share=forward_fraction(model_costs(load_config(options["model"]), plan.spec)))
+
+
+@pytest.mark.slow
+def test_the_tiny_dpo_recipe_keeps_its_plan(tiny_checkpoint, tmp_path):
+    """recipes/tiny/dpo.yaml (LoRA, pp=2, 1F1B, 4 micro-batches of one pair) on two CPU ranks: the plan is a DPO
+    plan with the adapters-off reference; each rank's measured peak is its planned figure within ±15% (as the other
+    run-vs-plan tests hold theirs), and above the same split's SFT figure where the plan says DPO costs more; the
+    reference pass's share of the ranks' busy time is at most the plan's (both count its forward of every
+    micro-batch), and the busy time per step beside the estimate is printed."""
+    from hfsplit.load.probes import RECHECK_FACTOR
+    from hfsplit.planning.timing import pipeline_busy
+
+    options = dict(recipe_values(RECIPE), model=str(tiny_checkpoint("llama")), max_memory="2x1GiB", max_steps=4,
+                   dtype="float32", output_dir=str(tmp_path / "dpo"))
+    results = launch("tests.training.test_dpo_plan:dpo_step_against_plan", world_size=2, kwargs={"options": options},
+                     timeout_s=400)
+    for rank, r in enumerate(results):  # every figure printed before any is asserted
+        print(f"rank {rank}: planned {r['planned']} measured {r['measured']} ({r['measured'] / r['planned']:.3f}); "
+              f"the SFT plan of the split {r['planned_sft']}")
+    first = results[0]
+    plan = first["plan"]
+    assert (first["objective"], first["reference"]) == ("dpo", "adapters-off")
+    assert plan.pp == 2 and plan.schedule == "1F1B" and plan.spec.micro_batch_size == 2
+    for rank, r in enumerate(results):
+        ratio = r["measured"] / r["planned"]
+        assert 0.85 <= ratio <= 1.15, f"rank {rank}: measured/planned = {ratio:.3f}"
+        if r["same_split"] and r["planned"] > 1.15 * r["planned_sft"]:  # what DPO adds shows in the measurement
+            assert r["measured"] > r["planned_sft"], (rank, r["measured"], r["planned_sft"])
+    # the last stage keeps the reference's logits
+    assert not first["same_split"] or results[1]["planned"] > 1.15 * results[1]["planned_sft"]
+    rows = pipeline_busy(plan, first["step_times_s"], first["busy_s"])
+    estimated, measured = sum(row[1] for row in rows), sum(row[2] for row in rows)
+    shares = [r["reference_busy"] / (r["busy"] - r["reference_busy"]) for r in results]
+    print(f"busy per step: estimated {estimated * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms; step estimate "
+          f"{plan.step_time_s * 1e3:.1f} ms, reference {first['reference_s'] * 1e3:.1f} ms of it, measured steps "
+          f"{[round(t * 1e3, 1) for t in first['step_times_s']]}; the reference's busy time over training's per rank "
+          f"{[round(x, 3) for x in shares]}, planned {first['planned_share']:.3f}")
+    assert first["reference_s"] > 0
+    # The busy time against the estimate swings with this shared machine's load between the launch's calibration
+    # and the steps (the run's own recheck, `probes.recheck_speed`, rewrites the calibration beyond RECHECK_FACTOR):
+    # printed, not asserted. What the plan adds for DPO is checked where load cancels out: the reference's forward
+    # against the training pass, both measured on the same ranks at the same moments, is never above the plan's
+    # share (1.5x margin). Measured 0.13-0.18 against the planned 0.5 here: the plan is conservative on this CPU
+    # (a whole-model microbenchmark measured 0.48-0.67, see `forward_fraction`); not measured on a GPU.
+    print(f"measured/estimated busy {measured / estimated:.2f} (the run's recheck factor: {RECHECK_FACTOR})")
+    assert all(0 < x <= 1.5 * first["planned_share"] for x in shares), shares
+    assert first["losses"][-1] < first["losses"][0]
