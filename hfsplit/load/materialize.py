@@ -411,33 +411,33 @@ def isolate_packed_rows(model: torch.nn.Module) -> None:
 
 
 def examples_by_layer(model: torch.nn.Module) -> None:
-    """Packed calls of `model` under sdpa: each layer's attention gets its layer type's `PackedRows`, built once per
-    call; the decoder gets a zero-stride 4-D mask, which transformers' mask builders return as given."""
-    decoder, held = model.get_decoder(), {}
-
+    """Packed calls of `model` under sdpa: the decoder gets a zero-stride 4-D mask, which transformers' mask
+    builders return as given, carrying the call's `PackedRows` by layer type (built once per call); each layer's
+    attention is handed its type's. The stand-in travels with the layer's arguments, so a checkpointed layer's
+    recompute finds it too."""
     def decoder_call(module, args, kwargs):
-        held.clear()
         positions = kwargs.get("position_ids")
         given_cache = any(kwargs.get(name) is not None for name in ("cache", "past_key_values"))
         if (positions is None or given_cache or kwargs.get("attention_mask") is not None or not varlen_enabled()
                 or not is_packed(positions)):
             return args, kwargs
-        held.update(packed_masks(model, positions))
         ids = kwargs.get("input_ids", args[0] if args else None)
         batch, seq = (ids if ids is not None else kwargs["inputs_embeds"]).shape[:2]
-        kwargs["attention_mask"] = torch.ones((), dtype=torch.bool, device=positions.device).expand(batch, 1, seq, seq)
+        stand_in = torch.ones((), dtype=torch.bool, device=positions.device).expand(batch, 1, seq, seq)
+        stand_in.hfsplit_packed_rows = packed_masks(model, positions)
+        kwargs["attention_mask"] = stand_in
         return args, kwargs
 
     def attention_call(index: int):
         def hook(module, args, kwargs):
-            if held:
-                kwargs["attention_mask"] = held[layer_attention_type(model.config, index)]
+            rows = getattr(kwargs.get("attention_mask"), "hfsplit_packed_rows", None)
+            if rows is not None:
+                kwargs["attention_mask"] = rows[layer_attention_type(model.config, index)]
             return args, kwargs
         return hook
 
-    decoder.register_forward_pre_hook(decoder_call, with_kwargs=True)
-    decoder.register_forward_hook(lambda *_: held.clear())
-    for index, layer in enumerate(decoder.layers):
+    model.get_decoder().register_forward_pre_hook(decoder_call, with_kwargs=True)
+    for index, layer in enumerate(model.get_decoder().layers):
         layer.self_attn.register_forward_pre_hook(attention_call(index), with_kwargs=True)
 
 
