@@ -385,8 +385,8 @@ def isolate_packed_rows(model: torch.nn.Module) -> None:
     forward makes a cache whenever `use_cache` is left to the config (True for every causal LM), so a packed
     row called as a transformers model is called attended across its examples unless the caller also passes
     `use_cache=False`. A call with position ids and neither a cache nor `use_cache` runs without a cache here;
-    generation (which passes its cache) and every other call are unchanged. Under sdpa each attention module of a
-    packed call is handed a `PackedRows` (each example on its own: `hfsplit.models.varlen`), and the decoder a
+    generation (which passes its cache) and every other call are unchanged. Under sdpa, for the families hfsplit
+    splits, each attention module of a packed call is handed a `PackedRows` (each example on its own: `hfsplit.models.varlen`), and the decoder a
     zero-stride 4-D stand-in so that transformers builds no L × L mask. Otherwise a family whose forward builds
     its masks without the position ids (`Family.mask_ignores_positions`) is handed transformers' packed masks."""
     def no_cache_for_given_positions(module, args, kwargs):
@@ -403,7 +403,9 @@ def isolate_packed_rows(model: torch.nn.Module) -> None:
 
     model.register_forward_pre_hook(no_cache_for_given_positions, with_kwargs=True)
     family = FAMILIES.get(model.config.model_type)
-    if model.config._attn_implementation == VARLEN_IMPLEMENTATION:
+    # example by example only where it is tested: the declared families' decoders (`layers`, each `self_attn`);
+    # any other model keeps transformers' own masks
+    if model.config._attn_implementation == VARLEN_IMPLEMENTATION and family is not None:
         examples_by_layer(model)
     if family is not None and family.mask_ignores_positions:
         # on the decoder, not the causal LM: the LM's router loss reads its own 2-D attention mask
