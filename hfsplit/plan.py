@@ -55,9 +55,10 @@ class TrainingSpec:
             adapters take the 16-bit inputs instead of keeping fp32 copies of them (`hfsplit.apply.autocast`).
             None: on for 16-bit 4-bit QLoRA; False: off. No effect in float32, on an 8-bit base (not measured
             under autocast) or for other methods.
-        packing: rows hold several examples, each isolated by its position ids: every stage builds transformers'
-            block-diagonal causal mask (under sdpa and eager a materialised `seq_len²` mask per micro-batch,
-            where unpacked rows under sdpa need none), which the costs count and the calibration times.
+        packing: rows hold several examples, each isolated by its position ids: under sdpa every stage runs each
+            example's attention on its own (`hfsplit.models.varlen`: the examples' indices per micro-batch, no
+            mask, attention `Σ lᵢ²`), under eager it builds transformers' block-diagonal causal mask (a
+            materialised `seq_len²` mask per micro-batch), which the costs count and the calibration times.
         objective: "sft" (the causal-LM loss) or "dpo" (TRL's DPO loss on chosen/rejected pairs: each pair is two
             rows of one micro-batch, so `micro_batch_size` counts rows and is even; the last stage computes each
             row's response log-prob, `hfsplit.planning.reference`).

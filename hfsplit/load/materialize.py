@@ -23,7 +23,8 @@ from hfsplit.errors import CheckpointError, ConvertedOnLoadError
 from hfsplit.load.launch import spec_of_intent, split_from_pretrained
 from hfsplit.models.families import FAMILIES, check_causal_lm
 from hfsplit.models.layout import decoder_layout, meta_model, recompute_buffers
-from hfsplit.models.masks import causal_masks
+from hfsplit.models.masks import causal_masks, layer_attention_type
+from hfsplit.models.varlen import IMPLEMENTATION as VARLEN_IMPLEMENTATION, enabled as varlen_enabled, is_packed
 from hfsplit.parallel.mesh import World, launcher_world
 from hfsplit.planning.planner import make_plan
 
@@ -384,8 +385,10 @@ def isolate_packed_rows(model: torch.nn.Module) -> None:
     forward makes a cache whenever `use_cache` is left to the config (True for every causal LM), so a packed
     row called as a transformers model is called attended across its examples unless the caller also passes
     `use_cache=False`. A call with position ids and neither a cache nor `use_cache` runs without a cache here;
-    generation (which passes its cache) and every other call are unchanged. A family whose forward builds its
-    masks without the position ids (`Family.mask_ignores_positions`) is handed transformers' packed masks."""
+    generation (which passes its cache) and every other call are unchanged. Under sdpa, for the families hfsplit
+    splits, each attention module of a packed call is handed a `PackedRows` (each example on its own: `hfsplit.models.varlen`), and the decoder a
+    zero-stride 4-D stand-in so that transformers builds no L × L mask. Otherwise a family whose forward builds
+    its masks without the position ids (`Family.mask_ignores_positions`) is handed transformers' packed masks."""
     def no_cache_for_given_positions(module, args, kwargs):
         given_cache = any(kwargs.get(name) is not None for name in ("cache", "past_key_values"))
         if kwargs.get("position_ids") is not None and kwargs.get("use_cache") is None and not given_cache:
@@ -400,13 +403,49 @@ def isolate_packed_rows(model: torch.nn.Module) -> None:
 
     model.register_forward_pre_hook(no_cache_for_given_positions, with_kwargs=True)
     family = FAMILIES.get(model.config.model_type)
+    # example by example only where it is tested: the declared families' decoders (`layers`, each `self_attn`);
+    # any other model keeps transformers' own masks
+    if model.config._attn_implementation == VARLEN_IMPLEMENTATION and family is not None:
+        examples_by_layer(model)
     if family is not None and family.mask_ignores_positions:
         # on the decoder, not the causal LM: the LM's router loss reads its own 2-D attention mask
         model.get_decoder().register_forward_pre_hook(packed_masks_for_given_positions, with_kwargs=True)
 
 
+def examples_by_layer(model: torch.nn.Module) -> None:
+    """Packed calls of `model` under sdpa: the decoder gets a zero-stride 4-D mask, which transformers' mask
+    builders return as given, carrying the call's `PackedRows` by layer type (built once per call); each layer's
+    attention is handed its type's. The stand-in travels with the layer's arguments, so a checkpointed layer's
+    recompute finds it too."""
+    def decoder_call(module, args, kwargs):
+        positions = kwargs.get("position_ids")
+        given_cache = any(kwargs.get(name) is not None for name in ("cache", "past_key_values"))
+        if (positions is None or given_cache or kwargs.get("attention_mask") is not None or not varlen_enabled()
+                or not is_packed(positions)):
+            return args, kwargs
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        batch, seq = (ids if ids is not None else kwargs["inputs_embeds"]).shape[:2]
+        stand_in = torch.ones((), dtype=torch.bool, device=positions.device).expand(batch, 1, seq, seq)
+        stand_in.hfsplit_packed_rows = packed_masks(model, positions)
+        kwargs["attention_mask"] = stand_in
+        return args, kwargs
+
+    def attention_call(index: int):
+        def hook(module, args, kwargs):
+            rows = getattr(kwargs.get("attention_mask"), "hfsplit_packed_rows", None)
+            if rows is not None:
+                kwargs["attention_mask"] = rows[layer_attention_type(model.config, index)]
+            return args, kwargs
+        return hook
+
+    model.get_decoder().register_forward_pre_hook(decoder_call, with_kwargs=True)
+    for index, layer in enumerate(model.get_decoder().layers):
+        layer.self_attn.register_forward_pre_hook(attention_call(index), with_kwargs=True)
+
+
 def packed_masks(model: torch.nn.Module, positions: torch.Tensor) -> dict:
-    """transformers' masks by attention type for rows whose position ids restart at each example."""
+    """transformers' masks by attention type for rows whose position ids restart at each example (under sdpa
+    `PackedRows`)."""
     shape_only = torch.empty(*positions.shape, 1, dtype=model.dtype, device=positions.device)
     return causal_masks(model.config, hidden=shape_only, position_ids=positions)
 

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from hfsplit.models.varlen import IMPLEMENTATION, enabled, is_packed, packed_rows_of
+
 
 def layer_attention_type(config, index: int) -> str:
     """"full_attention" or "sliding_attention" for layer `index`, as the model's own forward picks it."""
@@ -27,8 +29,11 @@ def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, ca
     materialised mask costs a float copy per block that backward keeps (measured: ~0.29 GiB on SmolLM2 at seq
     512 × 4). Eager attention always gets a tensor (transformers' `eager_mask` never skips), so None never means
     non-causal there. Packed rows (position ids restarting inside a row, no cache) get transformers' block-diagonal
-    causal mask, sliding windows inside each example: materialised under sdpa and eager, a BlockMask under flex.
+    causal mask, sliding windows inside each example: materialised under eager, a BlockMask under flex; under sdpa
+    instead a `PackedRows` (`hfsplit.models.varlen`), which runs each example on its own, with no L × L mask.
     """
+    if cache is None and config._attn_implementation == IMPLEMENTATION and enabled() and is_packed(position_ids):
+        return packed_masks(config, position_ids)
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     def first_layer(kind: str):
@@ -40,4 +45,13 @@ def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, ca
     if getattr(config, "sliding_window", None):
         masks["sliding_attention"] = create_sliding_window_causal_mask(
             **kwargs, layer_idx=first_layer("sliding_attention"))
+    return masks
+
+
+def packed_masks(config, position_ids: torch.Tensor) -> dict:
+    """Packed rows under sdpa: one `PackedRows` a layer type (the sliding one with the config's window)."""
+    rows = packed_rows_of(position_ids)
+    masks = {"full_attention": rows}
+    if getattr(config, "sliding_window", None):
+        masks["sliding_attention"] = rows.with_window(config.sliding_window)
     return masks

@@ -8,7 +8,8 @@ comparing against transformers need no renaming.
 
 Each stage builds its rotary embeddings and attention masks itself, from the position ids every stage is given
 (the pipeline hands them to each stage as a keyword argument: they restart at 0 for each example of a packed row,
-and transformers' mask builders keep attention inside each example): only hidden states travel between stages.
+and attention stays inside each example: under sdpa each example runs on its own, `hfsplit.models.varlen`, found
+once per micro-batch; otherwise transformers' mask builders): only hidden states travel between stages.
 """
 from __future__ import annotations
 

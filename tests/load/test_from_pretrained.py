@@ -14,6 +14,7 @@ from hfsplit.checkpoint.synthetic import ARCHITECTURES, FAMILY_OVERRIDES, shard_
 from hfsplit.errors import CheckpointError, UnsupportedModelError
 from hfsplit.load.materialize import from_pretrained
 from hfsplit.plan import Plan
+from hfsplit.models import varlen
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_LAYERS = 4  # tiny_config's default
@@ -66,9 +67,13 @@ def test_a_packed_row_gives_each_example_the_logits_it_gets_alone(tiny_checkpoin
     ids, _, positions = (torch.tensor([x]) for x in pack_row([(e.tolist(), e.tolist()) for e in examples],
                                                              seq_len=16, pad=0))
     with torch.no_grad():
-        packed = ours(ids, position_ids=positions).logits[0]
         alone = torch.cat([ours(e[None]).logits[0] for e in examples])
+        before = varlen.calls()
+        packed = ours(ids, position_ids=positions).logits[0]  # under sdpa example by example (models/varlen.py)
+        assert (varlen.calls() > before) == (ours.config._attn_implementation == "sdpa")
         assert (packed - alone).abs().max() <= 1e-5
+        with varlen.block_masks():  # transformers' block-diagonal mask
+            assert (ours(ids, position_ids=positions).logits[0] - alone).abs().max() <= 1e-5
         assert (ours(ids).logits[0] - alone).abs().max() > 1e-3  # without them, one sequence: a test that can fail
 
 

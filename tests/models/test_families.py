@@ -11,6 +11,8 @@ from hfsplit.models.families import check_supported, family_of
 from hfsplit.models.layout import DecoderLayout, decoder_layout, meta_model
 from hfsplit.parallel.stage import StageModule
 from hfsplit.plan import Stage, StageMemory
+from hfsplit.models import varlen
+from hfsplit.training.packing import pack_row
 
 VOCAB = 256
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -86,7 +88,7 @@ def test_distributed_split_refuses_a_bidirectional_gemma3_by_name():
         family_of(config)
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2", "mixtral", "qwen3_moe",
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma2", "granite", "cohere", "gemma3_text", "cohere2", "mixtral", "qwen3_moe",
                                   "gpt_oss"])
 def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
     """The stage builder redoes what the family declares outside its blocks (fast, in-process; the
@@ -96,6 +98,25 @@ def test_one_stage_holding_both_ends_equals_transformers(tiny_checkpoint, arch):
     ids = torch.randint(3, module.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(module(ids), reference(ids).logits, rtol=0, atol=1e-5)
+    # a packed row [A B C] (examples longer than the sliding windows of 4): each example's logits as alone, under
+    # sdpa example by example (models/varlen.py) and with transformers' block-diagonal mask
+    ids, positions, alone = packed_row_and_alone(reference, module.config.vocab_size)
+    before = varlen.calls()
+    with torch.no_grad():
+        torch.testing.assert_close(module(ids, position_ids=positions)[0], alone, rtol=0, atol=1e-5)
+        assert (varlen.calls() > before) == (module.config._attn_implementation == "sdpa")
+        with varlen.block_masks():
+            torch.testing.assert_close(module(ids, position_ids=positions)[0], alone, rtol=0, atol=1e-5)
+
+
+def packed_row_and_alone(reference, vocab_size: int):
+    """(ids, position ids) of one packed row of 16 holding examples of 6, 5 and 5 tokens; their logits alone."""
+    gen = torch.Generator().manual_seed(3)
+    examples = [torch.randint(3, vocab_size, (n,), generator=gen) for n in (6, 5, 5)]
+    ids, _, positions = (torch.tensor([x]) for x in pack_row([(e.tolist(), e.tolist()) for e in examples],
+                                                             seq_len=16, pad=0))
+    with torch.no_grad():
+        return ids, positions, torch.cat([reference(e[None]).logits[0] for e in examples])
 
 
 def one_stage_and_reference(folder: str):

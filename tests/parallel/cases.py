@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from hfsplit.models import varlen
 from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.plan import TrainingSpec
 from hfsplit.parallel.mesh import schedule_pp_rank
@@ -122,10 +123,16 @@ def packed_matches_transformers(model, reference, config, *, tied: bool) -> dict
     for padded rows of varying lengths, a step's token-mean loss and gradients against transformers' on the same
     rows (`position_ids`, `num_items_in_batch`)."""
     ids, labels, positions, examples = packed_batch(config.vocab_size)
-    logits = model(ids, position_ids=positions, broadcast=True)
+    before = varlen.calls()
+    logits = model(ids, position_ids=positions, broadcast=True)  # under sdpa example by example (models/varlen.py)
+    varlen_ran = varlen.calls() > before
+    with varlen.block_masks():  # transformers' block-diagonal mask
+        block_logits = model(ids, position_ids=positions, broadcast=True)
     with torch.no_grad():
         alone = torch.stack([torch.cat([reference(input_ids=e[None]).logits[0] for e in row]) for row in examples])
-    out = {"packed_logits_diff": (logits - alone).abs().max().item()}
+    out = {"packed_logits_diff": (logits - alone).abs().max().item(), "varlen_ran": varlen_ran,
+           "attention": model.stages[0].config._attn_implementation,
+           "block_mask_logits_diff": (block_logits - alone).abs().max().item()}
     for name, batch in (("packed", (ids, labels, positions)), ("padded", padded_batch(config.vocab_size))):
         out.update({f"{name}_{key}": value
                     for key, value in step_matches_transformers(model, reference, config, *batch, tied=tied).items()})

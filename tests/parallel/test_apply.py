@@ -53,8 +53,8 @@ def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
 
 def _check_packed(results: list[dict], *, unpacked: list[dict]) -> None:
     """Packed rows (two examples a row) planned with packing: the measured peak is the plan's within ±15% with
-    checkpointing off and on, and the block-diagonal masks sdpa needs for them (none for unpacked rows) cost at least
-    70% of what the plan says they add."""
+    checkpointing off and on, and what they add under sdpa (each example on its own: the gathered examples each block
+    keeps and their indices; models/varlen.py) costs at least 70% of what the plan says it adds."""
     for rank, (by_ac, plain) in enumerate(zip(results, unpacked)):
         for ac, r in by_ac.items():
             ratio = r["measured"] / r["planned"]

@@ -51,6 +51,10 @@ def assert_split_matches(results: list, *, checkpoint: str, tp: int, tied: bool)
         assert not bad, bad
         # a packed row [A B C]: each example's logits as alone
         assert r["packed_logits_diff"] <= 1e-5, r["packed_logits_diff"]
+        assert r["block_mask_logits_diff"] <= 1e-5, r["block_mask_logits_diff"]  # the same, with the L x L mask
+    # under sdpa (only there) the packed rows ran example by example (models/varlen.py)
+    assert all(r["varlen_ran"] == (r["attention"] == "sdpa") for r in results), [r["attention"] for r in results]
+    for r in results:
         assert r["joined_logits_diff"] <= 1e-5, r["joined_logits_diff"]  # each micro-batch one row (flash attention)
         # packed rows, padded rows of varying lengths, rows joined: the token-mean step's gradients as transformers'
         for layout in ("packed", "padded", "joined"):

@@ -9,6 +9,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from hfsplit.checkpoint import load_config
+from hfsplit.load.materialize import isolate_packed_rows
 from hfsplit.planning.costs import trace as costs_trace
 from hfsplit.models.families import valid_tp_degrees
 from hfsplit.plan import TrainingSpec
@@ -132,9 +133,12 @@ class FrozenAwareMemTracker(MemTracker):
 def measured_peak(config, method: str, seq_len: int, checkpointing: bool = False, lora_targets=None,
                   load_in_8bit: bool = False, packed: bool = False) -> int:
     """Peak bytes over the first two real steps (the second is the steady state with AdamW state); `packed`: of a
-    row holding two examples (position ids restarting halfway: transformers' block-diagonal mask)."""
+    row holding two examples (position ids restarting halfway: under sdpa each example on its own, under eager
+    transformers' block-diagonal mask)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    if packed:  # as hfsplit runs packed rows (under sdpa example by example: models/varlen.py)
+        isolate_packed_rows(model)
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if method == "qlora":  # each block's linears quantized as hfsplit's loader does (NF4 + double quant)
@@ -234,13 +238,14 @@ def test_estimated_qlora_peak_matches_a_real_step(family, seq_len):
     # phase, not the masks; the pipeline plan's packed figures are measured in tests/parallel/test_apply.py)
 ])
 def test_estimated_packed_peak_matches_a_real_step(family, method, checkpointing):
-    """Packed rows: the materialised block-diagonal masks (sdpa: none without packing; eager: one per row either way),
-    what each block keeps of them, and (checkpointing) the masks every block saves."""
+    """Packed rows: under sdpa each example on its own (what each block keeps of its gathered examples, their
+    indices); under eager the materialised block-diagonal masks (one per row either way), what each block keeps of
+    them, and (checkpointing) the masks every block saves."""
     config = tiny_config(family)
     measured = measured_peak(config, method, 512, checkpointing, packed=True)
     estimated = estimated_peak(config, method, 512, checkpointing, packed=True)
     assert estimated == pytest.approx(measured, rel=0.15), f"estimated/measured = {estimated / measured:.3f}"
-    if family == "llama":  # sdpa: a causal row needs no mask, a packed one does, and the plan says so
+    if family == "llama":  # sdpa: a packed row keeps its gathered examples and indices, and the plan says so
         assert estimated > estimated_peak(config, method, 512, checkpointing)
 
 

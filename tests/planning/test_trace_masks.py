@@ -35,20 +35,28 @@ def test_the_trace_keeps_a_mask_only_where_a_stage_passes_one(config, kept):
 
 @pytest.mark.parametrize("config, unpacked", [(_config(), 0), (_config(attention="eager"), 2 * 64 * 64 * 4)])
 def test_packed_rows_cost_a_mask_per_micro_batch_and_the_probe_times_it(config, unpacked):
-    """Packed rows get transformers' block-diagonal mask (a bool seq² per row under sdpa, where causal rows get none;
-    eager builds its float mask either way): the cost model counts it, the calibration probe runs the block with it,
-    and a packed probe is cached apart."""
+    """Packed rows under eager get transformers' block-diagonal float mask (eager builds one either way): the cost
+    model counts it. Under sdpa they run example by example (models/varlen.py): no L x L mask, only the examples'
+    int64 indices (`PackedRows`: one per position for the groups, one for the order), and with the block-mask path
+    turned off a bool seq² per row. The calibration probe runs the block as the stage does, and a packed probe is
+    cached apart."""
     from hfsplit.load.probes import _probe_mask, speed_key
+    from hfsplit.models import varlen
     from hfsplit.plan import TrainingSpec
     from hfsplit.planning.costs.masks import stage_mask_bytes
 
     packed = stage_mask_bytes(config, batch=2, seq=64, packed=True, dtype=torch.float32)
     assert stage_mask_bytes(config, batch=2, seq=64, packed=False, dtype=torch.float32) == unpacked
-    assert packed == 2 * 64 * 64 * (4 if unpacked else 1)
+    assert packed == (2 * 64 * 64 * 4 if unpacked else 2 * 2 * 64 * 8)
     x = torch.zeros(2, 64, 64)
     positions, mask = _probe_mask(config, x, packed=True)
-    # token 40 (second example) attends to 35 (its own) but not to 10 (the first example)
-    assert positions[0, 32] == 0 and mask is not None and mask[0, 0, 40, 10] != mask[0, 0, 40, 35]
+    assert positions[0, 32] == 0
+    if unpacked:  # token 40 (second example) attends to 35 (its own) but not to 10 (the first example)
+        assert mask is not None and mask[0, 0, 40, 10] != mask[0, 0, 40, 35]
+    else:  # two examples of 32 in each of the two rows
+        assert isinstance(mask, varlen.PackedRows) and [(n, i.numel()) for n, i in mask.groups] == [(32, 128)]
+        with varlen.block_masks():
+            assert stage_mask_bytes(config, batch=2, seq=64, packed=True, dtype=torch.float32) == 2 * 64 * 64
     assert (_probe_mask(config, x, packed=False)[1] is None) == (unpacked == 0)
     cpu = torch.device("cpu")
     assert speed_key(config, TrainingSpec(packing=True), cpu) != speed_key(config, TrainingSpec(), cpu)

@@ -26,7 +26,7 @@ from hfsplit.planning.costs.optimizer import moments_bytes, shared_bytes
 from hfsplit.planning.costs.layout import (
     CONFIGS, LORA_ADAPTER_DTYPE, Layout, Linear, dtype_of, head_dim, keyed, layout_of, lora_targets, parts,
 )
-from hfsplit.planning.costs.masks import stage_mask_bytes
+from hfsplit.planning.costs.masks import attended_positions, stage_mask_bytes
 from hfsplit.planning.costs.trace import BlockTrace
 from hfsplit.planning.costs.traces import block_trace, ends_trace
 
@@ -275,7 +275,10 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
         lin.in_features * lin.out_features // (tp if lin.shard else 1) for lin in layout.linears
     ) + _routed_lora_numel(lora_numel, config, spec) + routed_expert_numel(config) // tp  # MoE: the top-k experts
     heads_dim = config.num_attention_heads // tp * head_dim(config)
-    block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * spec.seq_len**2 * heads_dim
+    # QKᵀ and AV over the pairs a row attends: seq² (a mask or sdpa's causal flag), or each packed example's l²
+    # where packed rows run example by example (sdpa: hfsplit.models.varlen)
+    pairs = attended_positions(_attention_config(key), seq=spec.seq_len, packed=spec.packing)
+    block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * pairs * heads_dim
     block_flops = block_fwd * (passes + (1 if ckpt else 0))
     head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * (passes + spec.chunked_loss)  # + recompute
     # Two all-reduces (after attention and after the MLP) each way; recompute repeats the forward ones.

@@ -26,7 +26,7 @@ from hfsplit.planning.costs.layout import (
     CONFIGS, LORA_ADAPTER_DTYPE, dtype_of, layout_of, lora_targets, numel, parts, rank_layer_config,
 )
 from hfsplit.planning.costs.lora import inject_trace_adapters
-from hfsplit.planning.costs.masks import mask_as_run
+from hfsplit.planning.costs.masks import mask_as_run, traced_rows
 from hfsplit.planning.costs.moe import grouped_mm_as_torch_saves
 
 
@@ -131,8 +131,10 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     with mode:
         _to_fake(model)
         kwargs, ids = _block_kwargs(base, block, spec)
+        rows = traced_rows(model.config, batch=spec.micro_batch_size, seq=spec.seq_len, packed=spec.packing)
 
     masked = mask_as_run(model.config, kwargs, batch=spec.micro_batch_size, seq=spec.seq_len, packed=spec.packing)
+    masked = {**masked, "attention_mask": rows} if rows is not None else masked
     return model, block, masked, ids
 
 
