@@ -21,7 +21,8 @@ class ScheduleInfo:
         v_shaped: stages sit on ranks in a V (rank r holds stages r and 2p-1-r).
         zero_bubble: backward split into input and weight gradients, filling the warm-up/cool-down idle time.
         min_micro_batches_per_stage: torch refuses fewer micro-batches than this × pp (GPipe: any number).
-        plannable: the planner's time and memory model covers it (others run when a plan names them).
+        plannable: the planner's time and memory model covers it (the others plan only when named, never under
+            auto, with every micro-batch in flight on each stage: an upper bound).
     """
 
     name: str

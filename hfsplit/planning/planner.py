@@ -38,7 +38,7 @@ from hfsplit.planning.memory_choices import (
 from hfsplit.planning.reserve import reserve_for
 from hfsplit.planning.timing import DEVICE_FLOPS
 from hfsplit.schedules import (
-    AUTO, AUTO_CANDIDATES, PLANNABLE, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages,
+    AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages,
 )
 
 CPU_SPEED = 0.02
@@ -376,6 +376,10 @@ def in_flight(schedule: str, *, p: int, m: int, v: int, pp_rank: int, index: int
     if schedule == "DualPipeV":
         # Both directions' micro-batches are in flight at once: DualPipe keeps about p + 1 chunks per rank.
         return min(p + 1, m)
+    if not TABLE[schedule].plannable:
+        # LoopedBFS runs every micro-batch's forward on a stage before any backward; InterleavedZeroBubble's
+        # order is not modelled: every micro-batch, the upper bound
+        return m
     return min(p - pp_rank, m)
 
 
@@ -666,8 +670,8 @@ def _check_options(schedule: str, micro_batches, global_batch, spec: TrainingSpe
     _check_world(world_size, tp=tp, pp=pp, dp=dp)
     if activation_checkpointing != AUTO_CHOICE:
         _check_zero_bubble_checkpointing(schedule, checkpointing_mode(activation_checkpointing))
-    if schedule != AUTO and schedule not in PLANNABLE:
-        raise PlanError(f"schedule {schedule!r} is unknown; choose auto or one of {', '.join(PLANNABLE)}")
+    if schedule != AUTO and schedule not in TABLE:
+        raise PlanError(f"schedule {schedule!r} is unknown; choose auto or one of {', '.join(TABLE)}")
     if micro_batches == AUTO and not global_batch:
         raise PlanError('micro_batches="auto" cuts a given global batch into micro-batches; pass global_batch '
                         "(--global-batch N) or a micro-batch count")

@@ -59,6 +59,10 @@ def test_in_flight_activations_count_per_schedule():
     assert [in_flight("1F1B", p=4, m=8, v=1, pp_rank=r) for r in range(4)] == [4, 3, 2, 1]
     assert [in_flight("1F1B", p=4, m=2, v=1, pp_rank=r) for r in range(4)] == [2, 2, 2, 1]
     assert [in_flight("GPipe", p=4, m=8, v=1, pp_rank=r) for r in range(4)] == [8] * 4
+    # the schedules the planner runs only when named: LoopedBFS (every forward on a stage before its backwards)
+    # and InterleavedZeroBubble (its order not modelled): every micro-batch, the upper bound
+    for name in ("LoopedBFS", "InterleavedZeroBubble"):
+        assert [in_flight(name, p=2, m=4, v=2, pp_rank=r, index=i) for r in range(2) for i in (r, r + 2)] == [4] * 4
     # 1F1B holds more activations on stage 0, so a tight cap there takes fewer layers.
     costs = toy_costs(8, block_state=10, block_act=5)
     assert split_layers(costs, make_slots([150, 150], m=4)) == [4, 4]  # stage 0: 20+4*10+2*(4*5+1)=102

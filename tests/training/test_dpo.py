@@ -372,6 +372,29 @@ def test_dpo_interleaved_and_offload_on_two_ranks_equal_trl(tiny_checkpoint, tmp
 
 
 @pytest.mark.slow
+def test_dpo_remaining_schedules_on_two_ranks_equal_trl(tiny_checkpoint, tmp_path):
+    """One launch of two ranks, four 10-step LoRA DPO runs at pp=2 against TRL's DPOTrainer on the same rows in the
+    same order (issue 23: every schedule): the V-shaped zero-bubble ZBVZeroBubble and DualPipeV (4 micro-batches:
+    its minimum, one per stage), InterleavedZeroBubble and LoopedBFS (looped, two stages per rank). Each ran the
+    schedule asked; losses and rewards within rel 1e-4."""
+    from tests.parallel.launcher import launch
+
+    llama = tiny_checkpoint("llama")
+    schedules = ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble", "LoopedBFS")
+    runs = {name: dpo_run(llama, tmp_path / name, pp=2, schedule=name) for name in schedules}
+    results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": list(runs.values())},
+                     timeout_s=600)
+    assert results[0] == results[1]  # every rank reports the global loss
+    worst = {}
+    for (name, run), losses in zip(runs.items(), results[0]):
+        (plan,) = metrics_records(run["output_dir"], has="plan")
+        assert plan["plan"]["schedule"] == name and plan["plan"]["pp"] == 2, plan
+        worst[name] = assert_equals_trl(run, losses, rows=bundled_rows(), pairs_per_step=4)
+        assert losses[-1] < losses[0], name
+    print({name: {k: f"{v:.1e}" for k, v in w.items()} for name, w in worst.items()})
+
+
+@pytest.mark.slow
 def test_dpo_pp2_by_dp2_equals_trl(tiny_checkpoint, tmp_path):
     """pp=2 × dp=2 on four ranks: each replica holds half the global batch's pairs (two micro-batches of one
     pair); the loss is the mean over the global batch's four pairs and the rewards the global batch's means, as
