@@ -108,21 +108,12 @@ def test_first_step_loss_is_ln2_when_the_policy_is_the_reference(tiny_checkpoint
     assert metrics["rewards/margins"] == pytest.approx(0.0, abs=1e-7)
 
 
-def trl_logs(options: FinetuneOptions, pairs: list[dict], *, steps: int, pairs_per_step: int, base=None,
-             eval_pairs: list[dict] | None = None):
-    """TRL's DPOTrainer on the same LoRA (hfsplit's seeded adapters), rows and order, in fp32 (TRL defaults to bf16
-    autocast and gradient checkpointing: both off): its per-step logs, each loss the exact mean of its
-    micro-batches' (the Trainer's log rounds it to 4 decimals). `base`: a ready base model (QLoRA's quantized one)."""
-    from datasets import Dataset
-    from peft import get_peft_model
+def in_order_dpo_trainer():
+    """TRL's DPOTrainer reading the rows exactly in hfsplit's order and keeping each micro-batch's exact loss."""
     from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOTrainer
 
-    from hfsplit.apply.lora import lora_config, seed_lora_weights
-    from hfsplit.training.run import tokenizer_for
-
-    class InOrder(DPOTrainer):  # the rows exactly in hfsplit's order; each micro-batch's exact loss kept
+    class InOrder(DPOTrainer):
         micro_losses: list = []
 
         def _get_train_sampler(self, *args, **kwargs):
@@ -133,6 +124,23 @@ def trl_logs(options: FinetuneOptions, pairs: list[dict], *, steps: int, pairs_p
             self.micro_losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
             return loss
 
+    return InOrder
+
+
+def trl_logs(options: FinetuneOptions, pairs: list[dict], *, steps: int, pairs_per_step: int, base=None,
+             eval_pairs: list[dict] | None = None):
+    """TRL's DPOTrainer on the same LoRA (hfsplit's seeded adapters), rows and order, in fp32 (TRL defaults to bf16
+    autocast and gradient checkpointing: both off): its per-step logs, each loss the exact mean of its
+    micro-batches' (the Trainer's log rounds it to 4 decimals). `base`: a ready base model (QLoRA's quantized one)."""
+    from datasets import Dataset
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig
+
+    from hfsplit.apply.lora import lora_config, seed_lora_weights
+    from hfsplit.training.run import tokenizer_for
+
+    InOrder = in_order_dpo_trainer()
     torch.manual_seed(options.seed)
     base = base if base is not None else AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
     model = get_peft_model(base, lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=0.0,
@@ -341,6 +349,23 @@ def test_dpo_matrix_on_two_ranks_equals_trl(tiny_checkpoint, tmp_path):
     print({name: f"{w['loss']:.1e}" for name, w in worst.items()})
 
 
+def pp2_runs_equal_trl(runs: dict[str, dict]) -> dict[str, dict]:
+    """Launch `runs` (pp=2 DPO runs) on two ranks at once; each ran its schedule at pp=2, its losses and rewards
+    equal TRL's within rel 1e-4 and fall. Returns each run's worst relative differences."""
+    from tests.parallel.launcher import launch
+
+    results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": list(runs.values())},
+                     timeout_s=600)
+    assert results[0] == results[1]  # every rank reports the global loss
+    worst = {}
+    for (name, run), losses in zip(runs.items(), results[0]):
+        (plan,) = metrics_records(run["output_dir"], has="plan")
+        assert plan["plan"]["schedule"] == run["schedule"] and plan["plan"]["pp"] == 2, plan
+        worst[name] = assert_equals_trl(run, losses, rows=bundled_rows(), pairs_per_step=4)
+        assert losses[-1] < losses[0], name
+    return worst
+
+
 @pytest.mark.slow
 def test_dpo_interleaved_and_offload_on_two_ranks_equal_trl(tiny_checkpoint, tmp_path):
     """One launch of two ranks, two 10-step DPO runs against TRL's DPOTrainer on the same rows in the same order
@@ -348,23 +373,14 @@ def test_dpo_interleaved_and_offload_on_two_ranks_equal_trl(tiny_checkpoint, tmp
     loss on a looped schedule) and offloaded activation checkpointing (1F1B, each block's saved input in host RAM
     until its recompute, which the adapters-off reference pass must not disturb). Losses and rewards within rel
     1e-4; the plan ran as asked and the offload held host bytes."""
-    from tests.parallel.launcher import launch
 
     llama = tiny_checkpoint("llama")
     runs = {
         "interleaved": dpo_run(llama, tmp_path / "interleaved", pp=2, schedule="Interleaved1F1B"),
         "offload": dpo_run(llama, tmp_path / "offload", pp=2, schedule="1F1B", activation_checkpointing="offload"),
     }
-    results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": list(runs.values())},
-                     timeout_s=600)
-    assert results[0] == results[1]  # every rank reports the global loss
     # measured worst relative, both runs: loss 2.8e-7, logps 1.8e-7, rewards/margins 9.3e-6, rewards/chosen 7.1e-5
-    worst = {}
-    for (name, run), losses in zip(runs.items(), results[0]):
-        (plan,) = metrics_records(run["output_dir"], has="plan")
-        assert plan["plan"]["schedule"] == run["schedule"] and plan["plan"]["pp"] == 2, plan
-        worst[name] = assert_equals_trl(run, losses, rows=bundled_rows(), pairs_per_step=4)
-        assert losses[-1] < losses[0], name
+    worst = pp2_runs_equal_trl(runs)
     (plan,) = metrics_records(runs["offload"]["output_dir"], has="plan")
     assert sum(plan["activation_offload_planned"]) > 0
     assert all(sum(r["activation_offload_bytes"]) > 0 for r in metrics_records(runs["offload"]["output_dir"]))
@@ -377,22 +393,13 @@ def test_dpo_remaining_schedules_on_two_ranks_equal_trl(tiny_checkpoint, tmp_pat
     same order (issue 23: every schedule): the V-shaped zero-bubble ZBVZeroBubble and DualPipeV (4 micro-batches:
     its minimum, one per stage), InterleavedZeroBubble and LoopedBFS (looped, two stages per rank). Each ran the
     schedule asked; losses and rewards within rel 1e-4."""
-    from tests.parallel.launcher import launch
 
     llama = tiny_checkpoint("llama")
     schedules = ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble", "LoopedBFS")
     runs = {name: dpo_run(llama, tmp_path / name, pp=2, schedule=name) for name in schedules}
-    results = launch("tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": list(runs.values())},
-                     timeout_s=600)
-    assert results[0] == results[1]  # every rank reports the global loss
     # measured worst relative: loss 2.8e-7 (LoopedBFS 4.4e-7), logps 1.8e-7, rewards/margins 9.3e-6 (LoopedBFS
     # 2.2e-5), rewards/chosen 7.1e-5 (LoopedBFS 1.1e-4, at ~3e-3: inside the 1e-6 absolute floor)
-    worst = {}
-    for (name, run), losses in zip(runs.items(), results[0]):
-        (plan,) = metrics_records(run["output_dir"], has="plan")
-        assert plan["plan"]["schedule"] == name and plan["plan"]["pp"] == 2, plan
-        worst[name] = assert_equals_trl(run, losses, rows=bundled_rows(), pairs_per_step=4)
-        assert losses[-1] < losses[0], name
+    worst = pp2_runs_equal_trl(runs)
     print({name: {k: f"{v:.1e}" for k, v in w.items()} for name, w in worst.items()})
 
 

@@ -16,7 +16,7 @@ from hfsplit.training.data import MicroBatches
 from hfsplit.training.preference import LN2, paired_rows, sequence_logps
 from hfsplit.training.reference import (REFERENCE_FILE, read_table, reference_fingerprint, visited_rows,
                                         write_table)
-from tests.training.test_dpo import BUNDLED, bundled_rows, hfsplit_pair_order
+from tests.training.test_dpo import BUNDLED, bundled_rows, hfsplit_pair_order, in_order_dpo_trainer
 
 STEPS, PAIRS_PER_STEP = 10, 4
 
@@ -64,23 +64,12 @@ def trl_full_dpo(options, pairs: list[dict], *, steps: int, pairs_per_step: int)
     """TRL's DPOTrainer, full fine-tuning with `precompute_ref_log_probs=True`, on the same rows in the same order:
     (its per-step logs with each step's exact loss, the trained model, the reference log-probs it precomputed)."""
     from datasets import Dataset
-    from torch.utils.data import SequentialSampler
     from transformers import AutoModelForCausalLM
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig
 
     from hfsplit.training.run import tokenizer_for
 
-    class InOrder(DPOTrainer):  # the rows exactly in hfsplit's order; each micro-batch's exact loss kept
-        micro_losses: list = []
-
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
-
-        def compute_loss(self, *args, **kwargs):
-            loss = super().compute_loss(*args, **kwargs)
-            self.micro_losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
-            return loss
-
+    InOrder = in_order_dpo_trainer()
     torch.manual_seed(options.seed)
     model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
     args = DPOConfig(output_dir=options.output_dir + "-trl", beta=options.beta, loss_type=options.dpo_loss,
