@@ -32,9 +32,9 @@ def dpo_step_against_plan(options: dict) -> dict:
     run = build_run(tiny_demo_options(**options), progress=False)
     reference_busy = []  # each step's busy seconds in the reference pass (the rest of train_step's are training's)
 
-    def timed(run, *args):
+    def timed(run, *args, **kwargs):
         before = run.model.busy_seconds()
-        targets = original(run, *args)
+        targets = original(run, *args, **kwargs)
         reference_busy.append(run.model.busy_seconds() - before)
         return targets
 
