@@ -3,7 +3,7 @@ computes it: before the first step, one no-grad pass of the starting weights ove
 (the sampler's order, each replica its share of each step's rows, the pipeline run as for evaluation, with any
 LoRA adapters off); the last stage sums each row's response log-prob. The table, keyed by the row's index in the
 training rows (so a resumed, regrouped or data-parallel run finds its rows' values), is gathered on every rank
-and written atomically to `reference_logps.pt` in the output folder: a restart with the same rows, model and
+and written atomically to `reference_logps.safetensors` in the output folder: a restart with the same rows, model and
 precision reads it back instead of a second pass (the weights it would run are the trained ones by then). Each
 step's loss then reads the table instead of running a reference forward, so full fine-tuning DPO holds one model.
 Above `IN_MEMORY_ROWS` rows the ranks read the table memory-mapped from that file rather than holding it.
@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
-import pickle
+import struct
 import time
 from pathlib import Path
 from typing import Optional
@@ -22,13 +22,15 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from hfsplit.training.packing import TokenRows
 from hfsplit.training.preference import adapters_disabled, sequence_logps
 from hfsplit.training.trainer import Run, compute_precision
 
-REFERENCE_FILE = "reference_logps.pt"
+REFERENCE_FILE = "reference_logps.safetensors"  # safetensors: reading it back runs no code
 IN_MEMORY_ROWS = 1 << 22  # 16 MiB of fp32 log-probs: beyond, the table is read memory-mapped from its file
 
 __all__ = ["IN_MEMORY_ROWS", "REFERENCE_FILE", "precompute_reference", "reference_fingerprint", "visited_rows"]
@@ -36,7 +38,7 @@ __all__ = ["IN_MEMORY_ROWS", "REFERENCE_FILE", "precompute_reference", "referenc
 
 def precompute_reference(run: Run, *, progress: bool = False, in_memory_rows: int = IN_MEMORY_ROWS) -> torch.Tensor:
     """The reference log-prob of every training row the run visits (NaN for the rest), `(rows,)` fp32, on every
-    rank (collective): read from the output folder's `reference_logps.pt` when every rank finds there one for
+    rank (collective): read from the output folder's `reference_logps.safetensors` when every rank finds there one for
     these rows, model and precision, else computed by `reference_pass` from the weights as loaded (call it before
     a resume loads trained ones) and written there. `progress`: a tqdm bar over the pass on this rank."""
     rows = run.batches.rows
@@ -117,19 +119,30 @@ def reference_fingerprint(rows: TokenRows, spec, *, model_path: str) -> str:
 
 
 def write_table(path: Path, table: torch.Tensor, fingerprint: str) -> None:
-    """The table and its fingerprint at `path`, atomically (a crash leaves the old file or none)."""
+    """The table at `path` as safetensors, its fingerprint in the header's metadata, atomically (a crash leaves the
+    old file or none)."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    torch.save({"fingerprint": fingerprint, "logps": table}, tmp)
+    save_file({"logps": table.contiguous()}, str(tmp), metadata={"fingerprint": fingerprint})
     os.replace(tmp, path)
 
 
 def read_table(path: Path, fingerprint: str, *, rows: int, mmap: bool = False) -> Optional[torch.Tensor]:
-    """The table at `path` when it is there and for these rows, model and precision; else None."""
+    """The table at `path` when it is there and for these rows, model and precision; else None. `mmap`: the
+    tensor maps the file's bytes instead of copying them (a table too large to hold on every rank)."""
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("fingerprint") != fingerprint or "logps" not in f.keys() or \
+                    tuple(f.get_slice("logps").get_shape()) != (rows,):
+                return None
+            return _mapped_logps(path, rows=rows) if mmap else f.get_tensor("logps")
+    except (OSError, SafetensorError):
         return None
-    if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint or \
-            getattr(saved.get("logps"), "shape", None) != (rows,):
-        return None
-    return saved["logps"]
+
+
+def _mapped_logps(path: Path, *, rows: int) -> torch.Tensor:
+    """The fp32 `logps` tensor of a safetensors file, memory-mapped: the format is an 8-byte little-endian header
+    length, the JSON header (each tensor's byte offsets within the data), then the data."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        start, _ = json.loads(f.read(length))["logps"]["data_offsets"]
+    return torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c", offset=8 + length + start, shape=(rows,)))

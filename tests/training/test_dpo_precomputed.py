@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hfsplit.checkpoint.synthetic import tiny_tokenizer
 from hfsplit.plan import TrainingSpec
@@ -55,9 +56,10 @@ def test_the_table_file_is_read_back_only_for_the_same_rows_model_and_precision(
     assert reference_fingerprint(rows, spec, model_path=str(tiny_checkpoint("llama", tied=True))) != fingerprint
     assert read_table(path, "another", rows=len(rows)) is None
     assert read_table(path, fingerprint, rows=len(rows) + 2) is None
-    assert read_table(tmp_path / "missing.pt", fingerprint, rows=len(rows)) is None
-    (tmp_path / "torn.pt").write_bytes(path.read_bytes()[:100])  # a file cut short: recomputed, not read
-    assert read_table(tmp_path / "torn.pt", fingerprint, rows=len(rows)) is None
+    assert read_table(tmp_path / "missing.safetensors", fingerprint, rows=len(rows)) is None
+    for cut in (4, 100, len(path.read_bytes()) - 8):  # a file cut short: recomputed, not read
+        (tmp_path / "torn.safetensors").write_bytes(path.read_bytes()[:cut])
+        assert read_table(tmp_path / "torn.safetensors", fingerprint, rows=len(rows)) is None
 
 
 def trl_full_dpo(options, pairs: list[dict], *, steps: int, pairs_per_step: int):
@@ -143,7 +145,7 @@ def test_full_dpo_with_the_precomputed_reference_equals_trl_at_pp2_and_pp_dp_sav
     # the table: every row, TRL's precomputed reference log-probs (chosen at even rows, rejected at odd)
     drawn = torch.from_numpy(pair_batches(seed=options.seed).rows_of_steps(STEPS)).reshape(-1)
     assert pairs == [bundled_rows()[int(r) // 2] for r in drawn[0::2]]  # TRL's rows: those the steps draw
-    table = torch.load(tmp_path / "pp2" / REFERENCE_FILE, weights_only=True)["logps"]
+    table = load_file(tmp_path / "pp2" / REFERENCE_FILE)["logps"]  # plain safetensors
     assert not table.isnan().any()
     torch.testing.assert_close(torch.stack([table[drawn[0::2]], table[drawn[1::2]]], 1), trl_reference, rtol=1e-6,
                                atol=0)  # measured: 2.1e-7
