@@ -1,8 +1,9 @@
 """The precomputed DPO reference (issue 23, `--reference precomputed`), as TRL's `precompute_ref_log_probs=True`
 computes it: before the first step, one no-grad pass of the starting weights over every row the run will train on
 (the sampler's order, each replica its share of each step's rows, the pipeline run as for evaluation, with any
-LoRA adapters off); the last stage sums each row's response log-prob. The table, keyed by the row's index in the
-training rows (so a resumed, regrouped or data-parallel run finds its rows' values), is gathered on every rank
+LoRA adapters off); the last stage sums each sequence's response log-prob. The table, keyed by the sequence's
+number (2i chosen, 2i+1 rejected of pair i: for padded pairs the row's index in the training rows, for packed ones
+the rows' `sequences`), so that a resumed, regrouped or data-parallel run finds its values, is gathered on every rank
 and written atomically to `reference_logps.safetensors` in the output folder: a restart with the same rows, model and
 precision reads it back instead of a second pass (the weights it would run are the trained ones by then). Each
 step's loss then reads the table instead of running a reference forward, so full fine-tuning DPO holds one model.
@@ -27,7 +28,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from hfsplit.training.packing import TokenRows
-from hfsplit.training.preference import adapters_disabled, sequence_logps
+from hfsplit.training.preference import adapters_disabled, local_keys, segment_logps
 from hfsplit.training.trainer import Run, compute_precision
 
 REFERENCE_FILE = "reference_logps.safetensors"  # safetensors: reading it back runs no code
@@ -37,21 +38,23 @@ __all__ = ["IN_MEMORY_ROWS", "REFERENCE_FILE", "precompute_reference", "referenc
 
 
 def precompute_reference(run: Run, *, progress: bool = False, in_memory_rows: int = IN_MEMORY_ROWS) -> torch.Tensor:
-    """The reference log-prob of every training row the run visits (NaN for the rest), `(rows,)` fp32, on every
-    rank (collective): read from the output folder's `reference_logps.safetensors` when every rank finds there one for
+    """The reference log-prob of every training sequence the run visits (NaN for the rest), `(sequences,)` fp32
+    (`sequence_count`), on every rank (collective): read from the output folder's `reference_logps.safetensors` when every rank finds there one for
     these rows, model and precision, else computed by `reference_pass` from the weights as loaded (call it before
     a resume loads trained ones) and written there. `progress`: a tqdm bar over the pass on this rank."""
     rows = run.batches.rows
-    needed = visited_rows(run.batches, steps=run.total_steps)
+    visited = visited_rows(run.batches, steps=run.total_steps)
+    needed = visited_sequences(rows, visited)
     path = Path(run.options.output_dir) / REFERENCE_FILE
     fingerprint = reference_fingerprint(rows, run.model.plan.spec, model_path=run.model_path)
-    table = read_table(path, fingerprint, rows=len(rows))
+    count = sequence_count(rows)
+    table = read_table(path, fingerprint, rows=count)
     covered = torch.tensor([int(table is not None and not table[needed].isnan().any())], device=run.model.device)
     dist.all_reduce(covered, op=dist.ReduceOp.MIN)  # every rank reads the file, or every rank runs the pass
     started = time.perf_counter()
     if not covered.item():
         lora = run.lora_config is not None
-        table = reference_pass(run.model, rows, needed, rows_per_replica=run.rows_per_replica, lora=lora,
+        table = reference_pass(run.model, rows, visited, rows_per_replica=run.rows_per_replica, lora=lora,
                                progress=progress)
         if dist.get_rank() == 0:
             write_table(path, table, fingerprint)
@@ -60,11 +63,24 @@ def precompute_reference(run: Run, *, progress: bool = False, in_memory_rows: in
     run.metrics.log.write({"step": 0, "reference_logps": done, "reference_rows": len(needed),
                            "reference_s": time.perf_counter() - started, "reference_file": str(path)})
     if dist.get_rank() == 0:
-        print(f"reference log-probs of {len(needed)} rows {done} ({path})", flush=True)
-    if len(rows) > in_memory_rows:
-        mapped = read_table(path, fingerprint, rows=len(rows), mmap=True)
+        print(f"reference log-probs of {len(needed)} sequences {done} ({path})", flush=True)
+    if count > in_memory_rows:
+        mapped = read_table(path, fingerprint, rows=count, mmap=True)
         table = mapped if mapped is not None else table  # a folder this rank cannot see: it keeps its copy
     return table
+
+
+def sequence_count(rows: TokenRows) -> int:
+    """How many sequences the table keys: the rows (padded pairs), or the highest of the rows' `sequences` + 1."""
+    return len(rows) if rows.sequences is None else int(rows.sequences.max()) + 1
+
+
+def visited_sequences(rows: TokenRows, visited: torch.Tensor) -> torch.Tensor:
+    """The sequences of the rows `visited` names (padded pairs: the rows themselves), each once."""
+    if rows.sequences is None:
+        return visited
+    numbers = rows.sequences[visited]
+    return torch.unique(numbers[numbers >= 0])
 
 
 def visited_rows(batches, *, steps: int) -> torch.Tensor:
@@ -76,37 +92,51 @@ def visited_rows(batches, *, steps: int) -> torch.Tensor:
 
 def reference_pass(model, rows: TokenRows, order: torch.Tensor, *, rows_per_replica: int, lora: bool,
                    progress: bool = False) -> torch.Tensor:
-    """The reference's summed response log-prob of the rows `order` names, `(len(rows),)` fp32 (NaN elsewhere),
-    on every rank: no-grad pipeline forwards in the training step's shape (each data-parallel replica its
-    `rows_per_replica` of every `dp * rows_per_replica`, the last chunk filled up with repeats), the last
-    stage's log-probs summed into every rank's copy. `lora`: the adapters are off (the reference is the base)."""
+    """The reference's summed response log-prob of the sequences of the rows `order` names, `(sequence_count,)`
+    fp32 (NaN elsewhere), on every rank: no-grad pipeline forwards in the training step's shape (each
+    data-parallel replica its `rows_per_replica` of every `dp * rows_per_replica`, the last chunk filled up with
+    repeats), the last stage's log-probs summed into every rank's copy (a repeated row's: their mean). `lora`: the
+    adapters are off (the reference is the base)."""
     dp, coords = model.plan.dp, model.ctx.coords
     chunk = rows_per_replica * dp
-    table = torch.full((len(rows),), float("nan"), dtype=torch.float32)
+    table = torch.full((sequence_count(rows),), float("nan"), dtype=torch.float32)
     bar = tqdm(total=len(order), desc="reference log-probs", unit="row", disable=not progress, leave=False)
     mine = slice(coords.dp * rows_per_replica, (coords.dp + 1) * rows_per_replica)
     for start in range(0, len(order), chunk):
         real = order[start:start + chunk]
-        index = real.repeat(-(-chunk // len(real)))[:chunk]  # a short last chunk: its rows again, discarded
+        index = real.repeat(-(-chunk // len(real)))[:chunk]  # a short last chunk: its rows again
+        numbers = row_sequences(rows, index)
+        present, _ = local_keys(numbers)
         batch = rows.select(index[mine])
-        values = torch.zeros(chunk, dtype=torch.float32, device=model.device)
+        values = torch.zeros(2, len(present), dtype=torch.float32, device=model.device)  # sums, how many ran it
         with torch.no_grad(), compute_precision(model), \
                 adapters_disabled(model.stages) if lora else contextlib.nullcontext():
             logits = model.forward(batch.input_ids, position_ids=batch.positions())
         if logits is not None and coords.tp == 0:
-            values[mine] = sequence_logps(logits, batch.labels.to(logits.device)).to(values.device)
-        dist.all_reduce(values)  # each row from the one replica's last stage that ran it; zeros elsewhere
-        table[real] = values[:len(real)].cpu()
+            ran, keys = local_keys(numbers[mine])
+            slots = torch.searchsorted(present, ran).to(values.device)
+            values[0, slots] = segment_logps(logits, batch.labels.to(logits.device), keys).to(values.device)
+            values[1, slots] = 1.0
+        dist.all_reduce(values)  # each sequence from the replicas' last stages that ran it; zeros elsewhere
+        table[present] = (values[0] / values[1]).cpu()
         bar.update(len(real))
     bar.close()
     return table
+
+
+def row_sequences(rows: TokenRows, index: torch.Tensor) -> torch.Tensor:
+    """Each position's sequence number in the rows at `index` (padded pairs: the row's index)."""
+    if rows.sequences is not None:
+        return rows.sequences[index]
+    return index[:, None].expand(len(index), rows.seq_len)
 
 
 def reference_fingerprint(rows: TokenRows, spec, *, model_path: str) -> str:
     """What the reference log-probs depend on: the rows' tokens and labels, the model (its path and config) and
     the precision and quantization its weights run in."""
     digest = hashlib.sha256()
-    for tensor in (rows.input_ids, rows.labels) + ((rows.position_ids,) if rows.position_ids is not None else ()):
+    kept = tuple(t for t in (rows.position_ids, rows.sequences) if t is not None)
+    for tensor in (rows.input_ids, rows.labels) + kept:
         digest.update(tensor.contiguous().numpy().tobytes())
     config = Path(model_path) / "config.json"
     digest.update(config.read_bytes() if config.is_file() else b"")

@@ -153,6 +153,11 @@ def launch_state(options: FinetuneOptions) -> LaunchState:
     return launch
 
 
+def padded_pairs(options: FinetuneOptions) -> bool:
+    """Whether the run's rows are DPO pairs two padded rows each (which travel together), not packed."""
+    return options.objective == "dpo" and not packing_of(options)
+
+
 def loss_of_run(options: FinetuneOptions, model):
     """The last stage's loss: transformers' causal-LM loss, or with --objective dpo TRL's DPO loss."""
     if options.objective == "dpo":
@@ -164,7 +169,8 @@ def load_rows(options: FinetuneOptions, *, model_path: str):
     """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default)."""
     tokenizer = tokenizer_for(options, model_path=model_path)
     if options.objective == "dpo":
-        return tokenizer, load_paired_rows(dataset_of(options), tokenizer, seq_len=options.seq_len)
+        return tokenizer, load_paired_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
+                                           packing=packing_of(options), seed=options.seed)
     return tokenizer, load_token_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
                                       format=options.dataset_format, packing=packing_of(options), seed=options.seed)
 
@@ -186,7 +192,7 @@ def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
     rows, held_out = split_eval_rows(rows, options)
     per_step = plan.micro_batches * plan.dp
     batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=per_step,
-                           seed=options.seed, group=2 if options.objective == "dpo" else 1)
+                           seed=options.seed, group=2 if padded_pairs(options) else 1)
     total_steps = total_steps_of(options, rows=len(rows), rows_per_step=per_step * options.micro_batch_size)
     scheduler = cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
     return dict(batches=batches, held_out=held_out, total_steps=total_steps, scheduler=scheduler,
@@ -251,7 +257,7 @@ def split_eval_rows(rows, options: FinetuneOptions):
     if not options.eval_every:
         return rows, None
     count = max(options.global_batch or options.micro_batch_size * options.micro_batches, len(rows) // 20)
-    count += count % 2 if options.objective == "dpo" else 0  # whole pairs
+    count += count % 2 if padded_pairs(options) else 0  # whole pairs (a packed row holds whole pairs)
     if count >= len(rows):
         raise HfsplitError(f"the dataset has {len(rows)} rows: too few to hold out {count} for --eval-every")
     return rows.select(slice(count, None)), rows.select(slice(None, count))

@@ -29,7 +29,8 @@ from hfsplit.training.data import MicroBatches, TokenRows
 from hfsplit.training.metrics import Metrics, StepOutcome, TrainResult, summary_line
 from hfsplit.training.options import FinetuneOptions
 from hfsplit.training.packing import label_tokens
-from hfsplit.training.preference import DPO_METRICS, DpoLoss, adapters_disabled, indexed_labels, sequence_logps
+from hfsplit.training.preference import (DPO_METRICS, DpoLoss, adapters_disabled, batch_sequences, indexed_labels,
+                                         local_keys, pairs_of, segment_logps, segment_tokens)
 from hfsplit.training.resume import latest_checkpoint
 
 if TYPE_CHECKING:  # the annotation only: importing peft costs ~3 s (inductor), which a run pays where it adds adapters
@@ -90,8 +91,9 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     ids, labels, positions = batch["input_ids"][mine], batch["labels"][mine], batch["position_ids"][mine]
     with compute_precision(model):
         if isinstance(run.loss_fn, DpoLoss):  # the loss is the mean over the global batch's pairs
-            labels = dpo_targets(run, ids, labels, positions, rows=batch["index"][mine])
-            divisor = batch["labels"].shape[0] // 2
+            sequences = batch_sequences(batch)
+            labels = dpo_targets(run, ids, labels, positions, sequences=sequences[mine])
+            divisor = pairs_of(sequences)  # the global batch's: packed rows hold varying numbers of pairs
         else:
             divisor = items
         loss = model.step(ids, labels, run.loss_fn, position_ids=positions, num_items_in_batch=divisor)
@@ -113,27 +115,32 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
 
 def dpo_step_metrics(run: Run) -> dict[str, float]:
     """TRL's DPO metrics of the step on every rank (collective): each replica's last stage holds its pairs'
-    means; the replicas hold equal numbers of pairs, so their mean is the global batch's."""
+    means, weighted by its pairs (packed rows give replicas different numbers), so their mean is the global
+    batch's."""
     local = run.loss_fn.step_metrics(calls=run.rows_per_replica // run.options.micro_batch_size)
-    return {name: run.model.reduce_loss(torch.tensor(local.get(name, 0.0))) / run.model.plan.dp
+    pairs = local.get("pairs", 0)
+    total = run.model.reduce_loss(torch.tensor(float(pairs)))
+    return {name: run.model.reduce_loss(torch.tensor(local.get(name, 0.0) * pairs)) / max(total, 1.0)
             for name in DPO_METRICS}
 
 
 def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, *,
-                rows: torch.Tensor) -> torch.Tensor:
-    """The reference log-probs of these rows (`rows`: their indices in the training rows) for the loss: read from
-    the precomputed table (`--reference precomputed`), else a no-grad pipeline forward of them with every stage's
-    adapters off, whose last stage keeps each row's log-prob. Returns the targets the loss reads
-    (`indexed_labels`: the labels, each row's index in this batch appended)."""
+                sequences: torch.Tensor) -> torch.Tensor:
+    """The reference log-probs of these rows' sequences (`sequences`: each position's global sequence number,
+    `batch_sequences`) for the loss: read from the precomputed table (`--reference precomputed`, keyed by
+    sequence), else a no-grad pipeline forward of them with every stage's adapters off, whose last stage keeps
+    each sequence's log-prob. Returns the targets the loss reads (`indexed_labels`: the labels, each position's
+    sequence key in this batch appended)."""
     run.loss_fn.seen = []  # this step's pairs only (the plan's probes may have run the loss before)
+    present, keys = local_keys(sequences)
     if run.loss_fn.precomputed is not None:
-        run.loss_fn.reference = run.loss_fn.precomputed[rows]
-        return indexed_labels(labels)
+        run.loss_fn.reference = run.loss_fn.precomputed[present]
+        return indexed_labels(labels, keys)
     with torch.no_grad(), adapters_disabled(run.model.stages):
         logits = run.model.forward(ids, position_ids=positions)
     if logits is not None:
-        run.loss_fn.reference = sequence_logps(logits, labels.to(logits.device))
-    return indexed_labels(labels)
+        run.loss_fn.reference = segment_logps(logits, labels.to(logits.device), keys)
+    return indexed_labels(labels, keys)
 
 
 def evaluation(run: Run) -> tuple[float, dict[str, float]]:
@@ -157,11 +164,20 @@ def dpo_eval(model, rows, loss_fn: DpoLoss, *, micro_batch_size: int) -> tuple[f
             logits = model.forward(batch.input_ids, position_ids=batch.positions())
         if logits is not None:
             labels = batch.labels.to(logits.device)
-            seen.append((sequence_logps(logits, labels), sequence_logps(reference, labels), labels))
+            keys = local_keys(rows_sequences(batch, start))[1]
+            seen.append((segment_logps(logits, labels, keys), segment_logps(reference, labels, keys),
+                         segment_tokens(labels, keys)))
     local = loss_fn.evaluate(*(torch.cat(t) for t in zip(*seen))) if seen else {}
     figures = {name: model.reduce_loss(torch.tensor(local.get(name, 0.0)), replicas=False)
                for name in ("loss", *DPO_METRICS)}
     return figures.pop("loss"), figures
+
+
+def rows_sequences(rows: TokenRows, first: int) -> torch.Tensor:
+    """Each position's sequence number in `rows`: its packed `sequences`, else its row's index (from `first`)."""
+    if rows.sequences is not None:
+        return rows.sequences
+    return torch.arange(first, first + len(rows))[:, None].expand(rows.labels.shape)
 
 
 @torch.no_grad()

@@ -1,0 +1,93 @@
+"""DPO's packed pairs (issue 23, `--packing on`): several pairs a row, a pair's chosen and rejected in one row, each
+sequence isolated; the loss sums log-probs sequence by sequence."""
+import pytest
+import torch
+
+from hfsplit.checkpoint.synthetic import tiny_tokenizer
+from hfsplit.errors import HfsplitError
+from hfsplit.training.data import DatasetError, MicroBatches
+from hfsplit.training.options import FinetuneOptions, packing_of
+from hfsplit.training.packing import IGNORE_INDEX
+from hfsplit.training.preference import (DpoLoss, dpo_loss, indexed_labels, local_keys, paired_rows,
+                                         segment_logps, sequence_logps)
+from tests.training.test_dpo import BUNDLED, bundled_rows
+
+
+def packed_and_padded(count=12, seq_len=128):
+    tok, rows = tiny_tokenizer(), bundled_rows()[:count]
+    return (paired_rows(rows, tok, seq_len=seq_len, source=BUNDLED, packing=True, seed=3),
+            paired_rows(rows, tok, seq_len=seq_len, source=BUNDLED))
+
+
+def test_packing_on_is_accepted_for_dpo_and_auto_stays_padded():
+    assert not packing_of(FinetuneOptions(objective="dpo"))
+    assert not packing_of(FinetuneOptions(objective="dpo", packing="off"))
+    assert packing_of(FinetuneOptions(objective="dpo", packing="on"))
+    FinetuneOptions(objective="dpo", packing="on", micro_batch_size=1).validate()  # a packed row holds whole pairs
+    with pytest.raises(HfsplitError, match="must be even .* or pass --packing on"):
+        FinetuneOptions(objective="dpo", micro_batch_size=3).validate()
+
+
+def test_each_pair_sits_in_one_row_chosen_then_rejected_as_its_padded_rows():
+    packed, padded = packed_and_padded()
+    assert len(packed) < len(padded) // 2 and packed.examples == len(padded) == 24
+    for number in range(24):  # sequence 2i / 2i+1: pair i's chosen / rejected, the same tokens and labels as padded
+        rows, where = (packed.sequences == number).nonzero(as_tuple=True)
+        assert rows.unique().numel() == 1 and torch.equal(where, torch.arange(where[0], where[-1] + 1))
+        assert (packed.sequences[rows[0]] == number ^ 1).any()  # its partner in the same row
+        n = int(padded.lengths[number])
+        assert torch.equal(packed.input_ids[rows[0], where], padded.input_ids[number, :n])
+        assert torch.equal(packed.labels[rows[0], where], padded.labels[number, :n])
+        assert torch.equal(packed.position_ids[rows[0], where], torch.arange(n))
+    assert (packed.labels[packed.sequences < 0] == IGNORE_INDEX).all()
+    batch = next(MicroBatches(packed, micro_batch_size=1, num_micro_batches=2, seed=0))
+    assert torch.equal(batch["sequences"], packed.sequences[batch["index"]])
+
+
+def test_a_pair_longer_than_a_row_is_refused_naming_the_row():
+    rows = bundled_rows()[:3]
+    rows[1] = {**rows[1], "chosen": " ".join([rows[1]["chosen"]] * 40)}
+    with pytest.raises(DatasetError, match=r"prefs.jsonl row 1: prompt\+chosen and prompt\+rejected are \d+ tokens "
+                                           "together, beyond --seq-len 64"):
+        paired_rows(rows, tiny_tokenizer(), seq_len=64, source="prefs.jsonl", packing=True)
+
+
+def isolating_model(folder):
+    from transformers import AutoModelForCausalLM
+
+    from hfsplit.load.materialize import isolate_packed_rows
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="sdpa")
+    isolate_packed_rows(model)  # as hfsplit's stages run packed rows: under sdpa each example on its own
+    return model.eval()
+
+
+def test_a_packed_rows_sequence_log_probs_equal_each_sequence_alone(tiny_checkpoint):
+    """Each sequence's summed response log-prob in a packed row (sdpa, example by example) equals the sequence run
+    alone (its padded row) within 1e-5; the DPO loss over packed rows equals it over the padded rows."""
+    from hfsplit.models import varlen
+
+    packed, padded = packed_and_padded()
+    model = isolating_model(tiny_checkpoint("llama"))
+    calls = varlen.calls()
+    with torch.no_grad():
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits
+        alone = sequence_logps(model(input_ids=padded.input_ids).logits, padded.labels)
+    assert varlen.calls() > calls  # the packed rows ran example by example
+    present, keys = local_keys(packed.sequences)
+    assert torch.equal(present, torch.arange(24))
+    together = segment_logps(logits, packed.labels, keys)
+    assert (together - alone).abs().max() <= 1e-5 * alone.abs().max()
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    reference = alone + torch.linspace(-1, 1, 24)  # any reference: the same pairs' loss whatever their layout
+    expected = dpo_loss(model(input_ids=padded.input_ids).logits, padded.labels, reference, beta=0.1)
+    for loss_type in ("sigmoid", "ipo"):
+        loss_fn = DpoLoss(beta=0.1, loss_type=loss_type)
+        loss_fn.reference = reference
+        halves = [loss_fn(logits[part], indexed_labels(packed.labels, keys)[part], num_items_in_batch=12)
+                  for part in (slice(0, 3), slice(3, None))]  # two micro-batches of unequal pair counts
+        want = expected if loss_type == "sigmoid" else dpo_loss(
+            model(input_ids=padded.input_ids).logits, padded.labels, reference, beta=0.1, loss_type="ipo")
+        torch.testing.assert_close(sum(halves), want, rtol=1e-5, atol=1e-6)
+        metrics = loss_fn.step_metrics(calls=2)
+        assert metrics["pairs"] == 12
