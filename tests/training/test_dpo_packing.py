@@ -91,3 +91,81 @@ def test_a_packed_rows_sequence_log_probs_equal_each_sequence_alone(tiny_checkpo
         torch.testing.assert_close(sum(halves), want, rtol=1e-5, atol=1e-6)
         metrics = loss_fn.step_metrics(calls=2)
         assert metrics["pairs"] == 12
+
+
+# Bundled pairs of 47-50 tokens together: at --seq-len 100 best-fit decreasing puts exactly two in each row, so
+# every step holds the same number of pairs, which TRL's fixed gradient accumulation needs to compare step by step
+# (the normaliser over unequal micro-batches is checked above).
+EVEN_PAIRS = (0, 2, 4, 8, 10, 16, 18, 22, 24, 26, 28, 30)
+STEPS, PAIRS_PER_STEP = 10, 4
+
+
+def even_pairs_file(path) -> tuple[str, list[dict]]:
+    import json
+
+    rows = [bundled_rows()[i] for i in EVEN_PAIRS]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path), rows
+
+
+def packed_pair_order(options, rows: list[dict], *, steps: int, pairs_per_step: int) -> list[dict]:
+    """The preference rows in the order hfsplit's packed batches visit them: each step's rows' pairs (every step
+    `pairs_per_step` of them), as the run packs them (the same tokenizer, seq_len and seed)."""
+    from hfsplit.training.preference import present_keys
+    from hfsplit.training.run import tokenizer_for
+
+    tokenizer = tokenizer_for(options, model_path=options.model)
+    table = paired_rows(rows, tokenizer, seq_len=options.seq_len, source="pairs", packing=True, seed=options.seed)
+    batches = MicroBatches(table, micro_batch_size=options.micro_batch_size, num_micro_batches=options.micro_batches,
+                           seed=options.seed)
+    order = []
+    for _ in range(steps):
+        pairs = present_keys(next(batches)["sequences"])[0::2] // 2
+        assert len(pairs) == pairs_per_step
+        order += [rows[int(p)] for p in pairs]
+    return order
+
+
+@pytest.mark.slow
+def test_packed_dpo_at_pp2_equals_trl_lora_and_full_precomputed(tiny_checkpoint, tmp_path):
+    """One launch of two ranks, 10-step DPO runs at pp=2 on packed pairs (two pairs a row, one row a micro-batch,
+    two micro-batches a step): LoRA (the adapters-off reference) and full fine-tuning (the precomputed reference,
+    its table keyed by sequence), plus the full run resumed from step 5 in another folder (its table recomputed,
+    the sampler's rows found by their sequences). Per-step losses and rewards equal TRL's DPOTrainer on the same
+    pairs in the same order (each pair a padded batch of its own) within rel 1e-4."""
+    from hfsplit.training.options import tiny_demo_options
+    from tests.parallel.launcher import launch
+    from tests.training.test_dpo import assert_equals_trl, metrics_records
+    from tests.training.test_dpo_precomputed import REWARDS, trl_full_dpo
+
+    dataset, rows = even_pairs_file(tmp_path / "pairs.jsonl")
+    common = dict(model=str(tiny_checkpoint("llama")), objective="dpo", dataset=dataset, packing="on", seq_len=100,
+                  micro_batch_size=1, micro_batches=2, pp=2, schedule="1F1B", max_steps=STEPS, warmup_steps=2,
+                  dtype="float32", max_memory="2x1GiB")
+    lora = dict(common, method="lora", lora_dropout=0.0, learning_rate=5e-3, output_dir=str(tmp_path / "lora"))
+    full = dict(common, method="full", learning_rate=1e-4, save_every=5, output_dir=str(tmp_path / "full"))
+    resumed = dict(full, resume=str(tmp_path / "full" / "checkpoint-5"), output_dir=str(tmp_path / "resumed"))
+    results = launch("tests.training.cases:finetune_losses", world_size=2,
+                     kwargs={"runs": [lora, full, resumed]}, timeout_s=900)
+    assert results[0] == results[1]
+    lora_losses, full_losses, resumed_losses = results[0]
+    (plan,) = metrics_records(lora["output_dir"], has="plan")
+    assert plan["plan"]["pp"] == 2
+    worst = assert_equals_trl(lora, lora_losses, rows=rows, pairs_per_step=PAIRS_PER_STEP, order=packed_pair_order)
+    assert lora_losses[-1] < lora_losses[0]
+
+    options = tiny_demo_options(**full)
+    pairs = packed_pair_order(options, rows, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
+    logs, _, _ = trl_full_dpo(options, pairs, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
+    trl = torch.tensor([h["loss"] for h in logs], dtype=torch.float64)
+    ours = torch.tensor(full_losses, dtype=torch.float64)
+    worst_full = {"loss": float(((ours - trl).abs() / trl.abs()).max())}
+    torch.testing.assert_close(ours, trl, rtol=1e-4, atol=0)
+    records = metrics_records(full["output_dir"])
+    for key in REWARDS:
+        mine, theirs = (torch.tensor([float(r[key]) for r in t], dtype=torch.float64) for t in (records, logs))
+        worst_full[key] = float(((mine - theirs).abs() / theirs.abs().clamp(min=1e-12)).max())
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6, msg=key)
+    torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(full_losses[5:]), rtol=1e-5, atol=0)
+    print("packed LoRA worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst.items()})
+    print("packed full worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst_full.items()})
