@@ -95,7 +95,7 @@ def reference_pass(model, rows: TokenRows, order: torch.Tensor, *, rows_per_repl
     """The reference's summed response log-prob of the sequences of the rows `order` names, `(sequence_count,)`
     fp32 (NaN elsewhere), on every rank: no-grad pipeline forwards in the training step's shape (each
     data-parallel replica its `rows_per_replica` of every `dp * rows_per_replica`, the last chunk filled up with
-    repeats), the last stage's log-probs summed into every rank's copy (a repeated row's: their mean). `lora`: the
+    repeats, which count for nothing), the last stage's log-probs summed into every rank's copy. `lora`: the
     adapters are off (the reference is the base)."""
     dp, coords = model.plan.dp, model.ctx.coords
     chunk = rows_per_replica * dp
@@ -104,21 +104,21 @@ def reference_pass(model, rows: TokenRows, order: torch.Tensor, *, rows_per_repl
     mine = slice(coords.dp * rows_per_replica, (coords.dp + 1) * rows_per_replica)
     for start in range(0, len(order), chunk):
         real = order[start:start + chunk]
-        index = real.repeat(-(-chunk // len(real)))[:chunk]  # a short last chunk: its rows again
-        numbers = row_sequences(rows, index)
+        index = real.repeat(-(-chunk // len(real)))[:chunk]  # a short last chunk: its rows again, not counted
+        numbers = row_sequences(rows, index).clone()
+        numbers[len(real):] = -1
         present, _ = local_keys(numbers)
         batch = rows.select(index[mine])
-        values = torch.zeros(2, len(present), dtype=torch.float32, device=model.device)  # sums, how many ran it
+        values = torch.zeros(len(present), dtype=torch.float32, device=model.device)
         with torch.no_grad(), compute_precision(model), \
                 adapters_disabled(model.stages) if lora else contextlib.nullcontext():
             logits = model.forward(batch.input_ids, position_ids=batch.positions())
         if logits is not None and coords.tp == 0:
             ran, keys = local_keys(numbers[mine])
             slots = torch.searchsorted(present, ran).to(values.device)
-            values[0, slots] = segment_logps(logits, batch.labels.to(logits.device), keys).to(values.device)
-            values[1, slots] = 1.0
-        dist.all_reduce(values)  # each sequence from the replicas' last stages that ran it; zeros elsewhere
-        table[present] = (values[0] / values[1]).cpu()
+            values[slots] = segment_logps(logits, batch.labels.to(logits.device), keys).to(values.device)
+        dist.all_reduce(values)  # each sequence from the one replica's last stage that ran it; zeros elsewhere
+        table[present] = values.cpu()
         bar.update(len(real))
     bar.close()
     return table

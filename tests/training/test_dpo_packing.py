@@ -1,5 +1,7 @@
 """DPO's packed pairs (issue 23, `--packing on`): several pairs a row, a pair's chosen and rejected in one row, each
 sequence isolated; the loss sums log-probs sequence by sequence."""
+import math
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from hfsplit.errors import HfsplitError
 from hfsplit.training.data import DatasetError, MicroBatches
 from hfsplit.training.options import FinetuneOptions, packing_of
 from hfsplit.training.packing import IGNORE_INDEX
-from hfsplit.training.preference import (DpoLoss, dpo_loss, indexed_labels, local_keys, paired_rows,
+from hfsplit.training.preference import (LN2, DpoLoss, dpo_loss, indexed_labels, local_keys, paired_rows,
                                          segment_logps, sequence_logps)
 from tests.training.test_dpo import BUNDLED, bundled_rows
 
@@ -169,3 +171,43 @@ def test_packed_dpo_at_pp2_equals_trl_lora_and_full_precomputed(tiny_checkpoint,
     torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(full_losses[5:]), rtol=1e-5, atol=0)
     print("packed LoRA worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst.items()})
     print("packed full worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst_full.items()})
+
+
+@pytest.mark.slow
+def test_packed_dpo_pp2_by_dp2_equals_pp2_on_the_same_global_batches(tiny_checkpoint, tmp_path):
+    """All 32 bundled pairs packed into rows of 128 (one to four pairs a row): pp=2 × dp=2 (four ranks, two rows a
+    replica) and pp=2 (two ranks, four rows) train on the same global batches, whose replicas hold unequal
+    numbers of pairs; the loss (the global batch's pair mean) and the metrics (its pair means) are the same, LoRA
+    and full fine-tuning with the precomputed reference alike (rel 1e-5)."""
+    from hfsplit.training.options import tiny_demo_options
+    from hfsplit.training.preference import pairs_of
+    from hfsplit.training.run import tokenizer_for
+    from tests.parallel.launcher import launch
+    from tests.training.test_dpo import LOGGED, metrics_records
+
+    common = dict(model=str(tiny_checkpoint("llama")), objective="dpo", packing="on", seq_len=128, micro_batch_size=1,
+                  pp=2, tp=1, schedule="1F1B", max_steps=6, warmup_steps=2, dtype="float32")
+    runs = {f"{method}-{name}": dict(common, method=method, lora_dropout=0.0,
+                                     learning_rate=5e-3 if method == "lora" else 1e-4, micro_batches=m,
+                                     max_memory=f"{ranks}x1GiB", output_dir=str(tmp_path / f"{method}-{name}"))
+            for method in ("lora", "full") for name, m, ranks in (("dp1", 4, 2), ("dp2", 2, 4))}
+    options = tiny_demo_options(**runs["lora-dp1"])
+    table = paired_rows(bundled_rows(), tokenizer_for(options, model_path=options.model), seq_len=128, source=BUNDLED,
+                        packing=True, seed=options.seed)
+    batches = MicroBatches(table, micro_batch_size=1, num_micro_batches=4, seed=options.seed)
+    halves = [[pairs_of(b["sequences"][:2]), pairs_of(b["sequences"][2:])] for b in (next(batches) for _ in range(6))]
+    assert any(a != b for a, b in halves), halves  # the replicas' pair counts differ
+    dp1 = launch("tests.training.cases:finetune_losses", world_size=2,
+                 kwargs={"runs": [runs["lora-dp1"], runs["full-dp1"]]}, timeout_s=600)
+    dp2 = launch("tests.training.cases:finetune_losses", world_size=4,
+                 kwargs={"runs": [runs["lora-dp2"], runs["full-dp2"]]}, timeout_s=600)
+    assert all(r == dp2[0] for r in dp2)
+    for method, one, two in zip(("lora", "full"), dp1[0], dp2[0]):
+        assert math.isclose(one[0], LN2, rel_tol=1e-6) and math.isclose(two[0], LN2, rel_tol=1e-6)  # the reference
+        print(method, "dp2 vs dp1 worst rel loss:", f"{max(abs(a - b) / abs(b) for a, b in zip(two, one)):.1e}")
+        torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=0, msg=method)
+        records = [metrics_records(runs[f"{method}-{name}"]["output_dir"]) for name in ("dp1", "dp2")]
+        for key in LOGGED:
+            torch.testing.assert_close(*(torch.tensor([float(r[key]) for r in t]) for t in records[::-1]),
+                                       rtol=1e-5, atol=1e-6, msg=f"{method} {key}")
+        assert one[-1] < one[0], method
