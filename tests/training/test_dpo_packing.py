@@ -110,22 +110,24 @@ def even_pairs_file(path) -> tuple[str, list[dict]]:
     return str(path), rows
 
 
-def packed_pair_order(options, rows: list[dict], *, steps: int, pairs_per_step: int) -> list[dict]:
-    """The preference rows in the order hfsplit's packed batches visit them: each step's rows' pairs (every step
-    `pairs_per_step` of them), as the run packs them (the same tokenizer, seq_len and seed)."""
+def packed_layout(options, rows: list[dict], *, steps: int, pairs_per_step: int) -> tuple[list[dict], list[dict]]:
+    """(the preference rows in the order hfsplit's packed batches visit them: each step's rows' pairs, every step
+    `pairs_per_step` of them; the pairs of the rows held out for --eval-every), as the run packs them (the same
+    tokenizer, seq_len and seed) and holds out its first rows."""
     from hfsplit.training.preference import present_keys
-    from hfsplit.training.run import tokenizer_for
+    from hfsplit.training.run import split_eval_rows, tokenizer_for
 
     tokenizer = tokenizer_for(options, model_path=options.model)
     table = paired_rows(rows, tokenizer, seq_len=options.seq_len, source="pairs", packing=True, seed=options.seed)
-    batches = MicroBatches(table, micro_batch_size=options.micro_batch_size, num_micro_batches=options.micro_batches,
+    train, held = split_eval_rows(table, options)
+    batches = MicroBatches(train, micro_batch_size=options.micro_batch_size, num_micro_batches=options.micro_batches,
                            seed=options.seed)
     order = []
     for _ in range(steps):
         pairs = present_keys(next(batches)["sequences"])[0::2] // 2
         assert len(pairs) == pairs_per_step
         order += [rows[int(p)] for p in pairs]
-    return order
+    return order, [] if held is None else [rows[int(p)] for p in present_keys(held.sequences)[0::2] // 2]
 
 
 @pytest.mark.slow
@@ -133,8 +135,9 @@ def test_packed_dpo_at_pp2_equals_trl_lora_and_full_precomputed(tiny_checkpoint,
     """One launch of two ranks, 10-step DPO runs at pp=2 on packed pairs (two pairs a row, one row a micro-batch,
     two micro-batches a step): LoRA (the adapters-off reference) and full fine-tuning (the precomputed reference,
     its table keyed by sequence), plus the full run resumed from step 5 in another folder (its table recomputed,
-    the sampler's rows found by their sequences). Per-step losses and rewards equal TRL's DPOTrainer on the same
-    pairs in the same order (each pair a padded batch of its own) within rel 1e-4."""
+    the sampler's rows found by their sequences), and LoRA evaluating every 5 steps on its first 2 packed rows.
+    Per-step losses and rewards (and eval_loss, eval_rewards/...) equal TRL's DPOTrainer on the same pairs in the
+    same order (each pair a padded batch of its own) within rel 1e-4."""
     from hfsplit.training.options import tiny_demo_options
     from tests.parallel.launcher import launch
     from tests.training.test_dpo import assert_equals_trl, metrics_records
@@ -147,17 +150,20 @@ def test_packed_dpo_at_pp2_equals_trl_lora_and_full_precomputed(tiny_checkpoint,
     lora = dict(common, method="lora", lora_dropout=0.0, learning_rate=5e-3, output_dir=str(tmp_path / "lora"))
     full = dict(common, method="full", learning_rate=1e-4, save_every=5, output_dir=str(tmp_path / "full"))
     resumed = dict(full, resume=str(tmp_path / "full" / "checkpoint-5"), output_dir=str(tmp_path / "resumed"))
+    evaluated = dict(lora, eval_every=5, output_dir=str(tmp_path / "eval"))  # 2 rows (4 pairs) held out
     results = launch("tests.training.cases:finetune_losses", world_size=2,
-                     kwargs={"runs": [lora, full, resumed]}, timeout_s=900)
+                     kwargs={"runs": [lora, full, resumed, evaluated]}, timeout_s=900)
     assert results[0] == results[1]
-    lora_losses, full_losses, resumed_losses = results[0]
+    lora_losses, full_losses, resumed_losses, eval_losses = results[0]
     (plan,) = metrics_records(lora["output_dir"], has="plan")
     assert plan["plan"]["pp"] == 2
-    worst = assert_equals_trl(lora, lora_losses, rows=rows, pairs_per_step=PAIRS_PER_STEP, order=packed_pair_order)
+    worst = assert_equals_trl(lora, lora_losses, rows=rows, pairs_per_step=PAIRS_PER_STEP, layout=packed_layout)
     assert lora_losses[-1] < lora_losses[0]
+    worst_eval = assert_equals_trl(evaluated, eval_losses, rows=rows, pairs_per_step=PAIRS_PER_STEP,
+                                   layout=packed_layout)
 
     options = tiny_demo_options(**full)
-    pairs = packed_pair_order(options, rows, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
+    pairs, _ = packed_layout(options, rows, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
     logs, _, _ = trl_full_dpo(options, pairs, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
     trl = torch.tensor([h["loss"] for h in logs], dtype=torch.float64)
     ours = torch.tensor(full_losses, dtype=torch.float64)
@@ -171,6 +177,7 @@ def test_packed_dpo_at_pp2_equals_trl_lora_and_full_precomputed(tiny_checkpoint,
     torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(full_losses[5:]), rtol=1e-5, atol=0)
     print("packed LoRA worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst.items()})
     print("packed full worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst_full.items()})
+    print("packed LoRA with eval worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst_eval.items()})
 
 
 @pytest.mark.slow
