@@ -208,7 +208,7 @@ def dpo_loss(logits: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor
     position's sequence (packed pairs; `reference` one log-prob per key present, ascending); None: a row each."""
     keys = row_keys(labels) if keys is None else keys.to(labels.device)
     present = present_keys(keys)
-    if len(present) % 2 or not torch.equal(present[0::2] + 1, present[1::2]):
+    if len(present) % 2 or (present[0::2] % 2).any() or not torch.equal(present[0::2] + 1, present[1::2]):
         raise ValueError("a DPO micro-batch holds whole chosen/rejected pairs (sequences 2i and 2i+1)")
     policy = segment_logps(logits, labels, keys)
     if loss_type == "ipo":

@@ -218,3 +218,12 @@ def test_packed_dpo_pp2_by_dp2_equals_pp2_on_the_same_global_batches(tiny_checkp
             torch.testing.assert_close(*(torch.tensor([float(r[key]) for r in t]) for t in records[::-1]),
                                        rtol=1e-5, atol=1e-6, msg=f"{method} {key}")
         assert one[-1] < one[0], method
+
+
+def test_a_micro_batch_with_half_a_pair_is_refused():
+    packed, _ = packed_and_padded()
+    logits = torch.zeros(*packed.labels.shape, 256)
+    keys = local_keys(packed.sequences)[1]
+    for broken in (keys.where(keys != 0, -1), keys.where((keys != 0) & (keys != 23), -1)):  # 1..23, 1..22
+        with pytest.raises(ValueError, match="whole chosen/rejected pairs"):
+            dpo_loss(logits, packed.labels, torch.zeros(23), beta=0.1, keys=broken)
