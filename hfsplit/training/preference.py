@@ -112,11 +112,15 @@ def present_keys(keys: torch.Tensor) -> torch.Tensor:
 
 
 def segment_sums(values: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """`values` (rows, seq) summed by sequence key, one sum per key of `present_keys(keys)`, in its order."""
+    """`values` (rows, seq) summed by sequence key, one sum per key of `present_keys(keys)`, in its order. A
+    sequence lies in one row: its sum is that row's masked to it, summed as a row (a padded row's sum is then
+    exactly `sequence_logps`'s)."""
     present = present_keys(keys)
-    flat, where = keys.reshape(-1), (keys.reshape(-1) >= 0)
-    slots = torch.searchsorted(present, flat[where])
-    return values.new_zeros(len(present)).index_add(0, slots, values.reshape(-1)[where])
+    where = keys >= 0
+    rows = torch.arange(keys.shape[0], device=keys.device)[:, None].expand(keys.shape)[where]
+    row_of = torch.zeros(len(present), dtype=torch.long, device=keys.device)
+    row_of[torch.searchsorted(present, keys[where])] = rows  # each sequence's row
+    return (values[row_of] * (keys[row_of] == present[:, None])).sum(-1)
 
 
 def segment_logps(logits: torch.Tensor, labels: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
