@@ -92,9 +92,10 @@ def reference_pass(model, rows: TokenRows, order: torch.Tensor, *, rows_per_repl
         values = torch.zeros(chunk, dtype=torch.float32, device=model.device)
         with torch.no_grad(), compute_precision(model), \
                 adapters_disabled(model.stages) if lora else contextlib.nullcontext():
-            logits = model.forward(batch.input_ids, position_ids=batch.positions())
-        if logits is not None and coords.tp == 0:
-            values[mine] = sequence_logps(logits, batch.labels.to(logits.device)).to(values.device)
+            logps = model.forward(batch.input_ids, position_ids=batch.positions(), reduce=sequence_logps,
+                                  targets=batch.labels)  # each micro-batch's logits reduced as they come
+        if logps is not None and coords.tp == 0:
+            values[mine] = logps.to(values.device)
         dist.all_reduce(values)  # each row from the one replica's last stage that ran it; zeros elsewhere
         table[real] = values[:len(real)].cpu()
         bar.update(len(real))
