@@ -122,7 +122,8 @@ def test_the_tiny_dpo_recipe_keeps_its_plan(tiny_checkpoint, tmp_path):
         print(f"rank {rank}: planned {r['planned']} measured {r['measured']} ({r['measured'] / r['planned']:.3f}); "
               f"the SFT plan of the split {r['planned_sft']}; the reference pass: planned {r['planned_reference']} "
               f"measured {r['reference_peak']}; the pass of 1, 2, 4 micro-batches, reduced / joined: "
-              f"{[r['pass_peaks']['reduced', n] for n in (1, 2, 4)]} / {[r['pass_peaks']['joined', n] for n in (1, 2, 4)]}")
+              f"{[r['pass_peaks']['reduced', n] for n in (1, 2, 4)]} / "
+              f"{[r['pass_peaks']['joined', n] for n in (1, 2, 4)]}")
     first = results[0]
     plan = first["plan"]
     assert (first["objective"], first["reference"]) == ("dpo", "adapters-off")
