@@ -58,7 +58,8 @@ def precompute_reference(run: Run, *, progress: bool = False, in_memory_rows: in
         dist.barrier()  # the file is whole before any rank may map it
     done = "read back" if covered.item() else "computed"
     run.metrics.log.write({"step": 0, "reference_logps": done, "reference_rows": len(needed),
-                           "reference_s": time.perf_counter() - started, "reference_file": str(path)})
+                           "reference_s": time.perf_counter() - started, "reference_file": str(path),
+                           "table_rows": len(rows), "planned_pairs": run.model.plan.spec.reference_pairs})
     if dist.get_rank() == 0:
         print(f"reference log-probs of {len(needed)} rows {done} ({path})", flush=True)
     if len(rows) > in_memory_rows:

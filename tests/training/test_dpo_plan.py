@@ -99,6 +99,11 @@ def reference_peaks(run, batch: dict) -> dict:
                 with LiveStorages() as live:
                     values[way, n] = forward(n)
                 peaks[way, n] = live.peak
+        model.join_rows = True  # as under flash attention: each micro-batch's rows joined into one (both ways alike)
+        try:
+            values["reduced", "joined rows"], values["joined", "joined rows"] = reduced(len(ids)), joined(len(ids))
+        finally:
+            model.join_rows = False
     return dict(reference_peak=step_peak, pass_peaks=peaks, pass_values=values)
 
 
@@ -142,8 +147,9 @@ def test_the_tiny_dpo_recipe_keeps_its_plan(tiny_checkpoint, tmp_path):
     reduced, joined = ([last["pass_peaks"][way, n] for n in (1, 2, 4)] for way in ("reduced", "joined"))
     assert reduced[2] - reduced[0] <= 4 * 3, reduced
     assert joined[1] - joined[0] >= row_logits and joined[2] - joined[1] >= 2 * row_logits, joined
-    for n in (1, 2, 4):
+    for n in (1, 2, 4, "joined rows"):
         assert torch.equal(last["pass_values"]["reduced", n], last["pass_values"]["joined", n]), n
+    assert last["pass_values"]["reduced", "joined rows"].shape == (plan.spec.micro_batch_size * plan.micro_batches,)
     rows = pipeline_busy(plan, first["step_times_s"], first["busy_s"])
     estimated, measured = sum(row[1] for row in rows), sum(row[2] for row in rows)
     shares = [r["reference_busy"] / (r["busy"] - r["reference_busy"]) for r in results]

@@ -156,8 +156,8 @@ def test_full_dpo_with_the_precomputed_reference_equals_trl_at_pp2_and_pp_dp_sav
     # LoRA: the precomputed reference is the adapters-off one, computed once before training
     torch.testing.assert_close(torch.tensor(lora_losses[0]), torch.tensor(lora_losses[1]), rtol=1e-6, atol=0)
     assert (tmp_path / "lora-precomputed" / "adapter").is_dir() and lora_losses[0][-1] < lora_losses[0][0]
-    (record,) = metrics_records(str(tmp_path / "pp2"), has="plan")  # planned with the pairs it caches
-    assert record["plan"]["spec"]["reference_pairs"] == len(bundled_rows())
+    (record,) = metrics_records(str(tmp_path / "pp2"), has="reference_logps")  # planned with the pairs it caches
+    assert record["planned_pairs"] == len(bundled_rows()) and record["table_rows"] == 2 * len(bundled_rows())
     options = tiny_demo_options(**pp2)
     pairs = hfsplit_pair_order(options, bundled_rows(), steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
     logs, trained, trl_reference = trl_full_dpo(options, pairs, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
