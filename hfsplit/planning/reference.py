@@ -17,7 +17,8 @@ them (`hfsplit.parallel.split_model.SplitModel.forward`):
   but the last stage's log-probs; its last stage holds the step's logits at once.
 
 The stage's peak is then what the reference keeps plus the larger of the training pass's activations and the
-reference pass's own transient (the two passes do not overlap). The last stage keeps one fp32 log-prob a row.
+reference pass's own transient (the two passes do not overlap). The last stage keeps one fp32 log-prob a row (two
+under GPipe: torch's `fwd_cache` holds each micro-batch's beside the joined copy the loss reads).
 Time: the reference's forward of each micro-batch on each stage (`forward_fraction` of its training pass); within
 the pipelined schedule it is part of the stage's busy time (`Stage.time_s`); the relay forward runs stage after
 stage and adds to the step.
