@@ -85,6 +85,8 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     torch.manual_seed(options.seed)
     launch = launch_state(options)
     model_path = options.model or default_model_path(options.output_dir)
+    check_sequence_length(model_path, options.seq_len)  # both before the data is read
+    check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
     tokenizer, rows = load_rows(options, model_path=model_path)  # before the plan: it counts a cached reference's pairs
     # A resumed elastic run keeps its global batch: the planner sets micro-batches for the dp it finds now.
     planned = dict(model_path=model_path, global_batch=launch.rows_per_step,
@@ -199,8 +201,6 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, glob
     """The run's Plan for `world`'s ranks, made on rank 0 and shared with every rank, before any weight is read;
     `global_batch` (rows per step) replaces --micro-batches when a resumed run must keep its batch;
     `reference_pairs`: the pairs a precomputed DPO reference caches (`cached_pairs`)."""
-    check_sequence_length(model_path, options.seq_len)
-    check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
     budget = options.max_memory or default_max_memory(world)
     arguments = plan_arguments(options, world_size=world.world_size, reference_pairs=reference_pairs)
     if global_batch:
