@@ -58,7 +58,8 @@ def precompute_reference(run: Run, *, progress: bool = False, in_memory_rows: in
         dist.barrier()  # the file is whole before any rank may map it
     done = "read back" if covered.item() else "computed"
     run.metrics.log.write({"step": 0, "reference_logps": done, "reference_rows": len(needed),
-                           "reference_s": time.perf_counter() - started, "reference_file": str(path)})
+                           "reference_s": time.perf_counter() - started, "reference_file": str(path),
+                           "table_rows": len(rows), "planned_pairs": run.model.plan.spec.reference_pairs})
     if dist.get_rank() == 0:
         print(f"reference log-probs of {len(needed)} rows {done} ({path})", flush=True)
     if len(rows) > in_memory_rows:
@@ -92,9 +93,10 @@ def reference_pass(model, rows: TokenRows, order: torch.Tensor, *, rows_per_repl
         values = torch.zeros(chunk, dtype=torch.float32, device=model.device)
         with torch.no_grad(), compute_precision(model), \
                 adapters_disabled(model.stages) if lora else contextlib.nullcontext():
-            logits = model.forward(batch.input_ids, position_ids=batch.positions())
-        if logits is not None and coords.tp == 0:
-            values[mine] = sequence_logps(logits, batch.labels.to(logits.device)).to(values.device)
+            logps = model.forward(batch.input_ids, position_ids=batch.positions(), reduce=sequence_logps,
+                                  targets=batch.labels)  # each micro-batch's logits reduced as they come
+        if logps is not None and coords.tp == 0:
+            values[mine] = logps.to(values.device)
         dist.all_reduce(values)  # each row from the one replica's last stage that ran it; zeros elsewhere
         table[real] = values[:len(real)].cpu()
         bar.update(len(real))

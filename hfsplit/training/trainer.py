@@ -123,16 +123,17 @@ def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: to
                 rows: torch.Tensor) -> torch.Tensor:
     """The reference log-probs of these rows (`rows`: their indices in the training rows) for the loss: read from
     the precomputed table (`--reference precomputed`), else a no-grad pipeline forward of them with every stage's
-    adapters off, whose last stage keeps each row's log-prob. Returns the targets the loss reads
+    adapters off, whose last stage reduces each micro-batch's logits to its rows' log-probs as they leave it
+    (`SplitModel.forward(reduce=)`: one micro-batch's logits at a time). Returns the targets the loss reads
     (`indexed_labels`: the labels, each row's index in this batch appended)."""
     run.loss_fn.seen = []  # this step's pairs only (the plan's probes may have run the loss before)
     if run.loss_fn.precomputed is not None:
         run.loss_fn.reference = run.loss_fn.precomputed[rows]
         return indexed_labels(labels)
-    with torch.no_grad(), adapters_disabled(run.model.stages):
-        logits = run.model.forward(ids, position_ids=positions)
-    if logits is not None:
-        run.loss_fn.reference = sequence_logps(logits, labels.to(logits.device))
+    with torch.no_grad(), adapters_disabled(run.model.stages):  # each micro-batch's logits reduced as they come
+        reference = run.model.forward(ids, position_ids=positions, reduce=sequence_logps, targets=labels)
+    if reference is not None:
+        run.loss_fn.reference = reference
     return indexed_labels(labels)
 
 
@@ -151,13 +152,13 @@ def dpo_eval(model, rows, loss_fn: DpoLoss, *, micro_batch_size: int) -> tuple[f
     seen = []
     for start in range(0, len(rows) - size + 1, size):
         batch = rows.select(slice(start, start + size))
+        logps = dict(position_ids=batch.positions(), reduce=sequence_logps, targets=batch.labels)
         with compute_precision(model):
             with adapters_disabled(model.stages):
-                reference = model.forward(batch.input_ids, position_ids=batch.positions())
-            logits = model.forward(batch.input_ids, position_ids=batch.positions())
-        if logits is not None:
-            labels = batch.labels.to(logits.device)
-            seen.append((sequence_logps(logits, labels), sequence_logps(reference, labels), labels))
+                reference = model.forward(batch.input_ids, **logps)
+            policy = model.forward(batch.input_ids, **logps)
+        if policy is not None:
+            seen.append((policy, reference, batch.labels.to(policy.device)))
     local = loss_fn.evaluate(*(torch.cat(t) for t in zip(*seen))) if seen else {}
     figures = {name: model.reduce_loss(torch.tensor(local.get(name, 0.0)), replicas=False)
                for name in ("loss", *DPO_METRICS)}

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from hfsplit.training.data import MicroBatches
 from hfsplit.training.preference import LN2, paired_rows, sequence_logps
 from hfsplit.training.reference import (REFERENCE_FILE, read_table, reference_fingerprint, visited_rows,
                                         write_table)
-from tests.training.test_dpo import BUNDLED, bundled_rows, hfsplit_pair_order, in_order_dpo_trainer
+from tests.training.test_dpo import (BUNDLED, bundled_rows, hfsplit_pair_order, in_order_dpo_trainer,
+                                     metrics_records)
 
 STEPS, PAIRS_PER_STEP = 10, 4
 
@@ -25,6 +27,30 @@ STEPS, PAIRS_PER_STEP = 10, 4
 def pair_batches(seq_len=64, *, rows_per_step=8, seed=0):
     table = paired_rows(bundled_rows(), tiny_tokenizer(), seq_len=seq_len, source=BUNDLED)
     return MicroBatches(table, micro_batch_size=2, num_micro_batches=rows_per_step // 2, seed=seed, group=2)
+
+
+def test_the_run_plans_with_the_pairs_its_precomputed_reference_caches(tiny_checkpoint):
+    """Item 6 of issue 23: a precomputed reference's run hands the plan its training pairs (`cached_pairs`: the
+    data set's, less any held out), so the plan counts the cached log-probs exactly; adapters-off caches none."""
+    from hfsplit.planning.planner import make_plan
+    from hfsplit.training.options import plan_arguments, tiny_demo_options
+    from hfsplit.training.run import cached_pairs, load_rows
+
+    model = str(tiny_checkpoint("llama"))
+    full = tiny_demo_options(model=model, objective="dpo", method="full", seq_len=64, micro_batch_size=2,
+                             micro_batches=4, pp=2, dataset=BUNDLED)
+    _, rows = load_rows(full, model_path=model)
+    assert cached_pairs(full, rows) == len(bundled_rows()) == len(rows) // 2
+    held = replace(full, method="lora", reference="precomputed", eval_every=5)
+    assert cached_pairs(held, rows) == len(bundled_rows()) - 4  # one step's rows (8) held out
+    assert cached_pairs(replace(full, method="lora"), rows) is None  # adapters-off
+    arguments = plan_arguments(full, world_size=2, gpu=False, reference_pairs=cached_pairs(full, rows))
+    assert arguments["spec"].reference_pairs == len(bundled_rows())
+    plan = make_plan(model, "2x1GiB", **arguments)
+    one_step = make_plan(model, "2x1GiB", **plan_arguments(full, world_size=2, gpu=False))
+    assert one_step.spec.reference_pairs is None  # `hfsplit plan` without the data: one step's pairs
+    extra = plan.stages[-1].memory.activations - one_step.stages[-1].memory.activations
+    assert extra == 8 * (len(bundled_rows()) - 4)  # 8 bytes a pair, against the 4 pairs of one step
 
 
 def test_the_pass_covers_the_rows_the_steps_draw_each_once_in_the_order_met():
@@ -130,6 +156,8 @@ def test_full_dpo_with_the_precomputed_reference_equals_trl_at_pp2_and_pp_dp_sav
     # LoRA: the precomputed reference is the adapters-off one, computed once before training
     torch.testing.assert_close(torch.tensor(lora_losses[0]), torch.tensor(lora_losses[1]), rtol=1e-6, atol=0)
     assert (tmp_path / "lora-precomputed" / "adapter").is_dir() and lora_losses[0][-1] < lora_losses[0][0]
+    (record,) = metrics_records(str(tmp_path / "pp2"), has="reference_logps")  # planned with the pairs it caches
+    assert record["planned_pairs"] == len(bundled_rows()) and record["table_rows"] == 2 * len(bundled_rows())
     options = tiny_demo_options(**pp2)
     pairs = hfsplit_pair_order(options, bundled_rows(), steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
     logs, trained, trl_reference = trl_full_dpo(options, pairs, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
