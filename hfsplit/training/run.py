@@ -118,7 +118,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
         tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
         metrics=run.metrics)
     if options.objective == "dpo" and reference_of(options) == "precomputed":  # the starting weights', not a resume's
-        run.loss_fn.precomputed = precompute_reference(run, progress=progress and holds_loss)
+        run.loss_fn.precomputed, run.held_out_reference = precompute_reference(run, progress=progress and holds_loss)
     run.first_step = run.checkpointer.resume(launch.resume_from)
     log_launch(run, launch, started=started)
     run.metrics.begin(run.first_step)

@@ -139,25 +139,32 @@ def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: to
 def evaluation(run: Run) -> tuple[float, dict[str, float]]:
     """(eval loss, further eval figures) on the held-out rows: the SFT token mean, or DPO's (`dpo_eval`)."""
     if isinstance(run.loss_fn, DpoLoss):
-        return dpo_eval(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size)
+        return dpo_eval(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size,
+                        reference=run.held_out_reference)
     return eval_loss(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size), {}
 
 
 @torch.no_grad()
-def dpo_eval(model, rows, loss_fn: DpoLoss, *, micro_batch_size: int) -> tuple[float, dict[str, float]]:
-    """DPO on the held-out pairs, forward only: the mean pair loss against the same reference (the stages with
-    their adapters off) and TRL's metrics of those pairs, on every rank."""
+def dpo_eval(model, rows, loss_fn: DpoLoss, *, micro_batch_size: int,
+             reference: Optional[torch.Tensor] = None) -> tuple[float, dict[str, float]]:
+    """DPO on the held-out pairs, forward only: the mean pair loss against the same reference (`reference`: the
+    held-out rows' precomputed log-probs, by row; None: the stages with their adapters off) and TRL's metrics of
+    those pairs, on every rank."""
     size = micro_batch_size * model.plan.micro_batches  # the training step's shape: same micro-batch count
     seen = []
     for start in range(0, len(rows) - size + 1, size):
         batch = rows.select(slice(start, start + size))
         with compute_precision(model):
-            with adapters_disabled(model.stages):
-                reference = model.forward(batch.input_ids, position_ids=batch.positions())
+            if reference is None:
+                with adapters_disabled(model.stages):
+                    logits = model.forward(batch.input_ids, position_ids=batch.positions())
+                ref = sequence_logps(logits, batch.labels.to(logits.device)) if logits is not None else None
+            else:
+                ref = reference[start:start + size]
             logits = model.forward(batch.input_ids, position_ids=batch.positions())
         if logits is not None:
             labels = batch.labels.to(logits.device)
-            seen.append((sequence_logps(logits, labels), sequence_logps(reference, labels), labels))
+            seen.append((sequence_logps(logits, labels), ref.to(logits.device), labels))
     local = loss_fn.evaluate(*(torch.cat(t) for t in zip(*seen))) if seen else {}
     figures = {name: model.reduce_loss(torch.tensor(local.get(name, 0.0)), replicas=False)
                for name in ("loss", *DPO_METRICS)}
@@ -255,6 +262,7 @@ class Run:
     lora_config: Optional[LoraConfig] = None  # the adapters' (LoRA / QLoRA runs), saved beside them
     first_step: int = 1
     calibration_spec: Optional[TrainingSpec] = None  # the TrainingSpec the plan's FLOP/s was measured with
+    held_out_reference: Optional[torch.Tensor] = None  # the held-out rows' precomputed reference log-probs, by row
 
     @property
     def rows_per_replica(self) -> int:
