@@ -13,7 +13,6 @@ import psutil
 import pytest
 import torch
 
-from hfsplit.training.options import recipe_values
 from hfsplit.training.resume import latest_checkpoint
 from tests.parallel.launcher import ROOT, free_port, kill_tree, launch, run_command
 
@@ -35,13 +34,12 @@ def recipe_args(out: Path) -> list[str]:
             "--peer-timeout", "30", "--output-dir", str(out)]
 
 
-# the elastic run's objective: the built-in SFT recipe, or full fine-tuning DPO on the tiny DPO recipe (its reference
-# precomputed before step 1, read back from the output folder by each regrouped world)
-DPO_RECIPE = ROOT / "recipes/tiny/dpo.yaml"
+# the elastic run's objective: the built-in tiny demo's SFT, or full fine-tuning DPO on the bundled preference pairs
+# (its reference precomputed before step 1, read back from the output folder by each regrouped world)
+PAIRS = str(ROOT / "hfsplit/training/bundled/tiny_preference.jsonl")
 OBJECTIVES = {"sft": ({}, []),
-              "dpo": (dict(recipe_values(DPO_RECIPE), method="full", learning_rate=1e-4,
-                           dataset=str(ROOT / recipe_values(DPO_RECIPE)["dataset"])),
-                      ["--config", str(DPO_RECIPE), "--method", "full", "--learning-rate", "1e-4"])}
+              "dpo": (dict(objective="dpo", dataset=PAIRS, learning_rate=1e-4),
+                      ["--objective", "dpo", "--dataset", PAIRS, "--learning-rate", "1e-4"])}
 
 
 def torchrun(port: int, out: Path, *, log: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
