@@ -198,6 +198,7 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, glob
     `global_batch` (rows per step) replaces --micro-batches when a resumed run must keep its batch."""
     check_sequence_length(model_path, options.seq_len)
     check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
+    check_dpo_router_eval(options, load_config(model_path))
     budget = options.max_memory or default_max_memory(world)
     arguments = plan_arguments(options, world_size=world.world_size)
     if global_batch:
@@ -207,6 +208,15 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, glob
     # One p2p probe between neighbours (pipeline sends, TP all-reduces), with the block's split-backward cost.
     arguments["link"] = run_link(model_path, arguments["spec"])
     return shared_plan(model_path, budget, **arguments)
+
+
+def check_dpo_router_eval(options: FinetuneOptions, config) -> None:
+    """One line for --eval-every under DPO on an MoE adding its router loss: TRL's eval_loss adds the router term
+    of each held-out pair's forward, which the forward-only pipeline evaluation does not compute."""
+    if options.objective == "dpo" and options.eval_every and getattr(config, "output_router_logits", False):
+        raise HfsplitError("--eval-every under --objective dpo on an MoE with output_router_logits: the evaluation "
+                           "runs forward only and has no router auxiliary loss for eval_loss (TRL's includes it); "
+                           "drop --eval-every, or set output_router_logits false in the model's config")
 
 
 def saved_method(method: str) -> str:

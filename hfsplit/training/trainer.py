@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import NonFiniteError, PeerLostError
 from hfsplit.load.probes import recheck_speed
+from hfsplit.parallel.router import stats_of
 from hfsplit.parallel.split_model import SplitModel
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.timing import time_report
@@ -88,13 +89,16 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     model.activation_offload_bytes(reset=True)
     start = time.perf_counter()
     ids, labels, positions = batch["input_ids"][mine], batch["labels"][mine], batch["position_ids"][mine]
+    mask = {}
     with compute_precision(model):
         if isinstance(run.loss_fn, DpoLoss):  # the loss is the mean over the global batch's pairs
             labels = dpo_targets(run, ids, labels, positions, rows=batch["index"][mine])
             divisor = batch["labels"].shape[0] // 2
+            if stats_of(model.stages):  # an MoE's router loss over the pairs' real tokens (TRL's attention mask)
+                mask = {"router_mask": torch.arange(ids.shape[1])[None] < batch["lengths"][mine][:, None]}
         else:
             divisor = items
-        loss = model.step(ids, labels, run.loss_fn, position_ids=positions, num_items_in_batch=divisor)
+        loss = model.step(ids, labels, run.loss_fn, position_ids=positions, num_items_in_batch=divisor, **mask)
     loss = model.reduce_loss(loss)
     norm = model.grad_norm(run.params)
     outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0, tokens=int(batch["lengths"].sum()),
