@@ -135,6 +135,8 @@ def test_a_machine_that_joins_then_dies_regrows_and_shrinks_the_run_and_the_loss
     (expected,) = launch("tests.training.cases:finetune_losses", world_size=1, timeout_s=300,
                          kwargs={"runs": [dict(options, max_steps=STEPS, seq_len=SEQ_LEN, dtype="float32",
                                                output_dir=str(reference))]})[0]
+    worst = max(abs(losses[s] - e) / abs(e) for s, e in zip(range(1, STEPS + 1), expected))
+    print(f"{objective}: worst rel diff vs the uninterrupted run {worst:.1e}")
     assert [losses[s] for s in range(1, STEPS + 1)] == pytest.approx(expected, rel=1e-4)
     if objective == "dpo":  # computed once, by the first world; read back by the grown one and the shrunk one
         passes = [r["reference_logps"] for r in records_of(out) if "reference_logps" in r]
