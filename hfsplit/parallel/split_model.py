@@ -164,7 +164,7 @@ class SplitModel(nn.Module):
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: Callable, *,
              position_ids: Optional[torch.Tensor] = None, num_items_in_batch: Optional[int] = None,
-             sync: bool = True) -> Optional[torch.Tensor]:
+             sync: bool = True, router_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """One schedule step (forward + backward over all micro-batches) of this replica's rows.
 
         Args:
@@ -177,6 +177,8 @@ class SplitModel(nn.Module):
                 the data-parallel group).
             sync: reduce tied-embedding and data-parallel gradients afterwards; pass False when accumulating
                 several steps and call `sync_grads()` once.
+            router_mask: `(batch, seq)` bool, the tokens an MoE's router auxiliary loss counts (transformers'
+                attention mask; DPO's padded pairs); None: every position.
 
         Returns:
             On the last stage, this replica's part of the step's loss (the sum of its micro-batch losses: summed
@@ -191,7 +193,9 @@ class SplitModel(nn.Module):
             labels = labels.clone()
             labels[:, 0] = IGNORE_INDEX  # never a target (the shift), nor once joined: the previous row's last token's
             input_ids, labels, positions = (joined_rows(t, groups) for t in (input_ids, labels, positions))
+            router_mask = joined_rows(router_mask, groups) if router_mask is not None else None
         schedule = self._schedule(tuple(input_ids.shape), loss_fn=chunked_or(loss_fn, self.stages, plan=self.plan))
+        masked = {"router_mask": router_mask.to(self.device)} if router_mask is not None else {}
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         target = labels.to(self.device) if self.has_last else None
@@ -200,7 +204,7 @@ class SplitModel(nn.Module):
         # MoE: the router sums travel with the hidden states (parallel/router.py)
         with head_in_loss(self.stages, enabled=self.plan.spec.chunked_loss), carrying(self.stages):
             schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                          loss_kwargs={"num_items_in_batch": items}, position_ids=positions)
+                          loss_kwargs={"num_items_in_batch": items}, position_ids=positions, **masked)
         if sync:
             self.sync_grads()
         return torch.stack([loss.detach() for loss in losses]).sum() if self.has_last else None

@@ -87,6 +87,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     model_path = options.model or default_model_path(options.output_dir)
     check_sequence_length(model_path, options.seq_len)  # both before the data is read
     check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
+    check_dpo_router_eval(options, load_config(model_path))
     tokenizer, rows = load_rows(options, model_path=model_path)  # before the plan: it counts a cached reference's pairs
     # A resumed elastic run keeps its global batch: the planner sets micro-batches for the dp it finds now.
     planned = dict(model_path=model_path, global_batch=launch.rows_per_step,
@@ -121,7 +122,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
         tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
         metrics=run.metrics)
     if options.objective == "dpo" and reference_of(options) == "precomputed":  # the starting weights', not a resume's
-        run.loss_fn.precomputed = precompute_reference(run, progress=progress and holds_loss)
+        run.loss_fn.precomputed, run.held_out_reference = precompute_reference(run, progress=progress and holds_loss)
     run.first_step = run.checkpointer.resume(launch.resume_from)
     log_launch(run, launch, started=started)
     run.metrics.begin(run.first_step)
@@ -212,6 +213,15 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, glob
     return shared_plan(model_path, budget, **arguments)
 
 
+def check_dpo_router_eval(options: FinetuneOptions, config) -> None:
+    """One line for --eval-every under DPO on an MoE adding its router loss: TRL's eval_loss adds the router term
+    of each held-out pair's forward, which the forward-only pipeline evaluation does not compute."""
+    if options.objective == "dpo" and options.eval_every and getattr(config, "output_router_logits", False):
+        raise HfsplitError("--eval-every under --objective dpo on an MoE with output_router_logits: the evaluation "
+                           "runs forward only and has no router auxiliary loss for eval_loss (TRL's includes it); "
+                           "drop --eval-every, or set output_router_logits false in the model's config")
+
+
 def saved_method(method: str) -> str:
     """What the output folder holds: QLoRA writes the same peft adapter folder as LoRA."""
     return "lora" if method == "qlora" else method
@@ -251,10 +261,10 @@ def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -
 
 def cached_pairs(options: FinetuneOptions, rows) -> Optional[int]:
     """The pairs whose log-probs a precomputed DPO reference caches, for the plan (`TrainingSpec.reference_pairs`):
-    those of the training rows (`precompute_reference` keeps one fp32 log-prob a training row); None otherwise."""
+    every row's, training and held-out (`precompute_reference` keeps one fp32 log-prob of each); None otherwise."""
     if options.objective != "dpo" or reference_of(options) != "precomputed":
         return None
-    return len(split_eval_rows(rows, options)[0]) // 2
+    return len(rows) // 2
 
 
 def split_eval_rows(rows, options: FinetuneOptions):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import NonFiniteError, PeerLostError
 from hfsplit.load.probes import recheck_speed
+from hfsplit.parallel.router import stats_of
 from hfsplit.parallel.split_model import SplitModel
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.timing import time_report
@@ -88,13 +89,16 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     model.activation_offload_bytes(reset=True)
     start = time.perf_counter()
     ids, labels, positions = batch["input_ids"][mine], batch["labels"][mine], batch["position_ids"][mine]
+    mask = {}
     with compute_precision(model):
         if isinstance(run.loss_fn, DpoLoss):  # the loss is the mean over the global batch's pairs
             labels = dpo_targets(run, ids, labels, positions, rows=batch["index"][mine])
             divisor = batch["labels"].shape[0] // 2
+            if stats_of(model.stages):  # an MoE's router loss over the pairs' real tokens (TRL's attention mask)
+                mask = {"router_mask": torch.arange(ids.shape[1])[None] < batch["lengths"][mine][:, None]}
         else:
             divisor = items
-        loss = model.step(ids, labels, run.loss_fn, position_ids=positions, num_items_in_batch=divisor)
+        loss = model.step(ids, labels, run.loss_fn, position_ids=positions, num_items_in_batch=divisor, **mask)
     loss = model.reduce_loss(loss)
     norm = model.grad_norm(run.params)
     outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0, tokens=int(batch["lengths"].sum()),
@@ -140,25 +144,31 @@ def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: to
 def evaluation(run: Run) -> tuple[float, dict[str, float]]:
     """(eval loss, further eval figures) on the held-out rows: the SFT token mean, or DPO's (`dpo_eval`)."""
     if isinstance(run.loss_fn, DpoLoss):
-        return dpo_eval(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size)
+        return dpo_eval(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size,
+                        reference=run.held_out_reference)
     return eval_loss(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size), {}
 
 
 @torch.no_grad()
-def dpo_eval(model, rows, loss_fn: DpoLoss, *, micro_batch_size: int) -> tuple[float, dict[str, float]]:
-    """DPO on the held-out pairs, forward only: the mean pair loss against the same reference (the stages with
-    their adapters off) and TRL's metrics of those pairs, on every rank."""
+def dpo_eval(model, rows, loss_fn: DpoLoss, *, micro_batch_size: int,
+             reference: Optional[torch.Tensor] = None) -> tuple[float, dict[str, float]]:
+    """DPO on the held-out pairs, forward only: the mean pair loss against the same reference (`reference`: the
+    held-out rows' precomputed log-probs, by row; None: the stages with their adapters off) and TRL's metrics of
+    those pairs, on every rank."""
     size = micro_batch_size * model.plan.micro_batches  # the training step's shape: same micro-batch count
     seen = []
     for start in range(0, len(rows) - size + 1, size):
         batch = rows.select(slice(start, start + size))
         logps = dict(position_ids=batch.positions(), reduce=sequence_logps, targets=batch.labels)
         with compute_precision(model):
-            with adapters_disabled(model.stages):
-                reference = model.forward(batch.input_ids, **logps)
+            if reference is None:
+                with adapters_disabled(model.stages):
+                    ref = model.forward(batch.input_ids, **logps)
+            else:
+                ref = reference[start:start + size]
             policy = model.forward(batch.input_ids, **logps)
         if policy is not None:
-            seen.append((policy, reference, batch.labels.to(policy.device)))
+            seen.append((policy, ref.to(policy.device), batch.labels.to(policy.device)))
     local = loss_fn.evaluate(*(torch.cat(t) for t in zip(*seen))) if seen else {}
     figures = {name: model.reduce_loss(torch.tensor(local.get(name, 0.0)), replicas=False)
                for name in ("loss", *DPO_METRICS)}
@@ -256,6 +266,7 @@ class Run:
     lora_config: Optional[LoraConfig] = None  # the adapters' (LoRA / QLoRA runs), saved beside them
     first_step: int = 1
     calibration_spec: Optional[TrainingSpec] = None  # the TrainingSpec the plan's FLOP/s was measured with
+    held_out_reference: Optional[torch.Tensor] = None  # the held-out rows' precomputed reference log-probs, by row
 
     @property
     def rows_per_replica(self) -> int:
