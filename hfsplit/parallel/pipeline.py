@@ -73,6 +73,24 @@ def build_schedule(name: str, stages: list, *, micro_batches: int, loss_fn: Opti
     return cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
 
 
+class ReducedOutput(nn.Module):
+    """A last stage whose output is `reduce(logits, targets)` of its micro-batch (`SplitModel.forward(reduce=)`).
+
+    A forward-only schedule keeps each micro-batch's last-stage output (torch's `output_chunks` and `fwd_cache`)
+    until its next step: the logits of every micro-batch would stay. Reduced inside the stage's forward, only the
+    reduction stays; the logits (and the reduction's own transients) are one micro-batch's at a time. `seq`: the
+    rows' length (a micro-batch joined into one row, `SplitModel.join_rows`, is its rows again here)."""
+
+    def __init__(self, stage: nn.Module, reduce: Callable, seq: int):
+        super().__init__()
+        self.stage, self.reduce, self.seq = stage, reduce, seq
+
+    def forward(self, x: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
+                targets: Optional[torch.Tensor] = None):
+        logits = self.stage(x, position_ids=position_ids)
+        return self.reduce(logits.reshape(-1, self.seq, logits.shape[-1]), targets.reshape(-1, self.seq))
+
+
 class StageTimer:
     """Seconds this rank spends computing inside its pipeline stages (forward and backward chunks).
 

@@ -11,7 +11,8 @@ beside the hidden states (the probability part keeps its gradient, back to every
 in layer by layer in the same order and the same arithmetic as transformers, and the last stage forms the
 loss. transformers adds `router_aux_loss_coef` × aux to the loss only when `output_router_logits` is set, so
 only then is anything carried. The pipeline runs without an attention mask (no padding rows), as
-transformers' forward called without one.
+transformers' forward called without one; a step given a token mask (DPO's padded pairs, as TRL's DPOTrainer
+passes its attention mask) folds in the real tokens only, as `load_balancing_loss_func` does with a mask.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class RouterStats:
         self.active = False  # set for training steps (`carrying`); inference sends hidden states only
         self._recording = False
         self._logits: list[torch.Tensor] = []
+        self._mask: Optional[torch.Tensor] = None
         self._index = index
         for router in routers:
             router.register_forward_hook(self._record)
@@ -48,8 +50,10 @@ class RouterStats:
         if self._recording:  # not during an activation-checkpointing recompute in the backward
             self._logits.append(output[self._index])
 
-    def begin(self) -> None:
+    def begin(self, mask: Optional[torch.Tensor] = None) -> None:
+        """Record this forward's router logits; `mask` `(batch, seq)`: the real tokens (None: every position)."""
         self._logits.clear()
+        self._mask = mask.reshape(-1) if mask is not None else None
         self._recording = True
 
     def finish(self, stats: Optional[torch.Tensor], *, device: torch.device) -> torch.Tensor:
@@ -60,7 +64,9 @@ class RouterStats:
         tokens, probs, rows = stats[:self.experts], stats[self.experts:-1], stats[-1:]
         # as transformers: floats where histc needs them (CPU, MPS), integers for determinism on GPUs
         histc_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
-        for logits in self._logits:  # transformers' per-layer reductions (load_balancing_loss_func, no mask)
+        for logits in self._logits:  # transformers' per-layer reductions (load_balancing_loss_func)
+            if self._mask is not None:  # with its attention mask: the means over the real tokens only
+                logits = logits[self._mask.to(logits.device)]
             weights = torch.nn.functional.softmax(logits, dim=-1)
             _, selected = torch.topk(weights, self.top_k, dim=-1)
             tokens = tokens + torch.histc(selected.reshape(-1).to(histc_dtype), bins=self.experts, min=0,

@@ -34,7 +34,7 @@ from hfsplit.models.loss import IGNORE_INDEX
 from hfsplit.models.families import tp_degree_error
 from hfsplit.parallel.mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
 from hfsplit.parallel.pipeline import (
-    StageTimer, build_schedule, chunked_or, head_in_loss, pipeline_stages, releasing_graph,
+    ReducedOutput, StageTimer, build_schedule, chunked_or, head_in_loss, pipeline_stages, releasing_graph,
 )
 from hfsplit.parallel.router import carrying, with_router_loss
 from hfsplit.parallel.stage import StageModule
@@ -95,24 +95,39 @@ class SplitModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
-                broadcast: bool = False) -> Optional[torch.Tensor]:
+                broadcast: bool = False, reduce: Optional[Callable] = None,
+                targets: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Logits `(batch, seq, vocab)` on the last stage's ranks (every rank with `broadcast=True`), else None.
 
         `position_ids` `(batch, seq)`: each token's position within its example (a packed row restarts at 0 for
-        each, and attention stays inside each example); None: every row is one sequence."""
+        each, and attention stays inside each example); None: every row is one sequence.
+        `reduce(logits, targets)`: the last stage reduces each micro-batch's logits `(rows, seq, vocab)` with its
+        rows of `targets` `(batch, seq)` as they leave it, and lets them go; the results joined along rows come
+        back instead of the logits (`sequence_logps`: `(batch,)`), so the pass holds one micro-batch's logits at a
+        time (a rank of several stages relays the whole batch at once and reduces its logits)."""
+        if reduce is not None and broadcast:
+            raise ValueError("forward(reduce=...) returns the reduction on the last stage only: drop broadcast")
         input_ids = input_ids.to(self.device)
         shape = tuple(input_ids.shape)
         positions = positions_of(input_ids, position_ids)
         groups = micro_batches_for(batch=shape[0], planned=self.plan.micro_batches) if len(self.stages) == 1 else 1
+        targets = targets.to(self.device) if reduce is not None and self.has_last else None
         if self.join_rows:
             input_ids, positions = joined_rows(input_ids, groups), joined_rows(positions, groups)
+            targets = joined_rows(targets, groups) if targets is not None and len(self.stages) == 1 else targets
         if len(self.stages) == 1:
-            schedule = self._schedule(tuple(input_ids.shape), loss_fn=None, name="GPipe")
-            logits = schedule.step(*((input_ids,) if self.has_first else ()), position_ids=positions)
+            schedule = self._schedule(tuple(input_ids.shape), loss_fn=None, name="GPipe",
+                                      reduce=(reduce, shape[1]) if reduce is not None else None)
+            extra = {"targets": targets} if targets is not None else {}
+            logits = schedule.step(*((input_ids,) if self.has_first else ()), position_ids=positions, **extra)
+            if reduce is not None:
+                return logits if self.has_last else None  # the micro-batches' reductions, joined
         else:
             logits = self._relay_forward(input_ids, position_ids=positions)
         if logits is not None and self.join_rows:
             logits = logits.reshape(*shape, -1)
+        if reduce is not None:
+            return reduce(logits, targets) if self.has_last else None
         if not broadcast:
             return logits if self.has_last else None
         return self._broadcast_logits(logits, shape=(*shape, self.config.vocab_size))
@@ -149,7 +164,7 @@ class SplitModel(nn.Module):
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: Callable, *,
              position_ids: Optional[torch.Tensor] = None, num_items_in_batch: Optional[int] = None,
-             sync: bool = True) -> Optional[torch.Tensor]:
+             sync: bool = True, router_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """One schedule step (forward + backward over all micro-batches) of this replica's rows.
 
         Args:
@@ -162,6 +177,8 @@ class SplitModel(nn.Module):
                 the data-parallel group).
             sync: reduce tied-embedding and data-parallel gradients afterwards; pass False when accumulating
                 several steps and call `sync_grads()` once.
+            router_mask: `(batch, seq)` bool, the tokens an MoE's router auxiliary loss counts (transformers'
+                attention mask; DPO's padded pairs); None: every position.
 
         Returns:
             On the last stage, this replica's part of the step's loss (the sum of its micro-batch losses: summed
@@ -176,7 +193,9 @@ class SplitModel(nn.Module):
             labels = labels.clone()
             labels[:, 0] = IGNORE_INDEX  # never a target (the shift), nor once joined: the previous row's last token's
             input_ids, labels, positions = (joined_rows(t, groups) for t in (input_ids, labels, positions))
+            router_mask = joined_rows(router_mask, groups) if router_mask is not None else None
         schedule = self._schedule(tuple(input_ids.shape), loss_fn=chunked_or(loss_fn, self.stages, plan=self.plan))
+        masked = {"router_mask": router_mask.to(self.device)} if router_mask is not None else {}
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         target = labels.to(self.device) if self.has_last else None
@@ -185,7 +204,7 @@ class SplitModel(nn.Module):
         # MoE: the router sums travel with the hidden states (parallel/router.py)
         with head_in_loss(self.stages, enabled=self.plan.spec.chunked_loss), carrying(self.stages):
             schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                          loss_kwargs={"num_items_in_batch": items}, position_ids=positions)
+                          loss_kwargs={"num_items_in_batch": items}, position_ids=positions, **masked)
         if sync:
             self.sync_grads()
         return torch.stack([loss.detach() for loss in losses]).sum() if self.has_last else None
@@ -311,13 +330,16 @@ class SplitModel(nn.Module):
                 dist.send(x.contiguous(), dst=self.ctx.global_rank(pp=owner[index + 1]), group=self.ctx.pp_group)
         return x if self.has_last else None
 
-    def _schedule(self, shape: tuple, *, loss_fn: Optional[Callable], name: Optional[str] = None):
-        """A schedule for inputs of `shape` (cached: pipeline buffers are sized per shape)."""
+    def _schedule(self, shape: tuple, *, loss_fn: Optional[Callable], name: Optional[str] = None,
+                  reduce: Optional[tuple[Callable, int]] = None):
+        """A schedule for inputs of `shape` (cached: pipeline buffers are sized per shape); `reduce`: (the
+        last stage's reduction of each micro-batch's logits, the rows' sequence length), as `forward` takes it."""
         name = name or self.plan.schedule
-        key = (shape, loss_fn, name)
+        key = (shape, loss_fn, name, reduce)
         if key not in self._schedules:
             micro = micro_batches_for(batch=shape[0], planned=self.plan.micro_batches)
-            stages = pipeline_stages(list(self.stages), indices=self.stage_indices, num_stages=self.num_stages,
+            modules = [ReducedOutput(m, *reduce) if reduce is not None and m.has_head else m for m in self.stages]
+            stages = pipeline_stages(modules, indices=self.stage_indices, num_stages=self.num_stages,
                                      device=self.device, group=self.ctx.pp_group)
             # the router term is a mean over the step's forwards, as the mean of per-micro-batch losses had it
             loss_fn = releasing_graph(with_router_loss(loss_fn, self.stages, forwards=micro * self.plan.dp)) \

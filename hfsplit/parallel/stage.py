@@ -69,15 +69,15 @@ class StageModule(nn.Module):
         return getattr(self, self.body_name)
 
     def forward(self, x: torch.Tensor, router_sums: Optional[torch.Tensor] = None, cache=None,
-                position_ids: Optional[torch.Tensor] = None):
+                position_ids: Optional[torch.Tensor] = None, router_mask: Optional[torch.Tensor] = None):
         """`position_ids` `(batch, seq)`: each token's position within its example (a packed row restarts at 0
         for each); None: one sequence per row, from 0 or, with `cache` (a transformers Cache of this stage's
         layers, for generation), after the positions it holds. While `router.active` (a training step of an
         MoE model adding its router loss) it also takes and returns the router sums (the last stage: the
-        logits and the auxiliary loss)."""
+        logits and the auxiliary loss); `router_mask` `(batch, seq)`: the tokens those sums count (None: all)."""
         carry = self.router is not None and self.router.active
         if carry:
-            self.router.begin()
+            self.router.begin(router_mask)
         if self.body.embed_tokens is not None:
             x = self.family.input_side(self.config, self.body.embed_tokens(x))
         layers = [int(name) for name in self.body.layers]

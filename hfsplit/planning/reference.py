@@ -9,14 +9,16 @@ sends the step's rows through the same stages with no gradients and the adapters
 them (`hfsplit.parallel.split_model.SplitModel.forward`):
 
 - one stage a rank: a forward-only GPipe schedule over the step's micro-batches, whose stages keep each
-  micro-batch's output (torch's `fwd_cache`: a hidden state, the logits on the last stage) until the next
-  reference pass, so through the training pass too; the last stage then joins the step's logits and takes their
-  fp32 log-softmax once (`sequence_logps`);
+  micro-batch's output (torch's `fwd_cache`) until the next reference pass, so through the training pass too: a
+  hidden state, and on the last stage its rows' fp32 log-probs, to which it reduces each micro-batch's logits as
+  they leave it (`SplitModel.forward(reduce=sequence_logps)`), so its pass holds one micro-batch's logits, their
+  fp32 copy and fp32 log-softmax at a time, whatever the micro-batch count;
 - several stages a rank (interleaved, V): one relay forward of all the step's rows at once, nothing kept after it
-  but the last stage's log-probs.
+  but the last stage's log-probs; its last stage holds the step's logits at once.
 
 The stage's peak is then what the reference keeps plus the larger of the training pass's activations and the
-reference pass's own transient (the two passes do not overlap). The last stage keeps one fp32 log-prob a row.
+reference pass's own transient (the two passes do not overlap). The last stage keeps one fp32 log-prob a row (two
+under GPipe: torch's `fwd_cache` holds each micro-batch's beside the joined copy the loss reads).
 Time: the reference's forward of each micro-batch on each stage (`forward_fraction` of its training pass); within
 the pipelined schedule it is part of the stage's busy time (`Stage.time_s`); the relay forward runs stage after
 stage and adds to the step.
@@ -45,19 +47,23 @@ def reference_bytes(costs, *, has_embed: bool, has_head: bool, micro_batches: in
     if spec.reference == "precomputed":  # the data set's log-probs (one step's where their count is not known)
         pairs = spec.reference_pairs if spec.reference_pairs is not None else rows // 2
         return (2 * FP32 * pairs if has_head else 0), _pass_transient(costs, has_head, micro_batches, relay)
-    kept = 0 if relay else micro_batches * (costs.logits_bytes if has_head else costs.boundary_bytes)
-    kept += FP32 * rows if has_head else 0
+    if has_head:  # the log-probs the loss reads, and (GPipe) each micro-batch's in torch's fwd_cache beside them
+        kept = FP32 * rows * (1 if relay else 2)
+    else:
+        kept = 0 if relay else micro_batches * costs.boundary_bytes
     return kept, _pass_transient(costs, has_head, micro_batches, relay)
 
 
 def _pass_transient(costs, has_head: bool, micro_batches: int, relay: bool) -> int:
-    """The reference pass's peak beyond what it keeps: on the last stage the step's joined logits, their fp32 copy
-    (16-bit compute) and their fp32 log-softmax; elsewhere a block's forward (the relay: of the step's rows, its
-    input and output beside it)."""
+    """The reference pass's peak beyond what it keeps: on the last stage one micro-batch's logits (the relay: the
+    step's), their fp32 copy (16-bit compute) and their fp32 log-softmax, beside the head's input (the last block's
+    hidden state, alive until the stage's forward returns); elsewhere a block's forward (the relay: of the step's
+    rows, its input and output beside it)."""
     if has_head:
-        logits = micro_batches * costs.logits_bytes
+        count = micro_batches if relay else 1
+        logits = count * costs.logits_bytes
         fp32 = logits * FP32 // _itemsize(costs)
-        return logits + fp32 * (2 if _itemsize(costs) < FP32 else 1)
+        return logits + fp32 * (2 if _itemsize(costs) < FP32 else 1) + count * costs.boundary_bytes
     block = costs.block.workspace_bytes
     return micro_batches * (block + 2 * costs.boundary_bytes) if relay else block
 

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
 
@@ -182,10 +182,6 @@ def check_dpo_options(options) -> None:
                            "or pass --packing on (a packed row holds whole pairs)")
     if options.chunked_loss:
         raise HfsplitError("--objective dpo needs the last stage's logits for its log-probs: drop --chunked-loss")
-    if options.eval_every and options.method == "full":  # its reference is precomputed for the training rows only
-        raise HfsplitError("--eval-every under --objective dpo --method full: the held-out pairs have no reference "
-                           "log-probs (the precomputed pass covers the training rows); drop --eval-every, or train "
-                           "--method lora / qlora (their reference is the adapters-off pass)")
 
 
 def reference_of(options) -> str:
@@ -284,14 +280,17 @@ def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
                         reference=reference_of(options) if options.objective == "dpo" else None)
 
 
-def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[bool] = None) -> dict:
+def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[bool] = None,
+                   reference_pairs: Optional[int] = None) -> dict:
     """Keyword arguments of `make_plan` (besides model and budget) for the run `options` describe on
     `world_size` ranks (on GPUs or CPU ranks: `training_spec`): the trainer and `hfsplit plan` both plan with
-    exactly these."""
+    exactly these. `reference_pairs`: the pairs whose log-probs a precomputed DPO reference caches (the run knows
+    them from its data; `TrainingSpec.reference_pairs`), else None."""
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world_size if options.model is None and options.tp is None else None)
     gpu = torch.cuda.is_available() if gpu is None else gpu  # CPU ranks: no reserve (hfsplit/planning/reserve.py)
-    return dict(spec=training_spec(options, gpu=gpu), **batch_arguments(options), schedule=options.schedule, gpus=gpu,
+    spec = replace(training_spec(options, gpu=gpu), reference_pairs=reference_pairs)
+    return dict(spec=spec, **batch_arguments(options), schedule=options.schedule, gpus=gpu,
                 tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing,
                 optim=options.optim, headroom=options.headroom)
 

@@ -135,12 +135,36 @@ def segment_tokens(labels: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def local_keys(sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the sequences present, ascending; `sequences` renumbered 0, 1, ... in that order, -1 kept): a batch's
-    global sequence numbers as keys into its own reference log-probs. Both halves of each pair present, chosen 2i
-    and rejected 2i+1 stay chosen at an even key and rejected at the next."""
-    present = present_keys(sequences)
-    renumbered = torch.searchsorted(present, sequences.clamp(min=0))
-    return present, torch.where(sequences >= 0, renumbered, -1)
+    """(the sequences present, in the order the rows first meet them; `sequences` renumbered 0, 1, ... in that
+    order, -1 kept): a batch's global sequence numbers as keys into its own reference log-probs. Padded pairs' keys
+    are then their rows' positions; a pair's chosen sequence comes just before its rejected one (the next row, or
+    next in its row), so chosen sits at an even key and rejected at the next."""
+    flat = sequences.reshape(-1)
+    where = flat >= 0
+    unique, inverse = torch.unique(flat[where], return_inverse=True)
+    first = torch.full((len(unique),), flat.numel(), dtype=torch.long, device=flat.device).scatter_reduce(
+        0, inverse, torch.arange(len(inverse), device=flat.device), reduce="amin")
+    order = first.argsort()
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=flat.device)
+    keys = torch.full_like(flat, -1)
+    keys[where] = rank[inverse]
+    return unique[order], keys.view(sequences.shape)
+
+
+def reference_reduce(packed: bool):
+    """What the last stage makes of each micro-batch's logits in a forward-only pass (`SplitModel.forward(reduce=)`):
+    each row's log-prob (`sequence_logps`: a padded row is one sequence), or for packed rows each position's
+    (`token_logps`), summed by sequence after (`sequence_values`)."""
+    return token_logps if packed else sequence_logps
+
+
+def sequence_values(reduced: torch.Tensor, keys: torch.Tensor, *, packed: bool) -> torch.Tensor:
+    """Each sequence's log-prob, in key order, from a `reference_reduce` pass over rows with these `keys`: packed
+    rows' positions summed by sequence; padded rows' own, those of rows without a key (-1) left out."""
+    if packed:
+        return segment_sums(reduced, keys)
+    return reduced[keys[:, 0] >= 0]
 
 
 def batch_sequences(batch: dict) -> torch.Tensor:

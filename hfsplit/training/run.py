@@ -85,12 +85,16 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     torch.manual_seed(options.seed)
     launch = launch_state(options)
     model_path = options.model or default_model_path(options.output_dir)
+    check_sequence_length(model_path, options.seq_len)  # both before the data is read
+    check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
+    check_dpo_router_eval(options, load_config(model_path))
+    tokenizer, rows = load_rows(options, model_path=model_path)  # before the plan: it counts a cached reference's pairs
     # A resumed elastic run keeps its global batch: the planner sets micro-batches for the dp it finds now.
-    plan = plan_of_run(options, model_path=model_path, world=world, global_batch=launch.rows_per_step)
-    plan = settle_growth(launch, plan, replan=lambda regrouped: plan_of_run(
-        options, model_path=model_path, world=regrouped, global_batch=launch.rows_per_step),
-        timeout_s=options.peer_timeout)  # a larger layout runs only when estimated faster
-    tokenizer, rows = load_rows(options, model_path=model_path)
+    planned = dict(model_path=model_path, global_batch=launch.rows_per_step,
+                   reference_pairs=cached_pairs(options, rows))
+    plan = plan_of_run(options, world=world, **planned)
+    plan = settle_growth(launch, plan, replan=lambda regrouped: plan_of_run(options, world=regrouped, **planned),
+                         timeout_s=options.peer_timeout)  # a larger layout runs only when estimated faster
     config = lora_of_run(plan, model_path=model_path, merge=options.merge)  # the adapters the plan adds, checked
     # the plan carries the LoRA, the quantization and the weights' dtype: the seed alone travels beside it
     model = split_from_pretrained(model_path, plan=plan, dtype=getattr(torch, plan.spec.weights_dtype),
@@ -118,7 +122,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
         tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
         metrics=run.metrics)
     if options.objective == "dpo" and reference_of(options) == "precomputed":  # the starting weights', not a resume's
-        run.loss_fn.precomputed = precompute_reference(run, progress=progress and holds_loss)
+        run.loss_fn.precomputed, run.held_out_reference = precompute_reference(run, progress=progress and holds_loss)
     run.first_step = run.checkpointer.resume(launch.resume_from)
     log_launch(run, launch, started=started)
     run.metrics.begin(run.first_step)
@@ -199,13 +203,13 @@ def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
                 metrics=None, checkpointer=None)
 
 
-def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, global_batch: Optional[int] = None):
+def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, global_batch: Optional[int] = None,
+                reference_pairs: Optional[int] = None):
     """The run's Plan for `world`'s ranks, made on rank 0 and shared with every rank, before any weight is read;
-    `global_batch` (rows per step) replaces --micro-batches when a resumed run must keep its batch."""
-    check_sequence_length(model_path, options.seq_len)
-    check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
+    `global_batch` (rows per step) replaces --micro-batches when a resumed run must keep its batch;
+    `reference_pairs`: the pairs a precomputed DPO reference caches (`cached_pairs`)."""
     budget = options.max_memory or default_max_memory(world)
-    arguments = plan_arguments(options, world_size=world.world_size)
+    arguments = plan_arguments(options, world_size=world.world_size, reference_pairs=reference_pairs)
     if global_batch:
         arguments.update(micro_batches=None, global_batch=global_batch)
     # Measured on this rank's own device (cached per device kind and dtype): the time model picks the schedule.
@@ -213,6 +217,15 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, glob
     # One p2p probe between neighbours (pipeline sends, TP all-reduces), with the block's split-backward cost.
     arguments["link"] = run_link(model_path, arguments["spec"])
     return shared_plan(model_path, budget, **arguments)
+
+
+def check_dpo_router_eval(options: FinetuneOptions, config) -> None:
+    """One line for --eval-every under DPO on an MoE adding its router loss: TRL's eval_loss adds the router term
+    of each held-out pair's forward, which the forward-only pipeline evaluation does not compute."""
+    if options.objective == "dpo" and options.eval_every and getattr(config, "output_router_logits", False):
+        raise HfsplitError("--eval-every under --objective dpo on an MoE with output_router_logits: the evaluation "
+                           "runs forward only and has no router auxiliary loss for eval_loss (TRL's includes it); "
+                           "drop --eval-every, or set output_router_logits false in the model's config")
 
 
 def saved_method(method: str) -> str:
@@ -250,6 +263,15 @@ def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -
         raise HfsplitError(f"the dataset has {rows} rows, fewer than one step needs ({rows_per_step}); "
                            "lower --micro-batches or --micro-batch-size, or add data")
     return (options.epochs or 1) * per_epoch
+
+
+def cached_pairs(options: FinetuneOptions, rows) -> Optional[int]:
+    """The pairs whose log-probs a precomputed DPO reference caches, for the plan (`TrainingSpec.reference_pairs`):
+    every sequence's, training and held-out (`precompute_reference` keeps one fp32 log-prob of each: packed rows
+    hold several pairs); None otherwise."""
+    if options.objective != "dpo" or reference_of(options) != "precomputed":
+        return None
+    return (rows.examples if rows.sequences is not None else len(rows)) // 2
 
 
 def split_eval_rows(rows, options: FinetuneOptions):

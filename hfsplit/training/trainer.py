@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import NonFiniteError, PeerLostError
 from hfsplit.load.probes import recheck_speed
+from hfsplit.parallel.router import stats_of
 from hfsplit.parallel.split_model import SplitModel
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.timing import time_report
@@ -30,7 +31,7 @@ from hfsplit.training.metrics import Metrics, StepOutcome, TrainResult, summary_
 from hfsplit.training.options import FinetuneOptions
 from hfsplit.training.packing import label_tokens
 from hfsplit.training.preference import (DPO_METRICS, DpoLoss, adapters_disabled, batch_sequences, indexed_labels,
-                                         local_keys, pairs_of, segment_logps, segment_tokens)
+                                         local_keys, pairs_of, reference_reduce, segment_tokens, sequence_values)
 from hfsplit.training.resume import latest_checkpoint
 
 if TYPE_CHECKING:  # the annotation only: importing peft costs ~3 s (inductor), which a run pays where it adds adapters
@@ -89,14 +90,17 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     model.activation_offload_bytes(reset=True)
     start = time.perf_counter()
     ids, labels, positions = batch["input_ids"][mine], batch["labels"][mine], batch["position_ids"][mine]
+    mask = {}
     with compute_precision(model):
         if isinstance(run.loss_fn, DpoLoss):  # the loss is the mean over the global batch's pairs
             sequences = batch_sequences(batch)
             labels = dpo_targets(run, ids, labels, positions, sequences=sequences[mine])
             divisor = pairs_of(sequences)  # the global batch's: packed rows hold varying numbers of pairs
+            if stats_of(model.stages):  # an MoE's router loss over the pairs' real tokens (TRL's attention mask)
+                mask = {"router_mask": torch.arange(ids.shape[1])[None] < batch["lengths"][mine][:, None]}
         else:
             divisor = items
-        loss = model.step(ids, labels, run.loss_fn, position_ids=positions, num_items_in_batch=divisor)
+        loss = model.step(ids, labels, run.loss_fn, position_ids=positions, num_items_in_batch=divisor, **mask)
     loss = model.reduce_loss(loss)
     norm = model.grad_norm(run.params)
     outcome = StepOutcome(loss=loss, grad_norm=float(norm), seconds=0.0, busy_s=0.0, tokens=int(batch["lengths"].sum()),
@@ -128,44 +132,54 @@ def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: to
                 sequences: torch.Tensor) -> torch.Tensor:
     """The reference log-probs of these rows' sequences (`sequences`: each position's global sequence number,
     `batch_sequences`) for the loss: read from the precomputed table (`--reference precomputed`, keyed by
-    sequence), else a no-grad pipeline forward of them with every stage's adapters off, whose last stage keeps
-    each sequence's log-prob. Returns the targets the loss reads (`indexed_labels`: the labels, each position's
-    sequence key in this batch appended)."""
+    sequence), else a no-grad pipeline forward of them with every stage's adapters off, whose last stage reduces
+    each micro-batch's logits as they leave it (`SplitModel.forward(reduce=)`: one micro-batch's logits at a
+    time) to its rows' log-probs (`reference_reduce`), summed by sequence. Returns the targets the loss reads
+    (`indexed_labels`: the labels, each position's sequence key in this batch appended)."""
     run.loss_fn.seen = []  # this step's pairs only (the plan's probes may have run the loss before)
     present, keys = local_keys(sequences)
     if run.loss_fn.precomputed is not None:
         run.loss_fn.reference = run.loss_fn.precomputed[present]
         return indexed_labels(labels, keys)
-    with torch.no_grad(), adapters_disabled(run.model.stages):
-        logits = run.model.forward(ids, position_ids=positions)
-    if logits is not None:
-        run.loss_fn.reference = segment_logps(logits, labels.to(logits.device), keys)
+    packed = run.batches.rows.sequences is not None
+    with torch.no_grad(), adapters_disabled(run.model.stages):  # each micro-batch's logits reduced as they come
+        reduced = run.model.forward(ids, position_ids=positions, reduce=reference_reduce(packed), targets=labels)
+    if reduced is not None:
+        run.loss_fn.reference = sequence_values(reduced, keys.to(reduced.device), packed=packed)
     return indexed_labels(labels, keys)
 
 
 def evaluation(run: Run) -> tuple[float, dict[str, float]]:
     """(eval loss, further eval figures) on the held-out rows: the SFT token mean, or DPO's (`dpo_eval`)."""
     if isinstance(run.loss_fn, DpoLoss):
-        return dpo_eval(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size)
+        return dpo_eval(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size,
+                        reference=run.held_out_reference)
     return eval_loss(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size), {}
 
 
 @torch.no_grad()
-def dpo_eval(model, rows, loss_fn: DpoLoss, *, micro_batch_size: int) -> tuple[float, dict[str, float]]:
-    """DPO on the held-out pairs, forward only: the mean pair loss against the same reference (the stages with
-    their adapters off) and TRL's metrics of those pairs, on every rank."""
+def dpo_eval(model, rows, loss_fn: DpoLoss, *, micro_batch_size: int,
+             reference: Optional[torch.Tensor] = None) -> tuple[float, dict[str, float]]:
+    """DPO on the held-out pairs, forward only: the mean pair loss against the same reference (`reference`: the
+    held-out rows' precomputed log-probs, by sequence; None: the stages with their adapters off) and TRL's metrics
+    of those pairs, on every rank."""
     size = micro_batch_size * model.plan.micro_batches  # the training step's shape: same micro-batch count
-    seen = []
+    seen, packed = [], rows.sequences is not None
     for start in range(0, len(rows) - size + 1, size):
         batch = rows.select(slice(start, start + size))
+        logps = dict(position_ids=batch.positions(), reduce=reference_reduce(packed), targets=batch.labels)
         with compute_precision(model):
-            with adapters_disabled(model.stages):
-                reference = model.forward(batch.input_ids, position_ids=batch.positions())
-            logits = model.forward(batch.input_ids, position_ids=batch.positions())
-        if logits is not None:
-            labels = batch.labels.to(logits.device)
-            keys = local_keys(rows_sequences(batch, start))[1]
-            seen.append((segment_logps(logits, labels, keys), segment_logps(reference, labels, keys),
+            if reference is None:
+                with adapters_disabled(model.stages):
+                    ref = model.forward(batch.input_ids, **logps)
+            else:
+                ref = None
+            policy = model.forward(batch.input_ids, **logps)
+        if policy is not None:
+            present, keys = local_keys(rows_sequences(batch, start))
+            keys, labels = keys.to(policy.device), batch.labels.to(policy.device)
+            ref = reference[present] if reference is not None else sequence_values(ref, keys, packed=packed)
+            seen.append((sequence_values(policy, keys, packed=packed), ref.to(policy.device),
                          segment_tokens(labels, keys)))
     local = loss_fn.evaluate(*(torch.cat(t) for t in zip(*seen))) if seen else {}
     figures = {name: model.reduce_loss(torch.tensor(local.get(name, 0.0)), replicas=False)
@@ -271,6 +285,7 @@ class Run:
     lora_config: Optional[LoraConfig] = None  # the adapters' (LoRA / QLoRA runs), saved beside them
     first_step: int = 1
     calibration_spec: Optional[TrainingSpec] = None  # the TrainingSpec the plan's FLOP/s was measured with
+    held_out_reference: Optional[torch.Tensor] = None  # the held-out rows' precomputed reference log-probs, by row
 
     @property
     def rows_per_replica(self) -> int:

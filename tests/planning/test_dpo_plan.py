@@ -10,6 +10,7 @@ from hfsplit.cli.plan import main
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.costs.model import model_costs
 from hfsplit.planning.planner import Slot, make_plan, stage_memory
+from hfsplit.planning.reference import reference_bytes
 
 MODEL = "Qwen/Qwen2.5-0.5B"  # bundled config (hfsplit/configs): vocab 151936, hidden 896, 24 layers
 SEQ, ROWS, MICRO = 256, 2, 4
@@ -26,8 +27,9 @@ def slot(*, head: bool, relay: bool = False) -> Slot:
 def test_dpo_activations_are_sft_at_the_pairs_rows_plus_the_reference():
     """Each pair is two rows: a DPO micro-batch of one pair costs the blocks, masks and boundary of an SFT micro-batch
     of two rows. Beside them the reference (hand-counted here): stage 0 keeps each micro-batch's reference output (a
-    hidden state, bf16) through the step; the last stage keeps each micro-batch's reference logits (bf16) and one fp32
-    log-prob a row, and its reference pass peaks at the step's joined logits, their fp32 copy and fp32 log-softmax."""
+    hidden state, bf16) through the step; the last stage keeps one fp32 log-prob a row twice (torch's fwd_cache and the
+    loss's copy), and its reference pass peaks at one micro-batch's logits, their fp32 copy and fp32 log-softmax
+    beside the head's input (each micro-batch's logits reduced to its rows' log-probs as they leave the stage)."""
     config = load_config(MODEL)
     dpo, sft = model_costs(config, DPO), model_costs(config, SFT)
     assert dpo.block == sft.block and dpo.stage_inputs == sft.stage_inputs and dpo.embed == sft.embed
@@ -39,12 +41,26 @@ def test_dpo_activations_are_sft_at_the_pairs_rows_plus_the_reference():
     assert (first_dpo.weights, first_dpo.optimizer) == (first_sft.weights, first_sft.optimizer)
     last_dpo = stage_memory(dpo, slot(head=True), 12)
     training = stage_memory(replace(dpo, spec=replace(DPO, objective="sft")), slot(head=True), 12).activations
-    kept = MICRO * logits + 4 * MICRO * ROWS
-    peak = MICRO * logits * (1 + 2 + 2)  # joined bf16 logits, their fp32 copy, the fp32 log-softmax
+    kept = 2 * 4 * MICRO * ROWS
+    peak = logits * (1 + 2 + 2) + hidden  # one micro-batch's bf16 logits, their fp32 copy, the fp32 log-softmax
     assert last_dpo.activations == kept + max(training, peak)
     # the DPO head (each row's fp32 log-softmax for the metrics, then for the loss) is traced, not the CE loss's
     assert dpo.head.activation_bytes >= ROWS * SEQ * config.vocab_size * 4
     assert dpo.head != sft.head
+
+
+@pytest.mark.parametrize("relay", [False, True])
+def test_the_last_stages_reference_pass_holds_one_micro_batchs_logits_whatever_the_count(relay):
+    """One stage a rank (GPipe): the last stage's reference figure is the same at 1, 8 and 32 micro-batches but for 8
+    bytes a row (its log-probs); the relay (several stages a rank) runs the step's rows at once: it grows by the
+    logits of each micro-batch more."""
+    costs = model_costs(load_config(MODEL), DPO)
+    figures = {m: sum(reference_bytes(costs, has_embed=False, has_head=True, micro_batches=m, relay=relay))
+               for m in (1, 8, 32)}
+    if not relay:
+        assert [figures[m] - figures[1] for m in (8, 32)] == [8 * ROWS * 7, 8 * ROWS * 31]
+    else:
+        assert figures[32] - figures[8] >= 24 * costs.logits_bytes * (1 + 2 + 2)
 
 
 def test_a_dpo_plan_counts_the_reference_forward_in_each_step_and_says_so():

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from hfsplit.checkpoint.resolve import load_config
 from hfsplit.checkpoint.synthetic import tiny_tokenizer
 from hfsplit.errors import HfsplitError
 from hfsplit.training.data import DatasetError
@@ -30,9 +31,20 @@ def test_dpo_options_default_sft_and_refuse_adapters_off_without_adapters():
         FinetuneOptions(objective="dpo", method="full", reference="adapters-off").validate()
     with pytest.raises(HfsplitError, match="--beta"):
         FinetuneOptions(objective="dpo", beta=0).validate()
-    with pytest.raises(HfsplitError, match="--eval-every under --objective dpo --method full"):
-        FinetuneOptions(objective="dpo", method="full", eval_every=5, micro_batch_size=2).validate()
-    FinetuneOptions(objective="dpo", method="lora", eval_every=5, micro_batch_size=2).validate()  # adapters-off evaluates
+    for method in ("full", "lora"):  # full: against the held-out rows' precomputed reference
+        FinetuneOptions(objective="dpo", method=method, eval_every=5, micro_batch_size=2).validate()
+
+
+def test_dpo_evaluation_of_a_router_loss_moe_is_refused_by_name(tiny_checkpoint):
+    from hfsplit.training.run import check_dpo_router_eval
+
+    routed = load_config(str(tiny_checkpoint("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)))
+    options = FinetuneOptions(objective="dpo", method="lora", eval_every=5, micro_batch_size=2)
+    with pytest.raises(HfsplitError, match="--eval-every under --objective dpo on an MoE with output_router_logits"):
+        check_dpo_router_eval(options, routed)
+    check_dpo_router_eval(FinetuneOptions(objective="dpo", method="lora", micro_batch_size=2), routed)  # no eval
+    check_dpo_router_eval(options, load_config(str(tiny_checkpoint("mixtral"))))  # no router term
+    check_dpo_router_eval(FinetuneOptions(eval_every=5), routed)  # SFT: its eval is the token mean
 
 
 def test_pairs_sit_chosen_then_rejected_with_only_the_response_supervised():
@@ -217,9 +229,9 @@ def assert_equals_trl(run: dict, losses: list[float], *, rows: list[dict], pairs
                       rtol: float = 1e-4, loss_rtol: float = 1e-4, layout=None) -> dict[str, float]:
     """hfsplit's per-step losses and `metrics.jsonl` rewards of `run` equal TRL's DPOTrainer on the same rows in the
     same order within `rtol` (the losses: `loss_rtol`; rewards: + 1e-6 absolute, their fp32 rounding floor: beta × a difference of two
-    ~-50 log-probs); the first loss is ln 2 (LoRA: the policy is the reference). `layout`: (the pairs in the
-    order hfsplit's steps visit them, the held-out pairs) from (options, rows, steps=, pairs_per_step=); None:
-    padded pairs' (`padded_layout`). The worst relative difference of each logged figure."""
+    ~-50 log-probs); the first loss is ln 2 (LoRA: the policy is the reference; an MoE's router term aside).
+    `layout`: (the pairs in the order hfsplit's steps visit them, the held-out pairs) from (options, rows, steps=,
+    pairs_per_step=); None: padded pairs' (`padded_layout`). The worst relative difference of each logged figure."""
     options = tiny_demo_options(**run)
     steps = options.max_steps
     order, held_out = (layout or padded_layout)(options, rows, steps=steps, pairs_per_step=pairs_per_step)
@@ -228,7 +240,8 @@ def assert_equals_trl(run: dict, losses: list[float], *, rows: list[dict], pairs
     records = metrics_records(options.output_dir)
     assert len(logs) == len(records) == len(losses) == steps
     assert [r["loss"] for r in records] == losses
-    assert math.isclose(losses[0], LN2, rel_tol=1e-6)
+    if not getattr(load_config(options.model), "output_router_logits", False):  # else + the router term
+        assert math.isclose(losses[0], LN2, rel_tol=1e-6)
     worst = {}
     for key in LOGGED:
         ours, theirs = (torch.tensor([float(r[key]) for r in table], dtype=torch.float64) for table in (records, logs))
@@ -329,8 +342,8 @@ def test_dpo_matrix_on_two_ranks_equals_trl(tiny_checkpoint, tmp_path):
     """One launch of two ranks, six 10-step DPO runs, each against TRL's DPOTrainer on the same rows in the same
     order: tp=2; GPipe (the other runs: 1F1B), evaluating every 5 steps (eval_loss and TRL's eval_rewards/...
     on the 4 held-out pairs, against TRL's evaluation of them); activation checkpointing; a MoE (Mixtral, LoRA on attention and
-    the fused experts); conversational pairs through a chat template; QLoRA (4-bit base, TRL on transformers'
-    own bitsandbytes load of it). Losses and rewards within rel 1e-4; QLoRA's losses within the QLoRA SFT tests'
+    the fused experts), and with its router loss (`output_router_logits`: TRL adds it over the real tokens); conversational
+    pairs through a chat template; QLoRA (4-bit base, TRL on transformers' own bitsandbytes load of it). Losses and rewards within rel 1e-4; QLoRA's losses within the QLoRA SFT tests'
     rel 1e-5 (both run the same bitsandbytes kernels)."""
     from tests.parallel.launcher import launch
     from tests.training.test_qlora import quantized_base
@@ -344,6 +357,9 @@ def test_dpo_matrix_on_two_ranks_equals_trl(tiny_checkpoint, tmp_path):
                                  activation_checkpointing=True),
         "moe": dpo_run(tiny_checkpoint("mixtral"), tmp_path / "moe", pp=2, schedule="1F1B",
                        lora_targets=EXPERT_TARGETS),
+        # its router loss on (coefficient 0.5): over the layers of both stages and the pairs' real tokens only
+        "router": dpo_run(tiny_checkpoint("mixtral", output_router_logits=True, router_aux_loss_coef=0.5),
+                          tmp_path / "router", pp=2, schedule="1F1B"),
         "chat": dpo_run(llama, tmp_path / "chat", pp=2, schedule="1F1B", dataset=dataset,
                         tokenizer=chat_tokenizer_folder(tmp_path / "chat-tokenizer")),
         "qlora": dpo_run(llama, tmp_path / "qlora", pp=2, schedule="1F1B", method="qlora"),

@@ -76,20 +76,24 @@ def test_a_packed_rows_sequence_log_probs_equal_each_sequence_alone(tiny_checkpo
         logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits
         alone = sequence_logps(model(input_ids=padded.input_ids).logits, padded.labels)
     assert varlen.calls() > calls  # the packed rows ran example by example
-    present, keys = local_keys(packed.sequences)
-    assert torch.equal(present, torch.arange(24))
+    present, keys = local_keys(packed.sequences)  # the sequences in the order the rows meet them: pairs adjacent
+    assert sorted(present.tolist()) == list(range(24)) and (present[0::2] % 2 == 0).all()
+    assert torch.equal(present[1::2], present[0::2] + 1)
     together = segment_logps(logits, packed.labels, keys)
+    alone = alone[present]
     assert (together - alone).abs().max() <= 1e-5 * alone.abs().max()
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
     reference = alone + torch.linspace(-1, 1, 24)  # any reference: the same pairs' loss whatever their layout
-    expected = dpo_loss(model(input_ids=padded.input_ids).logits, padded.labels, reference, beta=0.1)
+    padded_reference = torch.empty_like(reference)
+    padded_reference[present] = reference  # by row
+    expected = dpo_loss(model(input_ids=padded.input_ids).logits, padded.labels, padded_reference, beta=0.1)
     for loss_type in ("sigmoid", "ipo"):
         loss_fn = DpoLoss(beta=0.1, loss_type=loss_type)
         loss_fn.reference = reference
         halves = [loss_fn(logits[part], indexed_labels(packed.labels, keys)[part], num_items_in_batch=12)
                   for part in (slice(0, 3), slice(3, None))]  # two micro-batches of unequal pair counts
         want = expected if loss_type == "sigmoid" else dpo_loss(
-            model(input_ids=padded.input_ids).logits, padded.labels, reference, beta=0.1, loss_type="ipo")
+            model(input_ids=padded.input_ids).logits, padded.labels, padded_reference, beta=0.1, loss_type="ipo")
         torch.testing.assert_close(sum(halves), want, rtol=1e-5, atol=1e-6)
         metrics = loss_fn.step_metrics(calls=2)
         assert metrics["pairs"] == 12

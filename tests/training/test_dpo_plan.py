@@ -21,7 +21,7 @@ def dpo_step_against_plan(options: dict) -> dict:
     from hfsplit.plan import rank_total
     from hfsplit.planning.costs.model import model_costs
     from hfsplit.planning.planner import make_plan
-    from hfsplit.planning.reference import forward_fraction
+    from hfsplit.planning.reference import forward_fraction, reference_bytes
     from hfsplit.training import trainer
     from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.run import build_run
@@ -46,6 +46,7 @@ def dpo_step_against_plan(options: dict) -> dict:
                                       if isinstance(t, torch.Tensor))
     with LiveStorages() as live:
         train_step(run, next(run.batches))
+    passes = reference_peaks(run, next(run.batches))
     mine = list(model.stage_indices)
     sft = make_plan(options["model"], options["max_memory"], spec=replace(plan.spec, objective="sft", reference=None),
                     micro_batches=plan.micro_batches, schedule=plan.schedule, pp=plan.pp, tp=plan.tp,
@@ -57,7 +58,53 @@ def dpo_step_against_plan(options: dict) -> dict:
                 plan=plan, step_times_s=result.step_times_s, busy_s=result.busy_s_per_rank,
                 # the timed steps' (Metrics leaves the first, which builds the schedules, out of its busy total)
                 reference_busy=sum(reference_busy[1:]), busy=result.busy_s_per_rank[torch.distributed.get_rank()],
-                planned_share=forward_fraction(model_costs(load_config(options["model"]), plan.spec)))
+                planned_share=forward_fraction(model_costs(load_config(options["model"]), plan.spec)),
+                planned_reference=sum(sum(reference_bytes(model_costs(load_config(options["model"]), plan.spec),
+                                                      has_embed=plan.stages[i].has_embed,
+                                                      has_head=plan.stages[i].has_head,
+                                                      micro_batches=plan.micro_batches, relay=False)) for i in mine),
+                **passes)
+
+
+def reference_peaks(run, batch: dict) -> dict:
+    """On every rank (collective): the peak bytes of the storages the step's reference pass creates (`dpo_targets`
+    on `batch`, its schedule built by the steps before), and those of no-grad forwards of 1, 2, 4 of its rows with
+    the adapters off (one row a micro-batch, as `micro_batches_for` cuts them), their log-probs taken as the run
+    takes them ("reduced": each micro-batch's logits as they leave the last stage) and as it took them before
+    ("joined": the step's logits, then `sequence_logps` of them all), each shape's schedule built beforehand; and
+    the log-probs of both ways."""
+    from hfsplit.models.loss import sequence_logps
+    from hfsplit.training import trainer
+    from hfsplit.training.preference import adapters_disabled
+    from tests.parallel.apply_cases import LiveStorages
+
+    model = run.model
+    ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
+    with LiveStorages() as live:
+        trainer.dpo_targets(run, ids, labels, positions, rows=batch["index"])
+    step_peak = live.peak
+
+    def reduced(n):
+        return model.forward(ids[:n], position_ids=positions[:n], reduce=sequence_logps, targets=labels[:n])
+
+    def joined(n):
+        logits = model.forward(ids[:n], position_ids=positions[:n])
+        return sequence_logps(logits, labels[:n]) if logits is not None else None
+
+    peaks, values = {}, {}
+    with torch.no_grad(), adapters_disabled(model.stages):
+        for way, forward in (("reduced", reduced), ("joined", joined)):
+            for n in (1, 2, 4):
+                forward(n)  # builds the schedule of this shape: its buffers are not the pass's
+                with LiveStorages() as live:
+                    values[way, n] = forward(n)
+                peaks[way, n] = live.peak
+        model.join_rows = True  # as under flash attention: each micro-batch's rows joined into one (both ways alike)
+        try:
+            values["reduced", "joined rows"], values["joined", "joined rows"] = reduced(len(ids)), joined(len(ids))
+        finally:
+            model.join_rows = False
+    return dict(reference_peak=step_peak, pass_peaks=peaks, pass_values=values)
 
 
 @pytest.mark.slow
@@ -65,6 +112,8 @@ def test_the_tiny_dpo_recipe_keeps_its_plan(tiny_checkpoint, tmp_path):
     """recipes/tiny/dpo.yaml (LoRA, pp=2, 1F1B, 4 micro-batches of one pair) on two CPU ranks: the plan is a DPO
     plan with the adapters-off reference; each rank's measured peak is its planned figure within ±15% (as the other
     run-vs-plan tests hold theirs), and above the same split's SFT figure where the plan says DPO costs more; the
+    last stage's reference pass peaks at its planned figure within ±15%, at one micro-batch's logits whatever the
+    micro-batch count (the old way, the step's logits joined, grows with it; both give the same log-probs); the
     reference pass's share of the ranks' busy time is at most the plan's (both count its forward of every
     micro-batch), and the busy time per step beside the estimate is printed."""
     from hfsplit.load.probes import RECHECK_FACTOR
@@ -76,7 +125,10 @@ def test_the_tiny_dpo_recipe_keeps_its_plan(tiny_checkpoint, tmp_path):
                      timeout_s=400)
     for rank, r in enumerate(results):  # every figure printed before any is asserted
         print(f"rank {rank}: planned {r['planned']} measured {r['measured']} ({r['measured'] / r['planned']:.3f}); "
-              f"the SFT plan of the split {r['planned_sft']}")
+              f"the SFT plan of the split {r['planned_sft']}; the reference pass: planned {r['planned_reference']} "
+              f"measured {r['reference_peak']}; the pass of 1, 2, 4 micro-batches, reduced / joined: "
+              f"{[r['pass_peaks']['reduced', n] for n in (1, 2, 4)]} / "
+              f"{[r['pass_peaks']['joined', n] for n in (1, 2, 4)]}")
     first = results[0]
     plan = first["plan"]
     assert (first["objective"], first["reference"]) == ("dpo", "adapters-off")
@@ -86,8 +138,18 @@ def test_the_tiny_dpo_recipe_keeps_its_plan(tiny_checkpoint, tmp_path):
         assert 0.85 <= ratio <= 1.15, f"rank {rank}: measured/planned = {ratio:.3f}"
         if r["same_split"] and r["planned"] > 1.15 * r["planned_sft"]:  # what DPO adds shows in the measurement
             assert r["measured"] > r["planned_sft"], (rank, r["measured"], r["planned_sft"])
-    # the last stage keeps the reference's logits
-    assert not first["same_split"] or results[1]["planned"] > 1.15 * results[1]["planned_sft"]
+    # The reference pass on the last stage: its peak within ±15% of the plan's; one micro-batch's logits at a time
+    # (taken as they leave the stage: no more with 4 micro-batches than with 1, but 4 bytes a row), where joining
+    # them first, as the run did before, holds the step's (each row's logits and log-softmax more); the same values
+    last, row_logits = results[1], 2 * options["seq_len"] * 256 * 4  # fp32 logits + log-softmax (vocab 256)
+    ratio = last["reference_peak"] / last["planned_reference"]
+    assert 0.85 <= ratio <= 1.15, f"the last stage's reference pass: measured/planned = {ratio:.3f}"
+    reduced, joined = ([last["pass_peaks"][way, n] for n in (1, 2, 4)] for way in ("reduced", "joined"))
+    assert reduced[2] - reduced[0] <= 4 * 3, reduced
+    assert joined[1] - joined[0] >= row_logits and joined[2] - joined[1] >= 2 * row_logits, joined
+    for n in (1, 2, 4, "joined rows"):
+        assert torch.equal(last["pass_values"]["reduced", n], last["pass_values"]["joined", n]), n
+    assert last["pass_values"]["reduced", "joined rows"].shape == (plan.spec.micro_batch_size * plan.micro_batches,)
     rows = pipeline_busy(plan, first["step_times_s"], first["busy_s"])
     estimated, measured = sum(row[1] for row in rows), sum(row[2] for row in rows)
     shares = [r["reference_busy"] / (r["busy"] - r["reference_busy"]) for r in results]

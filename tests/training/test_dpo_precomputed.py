@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,12 @@ from safetensors.torch import load_file
 from hfsplit.checkpoint.synthetic import tiny_tokenizer
 from hfsplit.plan import TrainingSpec
 from hfsplit.training.data import MicroBatches
+from hfsplit.training.options import tiny_demo_options
 from hfsplit.training.preference import LN2, paired_rows, sequence_logps
-from hfsplit.training.reference import (REFERENCE_FILE, read_table, reference_fingerprint, visited_rows,
+from hfsplit.training.reference import (HELD_OUT, REFERENCE_FILE, read_table, reference_fingerprint, visited_rows,
                                         write_table)
-from tests.training.test_dpo import BUNDLED, bundled_rows, hfsplit_pair_order, in_order_dpo_trainer
+from tests.training.test_dpo import (BUNDLED, bundled_rows, held_out_pairs, hfsplit_pair_order, in_order_dpo_trainer,
+                                     metrics_records, training_calls)
 
 STEPS, PAIRS_PER_STEP = 10, 4
 
@@ -25,6 +28,31 @@ STEPS, PAIRS_PER_STEP = 10, 4
 def pair_batches(seq_len=64, *, rows_per_step=8, seed=0):
     table = paired_rows(bundled_rows(), tiny_tokenizer(), seq_len=seq_len, source=BUNDLED)
     return MicroBatches(table, micro_batch_size=2, num_micro_batches=rows_per_step // 2, seed=seed, group=2)
+
+
+def test_the_run_plans_with_the_pairs_its_precomputed_reference_caches(tiny_checkpoint):
+    """Item 6 of issue 23: a precomputed reference's run hands the plan its pairs (`cached_pairs`: the data set's,
+    held-out ones included, whose table is cached too), so the plan counts the cached log-probs exactly;
+    adapters-off caches none."""
+    from hfsplit.planning.planner import make_plan
+    from hfsplit.training.options import plan_arguments, tiny_demo_options
+    from hfsplit.training.run import cached_pairs, load_rows
+
+    model = str(tiny_checkpoint("llama"))
+    full = tiny_demo_options(model=model, objective="dpo", method="full", seq_len=64, micro_batch_size=2,
+                             micro_batches=4, pp=2, dataset=BUNDLED)
+    _, rows = load_rows(full, model_path=model)
+    assert cached_pairs(full, rows) == len(bundled_rows()) == len(rows) // 2
+    held = replace(full, method="lora", reference="precomputed", eval_every=5)
+    assert cached_pairs(held, rows) == len(bundled_rows())  # the held-out pairs' table is cached beside
+    assert cached_pairs(replace(full, method="lora"), rows) is None  # adapters-off
+    arguments = plan_arguments(full, world_size=2, gpu=False, reference_pairs=cached_pairs(full, rows))
+    assert arguments["spec"].reference_pairs == len(bundled_rows())
+    plan = make_plan(model, "2x1GiB", **arguments)
+    one_step = make_plan(model, "2x1GiB", **plan_arguments(full, world_size=2, gpu=False))
+    assert one_step.spec.reference_pairs is None  # `hfsplit plan` without the data: one step's pairs
+    extra = plan.stages[-1].memory.activations - one_step.stages[-1].memory.activations
+    assert extra == 8 * (len(bundled_rows()) - 4)  # 8 bytes a pair, against the 4 pairs of one step
 
 
 def test_the_pass_covers_the_rows_the_steps_draw_each_once_in_the_order_met():
@@ -60,11 +88,21 @@ def test_the_table_file_is_read_back_only_for_the_same_rows_model_and_precision(
     for cut in (4, 100, len(path.read_bytes()) - 8):  # a file cut short: recomputed, not read
         (tmp_path / "torn.safetensors").write_bytes(path.read_bytes()[:cut])
         assert read_table(tmp_path / "torn.safetensors", fingerprint, rows=len(rows)) is None
+    # --eval-every: the held-out rows' table beside it, under its own fingerprint
+    assert read_table(path, fingerprint, rows=len(rows), name=HELD_OUT) is None
+    held = other_rows.select(slice(0, 8))
+    held_print = reference_fingerprint(held, spec, model_path=folder)
+    write_table(path, table, fingerprint, held_out=torch.arange(8.0), held_out_fingerprint=held_print)
+    torch.testing.assert_close(read_table(path, fingerprint, rows=len(rows)), table, equal_nan=True)
+    for mmap in (False, True):
+        torch.testing.assert_close(read_table(path, held_print, rows=8, name=HELD_OUT, mmap=mmap), torch.arange(8.0))
+    assert read_table(path, fingerprint, rows=8, name=HELD_OUT) is None  # the training rows' fingerprint
 
 
-def trl_full_dpo(options, pairs: list[dict], *, steps: int, pairs_per_step: int):
+def trl_full_dpo(options, pairs: list[dict], *, steps: int, pairs_per_step: int, eval_pairs: list[dict] = ()):
     """TRL's DPOTrainer, full fine-tuning with `precompute_ref_log_probs=True`, on the same rows in the same order:
-    (its per-step logs with each step's exact loss, the trained model, the reference log-probs it precomputed)."""
+    (its per-step logs with each step's exact loss, the trained model, the reference log-probs it precomputed);
+    `eval_pairs`: evaluated every `options.eval_every` steps, its eval logs after the step logs."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig
@@ -80,17 +118,24 @@ def trl_full_dpo(options, pairs: list[dict], *, steps: int, pairs_per_step: int)
                      lr_scheduler_type="cosine", warmup_steps=options.warmup_steps, weight_decay=0.0,
                      max_grad_norm=options.max_grad_norm, optim="adamw_torch", logging_steps=1, report_to=[],
                      save_strategy="no", use_cpu=True, seed=options.seed, dataloader_num_workers=0,
+                     eval_strategy="steps" if eval_pairs else "no", eval_steps=options.eval_every,
+                     per_device_eval_batch_size=1,  # its eval dataset's reference log-probs precomputed too
                      bf16=False)  # DPOConfig's default is bf16=True: bf16 autocast, on the CPU too
     trainer = InOrder(model=model, ref_model=None, args=args, train_dataset=Dataset.from_list(pairs),
+                      eval_dataset=Dataset.from_list(list(eval_pairs)) if eval_pairs else None,
                       processing_class=tokenizer_for(options, model_path=options.model))
+    trainer.micro_losses = []
     reference = torch.stack([torch.tensor(trainer.train_dataset[k]) for k in ("ref_chosen_logps",
                                                                                "ref_rejected_logps")], 1)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "rewards/margins" in h]
-    micro = torch.tensor(trainer.micro_losses).reshape(steps, pairs_per_step)
+    calls = trainer.micro_losses if not eval_pairs else training_calls(
+        trainer.micro_losses, steps=steps, pairs_per_step=pairs_per_step, every=options.eval_every,
+        evaluated=len(eval_pairs))
+    micro = torch.tensor(calls).reshape(steps, pairs_per_step)
     for h, exact in zip(logs, micro.mean(1).tolist()):  # the Trainer's log rounds the loss to 4 decimals
         h["loss"] = exact
-    return logs, trainer.model, reference
+    return logs + [h for h in trainer.state.log_history if "eval_loss" in h], trainer.model, reference
 
 
 def dpo_records(output_dir) -> list[dict]:
@@ -115,7 +160,6 @@ def test_full_dpo_with_the_precomputed_reference_equals_trl_at_pp2_and_pp_dp_sav
     precomputed reference gives the adapters-off one's losses."""
     from transformers import AutoModelForCausalLM
 
-    from hfsplit.training.options import tiny_demo_options
     from tests.parallel.launcher import launch
 
     base = dict(model=str(tiny_checkpoint("llama")), objective="dpo", method="full", seq_len=64, micro_batch_size=2,
@@ -125,11 +169,16 @@ def test_full_dpo_with_the_precomputed_reference_equals_trl_at_pp2_and_pp_dp_sav
     elsewhere = dict(pp2, resume=str(tmp_path / "pp2" / "checkpoint-5"), output_dir=str(tmp_path / "elsewhere"))
     lora = [dict(pp2, method="lora", lora_dropout=0.0, learning_rate=5e-3, reference=reference, save_every=None,
                  output_dir=str(tmp_path / f"lora-{reference}")) for reference in ("precomputed", "adapters-off")]
-    (pp2_losses, elsewhere_losses, *lora_losses), _ = launch(
-        "tests.training.cases:finetune_losses", world_size=2, kwargs={"runs": [pp2, elsewhere, *lora]}, timeout_s=900)
+    evaluated = dict(pp2, eval_every=5, output_dir=str(tmp_path / "eval"))  # then resumed from its step 5
+    (pp2_losses, elsewhere_losses, *lora_losses, eval_losses, eval_resumed), _ = launch(
+        "tests.training.cases:finetune_losses", world_size=2,
+        kwargs={"runs": [pp2, elsewhere, *lora, evaluated, dict(evaluated, resume="latest")]}, timeout_s=900)
+    assert_full_dpo_evaluation_equals_trl(evaluated, eval_losses, eval_resumed)
     # LoRA: the precomputed reference is the adapters-off one, computed once before training
     torch.testing.assert_close(torch.tensor(lora_losses[0]), torch.tensor(lora_losses[1]), rtol=1e-6, atol=0)
     assert (tmp_path / "lora-precomputed" / "adapter").is_dir() and lora_losses[0][-1] < lora_losses[0][0]
+    (record,) = metrics_records(str(tmp_path / "pp2"), has="reference_logps")  # planned with the pairs it caches
+    assert record["planned_pairs"] == len(bundled_rows()) and record["table_rows"] == 2 * len(bundled_rows())
     options = tiny_demo_options(**pp2)
     pairs = hfsplit_pair_order(options, bundled_rows(), steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
     logs, trained, trl_reference = trl_full_dpo(options, pairs, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
@@ -170,6 +219,33 @@ def test_full_dpo_with_the_precomputed_reference_equals_trl_at_pp2_and_pp_dp_sav
                                    torch.tensor([h[key] for h in logs]), **REWARD_TOLERANCE, msg=key)
     # the table read back (keyed by row, whichever replica now holds it): the uninterrupted curve goes on
     torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(pp2_losses[5:]), rtol=1e-5, atol=0)
+
+
+def assert_full_dpo_evaluation_equals_trl(run: dict, losses: list[float], resumed: list[float]) -> None:
+    """Full DPO with --eval-every 5 (its held-out pairs' reference precomputed with the training rows'), then
+    resumed from its step 5 in its folder: the losses, eval_loss and eval_rewards/* equal TRL's (its eval
+    dataset's reference precomputed too) on the same rows; the resumed run read both tables back."""
+    options = tiny_demo_options(**run)
+    held = held_out_pairs(options, bundled_rows())
+    pairs = hfsplit_pair_order(options, bundled_rows()[held:], steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
+    logs, _, _ = trl_full_dpo(options, pairs, steps=STEPS, pairs_per_step=PAIRS_PER_STEP,
+                              eval_pairs=bundled_rows()[:held])
+    evals, logs = [h for h in logs if "eval_loss" in h], [h for h in logs if "eval_loss" not in h]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([h["loss"] for h in logs]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[5:]), rtol=1e-5, atol=0)
+    passes = metrics_records(run["output_dir"], has="reference_logps")
+    assert [(p["reference_logps"], p["reference_held_out_rows"]) for p in passes] == \
+        [("computed", 2 * held), ("read back", 2 * held)], passes
+    ours = metrics_records(run["output_dir"], has="eval_loss")  # steps 5 and 10, then the resumed run's 10
+    assert [r["step"] for r in ours] == [5, 10, 10] and [h["step"] for h in evals] == [5, 10]
+    worst = {}
+    for key in ("eval_loss", *(f"eval_{k}" for k in REWARDS)):
+        mine, theirs = (torch.tensor([float(r[key]) for r in table], dtype=torch.float64)
+                        for table in (ours, evals + evals[1:]))
+        worst[key] = float(((mine - theirs).abs() / theirs.abs().clamp(min=1e-12)).max())
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=0 if key == "eval_loss" else 1e-6,
+                                   msg=f"{key}:\nhfsplit {mine.tolist()}\ntrl     {theirs.tolist()}")
+    print("full DPO evaluation, worst rel diff vs TRL:", {k: f"{v:.1e}" for k, v in worst.items()})
 
 
 def accelerate_dpo(out: Path, *, env: dict, restarts: int = 0):

@@ -34,7 +34,15 @@ def recipe_args(out: Path) -> list[str]:
             "--peer-timeout", "30", "--output-dir", str(out)]
 
 
-def torchrun(port: int, out: Path, *, log: Path) -> subprocess.Popen:
+# the elastic run's objective: the built-in tiny demo's SFT, or full fine-tuning DPO on the bundled preference pairs
+# (its reference precomputed before step 1, read back from the output folder by each regrouped world)
+PAIRS = str(ROOT / "hfsplit/training/bundled/tiny_preference.jsonl")
+OBJECTIVES = {"sft": ({}, []),
+              "dpo": (dict(objective="dpo", dataset=PAIRS, learning_rate=1e-4),
+                      ["--objective", "dpo", "--dataset", PAIRS, "--learning-rate", "1e-4"])}
+
+
+def torchrun(port: int, out: Path, *, log: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """One launcher "machine" of the elastic job, in its own session (so its whole tree can be killed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -42,7 +50,7 @@ def torchrun(port: int, out: Path, *, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1",
            "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-id", "elastic-test", "--rdzv-conf", RDZV_CONF, "--monitor-interval", "0.2",
-           str(ROOT / "recipes/finetune.py"), *recipe_args(out)]
+           str(ROOT / "recipes/finetune.py"), *extra, *recipe_args(out)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(f"{log}.out", "w"), stderr=open(f"{log}.err", "w"),
                             start_new_session=True)
 
@@ -67,21 +75,24 @@ def wait_until(condition, *, procs, logs, timeout_s: float, what: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_machine_that_joins_then_dies_regrows_and_shrinks_the_run_and_the_loss_curve_is_kept(tmp_path):
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_a_machine_that_joins_then_dies_regrows_and_shrinks_the_run_and_the_loss_curve_is_kept(tmp_path, objective):
     """One machine trains alone; a second joins (the run stops at a step boundary with a checkpoint and
-    regroups pp=1 -> pp=2); after the next checkpoint it is killed (the run restarts alone, pp=2 -> pp=1)."""
+    regroups pp=1 -> pp=2); after the next checkpoint it is killed (the run restarts alone, pp=2 -> pp=1).
+    dpo: full fine-tuning DPO, whose precomputed reference each regrouped world reads back."""
     from transformers import AutoModelForCausalLM
 
+    options, flags = OBJECTIVES[objective]
     out, port = tmp_path / "elastic", free_port()
     logs = [tmp_path / "machine0", tmp_path / "machine1"]
-    procs = [torchrun(port, out, log=logs[0])]
+    procs = [torchrun(port, out, log=logs[0], extra=flags)]
     try:
         wait_until(lambda: steps_done(out) >= 3, procs=procs, logs=logs[:1], timeout_s=240, what="machine 0 alone")
         # A long step: machine 0's worker is paused while the second machine starts and joins, so the run
         # cannot end first; it goes on once its agent has asked it (SIGTERM) to stop for the regrouping.
         (worker,) = psutil.Process(procs[0].pid).children()
         worker.suspend()
-        procs.append(torchrun(port, out, log=logs[1]))  # the second machine (re)joins the running job
+        procs.append(torchrun(port, out, log=logs[1], extra=flags))  # the second machine (re)joins the running job
         wait_until(lambda: sigterm_pending(worker.pid), procs=procs, logs=logs, timeout_s=120, what="the SIGTERM")
         worker.resume()
         wait_until(lambda: restarts(out), procs=procs, logs=logs, timeout_s=120, what="the regrouping")
@@ -122,9 +133,14 @@ def test_a_machine_that_joins_then_dies_regrows_and_shrinks_the_run_and_the_loss
     assert sorted(losses) == list(range(1, STEPS + 1))
     reference = tmp_path / "uninterrupted"
     (expected,) = launch("tests.training.cases:finetune_losses", world_size=1, timeout_s=300,
-                         kwargs={"runs": [dict(max_steps=STEPS, seq_len=SEQ_LEN, dtype="float32",
+                         kwargs={"runs": [dict(options, max_steps=STEPS, seq_len=SEQ_LEN, dtype="float32",
                                                output_dir=str(reference))]})[0]
+    worst = max(abs(losses[s] - e) / abs(e) for s, e in zip(range(1, STEPS + 1), expected))
+    print(f"{objective}: worst rel diff vs the uninterrupted run {worst:.1e}")
     assert [losses[s] for s in range(1, STEPS + 1)] == pytest.approx(expected, rel=1e-4)
+    if objective == "dpo":  # computed once, by the first world; read back by the grown one and the shrunk one
+        passes = [r["reference_logps"] for r in records_of(out) if "reference_logps" in r]
+        assert passes == ["computed", "read back", "read back"], passes
     model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
     assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
