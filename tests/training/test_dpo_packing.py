@@ -140,13 +140,12 @@ def test_packed_dpo_at_pp2_equals_trl_lora_and_full_precomputed(tiny_checkpoint,
     two micro-batches a step): LoRA (the adapters-off reference) and full fine-tuning (the precomputed reference,
     its table keyed by sequence), plus the full run resumed from step 5 in another folder (its table recomputed,
     the sampler's rows found by their sequences), LoRA evaluating every 5 steps on its first 2 packed rows, and LoRA
-    under Interleaved1F1B (two stages a rank: the reference relayed over the step's rows).
+    under Interleaved1F1B (two stages a rank: the reference relayed over the step's rows), and full fine-tuning
+    evaluating every 5 steps (the held-out rows' reference precomputed, keyed by sequence).
     Per-step losses and rewards (and eval_loss, eval_rewards/...) equal TRL's DPOTrainer on the same pairs in the
     same order (each pair a padded batch of its own) within rel 1e-4."""
-    from hfsplit.training.options import tiny_demo_options
     from tests.parallel.launcher import launch
     from tests.training.test_dpo import assert_equals_trl, metrics_records
-    from tests.training.test_dpo_precomputed import REWARDS, trl_full_dpo
 
     dataset, rows = even_pairs_file(tmp_path / "pairs.jsonl")
     common = dict(model=str(tiny_checkpoint("llama")), objective="dpo", dataset=dataset, packing="on", seq_len=100,
@@ -157,14 +156,16 @@ def test_packed_dpo_at_pp2_equals_trl_lora_and_full_precomputed(tiny_checkpoint,
     resumed = dict(full, resume=str(tmp_path / "full" / "checkpoint-5"), output_dir=str(tmp_path / "resumed"))
     evaluated = dict(lora, eval_every=5, output_dir=str(tmp_path / "eval"))  # 2 rows (4 pairs) held out
     looped = dict(lora, schedule="Interleaved1F1B", output_dir=str(tmp_path / "interleaved"))  # the relayed reference
+    full_eval = dict(full, eval_every=5, save_every=None, output_dir=str(tmp_path / "full-eval"))
     results = launch("tests.training.cases:finetune_losses", world_size=2,
-                     kwargs={"runs": [lora, full, resumed, evaluated, looped]}, timeout_s=900)
+                     kwargs={"runs": [lora, full, resumed, evaluated, looped, full_eval]}, timeout_s=900)
     assert results[0] == results[1]
-    lora_losses, full_losses, resumed_losses, eval_losses, looped_losses = results[0]
+    lora_losses, full_losses, resumed_losses, eval_losses, looped_losses, full_eval_losses = results[0]
     (plan,) = metrics_records(lora["output_dir"], has="plan")
     assert plan["plan"]["pp"] == 2
-    # measured worst relative: loss 5.4e-7 (LoRA, Interleaved1F1B too), 4.3e-7 (full), 6.2e-7 (evaluating; eval_loss
-    # 5.2e-7); logps 1.4e-7; rewards within the 1e-6 absolute floor (beta × differences of near-equal log-probs)
+    # measured worst relative: loss 5.4e-7 (LoRA, Interleaved1F1B too), 4.3e-7 (full), 6.2e-7 / 3.6e-7 (LoRA / full
+    # evaluating; eval_loss 5.2e-7 / 3.5e-7); logps 1.4e-7; rewards within the 1e-6 absolute floor (beta ×
+    # differences of near-equal log-probs)
     worst = assert_equals_trl(lora, lora_losses, rows=rows, pairs_per_step=PAIRS_PER_STEP, layout=packed_layout)
     assert lora_losses[-1] < lora_losses[0]
     worst_eval = assert_equals_trl(evaluated, eval_losses, rows=rows, pairs_per_step=PAIRS_PER_STEP,
@@ -173,24 +174,42 @@ def test_packed_dpo_at_pp2_equals_trl_lora_and_full_precomputed(tiny_checkpoint,
     assert plan["plan"]["schedule"] == "Interleaved1F1B"
     worst_looped = assert_equals_trl(looped, looped_losses, rows=rows, pairs_per_step=PAIRS_PER_STEP,
                                      layout=packed_layout)
-
-    options = tiny_demo_options(**full)
-    pairs, _ = packed_layout(options, rows, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
-    logs, _, _ = trl_full_dpo(options, pairs, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
-    trl = torch.tensor([h["loss"] for h in logs], dtype=torch.float64)
-    ours = torch.tensor(full_losses, dtype=torch.float64)
-    worst_full = {"loss": float(((ours - trl).abs() / trl.abs()).max())}
-    torch.testing.assert_close(ours, trl, rtol=1e-4, atol=0)
-    records = metrics_records(full["output_dir"])
-    for key in REWARDS:
-        mine, theirs = (torch.tensor([float(r[key]) for r in t], dtype=torch.float64) for t in (records, logs))
-        worst_full[key] = float(((mine - theirs).abs() / theirs.abs().clamp(min=1e-12)).max())
-        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6, msg=key)
+    worst_full = assert_full_equals_trl(full, full_losses, rows=rows)
+    worst_full_eval = assert_full_equals_trl(full_eval, full_eval_losses, rows=rows)
     torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(full_losses[5:]), rtol=1e-5, atol=0)
     print("packed LoRA worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst.items()})
     print("packed full worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst_full.items()})
     print("packed LoRA with eval worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst_eval.items()})
     print("packed LoRA Interleaved1F1B worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst_looped.items()})
+    print("packed full with eval worst rel vs TRL:", {k: f"{v:.1e}" for k, v in worst_full_eval.items()})
+
+
+def assert_full_equals_trl(run: dict, losses: list[float], *, rows: list[dict]) -> dict[str, float]:
+    """Full fine-tuning packed DPO `run` against TRL's DPOTrainer with `precompute_ref_log_probs=True` on the same
+    pairs in the same order (with --eval-every: its held-out packed rows' pairs, their reference precomputed
+    too): losses, rewards and eval figures within rel 1e-4 (rewards + 1e-6 absolute). The worst relative diffs."""
+    from hfsplit.training.options import tiny_demo_options
+    from tests.training.test_dpo import metrics_records
+    from tests.training.test_dpo_precomputed import REWARDS, trl_full_dpo
+
+    options = tiny_demo_options(**run)
+    pairs, held = packed_layout(options, rows, steps=STEPS, pairs_per_step=PAIRS_PER_STEP)
+    logs, _, _ = trl_full_dpo(options, pairs, steps=STEPS, pairs_per_step=PAIRS_PER_STEP, eval_pairs=held)
+    evals, logs = [h for h in logs if "eval_loss" in h], [h for h in logs if "eval_loss" not in h]
+    figures = [(metrics_records(run["output_dir"]), logs, ("loss", *REWARDS), {"loss": losses})]
+    if held:
+        figures.append((metrics_records(run["output_dir"], has="eval_loss"), evals,
+                        ("eval_loss", *(f"eval_{k}" for k in REWARDS)), {}))
+        assert len(evals) == STEPS // options.eval_every
+    worst = {}
+    for records, theirs_records, keys, given in figures:
+        assert len(records) == len(theirs_records)
+        for key in keys:
+            mine = torch.tensor(given.get(key) or [float(r[key]) for r in records], dtype=torch.float64)
+            theirs = torch.tensor([float(r[key]) for r in theirs_records], dtype=torch.float64)
+            worst[key] = float(((mine - theirs).abs() / theirs.abs().clamp(min=1e-12)).max())
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=0 if "loss" in key else 1e-6, msg=key)
+    return worst
 
 
 @pytest.mark.slow
