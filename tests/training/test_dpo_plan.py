@@ -75,13 +75,13 @@ def reference_peaks(run, batch: dict) -> dict:
     the log-probs of both ways."""
     from hfsplit.models.loss import sequence_logps
     from hfsplit.training import trainer
-    from hfsplit.training.preference import adapters_disabled
+    from hfsplit.training.preference import adapters_disabled, batch_sequences
     from tests.parallel.apply_cases import LiveStorages
 
     model = run.model
     ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
     with LiveStorages() as live:
-        trainer.dpo_targets(run, ids, labels, positions, rows=batch["index"])
+        trainer.dpo_targets(run, ids, labels, positions, sequences=batch_sequences(batch))
     step_peak = live.peak
 
     def reduced(n):
