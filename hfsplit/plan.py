@@ -98,8 +98,9 @@ class TrainingSpec:
 
     @property
     def pairs_per_micro_batch(self) -> int:
-        """DPO: the chosen/rejected pairs of one micro-batch (two rows each); 0 for SFT."""
-        return self.micro_batch_size // 2 if self.objective == "dpo" else 0
+        """DPO: the chosen/rejected pairs of one micro-batch (two padded rows each); 0 for SFT and for packed
+        pairs (as many as fit each row)."""
+        return self.micro_batch_size // 2 if self.objective == "dpo" and not self.packing else 0
 
     @property
     def checkpointing(self) -> str:
@@ -386,7 +387,9 @@ class Plan:
         spec = self.spec
         if spec.objective != "dpo":
             return ""
-        pairs = f"\nDPO: {spec.pairs_per_micro_batch} pair(s) a micro-batch (chosen + rejected rows), "
+        pairs = f"\nDPO: {spec.pairs_per_micro_batch} pair(s) a micro-batch (chosen + rejected rows), " \
+            if not spec.packing else f"\nDPO: packed pairs, {spec.micro_batch_size} full row(s) a micro-batch " \
+            "(chosen + rejected isolated in one row), "
         if spec.reference == "precomputed":
             cached = "" if spec.reference_pairs is None else f" for {spec.reference_pairs} pairs"
             return pairs + (f"reference precomputed: a one-off no-grad pass of {self.reference_s * 1e3:.1f} ms per "

@@ -38,11 +38,17 @@ def causal_lm_loss(vocab_size: int):
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Each row's summed log-prob of its label tokens (labels unshifted, -100 ignored), in fp32: (rows,). DPO's
     per-sequence log-prob, as TRL sums it (`hfsplit.training.preference`; the planner traces the head with it)."""
+    return token_logps(logits, labels).sum(-1)
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The log-prob of each position's next label token (labels unshifted), 0 where it is -100, in fp32:
+    (rows, seq). Packed DPO rows sum it sequence by sequence."""
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(logits.device)
     mask = shifted != IGNORE_INDEX
     logps = torch.log_softmax(logits.float(), dim=-1)
     token = torch.gather(logps, -1, shifted.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (token * mask).sum(-1)
+    return token * mask
 
 
 def dpo_head_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -820,7 +820,7 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     if seqs and fits(budgets, replace(spec, seq_len=seqs[-1])):
         seq = next(s for s in seqs if fits(budgets, replace(spec, seq_len=s)))
         fixes.append(f"a shorter sequence (--seq-len {seq})")
-    least = 2 if spec.objective == "dpo" else 1  # a DPO micro-batch holds whole pairs: one pair is two rows
+    least = 2 if spec.objective == "dpo" and not spec.packing else 1  # a padded DPO pair is two rows
     if spec.micro_batch_size > least and fits(budgets, replace(spec, micro_batch_size=least)):
         fixes.append(f"micro-batch size {least} (--micro-batch-size {least}{', one pair' if least == 2 else ''})")
     count = _fewest_devices(lambda b: fits(b, spec), budgets)

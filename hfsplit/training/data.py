@@ -508,8 +508,9 @@ class MicroBatches:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of `input_ids`, `labels`, `position_ids` (restarting at each packed example), `lengths`
-        (each row's real tokens) and `index` (each row's index in `rows`: what a precomputed DPO reference is
-        keyed by)."""
+        (each row's real tokens), `index` (each row's index in `rows`) and, where the rows keep them,
+        `sequences` (each position's example: DPO's packed pairs, what a precomputed reference is keyed by;
+        padded pairs are keyed by `index`)."""
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -518,8 +519,9 @@ class MicroBatches:
         index = torch.from_numpy(self._order[self.step * self.batch_size : (self.step + 1) * self.batch_size])
         self.step += 1
         rows = self.rows.select(index)
-        return {"input_ids": rows.input_ids, "labels": rows.labels, "position_ids": rows.positions(),
-                "lengths": rows.real_tokens(), "index": index}
+        batch = {"input_ids": rows.input_ids, "labels": rows.labels, "position_ids": rows.positions(),
+                 "lengths": rows.real_tokens(), "index": index}
+        return batch if rows.sequences is None else {**batch, "sequences": rows.sequences}
 
     def rows_of_steps(self, steps: int) -> np.ndarray:
         """The row indices a run's first `steps` batches draw, `(steps, rows per step)`, from the first epoch's

@@ -59,7 +59,9 @@ class FinetuneOptions:
     packing: Literal["auto", "on", "off"] = option(
         "auto", "data", "auto: instruction and chat examples packed several to a row by best-fit decreasing, each "
         "isolated (position ids restart, attention stays inside it), text documents joined and cut into blocks; on: "
-        "packed, text documents too (each its own example); off: one example a row, padded to --seq-len")
+        "packed, text documents too (each its own example); off: one example a row, padded to --seq-len. "
+        "--objective dpo: auto is off (each pair two padded rows, TRL's layout); on packs several pairs a row, a "
+        "pair's chosen and rejected always in one row, each sequence isolated")
     seq_len: int = option(2048, "data", "tokens per sequence")
     eval_every: Optional[int] = option(None, "data", "evaluate on held-out rows (5%%) every N steps; unset: never")
     method: Literal["lora", "qlora", "full"] = option(
@@ -94,7 +96,9 @@ class FinetuneOptions:
     schedule: Literal["auto", "1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV",
                       "InterleavedZeroBubble", "LoopedBFS"] = option(
         "auto", "parallelism", "pipeline schedule; auto: the fastest by the planner's calibrated time model")
-    micro_batch_size: int = option(1, "parallelism", "sequences per micro-batch")
+    micro_batch_size: int = option(
+        1, "parallelism", "rows per micro-batch (a packed row holds several examples; DPO's padded pairs take two "
+        "rows each, so it is even there)")
     micro_batches: Optional[int] = option(
         None, "parallelism", "micro-batches per optimizer step (gradient accumulation); unset: 4 x pipeline depth")
     global_batch: Optional[int] = option(
@@ -172,12 +176,10 @@ def check_dpo_options(options) -> None:
     if options.reference == "adapters-off" and options.method not in ("lora", "qlora"):
         raise HfsplitError("--reference adapters-off disables LoRA adapters, and --method full has none; "
                            "use --reference precomputed (or leave it unset)")
-    if options.micro_batch_size % 2:
+    if options.micro_batch_size % 2 and options.packing != "on":  # a packed row holds whole pairs
         raise HfsplitError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch: "
-                           f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size})")
-    if options.packing == "on":
-        raise HfsplitError("--objective dpo lays each pair out as two padded rows; packed pairs are not "
-                           "implemented yet: drop --packing on")
+                           f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size}), "
+                           "or pass --packing on (a packed row holds whole pairs)")
     if options.chunked_loss:
         raise HfsplitError("--objective dpo needs the last stage's logits for its log-probs: drop --chunked-loss")
 
@@ -244,8 +246,8 @@ def dataset_of(options: FinetuneOptions) -> str:
 def packing_of(options: FinetuneOptions) -> bool:
     """Whether the run packs its rows: --packing on / off, or under auto whether its format packs by default
     (instruction and chat do; the format is --dataset-format, else read from the dataset's columns)."""
-    if options.objective == "dpo":  # a chosen/rejected pair is two padded rows (packed pairs: not yet)
-        return False
+    if options.objective == "dpo":  # auto: a pair is two padded rows, as TRL lays them out; on: packed pairs
+        return options.packing == "on"
     if options.packing != "auto":
         return options.packing == "on"
     if options.dataset_format:

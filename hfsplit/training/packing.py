@@ -41,6 +41,8 @@ class TokenRows:
         lengths: real (non-padding) tokens per row, padding being at the end; None: every position is real.
         examples: how many examples the rows hold when each would otherwise be a padded row of its own
             (None for text cut into blocks, which has no padded layout).
+        sequences: each position's example by its index in the examples given (-1 on padding); None: not kept
+            (DPO's packed pairs keep it: each sequence's log-prob is summed by it).
     """
 
     input_ids: torch.Tensor
@@ -48,6 +50,7 @@ class TokenRows:
     position_ids: Optional[torch.Tensor] = None
     lengths: Optional[torch.Tensor] = None
     examples: Optional[int] = None
+    sequences: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -74,7 +77,8 @@ class TokenRows:
     def select(self, index) -> "TokenRows":
         """The rows at `index` (a slice or index tensor); `examples` is kept only for whole-table views."""
         pick = (lambda t: None if t is None else t[index])
-        return TokenRows(self.input_ids[index], self.labels[index], pick(self.position_ids), pick(self.lengths))
+        return TokenRows(self.input_ids[index], self.labels[index], pick(self.position_ids), pick(self.lengths),
+                         sequences=pick(self.sequences))
 
     @property
     def padding(self) -> float:
@@ -178,12 +182,42 @@ def packed_rows(examples: Sequence[Example], *, seq_len: int, pad: int, seed: in
         seed: the tie-breaking seed of the bins, and of the order of the rows.
     """
     kept = [e for e in truncated(examples, seq_len) if e[0]]
-    bins = best_fit_decreasing([len(ids) for ids, _ in kept], seq_len, seed=seed)
-    # in a drawn order: bins are made longest example first, and rows held out for evaluation are the first ones
-    bins = [bins[i] for i in np.random.default_rng([seed, len(bins)]).permutation(len(bins))]
+    bins = drawn_bins([len(ids) for ids, _ in kept], seq_len, seed=seed)
     rows = [pack_row([kept[i] for i in members], seq_len=seq_len, pad=pad) for members in bins]
     lengths = [sum(len(kept[i][0]) for i in members) for members in bins]
     return _table(rows, lengths, examples=len(kept))
+
+
+def drawn_bins(lengths: Sequence[int], capacity: int, *, seed: int) -> list[list[int]]:
+    """`best_fit_decreasing`'s bins in an order drawn from `seed`: bins are made longest item first, and rows held
+    out for evaluation are the first ones."""
+    bins = best_fit_decreasing(lengths, capacity, seed=seed)
+    return [bins[i] for i in np.random.default_rng([seed, len(bins)]).permutation(len(bins))]
+
+
+def packed_groups(groups: Sequence[Sequence[Example]], *, seq_len: int, pad: int, seed: int = 0) -> TokenRows:
+    """Groups of examples packed into rows of `seq_len` by best-fit decreasing on each group's total length, a
+    group never split across rows (DPO: a pair's chosen and rejected sequences in one row), each example isolated
+    (`pack_row`). `sequences` numbers the examples as they are given, group after group.
+
+    Args:
+        groups: lists of (ids, labels) pairs, each list's lengths adding up to at most `seq_len`.
+        seq_len: tokens per row.
+        pad: the padding token id.
+        seed: the tie-breaking seed of the bins, and of the order of the rows.
+    """
+    firsts = np.cumsum([0, *(len(g) for g in groups)])
+    bins = drawn_bins([sum(len(ids) for ids, _ in g) for g in groups], seq_len, seed=seed)
+    rows, lengths, sequences = [], [], []
+    for members in bins:
+        examples = [(e, firsts[g] + k) for g in members for k, e in enumerate(groups[g])]
+        rows.append(pack_row([e for e, _ in examples], seq_len=seq_len, pad=pad))
+        lengths.append(sum(len(ids) for (ids, _), _ in examples))
+        owner = [int(n) for (ids, _), n in examples for _ in ids]
+        sequences.append(owner + [-1] * (seq_len - len(owner)))
+    table = _table(rows, lengths, examples=int(firsts[-1]))
+    return TokenRows(table.input_ids, table.labels, table.position_ids, table.lengths, table.examples,
+                     sequences=torch.tensor(sequences, dtype=torch.int64))
 
 
 def padded_rows(examples: Sequence[Example], *, seq_len: int, pad: int) -> TokenRows:

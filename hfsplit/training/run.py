@@ -157,6 +157,11 @@ def launch_state(options: FinetuneOptions) -> LaunchState:
     return launch
 
 
+def padded_pairs(options: FinetuneOptions) -> bool:
+    """Whether the run's rows are DPO pairs two padded rows each (which travel together), not packed."""
+    return options.objective == "dpo" and not packing_of(options)
+
+
 def loss_of_run(options: FinetuneOptions, model):
     """The last stage's loss: transformers' causal-LM loss, or with --objective dpo TRL's DPO loss."""
     if options.objective == "dpo":
@@ -168,7 +173,8 @@ def load_rows(options: FinetuneOptions, *, model_path: str):
     """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default)."""
     tokenizer = tokenizer_for(options, model_path=model_path)
     if options.objective == "dpo":
-        return tokenizer, load_paired_rows(dataset_of(options), tokenizer, seq_len=options.seq_len)
+        return tokenizer, load_paired_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
+                                           packing=packing_of(options), seed=options.seed)
     return tokenizer, load_token_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
                                       format=options.dataset_format, packing=packing_of(options), seed=options.seed)
 
@@ -190,7 +196,7 @@ def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
     rows, held_out = split_eval_rows(rows, options)
     per_step = plan.micro_batches * plan.dp
     batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=per_step,
-                           seed=options.seed, group=2 if options.objective == "dpo" else 1)
+                           seed=options.seed, group=2 if padded_pairs(options) else 1)
     total_steps = total_steps_of(options, rows=len(rows), rows_per_step=per_step * options.micro_batch_size)
     scheduler = cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
     return dict(batches=batches, held_out=held_out, total_steps=total_steps, scheduler=scheduler,
@@ -261,10 +267,11 @@ def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -
 
 def cached_pairs(options: FinetuneOptions, rows) -> Optional[int]:
     """The pairs whose log-probs a precomputed DPO reference caches, for the plan (`TrainingSpec.reference_pairs`):
-    every row's, training and held-out (`precompute_reference` keeps one fp32 log-prob of each); None otherwise."""
+    every sequence's, training and held-out (`precompute_reference` keeps one fp32 log-prob of each: packed rows
+    hold several pairs); None otherwise."""
     if options.objective != "dpo" or reference_of(options) != "precomputed":
         return None
-    return len(rows) // 2
+    return (rows.examples if rows.sequences is not None else len(rows)) // 2
 
 
 def split_eval_rows(rows, options: FinetuneOptions):
@@ -272,7 +279,7 @@ def split_eval_rows(rows, options: FinetuneOptions):
     if not options.eval_every:
         return rows, None
     count = max(options.global_batch or options.micro_batch_size * options.micro_batches, len(rows) // 20)
-    count += count % 2 if options.objective == "dpo" else 0  # whole pairs
+    count += count % 2 if padded_pairs(options) else 0  # whole pairs (a packed row holds whole pairs)
     if count >= len(rows):
         raise HfsplitError(f"the dataset has {len(rows)} rows: too few to hold out {count} for --eval-every")
     return rows.select(slice(count, None)), rows.select(slice(None, count))

@@ -30,7 +30,8 @@ from hfsplit.training.data import MicroBatches, TokenRows
 from hfsplit.training.metrics import Metrics, StepOutcome, TrainResult, summary_line
 from hfsplit.training.options import FinetuneOptions
 from hfsplit.training.packing import label_tokens
-from hfsplit.training.preference import DPO_METRICS, DpoLoss, adapters_disabled, indexed_labels, sequence_logps
+from hfsplit.training.preference import (DPO_METRICS, DpoLoss, adapters_disabled, batch_sequences, indexed_labels,
+                                         local_keys, pairs_of, reference_reduce, segment_tokens, sequence_values)
 from hfsplit.training.resume import latest_checkpoint
 
 if TYPE_CHECKING:  # the annotation only: importing peft costs ~3 s (inductor), which a run pays where it adds adapters
@@ -92,8 +93,9 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     mask = {}
     with compute_precision(model):
         if isinstance(run.loss_fn, DpoLoss):  # the loss is the mean over the global batch's pairs
-            labels = dpo_targets(run, ids, labels, positions, rows=batch["index"][mine])
-            divisor = batch["labels"].shape[0] // 2
+            sequences = batch_sequences(batch)
+            labels = dpo_targets(run, ids, labels, positions, sequences=sequences[mine])
+            divisor = pairs_of(sequences)  # the global batch's: packed rows hold varying numbers of pairs
             if stats_of(model.stages):  # an MoE's router loss over the pairs' real tokens (TRL's attention mask)
                 mask = {"router_mask": torch.arange(ids.shape[1])[None] < batch["lengths"][mine][:, None]}
         else:
@@ -117,28 +119,34 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
 
 def dpo_step_metrics(run: Run) -> dict[str, float]:
     """TRL's DPO metrics of the step on every rank (collective): each replica's last stage holds its pairs'
-    means; the replicas hold equal numbers of pairs, so their mean is the global batch's."""
+    means, weighted by its pairs (packed rows give replicas different numbers), so their mean is the global
+    batch's."""
     local = run.loss_fn.step_metrics(calls=run.rows_per_replica // run.options.micro_batch_size)
-    return {name: run.model.reduce_loss(torch.tensor(local.get(name, 0.0))) / run.model.plan.dp
+    pairs = local.get("pairs", 0)
+    total = run.model.reduce_loss(torch.tensor(float(pairs)))
+    return {name: run.model.reduce_loss(torch.tensor(local.get(name, 0.0) * pairs)) / max(total, 1.0)
             for name in DPO_METRICS}
 
 
 def dpo_targets(run: Run, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, *,
-                rows: torch.Tensor) -> torch.Tensor:
-    """The reference log-probs of these rows (`rows`: their indices in the training rows) for the loss: read from
-    the precomputed table (`--reference precomputed`), else a no-grad pipeline forward of them with every stage's
-    adapters off, whose last stage reduces each micro-batch's logits to its rows' log-probs as they leave it
-    (`SplitModel.forward(reduce=)`: one micro-batch's logits at a time). Returns the targets the loss reads
-    (`indexed_labels`: the labels, each row's index in this batch appended)."""
+                sequences: torch.Tensor) -> torch.Tensor:
+    """The reference log-probs of these rows' sequences (`sequences`: each position's global sequence number,
+    `batch_sequences`) for the loss: read from the precomputed table (`--reference precomputed`, keyed by
+    sequence), else a no-grad pipeline forward of them with every stage's adapters off, whose last stage reduces
+    each micro-batch's logits as they leave it (`SplitModel.forward(reduce=)`: one micro-batch's logits at a
+    time) to its rows' log-probs (`reference_reduce`), summed by sequence. Returns the targets the loss reads
+    (`indexed_labels`: the labels, each position's sequence key in this batch appended)."""
     run.loss_fn.seen = []  # this step's pairs only (the plan's probes may have run the loss before)
+    present, keys = local_keys(sequences)
     if run.loss_fn.precomputed is not None:
-        run.loss_fn.reference = run.loss_fn.precomputed[rows]
-        return indexed_labels(labels)
+        run.loss_fn.reference = run.loss_fn.precomputed[present]
+        return indexed_labels(labels, keys)
+    packed = run.batches.rows.sequences is not None
     with torch.no_grad(), adapters_disabled(run.model.stages):  # each micro-batch's logits reduced as they come
-        reference = run.model.forward(ids, position_ids=positions, reduce=sequence_logps, targets=labels)
-    if reference is not None:
-        run.loss_fn.reference = reference
-    return indexed_labels(labels)
+        reduced = run.model.forward(ids, position_ids=positions, reduce=reference_reduce(packed), targets=labels)
+    if reduced is not None:
+        run.loss_fn.reference = sequence_values(reduced, keys.to(reduced.device), packed=packed)
+    return indexed_labels(labels, keys)
 
 
 def evaluation(run: Run) -> tuple[float, dict[str, float]]:
@@ -153,26 +161,37 @@ def evaluation(run: Run) -> tuple[float, dict[str, float]]:
 def dpo_eval(model, rows, loss_fn: DpoLoss, *, micro_batch_size: int,
              reference: Optional[torch.Tensor] = None) -> tuple[float, dict[str, float]]:
     """DPO on the held-out pairs, forward only: the mean pair loss against the same reference (`reference`: the
-    held-out rows' precomputed log-probs, by row; None: the stages with their adapters off) and TRL's metrics of
-    those pairs, on every rank."""
+    held-out rows' precomputed log-probs, by sequence; None: the stages with their adapters off) and TRL's metrics
+    of those pairs, on every rank."""
     size = micro_batch_size * model.plan.micro_batches  # the training step's shape: same micro-batch count
-    seen = []
+    seen, packed = [], rows.sequences is not None
     for start in range(0, len(rows) - size + 1, size):
         batch = rows.select(slice(start, start + size))
-        logps = dict(position_ids=batch.positions(), reduce=sequence_logps, targets=batch.labels)
+        logps = dict(position_ids=batch.positions(), reduce=reference_reduce(packed), targets=batch.labels)
         with compute_precision(model):
             if reference is None:
                 with adapters_disabled(model.stages):
                     ref = model.forward(batch.input_ids, **logps)
             else:
-                ref = reference[start:start + size]
+                ref = None
             policy = model.forward(batch.input_ids, **logps)
         if policy is not None:
-            seen.append((policy, ref.to(policy.device), batch.labels.to(policy.device)))
+            present, keys = local_keys(rows_sequences(batch, start))
+            keys, labels = keys.to(policy.device), batch.labels.to(policy.device)
+            ref = reference[present] if reference is not None else sequence_values(ref, keys, packed=packed)
+            seen.append((sequence_values(policy, keys, packed=packed), ref.to(policy.device),
+                         segment_tokens(labels, keys)))
     local = loss_fn.evaluate(*(torch.cat(t) for t in zip(*seen))) if seen else {}
     figures = {name: model.reduce_loss(torch.tensor(local.get(name, 0.0)), replicas=False)
                for name in ("loss", *DPO_METRICS)}
     return figures.pop("loss"), figures
+
+
+def rows_sequences(rows: TokenRows, first: int) -> torch.Tensor:
+    """Each position's sequence number in `rows`: its packed `sequences`, else its row's index (from `first`)."""
+    if rows.sequences is not None:
+        return rows.sequences
+    return torch.arange(first, first + len(rows))[:, None].expand(rows.labels.shape)
 
 
 @torch.no_grad()

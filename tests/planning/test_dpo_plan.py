@@ -111,3 +111,18 @@ def test_hfsplit_plan_objective_dpo_plans_a_bundled_config(capsys):
     assert main(["plan", MODEL, "--max-memory", "2x24GiB", "--objective", "dpo", "--micro-batch-size", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--micro-batch-size" in err[0] and "even" in err[0]
+
+
+def test_hfsplit_plan_objective_dpo_packing_on_plans_full_rows_as_sft_packing(capsys):
+    """`--packing on` under DPO: any micro-batch size (a packed row holds whole pairs); the blocks cost what SFT
+    packing's do at the same rows (full rows, the varlen attention's per-example cost), and the table says so."""
+    code = main(["plan", MODEL, "--max-memory", "2x24GiB", "--objective", "dpo", "--packing", "on", "--seq-len",
+                 str(SEQ), "--micro-batch-size", "1", "--json"])
+    assert code == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.spec.objective == "dpo" and plan.spec.packing and plan.spec.micro_batch_size == 1
+    assert plan.reference_s > 0 and "packed pairs, 1 full row(s) a micro-batch" in plan.table()
+    config = load_config(MODEL)
+    packed_dpo, packed_sft = (model_costs(config, replace(s, packing=True)) for s in (DPO, SFT))
+    assert packed_dpo.block == packed_sft.block and packed_dpo.stage_inputs == packed_sft.stage_inputs
+    assert packed_dpo.block != model_costs(config, DPO).block  # packing is counted, not ignored

@@ -226,16 +226,16 @@ def metrics_records(output_dir: str, *, has: str = "rewards/margins") -> list[di
 
 
 def assert_equals_trl(run: dict, losses: list[float], *, rows: list[dict], pairs_per_step: int, base=None,
-                      rtol: float = 1e-4, loss_rtol: float = 1e-4) -> dict[str, float]:
+                      rtol: float = 1e-4, loss_rtol: float = 1e-4, layout=None) -> dict[str, float]:
     """hfsplit's per-step losses and `metrics.jsonl` rewards of `run` equal TRL's DPOTrainer on the same rows in the
     same order within `rtol` (the losses: `loss_rtol`; rewards: + 1e-6 absolute, their fp32 rounding floor: beta × a difference of two
-    ~-50 log-probs); the first loss is ln 2 (LoRA: the policy is the reference; an MoE's router term aside). The worst relative
-    difference of each logged figure."""
+    ~-50 log-probs); the first loss is ln 2 (LoRA: the policy is the reference; an MoE's router term aside).
+    `layout`: (the pairs in the order hfsplit's steps visit them, the held-out pairs) from (options, rows, steps=,
+    pairs_per_step=); None: padded pairs' (`padded_layout`). The worst relative difference of each logged figure."""
     options = tiny_demo_options(**run)
     steps = options.max_steps
-    held = held_out_pairs(options, rows)  # hfsplit holds out the first rows: the first pairs
-    logs = trl_logs(options, hfsplit_pair_order(options, rows[held:], steps=steps, pairs_per_step=pairs_per_step),
-                    steps=steps, pairs_per_step=pairs_per_step, base=base, eval_pairs=rows[:held] or None)
+    order, held_out = (layout or padded_layout)(options, rows, steps=steps, pairs_per_step=pairs_per_step)
+    logs = trl_logs(options, order, steps=steps, pairs_per_step=pairs_per_step, base=base, eval_pairs=held_out or None)
     evals, logs = [h for h in logs if "eval_loss" in h], [h for h in logs if "eval_loss" not in h]
     records = metrics_records(options.output_dir)
     assert len(logs) == len(records) == len(losses) == steps
@@ -259,6 +259,14 @@ def assert_equals_trl(run: dict, losses: list[float], *, rows: list[dict], pairs
                                    msg=f"{run['output_dir']} {key}:\nhfsplit {mine.tolist()}\ntrl     {theirs.tolist()}")
     print(run["output_dir"], "worst rel diff vs TRL:", {k: f"{v:.1e}" for k, v in worst.items()})
     return worst
+
+
+def padded_layout(options: FinetuneOptions, rows: list[dict], *, steps: int,
+                  pairs_per_step: int) -> tuple[list[dict], list[dict]]:
+    """(the pairs in hfsplit's order, the held-out pairs) of padded pairs: hfsplit holds out the first rows, the
+    first pairs."""
+    held = held_out_pairs(options, rows)
+    return hfsplit_pair_order(options, rows[held:], steps=steps, pairs_per_step=pairs_per_step), rows[:held]
 
 
 def held_out_pairs(options: FinetuneOptions, rows: list[dict]) -> int:

@@ -75,13 +75,13 @@ def reference_peaks(run, batch: dict) -> dict:
     the log-probs of both ways."""
     from hfsplit.models.loss import sequence_logps
     from hfsplit.training import trainer
-    from hfsplit.training.preference import adapters_disabled
+    from hfsplit.training.preference import adapters_disabled, batch_sequences
     from tests.parallel.apply_cases import LiveStorages
 
     model = run.model
     ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
     with LiveStorages() as live:
-        trainer.dpo_targets(run, ids, labels, positions, rows=batch["index"])
+        trainer.dpo_targets(run, ids, labels, positions, sequences=batch_sequences(batch))
     step_peak = live.peak
 
     def reduced(n):
@@ -167,3 +167,19 @@ def test_the_tiny_dpo_recipe_keeps_its_plan(tiny_checkpoint, tmp_path):
     print(f"measured/estimated busy {measured / estimated:.2f} (the run's recheck factor: {RECHECK_FACTOR})")
     assert all(0 < x <= 1.5 * first["planned_share"] for x in shares), shares
     assert first["losses"][-1] < first["losses"][0]
+
+
+@pytest.mark.slow
+def test_the_tiny_dpo_recipe_packed_keeps_its_plan(tiny_checkpoint, tmp_path):
+    """The tiny DPO recipe with --packing on (rows of 128, one full row a micro-batch): the plan is a packed DPO
+    plan, and each rank's measured peak of a step is its planned figure within ±15%."""
+    options = dict(recipe_values(RECIPE), model=str(tiny_checkpoint("llama")), max_memory="2x1GiB", max_steps=4,
+                   dtype="float32", packing="on", seq_len=128, micro_batch_size=1, output_dir=str(tmp_path / "dpo"))
+    results = launch("tests.training.test_dpo_plan:dpo_step_against_plan", world_size=2, kwargs={"options": options},
+                     timeout_s=400)
+    ratios = [r["measured"] / r["planned"] for r in results]
+    print("packed DPO measured/planned per rank:", [f"{x:.3f}" for x in ratios])
+    plan = results[0]["plan"]
+    assert plan.spec.objective == "dpo" and plan.spec.packing and plan.spec.micro_batch_size == 1
+    assert all(0.85 <= x <= 1.15 for x in ratios), ratios
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
