@@ -211,3 +211,52 @@ class LiveStorages(TorchDispatchMode):
     def _free(self, key: int, nbytes: int) -> None:
         self._seen.discard(key)
         self.live -= nbytes
+
+
+def pipeline_buffer_memory(*, checkpoint: str, seq_len: int, micro_batch_size: int, runs: list,
+                           steps: int = 3) -> list:
+    """For each (schedule, micro-batches) of `runs` on pp=2 LoRA with checkpointing: the plan's figure for this
+    rank's stage, the peak of the second step and what is alive after each step, counted from before the first
+    step (torch's receive buffers are made in the first step and reused after: `_train`'s tracker, started with
+    the second, never sees them), the receive buffers the schedule's stages hold, and whether their storages are
+    the same after the second and third steps."""
+    from hfsplit.models.loss import causal_lm_loss
+    from hfsplit.plan import rank_total
+
+    out = []
+    for schedule, micro_batches in runs:
+        model, optimizer = _built(checkpoint, method="lora", tp=1, pp=2, seq_len=seq_len, ac=True,
+                                  micro_batch_size=micro_batch_size, micro_batches=micro_batches, schedule=schedule)
+        ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches, seq_len),
+                            generator=torch.Generator().manual_seed(0))
+        loss_fn = causal_lm_loss(model.config.vocab_size)
+        weights, live, peaks, alive, storages = _held_bytes(model, optimizer), LiveStorages(), [], [], []
+        with live:
+            for _ in range(steps):
+                live.peak = live.live
+                model.step(ids, ids, loss_fn)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                peaks.append(weights + live.peak)
+                alive.append(weights + live.live)
+                storages.append(_recv_buffers(model))
+        mine = [model.plan.stages[i].memory for i in model.stage_indices]
+        out.append({"schedule": model.plan.schedule, "micro_batches": micro_batches, "planned": rank_total(mine),
+                    "measured": peaks[1], "alive": alive, "activation_buffers": storages[-1]["activation"],
+                    "gradient_buffers": storages[-1]["gradient"], "reused": storages[1] == storages[2]})
+        del model, optimizer
+    return out
+
+
+def _recv_buffers(model) -> dict:
+    """{"activation" / "gradient": {storage address: bytes}} of the receive buffers the training schedule's
+    PipelineStages hold."""
+    schedule = next(iter(model._schedules.values()))
+    found = {"activation": {}, "gradient": {}}
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        for kind, infos in (("activation", stage.args_recv_info), ("gradient", stage.grad_recv_info)):
+            for info in (i for per_mb in infos.values() for i in per_mb):
+                if not info.is_root_arg and info.buffer is not None:
+                    storage = info.buffer.untyped_storage()
+                    found[kind][storage.data_ptr()] = storage.nbytes()
+    return found
