@@ -868,8 +868,9 @@ def _host_fix(config, budgets: dict[str, int], spec: TrainingSpec, options: dict
     if plan is None:
         return []
     fullest = max(sum(s.memory.offload for s in plan.stages_of_rank(r)) for r in range(plan.pp))
+    enough = math.ceil(fullest * plan.world_size / (1 << 30) * 100) / 100  # rounded up: the figure given must fit
     return [f"more host RAM for the activation offload (max_memory['cpu'] of "
-            f"{format_bytes(fullest * plan.world_size)} or more, e.g. --max-memory ...,cpu:SIZE)"]
+            f"{enough:.2f} GiB or more, e.g. --max-memory ...,cpu:SIZE)"]
 
 
 def could_fit(config, budgets: dict[str, int], spec: TrainingSpec) -> bool:
