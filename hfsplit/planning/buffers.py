@@ -13,6 +13,14 @@ Measured on CPU ranks (tests/parallel/test_apply.py::test_pipeline_buffers_reach
 checkpointing, hidden 256 × seq 512 × 2 rows: 1 MiB a buffer): the first rank's peak grew by 1 MiB per
 micro-batch under 1F1B and 2 MiB under GPipe, what stays alive between steps by 1 MiB per micro-batch on each
 rank, the buffers' storages the same from step to step.
+
+A neighbour on the same rank (a V's turn) is given the previous stage's output itself instead of a received copy,
+but torch keeps it (and the gradient passed back) in the same per-micro-batch slots until the next step overwrites
+it: measured under ZBVZeroBubble × 8, the rank holding the turn keeps 16 MiB more between steps than the other, so
+the same counts apply there. Under Interleaved1F1B and ZBVZeroBubble the runs still exceed the plan (measured/planned
+1.26-1.30 under Interleaved1F1B × 8 with checkpointing, 1.09-1.15 under ZBV × 8 without; 2.2-2.4 and 1.3-1.6 before
+these buffers were counted): torch's multi-stage schedules wait their sends only at the step's end, which likely keeps
+each sent tensor that long; not modelled yet.
 """
 from __future__ import annotations
 

@@ -215,7 +215,7 @@ class LiveStorages(TorchDispatchMode):
 
 def pipeline_buffer_memory(*, checkpoint: str, seq_len: int, micro_batch_size: int, runs: list,
                            steps: int = 3) -> list:
-    """For each (schedule, micro-batches) of `runs` on pp=2 LoRA with checkpointing: the plan's figure for this
+    """For each (schedule, micro-batches[, checkpointing]) of `runs` on pp=2 LoRA (checkpointing on unless given): the plan's figure for this
     rank's stage, the peak of the second step and what is alive after each step, counted from before the first
     step (torch's receive buffers are made in the first step and reused after: `_train`'s tracker, started with
     the second, never sees them), the receive buffers the schedule's stages hold, and whether their storages are
@@ -224,8 +224,8 @@ def pipeline_buffer_memory(*, checkpoint: str, seq_len: int, micro_batch_size: i
     from hfsplit.plan import rank_total
 
     out = []
-    for schedule, micro_batches in runs:
-        model, optimizer = _built(checkpoint, method="lora", tp=1, pp=2, seq_len=seq_len, ac=True,
+    for schedule, micro_batches, *ac in runs:  # (schedule, micro-batches[, activation checkpointing: default on])
+        model, optimizer = _built(checkpoint, method="lora", tp=1, pp=2, seq_len=seq_len, ac=ac[0] if ac else True,
                                   micro_batch_size=micro_batch_size, micro_batches=micro_batches, schedule=schedule)
         ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches, seq_len),
                             generator=torch.Generator().manual_seed(0))
