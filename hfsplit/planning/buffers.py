@@ -19,8 +19,8 @@ but torch keeps it (and the gradient passed back) in the same per-micro-batch sl
 it: measured under ZBVZeroBubble × 8, the rank holding the turn keeps 16 MiB more between steps than the other, so
 the same counts apply there. Under Interleaved1F1B and ZBVZeroBubble the runs still exceed the plan (measured/planned
 1.26-1.30 under Interleaved1F1B × 8 with checkpointing, 1.09-1.15 under ZBV × 8 without; 2.2-2.4 and 1.3-1.6 before
-these buffers were counted): torch's multi-stage schedules wait their sends only at the step's end, which likely keeps
-each sent tensor that long; not modelled yet.
+these buffers were counted). A likely cause, not modelled yet: torch's `_PipelineScheduleRuntime` waits its send
+works only at the step's end (`while send_ops: ...` in schedules.py), which keeps each sent tensor that long.
 """
 from __future__ import annotations
 
