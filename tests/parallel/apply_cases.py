@@ -248,10 +248,20 @@ def pipeline_buffer_memory(*, checkpoint: str, seq_len: int, micro_batch_size: i
     return out
 
 
-def _recv_buffers(model) -> dict:
-    """{"activation" / "gradient": {storage address: bytes}} of the receive buffers the training schedule's
-    PipelineStages hold."""
-    schedule = next(iter(model._schedules.values()))
+def receive_buffer_bytes(model) -> int:
+    """Bytes of the receive buffers every schedule the model has built holds (training's, DPO's reference pass's):
+    made in the first step that ran each, alive since, so a tracker started later never sees them."""
+    found = {}
+    for schedule in model._schedules.values():
+        for kind in _recv_buffers(model, schedule).values():
+            found.update(kind)
+    return sum(found.values())
+
+
+def _recv_buffers(model, schedule=None) -> dict:
+    """{"activation" / "gradient": {storage address: bytes}} of the receive buffers the PipelineStages of
+    `schedule` (default: the first built, the training schedule's) hold."""
+    schedule = schedule if schedule is not None else next(iter(model._schedules.values()))
     found = {"activation": {}, "gradient": {}}
     for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
         for kind, infos in (("activation", stage.args_recv_info), ("gradient", stage.grad_recv_info)):
