@@ -112,7 +112,8 @@ def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_b
 
 def _train(model, optimizer, ids, *, steps: int, positions=None):
     """`steps` (at least 3) optimizer steps; the peak over the second (AdamW state exists, as the plan
-    assumes): the bytes held when it starts (weights, AdamW state) plus the peak of the storages it creates.
+    assumes): the bytes held when it starts (weights, AdamW state, torch's receive buffers) plus the peak of the
+    storages it creates.
     And the bytes the third step leaves alive beyond what the second left (a leak grows it; 0 when each step
     frees what the one before kept), from one tracker over both; and the host bytes the activation offload held
     at its peak in the second step (0 without offload)."""
@@ -128,8 +129,8 @@ def _train(model, optimizer, ids, *, steps: int, positions=None):
             loss = model.step(ids, ids, loss_fn, position_ids=positions)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if step == 1:
-            peak = held + live.peak
+        if step == 1:  # + torch's receive buffers, made in the first step (before the tracker) and alive since
+            peak = held + live.peak + receive_buffer_bytes(model)
             offloaded = model.activation_offload_bytes()
         if step in (1, 2):
             left.append(live.live)
