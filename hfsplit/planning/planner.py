@@ -29,6 +29,7 @@ from hfsplit.models.families import check_causal_lm, check_supported, tp_degree_
 from hfsplit.models.layer_kinds import runs_of
 from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec, checkpointing_mode, is_8bit, rank_total
 from hfsplit.planning.costs.model import ModelCosts, PartCost, model_costs, weight_bytes
+from hfsplit.planning.buffers import pipeline_buffer_bytes
 from hfsplit.planning.kind_rates import kind_rates
 from hfsplit.planning.links import DEFAULT_LINK, Link
 from hfsplit.planning.reference import forward_fraction, per_step, reference_bytes
@@ -64,6 +65,7 @@ class Slot:
     cap: Optional[int] = None  # what the plan may fill of `budget` (None: all of it; less under make_plan's headroom)
     micro_batches: int = 1  # per step per replica (DPO's reference pass covers them all)
     relay: bool = False  # the rank runs several stages: a forward-only pass relays all rows at once (`reference`)
+    output_sent: bool = True  # the next stage is on another rank (a V's turn passes its output on the rank)
 
 
 def make_plan(
@@ -419,9 +421,19 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     ref_kept, ref_peak = reference_bytes(costs, has_embed=slot.has_embed, has_head=slot.has_head,
                                          micro_batches=slot.micro_batches, relay=slot.relay)
     workspace += max(0, ref_peak - acts)
-    acts = ref_kept + max(acts, ref_peak)
+    acts = ref_kept + _buffers(costs, slot) + max(acts, ref_peak)
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
                        reserve=costs.spec.reserve_bytes, workspace=int(workspace), offload=int(host))
+
+
+def _buffers(costs: ModelCosts, slot: Slot) -> int:
+    """The training schedule's receive buffers and kept outputs (`hfsplit.planning.buffers`): held through the
+    step, the reference pass's too."""
+    if slot.has_embed and slot.has_head:  # one stage, no pipeline
+        return 0
+    return pipeline_buffer_bytes(costs.boundary_bytes, has_embed=slot.has_embed, has_head=slot.has_head,
+                                 in_flight=slot.in_flight, micro_batches=slot.micro_batches,
+                                 training=costs.spec.method != "inference", output_sent=slot.output_sent)
 
 
 def _offload_workspace(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> ModelCosts:
@@ -615,7 +627,7 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
             sends=sum(0 <= j < count and ranks[j] != rank for j in (index - 1, index + 1)),
             actions=3 if TABLE[schedule].zero_bubble and p > 1 else 2, host_budget=host_budget,
             cap=int(min(budgets[x] for x in flat) * (1 - headroom)) if headroom else None,
-            micro_batches=m, relay=v > 1,
+            micro_batches=m, relay=v > 1, output_sent=index + 1 < count and ranks[index + 1] != rank,
         ))
     return slots
 
@@ -856,8 +868,9 @@ def _host_fix(config, budgets: dict[str, int], spec: TrainingSpec, options: dict
     if plan is None:
         return []
     fullest = max(sum(s.memory.offload for s in plan.stages_of_rank(r)) for r in range(plan.pp))
+    enough = math.ceil(fullest * plan.world_size / (1 << 30) * 100) / 100  # rounded up: the figure given must fit
     return [f"more host RAM for the activation offload (max_memory['cpu'] of "
-            f"{format_bytes(fullest * plan.world_size)} or more, e.g. --max-memory ...,cpu:SIZE)"]
+            f"{enough:.2f} GiB or more, e.g. --max-memory ...,cpu:SIZE)"]
 
 
 def could_fit(config, budgets: dict[str, int], spec: TrainingSpec) -> bool:

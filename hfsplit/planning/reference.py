@@ -8,10 +8,11 @@ traced activations, masks and logits are those of its rows, and the head is trac
 sends the step's rows through the same stages with no gradients and the adapters off, as the model's forward runs
 them (`hfsplit.parallel.split_model.SplitModel.forward`):
 
-- one stage a rank: a forward-only GPipe schedule over the step's micro-batches, whose stages keep each
-  micro-batch's output (torch's `fwd_cache`) until the next reference pass, so through the training pass too: a
-  hidden state, and on the last stage its rows' fp32 log-probs, to which it reduces each micro-batch's logits as
-  they leave it (`SplitModel.forward(reduce=sequence_logps)`), so its pass holds one micro-batch's logits, their
+- one stage a rank: a forward-only GPipe schedule over the step's micro-batches (its own PipelineStages beside the
+  training schedule's), whose stages keep each micro-batch's output (torch's `fwd_cache`) until the next reference
+  pass, so through the training pass too, and after the first stage one receive buffer a micro-batch for good
+  (`hfsplit.planning.buffers`): a hidden state each, and on the last stage its rows' fp32 log-probs, to which it
+  reduces each micro-batch's logits as they leave it (`SplitModel.forward(reduce=sequence_logps)`), so its pass holds one micro-batch's logits, their
   fp32 copy and fp32 log-softmax at a time, whatever the micro-batch count;
 - several stages a rank (interleaved, V): one relay forward of all the step's rows at once, nothing kept after it
   but the last stage's log-probs; its last stage holds the step's logits at once.
@@ -51,6 +52,8 @@ def reference_bytes(costs, *, has_embed: bool, has_head: bool, micro_batches: in
         kept = FP32 * rows * (1 if relay else 2)
     else:
         kept = 0 if relay else micro_batches * costs.boundary_bytes
+    if not has_embed and not relay:  # its own schedule's receive buffers, one a micro-batch (planning/buffers.py)
+        kept += micro_batches * costs.boundary_bytes
     return kept, _pass_transient(costs, has_head, micro_batches, relay)
 
 

@@ -112,7 +112,8 @@ def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_b
 
 def _train(model, optimizer, ids, *, steps: int, positions=None):
     """`steps` (at least 3) optimizer steps; the peak over the second (AdamW state exists, as the plan
-    assumes): the bytes held when it starts (weights, AdamW state) plus the peak of the storages it creates.
+    assumes): the bytes held when it starts (weights, AdamW state, torch's receive buffers) plus the peak of the
+    storages it creates.
     And the bytes the third step leaves alive beyond what the second left (a leak grows it; 0 when each step
     frees what the one before kept), from one tracker over both; and the host bytes the activation offload held
     at its peak in the second step (0 without offload)."""
@@ -128,8 +129,8 @@ def _train(model, optimizer, ids, *, steps: int, positions=None):
             loss = model.step(ids, ids, loss_fn, position_ids=positions)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if step == 1:
-            peak = held + live.peak
+        if step == 1:  # + torch's receive buffers, made in the first step (before the tracker) and alive since
+            peak = held + live.peak + receive_buffer_bytes(model)
             offloaded = model.activation_offload_bytes()
         if step in (1, 2):
             left.append(live.live)
@@ -211,3 +212,62 @@ class LiveStorages(TorchDispatchMode):
     def _free(self, key: int, nbytes: int) -> None:
         self._seen.discard(key)
         self.live -= nbytes
+
+
+def pipeline_buffer_memory(*, checkpoint: str, seq_len: int, micro_batch_size: int, runs: list,
+                           steps: int = 3) -> list:
+    """For each (schedule, micro-batches[, checkpointing]) of `runs` on pp=2 LoRA (checkpointing on unless given): the plan's figure for this
+    rank's stage, the peak of the second step and what is alive after each step, counted from before the first
+    step (torch's receive buffers are made in the first step and reused after: `_train`'s tracker, started with
+    the second, never sees them), the receive buffers the schedule's stages hold, and whether their storages are
+    the same after the second and third steps."""
+    from hfsplit.models.loss import causal_lm_loss
+    from hfsplit.plan import rank_total
+
+    out = []
+    for schedule, micro_batches, *ac in runs:  # (schedule, micro-batches[, activation checkpointing: default on])
+        model, optimizer = _built(checkpoint, method="lora", tp=1, pp=2, seq_len=seq_len, ac=ac[0] if ac else True,
+                                  micro_batch_size=micro_batch_size, micro_batches=micro_batches, schedule=schedule)
+        ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches, seq_len),
+                            generator=torch.Generator().manual_seed(0))
+        loss_fn = causal_lm_loss(model.config.vocab_size)
+        weights, live, peaks, alive, storages = _held_bytes(model, optimizer), LiveStorages(), [], [], []
+        with live:
+            for _ in range(steps):
+                live.peak = live.live
+                model.step(ids, ids, loss_fn)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                peaks.append(weights + live.peak)
+                alive.append(weights + live.live)
+                storages.append(_recv_buffers(model))
+        mine = [model.plan.stages[i].memory for i in model.stage_indices]
+        out.append({"schedule": model.plan.schedule, "micro_batches": micro_batches, "planned": rank_total(mine),
+                    "measured": peaks[1], "alive": alive, "activation_buffers": storages[-1]["activation"],
+                    "gradient_buffers": storages[-1]["gradient"], "reused": storages[1] == storages[2]})
+        del model, optimizer
+    return out
+
+
+def receive_buffer_bytes(model) -> int:
+    """Bytes of the receive buffers every schedule the model has built holds (training's, DPO's reference pass's):
+    made in the first step that ran each, alive since, so a tracker started later never sees them."""
+    found = {}
+    for schedule in model._schedules.values():
+        for kind in _recv_buffers(model, schedule).values():
+            found.update(kind)
+    return sum(found.values())
+
+
+def _recv_buffers(model, schedule=None) -> dict:
+    """{"activation" / "gradient": {storage address: bytes}} of the receive buffers the PipelineStages of
+    `schedule` (default: the first built, the training schedule's) hold."""
+    schedule = schedule if schedule is not None else next(iter(model._schedules.values()))
+    found = {"activation": {}, "gradient": {}}
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        for kind, infos in (("activation", stage.args_recv_info), ("gradient", stage.grad_recv_info)):
+            for info in (i for per_mb in infos.values() for i in per_mb):
+                if not info.is_root_arg and info.buffer is not None:
+                    storage = info.buffer.untyped_storage()
+                    found[kind][storage.data_ptr()] = storage.nbytes()
+    return found

@@ -15,7 +15,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "dpo.yaml"
 def dpo_step_against_plan(options: dict) -> dict:
     """On every rank: the recipe's DPO run as `hfsplit.finetune` builds and fits it, then one more step measured as
     the QLoRA tests measure theirs (bytes held: weights, quant state and AdamW state, + the peak of the storages the
-    step creates); the plan's figure for this rank's stages, the same split planned for SFT (what the reference and
+    step creates, + torch's receive buffers of both schedules, made in the first step); the plan's figure for this rank's stages, the same split planned for SFT (what the reference and
     the DPO head add), and the run's step and busy times."""
     from hfsplit.checkpoint.resolve import load_config
     from hfsplit.plan import rank_total
@@ -26,7 +26,7 @@ def dpo_step_against_plan(options: dict) -> dict:
     from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.run import build_run
     from hfsplit.training.trainer import fit, train_step
-    from tests.parallel.apply_cases import LiveStorages
+    from tests.parallel.apply_cases import LiveStorages, receive_buffer_bytes
     from tests.training.test_qlora import held_bytes_of
 
     run = build_run(tiny_demo_options(**options), progress=False)
@@ -42,16 +42,18 @@ def dpo_step_against_plan(options: dict) -> dict:
     result = fit(run)
     trainer.dpo_targets = original
     model, plan = run.model, run.model.plan
+    costs = model_costs(load_config(options["model"]), plan.spec)
     held = held_bytes_of(model) + sum(t.nbytes for state in run.optimizer.state.values() for t in state.values()
                                       if isinstance(t, torch.Tensor))
     with LiveStorages() as live:
         train_step(run, next(run.batches))
+    buffers = receive_buffer_bytes(model)  # the run's two schedules, before reference_peaks builds its own
     passes = reference_peaks(run, next(run.batches))
     mine = list(model.stage_indices)
     sft = make_plan(options["model"], options["max_memory"], spec=replace(plan.spec, objective="sft", reference=None),
                     micro_batches=plan.micro_batches, schedule=plan.schedule, pp=plan.pp, tp=plan.tp,
                     activation_checkpointing=plan.spec.activation_checkpointing, optim=plan.spec.optim, gpus=False)
-    return dict(measured=held + live.peak, planned=rank_total(plan.stages[i].memory for i in mine),
+    return dict(measured=held + live.peak + buffers, planned=rank_total(plan.stages[i].memory for i in mine),
                 planned_sft=rank_total(sft.stages[i].memory for i in mine), losses=result.losses,
                 same_split=[s.layers for s in sft.stages] == [s.layers for s in plan.stages],
                 objective=plan.spec.objective, reference=plan.spec.reference, reference_s=plan.reference_s,
@@ -59,10 +61,12 @@ def dpo_step_against_plan(options: dict) -> dict:
                 # the timed steps' (Metrics leaves the first, which builds the schedules, out of its busy total)
                 reference_busy=sum(reference_busy[1:]), busy=result.busy_s_per_rank[torch.distributed.get_rank()],
                 planned_share=forward_fraction(model_costs(load_config(options["model"]), plan.spec)),
-                planned_reference=sum(sum(reference_bytes(model_costs(load_config(options["model"]), plan.spec),
-                                                      has_embed=plan.stages[i].has_embed,
+                planned_reference=sum(sum(reference_bytes(costs, has_embed=plan.stages[i].has_embed,
                                                       has_head=plan.stages[i].has_head,
-                                                      micro_batches=plan.micro_batches, relay=False)) for i in mine),
+                                                      micro_batches=plan.micro_batches, relay=False))
+                                      # its schedule's receive buffers were made by the steps before: not the pass's
+                                      - (0 if plan.stages[i].has_embed else plan.micro_batches * costs.boundary_bytes)
+                                      for i in mine),
                 **passes)
 
 

@@ -32,24 +32,25 @@ def quantized_base(options: FinetuneOptions):
 def train_and_probe(runs: list[dict], probe: torch.Tensor) -> list[dict]:
     """On every rank, for each run in turn: QLoRA-train it as the recipe does (`build_run` then `fit`); the
     losses, the trained split model's logits on `probe`, and this rank's planned bytes against the peak of one
-    more step (held bytes, quant state included, + the peak of the storages the step creates)."""
+    more step (held bytes, quant state included, + torch's receive buffers + the peak of the storages the step creates)."""
     from hfsplit.plan import rank_total
     from hfsplit.training.run import build_run
     from hfsplit.training.trainer import fit, train_step
-    from tests.parallel.apply_cases import LiveStorages
+    from tests.parallel.apply_cases import LiveStorages, receive_buffer_bytes
 
     out = []
     for options in runs:
         run = build_run(tiny_demo_options(**options), progress=False)
         losses = fit(run).losses
         model = run.model
+        buffers = receive_buffer_bytes(model)  # torch's, made in the first step (before the probe's own schedule)
         logits = model.forward(probe, broadcast=True)
         held = held_bytes_of(model) + sum(t.nbytes for state in run.optimizer.state.values() for t in state.values()
                                           if isinstance(t, torch.Tensor))
         with LiveStorages() as live:
             train_step(run, next(run.batches))
         planned = rank_total(model.plan.stages[i].memory for i in model.stage_indices)
-        out.append(dict(losses=losses, logits=logits, measured=held + live.peak, planned=planned))
+        out.append(dict(losses=losses, logits=logits, measured=held + live.peak + buffers, planned=planned))
         del run, model
     return out
 
