@@ -178,8 +178,6 @@ def check_dpo_options(options) -> None:
     if options.packing == "on":
         raise HfsplitError("--objective dpo lays each pair out as two padded rows; packed pairs are not "
                            "implemented yet: drop --packing on")
-    if options.chunked_loss:
-        raise HfsplitError("--objective dpo needs the last stage's logits for its log-probs: drop --chunked-loss")
     if options.eval_every and options.method == "full":  # its reference is precomputed for the training rows only
         raise HfsplitError("--eval-every under --objective dpo --method full: the held-out pairs have no reference "
                            "log-probs (the precomputed pass covers the training rows); drop --eval-every, or train "

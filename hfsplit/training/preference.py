@@ -138,9 +138,15 @@ def dpo_loss(logits: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor
              loss_type: str = "sigmoid", pairs_in_batch: int | None = None) -> torch.Tensor:
     """This micro-batch's share of the global batch's mean DPO loss: its summed pair losses over
     `pairs_in_batch` (the global batch's pairs; None: this micro-batch's own, a plain mean)."""
+    return policy_loss(sequence_logps(logits, labels), labels, reference, beta=beta, loss_type=loss_type,
+                       pairs_in_batch=pairs_in_batch)
+
+
+def policy_loss(policy: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor, *, beta: float,
+                loss_type: str = "sigmoid", pairs_in_batch: int | None = None) -> torch.Tensor:
+    """`dpo_loss` from the policy's sequence log-probs of these rows (chosen at even rows, rejected at odd)."""
     if labels.shape[0] % 2:
         raise ValueError("a DPO micro-batch holds chosen/rejected pairs: an even number of rows")
-    policy = sequence_logps(logits, labels)
     if loss_type == "ipo":
         policy, reference = ipo_normalised(policy, labels), ipo_normalised(reference, labels)
     losses = pair_losses(policy, reference.to(policy.device), beta=beta, loss_type=loss_type)
@@ -175,12 +181,18 @@ class DpoLoss:
         self.precomputed: torch.Tensor | None = None
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (policy, reference) sequence log-probs
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    takes_logps = True  # a chunked last stage passes `logps` (`hfsplit.models.loss.ChunkedHeadLoss`)
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None, *,
+                 logps=sequence_logps) -> torch.Tensor:
+        """`logits`: the micro-batch's logits, or what `logps` maps to sequence log-probs (the normed hidden
+        states of a chunked last stage)."""
         labels, index = target[:, :-1], target[:, -1]
         reference = self.reference.to(logits.device)[index.to(logits.device)]
-        self.seen.append((sequence_logps(logits.detach(), labels), reference))
-        return dpo_loss(logits, labels, reference, beta=self.beta, loss_type=self.loss_type,
-                        pairs_in_batch=num_items_in_batch)
+        policy = logps(logits, labels)
+        self.seen.append((policy.detach(), reference))
+        return policy_loss(policy, labels, reference, beta=self.beta, loss_type=self.loss_type,
+                           pairs_in_batch=num_items_in_batch)
 
     def evaluate(self, policy: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         """The mean pair loss ("loss") and TRL's metrics of held-out pairs from their rows' sequence log-probs."""

@@ -33,6 +33,7 @@ def test_dpo_options_default_sft_and_refuse_adapters_off_without_adapters():
     with pytest.raises(HfsplitError, match="--eval-every under --objective dpo --method full"):
         FinetuneOptions(objective="dpo", method="full", eval_every=5, micro_batch_size=2).validate()
     FinetuneOptions(objective="dpo", method="lora", eval_every=5, micro_batch_size=2).validate()  # adapters-off evaluates
+    FinetuneOptions(objective="dpo", method="lora", micro_batch_size=2, chunked_loss=True).validate()  # chunked log-probs
 
 
 def test_pairs_sit_chosen_then_rejected_with_only_the_response_supervised():
