@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hfsplit.errors import PlanError
-from hfsplit.models.loss import ChunkedHeadLoss
+from hfsplit.models.loss import ChunkedHeadLoss, takes_logps
 from hfsplit.schedules import TABLE
 
 
@@ -121,13 +121,18 @@ class StageTimer:
 
 def chunked_or(loss_fn: Optional[Callable], stages, *, plan) -> Optional[Callable]:
     """The loss the schedule runs: `loss_fn` itself, or, under a `chunked_loss` plan, the chunked causal-LM loss
-    of this rank's last stage (one object per stage, so the schedule cache keeps one entry)."""
+    of this rank's last stage, or `loss_fn` fed chunked sequence log-probs where it `takes_logps` (DPO's); one
+    object per stage and loss, so the schedule cache keeps one entry."""
     last = [s for s in stages if s.has_head]
     if loss_fn is None or not plan.spec.chunked_loss or not last:
         return loss_fn
+    if takes_logps(loss_fn):  # DPO's: its sequence log-probs chunk by chunk, one wrapper per loss object
+        if getattr(getattr(last[0], "chunked_logps_loss", None), "loss_fn", None) is not loss_fn:
+            last[0].chunked_logps_loss = ChunkedHeadLoss(last[0], loss_fn)
+        return last[0].chunked_logps_loss
     if not getattr(loss_fn, "causal_lm", False):
-        raise PlanError("a chunked_loss plan computes the causal-LM loss itself, chunk by chunk; pass "
-                        "hfsplit.models.loss.causal_lm_loss or plan with chunked_loss=False")
+        raise PlanError("a chunked_loss plan computes the causal-LM loss (or DPO's log-probs) itself, chunk by "
+                        "chunk; pass hfsplit.models.loss.causal_lm_loss or plan with chunked_loss=False")
     if not hasattr(last[0], "chunked_loss"):
         last[0].chunked_loss = ChunkedHeadLoss(last[0])
     return last[0].chunked_loss

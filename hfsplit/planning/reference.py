@@ -2,7 +2,8 @@
 
 A DPO micro-batch is its pairs' chosen and rejected rows (`TrainingSpec.micro_batch_size` counts rows), so the
 traced activations, masks and logits are those of its rows, and the head is traced with the DPO loss
-(`hfsplit.models.loss.dpo_head_loss`: each row's fp32 log-softmax, for the metrics and for the loss).
+(`hfsplit.models.loss.dpo_head_loss`: each row's fp32 log-softmax, kept detached for the metrics; under
+`chunked_loss` chunk by chunk, `chunked_sequence_logps`).
 
 **adapters-off** (LoRA, QLoRA): before each step's training pass, the run (`hfsplit.training.trainer.dpo_targets`)
 sends the step's rows through the same stages with no gradients and the adapters off, as the model's forward runs

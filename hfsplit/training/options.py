@@ -180,8 +180,9 @@ def check_dpo_options(options) -> None:
         raise HfsplitError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch: "
                            f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size}), "
                            "or pass --packing on (a packed row holds whole pairs)")
-    if options.chunked_loss:
-        raise HfsplitError("--objective dpo needs the last stage's logits for its log-probs: drop --chunked-loss")
+    if options.chunked_loss and options.packing == "on":  # the chunked head sums log-probs by row, not by sequence
+        raise HfsplitError("--objective dpo --chunked-loss sums each row's log-probs, and a packed row holds several "
+                           "sequences: drop --chunked-loss or --packing on")
 
 
 def reference_of(options) -> str:

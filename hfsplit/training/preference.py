@@ -235,10 +235,18 @@ def dpo_loss(logits: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor
     `pairs_in_batch` (the global batch's pairs; None: this micro-batch's own, a plain mean). `keys`: each
     position's sequence (packed pairs; `reference` one log-prob per key present, ascending); None: a row each."""
     keys = row_keys(labels) if keys is None else keys.to(labels.device)
+    return policy_loss(segment_logps(logits, labels, keys), labels, reference, beta=beta, loss_type=loss_type,
+                       pairs_in_batch=pairs_in_batch, keys=keys)
+
+
+def policy_loss(policy: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor, *, beta: float,
+                loss_type: str = "sigmoid", pairs_in_batch: int | None = None,
+                keys: torch.Tensor | None = None) -> torch.Tensor:
+    """`dpo_loss` from the policy's sequence log-probs (one per key of `keys` present, ascending; None: a row each)."""
+    keys = row_keys(labels) if keys is None else keys.to(labels.device)
     present = present_keys(keys)
     if len(present) % 2 or (present[0::2] % 2).any() or not torch.equal(present[0::2] + 1, present[1::2]):
         raise ValueError("a DPO micro-batch holds whole chosen/rejected pairs (sequences 2i and 2i+1)")
-    policy = segment_logps(logits, labels, keys)
     if loss_type == "ipo":
         tokens = segment_tokens(labels, keys)
         policy, reference = ipo_normalised(policy, tokens), ipo_normalised(reference, tokens)
@@ -282,12 +290,18 @@ class DpoLoss:
         self.precomputed: torch.Tensor | None = None
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (policy, reference) sequence log-probs
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    takes_logps = True  # a chunked last stage passes `logps` (`hfsplit.models.loss.ChunkedHeadLoss`)
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, num_items_in_batch=None, *,
+                 logps=None) -> torch.Tensor:
+        """`logits`: the micro-batch's logits, or what `logps` maps to each row's log-probs (the normed hidden
+        states of a chunked last stage: one sequence a row, packing refused with it)."""
         labels, keys = (t.to(logits.device) for t in split_targets(target))
         reference = self.reference.to(logits.device)[present_keys(keys)]
-        self.seen.append((segment_logps(logits.detach(), labels, keys), reference))
-        return dpo_loss(logits, labels, reference, beta=self.beta, loss_type=self.loss_type,
-                        pairs_in_batch=num_items_in_batch, keys=keys)
+        policy = segment_logps(logits, labels, keys) if logps is None else logps(logits, labels)[keys[:, 0] >= 0]
+        self.seen.append((policy.detach(), reference))
+        return policy_loss(policy, labels, reference, beta=self.beta, loss_type=self.loss_type,
+                           pairs_in_batch=num_items_in_batch, keys=keys)
 
     def evaluate(self, policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor) -> dict[str, float]:
         """The mean pair loss ("loss") and TRL's metrics of held-out pairs from their sequences' log-probs and

@@ -1,9 +1,11 @@
 """DPO plans (issue 23): pairs as two rows of a micro-batch, the adapters-off reference's memory and time, a
-precomputed reference's one-off pass and cached log-probs; the Plan stays data. No ranks: bundled configs only."""
+precomputed reference's one-off pass and cached log-probs; the Plan stays data; the chunked DPO head against its
+planned figure. No ranks: bundled configs, and one tiny model in one process."""
 import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli.plan import main
@@ -130,3 +132,48 @@ def test_hfsplit_plan_objective_dpo_packing_on_plans_full_rows_as_sft_packing(ca
     packed_dpo, packed_sft = (model_costs(config, replace(s, packing=True)) for s in (DPO, SFT))
     assert packed_dpo.block == packed_sft.block and packed_dpo.stage_inputs == packed_sft.stage_inputs
     assert packed_dpo.block != model_costs(config, DPO).block  # packing is counted, not ignored
+
+
+def measured_head_peak(model, hidden: torch.Tensor, labels: torch.Tensor, *, chunked: bool) -> int:
+    """Peak bytes of the storages DPO's head creates on the last stage, forward and backward (the final norm, lm_head,
+    the loss), on the model's frozen norm and head: the full logits' log-probs or the chunked ones."""
+    from functools import partial
+
+    from hfsplit.models.loss import chunked_sequence_logps, dpo_head_loss
+    from tests.parallel.apply_cases import LiveStorages
+
+    norm, lm_head = model.model.norm, model.lm_head
+    x = hidden.clone().requires_grad_()
+    with LiveStorages() as live:  # the stage's output (logits, or the normed states) lives on to its backward, as
+        out = norm(x) if chunked else lm_head(norm(x))  # the pipeline's schedule keeps it
+        logps = partial(chunked_sequence_logps, head=lm_head, vocab_size=model.config.vocab_size)
+        loss = dpo_head_loss(out, labels, **({"logps": logps} if chunked else {}))
+        loss.backward()
+        del out
+    return live.peak
+
+
+def test_chunked_dpo_head_keeps_its_plan_and_saves_the_logits(tiny_checkpoint):
+    """The last stage's DPO head (final norm, lm_head, the pairs' loss) of a LoRA plan (frozen head) at a vocabulary
+    large enough that its logits dominate (16384 × 256 tokens × 2 rows), measured in one process with and without
+    `chunked_loss` against the planner's head figure (`model_costs(...).head`: activations + workspace) within
+    ±15%; the chunked head holds under a fifth of the full one, as planned."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_checkpoint("llama", num_layers=1, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=16384)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).requires_grad_(False)
+    spec = TrainingSpec(method="lora", seq_len=256, micro_batch_size=2, dtype="float32", lora_r=8, objective="dpo",
+                        reference="adapters-off")
+    hidden = torch.randn(2, 256, 64, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 16384, (2, 256), generator=torch.Generator().manual_seed(1))
+    labels[:, :40] = -100  # the prompts
+    figures = {}
+    for chunked in (False, True):
+        head = model_costs(load_config(folder), replace(spec, chunked_loss=chunked)).head
+        planned = head.activation_bytes + head.workspace_bytes
+        measured = measured_head_peak(model, hidden, labels, chunked=chunked)
+        figures[chunked] = (planned, measured)
+        print(f"DPO head, chunked {chunked}: planned {planned} measured {measured} ({measured / planned:.3f})")
+    for chunked, (planned, measured) in figures.items():
+        assert 0.85 <= measured / planned <= 1.15, (chunked, planned, measured)
+    assert figures[True][1] < figures[False][1] / 5 and figures[True][0] < figures[False][0] / 5

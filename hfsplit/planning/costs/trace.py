@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.models.families import FAMILIES, Family
 from hfsplit.models.layout import meta_model
-from hfsplit.models.loss import chunked_causal_lm_loss, dpo_head_loss
+from hfsplit.models.loss import chunked_causal_lm_loss, chunked_sequence_logps, dpo_head_loss
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.layout import (
     CONFIGS, LORA_ADAPTER_DTYPE, dtype_of, layout_of, lora_targets, numel, parts, rank_layer_config,
@@ -313,9 +313,12 @@ def trace_ends(key: str, spec: TrainingSpec) -> EndsTrace:
                 # the family's logit scaling / soft-capping makes logits-sized temporaries of its own
                 head = lambda h: FAMILIES.get(config.model_type, Family()).output_side(config, lm_head(h))  # noqa: E731
                 if train and spec.chunked_loss:  # the stage outputs the normed states; the loss runs lm_head per chunk
-
                     logits = norm(x)
-                    loss = chunked_causal_lm_loss(logits, ids, head=head, vocab_size=config.vocab_size)
+                    if spec.objective == "dpo":  # each row's response log-prob chunk by chunk, then the pairs' loss
+                        loss = dpo_head_loss(logits, ids, logps=functools.partial(chunked_sequence_logps, head=head,
+                                                                                  vocab_size=config.vocab_size))
+                    else:
+                        loss = chunked_causal_lm_loss(logits, ids, head=head, vocab_size=config.vocab_size)
                 else:
                     logits = head(norm(x))
                     if train and spec.objective == "dpo":  # each row's response log-prob, then the pairs' loss
