@@ -62,16 +62,53 @@ def records_of(out: Path) -> list[dict]:
                                                          else [])
 
 
-def wait_until(condition, *, procs, logs, timeout_s: float, what: str) -> float:
+def wait_until(condition, *, procs, timeout_s: float, what: str) -> float:
+    """Poll `condition` until it holds (the time then); an AssertionError naming `what` when one of `procs`
+    exits first or `timeout_s` passes (the caller's `Job.report` adds the logs)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        failed = [str(log) for p, log in zip(procs, logs) if p.poll() is not None]
-        if failed or time.monotonic() > deadline:
-            tails = "".join(f"\n--- {log}:\n{Path(f'{log}.err').read_text(errors='replace')[-3000:]}" for log in logs)
-            raise AssertionError(f"waiting for {what}: {'exited: ' + ', '.join(failed) if failed else 'timed out'}"
-                                 f"{tails}")
+        exited = [f"pid {p.pid} exited with {p.returncode}" for p in procs if p.poll() is not None]
+        if exited or time.monotonic() > deadline:
+            raise AssertionError(f"waiting for {what}: {', '.join(exited) if exited else f'timed out ({timeout_s} s)'}")
         time.sleep(0.05)
     return time.time()
+
+
+class Job:
+    """The elastic job's machines (torchrun launchers), their logs and what the test saw when: `report` is a
+    failure message that stands on its own (CI deletes tmp_path before anyone reads it)."""
+
+    def __init__(self, tmp_path: Path, flags: list[str]):
+        self.out, self.port, self.flags, self.tmp = tmp_path / "elastic", free_port(), flags, tmp_path
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self.events: list[tuple[float, str]] = []
+        self.started = time.time()
+
+    def start_machine(self) -> subprocess.Popen:
+        log = self.tmp / f"machine{len(self.procs)}"
+        self.logs.append(log)
+        self.procs.append(torchrun(self.port, self.out, log=log, extra=self.flags))
+        self.note(f"machine {len(self.procs) - 1} started (launcher pid {self.procs[-1].pid})")
+        return self.procs[-1]
+
+    def note(self, what: str) -> None:
+        self.events.append((time.time(), what))
+
+    def report(self) -> str:
+        """The test's timeline, every machine's exit code and log tails, and the run's metrics records."""
+        lines = [f"--- timeline (s since the first launch; load average {os.getloadavg()}):"]
+        lines += [f"{t - self.started:7.1f} {what}" for t, what in self.events]
+        for p, log in zip(self.procs, self.logs):
+            for kind, size in (("err", 6000), ("out", 2000)):
+                text = Path(f"{log}.{kind}").read_text(errors="replace") if Path(f"{log}.{kind}").is_file() else ""
+                lines.append(f"--- {log.name}.{kind} (launcher pid {p.pid}, exit {p.poll()}), last {size} chars:\n"
+                             f"{text[-size:]}")
+        metrics = self.out / "metrics.jsonl"
+        text = metrics.read_text(errors="replace") if metrics.is_file() else "(none)"
+        lines.append(f"--- metrics.jsonl, last 12000 chars (mtime {metrics.stat().st_mtime - self.started:.1f})"
+                     if metrics.is_file() else "--- metrics.jsonl:")
+        return "\n".join(lines + [text[-12000:]])
 
 
 @pytest.mark.slow
@@ -80,34 +117,58 @@ def test_a_machine_that_joins_then_dies_regrows_and_shrinks_the_run_and_the_loss
     """One machine trains alone; a second joins (the run stops at a step boundary with a checkpoint and
     regroups pp=1 -> pp=2); after the next checkpoint it is killed (the run restarts alone, pp=2 -> pp=1).
     dpo: full fine-tuning DPO, whose precomputed reference each regrouped world reads back."""
-    from transformers import AutoModelForCausalLM
-
     options, flags = OBJECTIVES[objective]
-    out, port = tmp_path / "elastic", free_port()
-    logs = [tmp_path / "machine0", tmp_path / "machine1"]
-    procs = [torchrun(port, out, log=logs[0], extra=flags)]
+    job = Job(tmp_path, flags)
     try:
-        wait_until(lambda: steps_done(out) >= 3, procs=procs, logs=logs[:1], timeout_s=240, what="machine 0 alone")
+        seen = drive_join_then_loss(job)
+        check_grown_then_shrunk(job, seen, options=options, objective=objective)
+    except (AssertionError, subprocess.TimeoutExpired, pytest.fail.Exception) as exc:  # pytest-timeout's too
+        raise AssertionError(f"{exc}\n{job.report()}") from None
+
+
+def drive_join_then_loss(job: Job) -> dict:
+    """Machine 0 alone; machine 1 joins (while machine 0's worker is paused); after a checkpoint under both,
+    machine 1 is killed; machine 0 finishes. What the test saw, and when."""
+    out = job.out
+    job.start_machine()
+    try:
+        wait_until(lambda: steps_done(out) >= 3, procs=job.procs, timeout_s=240, what="machine 0 alone")
         # A long step: machine 0's worker is paused while the second machine starts and joins, so the run
         # cannot end first; it goes on once its agent has asked it (SIGTERM) to stop for the regrouping.
-        (worker,) = psutil.Process(procs[0].pid).children()
+        (worker,) = psutil.Process(job.procs[0].pid).children()
         worker.suspend()
-        procs.append(torchrun(port, out, log=logs[1], extra=flags))  # the second machine (re)joins the running job
-        wait_until(lambda: sigterm_pending(worker.pid), procs=procs, logs=logs, timeout_s=120, what="the SIGTERM")
+        job.note(f"machine 0's worker (pid {worker.pid}) paused after step {steps_done(out)}")
+        job.start_machine()  # the second machine (re)joins the running job
+        wait_until(lambda: sigterm_pending(worker.pid), procs=job.procs, timeout_s=120, what="the SIGTERM")
         worker.resume()
-        wait_until(lambda: restarts(out), procs=procs, logs=logs, timeout_s=120, what="the regrouping")
+        job.note("SIGTERM pending: machine 0's worker resumed")
+        wait_until(lambda: restarts(out), procs=job.procs, timeout_s=120, what="the regrouping")
         grown = restarts(out)[0]["step"]
+        job.note(f"regrouped at step {grown}")
         wait_until(lambda: (latest_checkpoint(out) or Path("checkpoint-0")).name != f"checkpoint-{grown}",
-                   procs=procs, logs=logs, timeout_s=120, what="a checkpoint under two machines")
-        kill_tree([procs[1]])  # the second machine goes away, launcher and worker
+                   procs=job.procs, timeout_s=120, what="a checkpoint under two machines")
+        kill_tree(job.procs[1:])  # the second machine goes away, launcher and worker
         killed, done_before = time.time(), steps_done(out)
-        resumed = wait_until(lambda: len(restarts(out)) == 2, procs=procs[:1], logs=logs[:1], timeout_s=120,
+        job.note(f"machine 1 killed after step {done_before} ({latest_checkpoint(out).name})")
+        resumed = wait_until(lambda: len(restarts(out)) == 2, procs=job.procs[:1], timeout_s=120,
                              what="the restart on machine 0")
-        code = procs[0].wait(timeout=240)
+        job.note("restarted on machine 0")
+        code = job.procs[0].wait(timeout=240)
+        job.note(f"machine 0 exited with {code}")
     finally:
-        kill_tree(procs)
-    stdout = Path(f"{logs[0]}.out").read_text()
-    assert code == 0, Path(f"{logs[0]}.err").read_text()[-4000:]
+        kill_tree(job.procs)
+    return {"code": code, "killed": killed, "done_before": done_before, "resumed": resumed}
+
+
+def check_grown_then_shrunk(job: Job, seen: dict, *, options: dict, objective: str) -> None:
+    """The two restart records, the time model's verdict, the work lost, and the loss curve against an
+    uninterrupted run's."""
+    from transformers import AutoModelForCausalLM
+
+    out, procs, tmp_path = job.out, job.procs, job.tmp
+    code, killed, done_before, resumed = seen["code"], seen["killed"], seen["done_before"], seen["resumed"]
+    stdout = Path(f"{job.logs[0]}.out").read_text()
+    assert code == 0, "machine 0 failed"
     grow, shrink = restarts(out)
     print("\n" + "\n".join(line for line in stdout.splitlines() if line.startswith("elastic ")) +
           f"\nkilled after step {done_before}; restarted {resumed - killed:.1f} s after the kill; {shrink}")
