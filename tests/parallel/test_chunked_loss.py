@@ -4,18 +4,25 @@ import pytest
 import torch
 
 
+def one_layer_model(family: str):
+    """A one-layer fp32 model of `family` with a 300-token vocabulary (gemma2: its logit soft-capping on)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                  num_key_value_heads=1, num_hidden_layers=1, vocab_size=300, head_dim=16,
+                                  final_logit_softcapping=5.0 if family == "gemma2" else None)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: the logit soft-cap runs per chunk
 def test_chunked_loss_equals_transformers_loss_and_gradients(family, monkeypatch):
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfsplit.models.families import family_of
     from hfsplit.models import loss as chunked_loss
     from hfsplit.models.loss import causal_lm_loss
 
-    config = AutoConfig.for_model(family, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                  num_key_value_heads=1, num_hidden_layers=1, vocab_size=300, head_dim=16,
-                                  final_logit_softcapping=5.0 if family == "gemma2" else None)
-    model = AutoModelForCausalLM.from_config(config).float()
+    model = one_layer_model(family)
+    config = model.config
     hidden = torch.randn(2, 37, 32, generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, 300, (2, 37), generator=torch.Generator().manual_seed(1))
     labels[0, :5] = -100  # padding / prompt tokens do not count
@@ -45,17 +52,14 @@ def test_chunked_sequence_logps_equal_the_full_logits_and_their_gradients(family
     rows of 37), a row with a single label token; the gradients of a loss weighing each row differently (the
     pairs' DPO loss through `DpoLoss`, with its `logps`) into the hidden states and lm_head; the logits-in path
     (`head=None`) without gradients."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfsplit.models import loss as chunked_loss
     from hfsplit.models.families import family_of
     from hfsplit.models.loss import chunked_sequence_logps, sequence_logps
     from hfsplit.training.preference import DpoLoss, indexed_labels
 
-    config = AutoConfig.for_model(family, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                  num_key_value_heads=1, num_hidden_layers=1, vocab_size=300, head_dim=16,
-                                  final_logit_softcapping=5.0 if family == "gemma2" else None)
-    model = AutoModelForCausalLM.from_config(config).float()
+    model = one_layer_model(family)
+    config = model.config
     hidden = torch.randn(4, 37, 32, generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, 300, (4, 37), generator=torch.Generator().manual_seed(1))
     for row, (prompt, end) in enumerate([(5, 37), (8, 30), (15, 24), (35, 37)]):  # row 3: one label token
