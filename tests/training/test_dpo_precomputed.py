@@ -277,7 +277,7 @@ def test_an_elastic_restart_of_full_dpo_reads_the_reference_back_and_keeps_the_c
     whole, failed = tmp_path / "whole", tmp_path / "failed"
     done = accelerate_dpo(whole, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "reference log-probs of 32 rows computed" in done.stdout
+    assert "reference log-probs of 32 sequences computed" in done.stdout
     proc = accelerate_dpo(failed, env={**env, INJECT: "3"}, restarts=1)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ran out of memory in step 3" in proc.stderr
