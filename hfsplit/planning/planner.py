@@ -66,6 +66,8 @@ class Slot:
     micro_batches: int = 1  # per step per replica (DPO's reference pass covers them all)
     relay: bool = False  # the rank runs several stages: a forward-only pass relays all rows at once (`reference`)
     output_sent: bool = True  # the next stage is on another rank (a V's turn passes its output on the rank)
+    gradient_sent: bool = False  # the previous stage is on another rank: its input's gradient goes back by message
+    sends_held: bool = False  # torch's multi-stage runtime keeps every tensor it sends until the step's end
 
 
 def make_plan(
@@ -433,7 +435,8 @@ def _buffers(costs: ModelCosts, slot: Slot) -> int:
         return 0
     return pipeline_buffer_bytes(costs.boundary_bytes, has_embed=slot.has_embed, has_head=slot.has_head,
                                  in_flight=slot.in_flight, micro_batches=slot.micro_batches,
-                                 training=costs.spec.method != "inference", output_sent=slot.output_sent)
+                                 training=costs.spec.method != "inference", output_sent=slot.output_sent,
+                                 gradient_sent=slot.gradient_sent, sends_held=slot.sends_held)
 
 
 def _offload_workspace(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> ModelCosts:
@@ -628,6 +631,7 @@ def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: d
             actions=3 if TABLE[schedule].zero_bubble and p > 1 else 2, host_budget=host_budget,
             cap=int(min(budgets[x] for x in flat) * (1 - headroom)) if headroom else None,
             micro_batches=m, relay=v > 1, output_sent=index + 1 < count and ranks[index + 1] != rank,
+            gradient_sent=index > 0 and ranks[index - 1] != rank, sends_held=v > 1,
         ))
     return slots
 
