@@ -66,3 +66,10 @@ def test_hyphenated_code_words_are_kept_whole():
     out = hooks.on_page_content(html, None, None, None)
     assert '<code><span class="whole">--trust-remote-code</span> x</code>' in out
     assert '<span class="w"> </span><span class="whole">--max-memory</span> 2x' in out
+@pytest.mark.parametrize("page", BENCHMARKS, ids=lambda p: p.name)
+def test_a_benchmark_page_opens_with_its_result_and_command(page):
+    """Its opening (up to the first table or section) names a command and says no commit id or branch name."""
+    opening = re.split(r"^(?:## |\|)", page.read_text(), maxsplit=1, flags=re.M)[0]
+    assert re.search(r"`(?:python|pytest|hfsplit|accelerate|torchrun)[^`]*`|```bash", opening), opening
+    assert not re.search(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b", opening), opening
+    assert not re.search(r"\bbranch\b|\bmain\b", opening), opening
