@@ -46,3 +46,23 @@ def test_the_charts_are_pngs(tmp_path):
 def test_the_timeline_sets_the_plans_schedule_against_1f1b():
     assert compared_schedules(byte_plan(schedule="Interleaved1F1B")) == ["Interleaved1F1B", "1F1B"]
     assert compared_schedules(byte_plan(schedule="1F1B")) == ["1F1B"]
+
+
+def test_plan_png_of_gpt_oss_120b_draws_four_gpus_at_the_tables_per_device_figures(tmp_path, capsys):
+    """Issue 33: two stages a GPU under Interleaved1F1B were drawn as eight bars against the whole budget; now one
+    bar a GPU, topping out at the figure the plan table gives for the GPU."""
+    from hfsplit.budget import format_bytes
+    from hfsplit.cli.plan import main
+    from hfsplit.plan import Plan
+
+    png = tmp_path / "plan.png"
+    assert main(["plan", "openai/gpt-oss-120b", "--max-memory", "4xRTX4090", "--qlora", "--lora-r", "16",
+                 "--seq-len", "2048", "--micro-batch-size", "1", "--json", "--png", str(png)]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    bars = device_bars(plan)
+    assert plan.virtual_stages == 2 and [b.device for b in bars] == ["0", "1", "2", "3"]
+    per_device = plan.table().split("per device, its stages together: ")[1].splitlines()[0]
+    for bar in bars:
+        assert f"{bar.device} {format_bytes(bar.total)} of {format_bytes(bar.budget)}" in per_device
+    assert bars[0].offload == sum(s.memory.offload for s in plan.stages_of_rank(0)) > 0
+    assert matplotlib.image.imread(png).shape[1] > 500
