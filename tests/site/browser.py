@@ -30,8 +30,10 @@ def chromium() -> Optional[str]:
 def build_site(folder: Path) -> Path:
     """`mkdocs build --strict` of this repository into `folder` (its pictures drawn from real plans on the way)."""
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(folder)], cwd=ROOT,
-                   env=env, check=True, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(folder)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    if run.returncode:
+        raise RuntimeError(f"mkdocs build --strict failed ({run.returncode}):\n{run.stderr[-4000:]}")
     return folder
 
 
