@@ -3,9 +3,7 @@
 A page asks with a marker line: `<!-- hfsplit:options -->`, `<!-- hfsplit:dataclass hfsplit.plan.Plan -->` or
 `<!-- hfsplit:gpu_kinds -->` for a reference table (`reference_tables`), `<!-- hfsplit:memory NAME -->` or
 `<!-- hfsplit:timeline NAME -->` for a picture of a plan (`plan_pictures.PICTURES`), drawn into the built site.
-Every word of code that holds a hyphen (a flag, a file name) is kept whole, so neither a narrow table column nor a
-code block's wrapped line breaks `--trust-remote-code` at its hyphens; code otherwise wraps at its spaces
-(docs/stylesheets/extra.css).
+Every page's code is marked where it may break across lines (`code_words`: a flag never at its hyphens).
 This folder sits outside docs/, so none of it is published."""
 from __future__ import annotations
 
@@ -15,11 +13,9 @@ from mkdocs.structure.files import File
 
 import plan_pictures
 import reference_tables
+from code_words import mark_code_words
 
 MARKER = re.compile(r"^<!-- hfsplit:(\w+)\s*([\w.]*)\s*-->$", re.M)
-CODE = re.compile(r"(<code[^>]*>)(.*?)(</code>)", re.S)
-TAG_OR_TEXT = re.compile(r"(<[^>]*>)|([^<]+)")
-HYPHENATED = re.compile(r"[^\s<>]*-[^\s<>]*")
 TABLES = {"options": reference_tables.options_table, "dataclass": reference_tables.dataclass_table,
           "gpu_kinds": reference_tables.gpu_kinds_table}
 
@@ -42,14 +38,4 @@ def _expand(kind: str, argument: str, page_uri: str) -> str:
 
 
 def on_page_content(html: str, page, config, files) -> str:
-    return CODE.sub(_whole_words, html)
-
-
-def _whole_words(code: re.Match) -> str:
-    """A code element with each hyphenated word of its text (not of its tags) in a `whole` span (nowrap)."""
-    inner = TAG_OR_TEXT.sub(lambda m: m.group(1) or HYPHENATED.sub(_whole, m.group(2)), code.group(2))
-    return code.group(1) + inner + code.group(3)
-
-
-def _whole(word: re.Match) -> str:
-    return f'<span class="whole">{word.group(0)}</span>'
+    return mark_code_words(html)

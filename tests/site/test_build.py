@@ -64,10 +64,12 @@ def test_the_option_reference_reads_switches_as_the_cli_takes_them():
             assert f"| `{flag}` | {values} |" in table, flag
 
 
-def test_hyphenated_code_words_are_kept_whole():
-    html = '<p><code>--trust-remote-code x</code></p><pre><code><span class="w"> </span>--max-memory 2x</code></pre>'
+def test_code_breaks_only_at_spaces_and_after_a_paths_slashes():
+    html = ('<p><code>--trust-remote-code x</code> a/b</p><td><code>load/test_x.py</code></td>'
+            '<pre><code><span class="w"> </span>--max-memory 2x</code></pre>')
     out = hooks.on_page_content(html, None, None, None)
-    assert '<code><span class="whole">--trust-remote-code</span> x</code>' in out
+    assert '<code><span class="whole">--trust-remote-code</span> x</code> a/b</p>' in out  # prose left alone
+    assert '<code>load/<wbr>test_x.py</code>' in out
     assert '<span class="w"> </span><span class="whole">--max-memory</span> 2x' in out
 @pytest.mark.parametrize("page", BENCHMARKS, ids=lambda p: p.name)
 def test_a_benchmark_page_opens_with_its_result_and_command(page):
