@@ -1,0 +1,80 @@
+"""Generation on the split stages (issue 31): greedy output equals transformers' `generate` on the unsplit model for
+left-padded prompts of different lengths, in every micro-batch cut; sampling runs transformers' own logits
+processors."""
+import pytest
+import torch
+
+SPLITS = {
+    # name: (arch, tied, ranks, split, sampling checks too)
+    "llama-pp2-1f1b": ("llama", False, 2, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B"), True),
+    "qwen2-tied-pp2xtp2": ("qwen2", True, 4, dict(tp=2, pp=2, layers=[(0, 3), (3, 4)], schedule="1F1B"), True),
+    # two stages a rank (the V shape: rank 0 holds the first and the last), sliding-window attention
+    "mistral-pp2-zbv": ("mistral", False, 2,
+                        dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)], schedule="ZBVZeroBubble"), False),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_split_generation_matches_transformers(name, launch, tiny_checkpoint):
+    arch, tied, ranks, split, sampling = SPLITS[name]
+    results = launch("tests.parallel.generation_cases:generation_matches_transformers", world_size=ranks,
+                     kwargs=dict(checkpoint=str(tiny_checkpoint(arch, tied=tied)), sampling=sampling, **split),
+                     timeout_s=300)
+    for r in results:
+        for cut, got in r["got"].items():  # 1: the relay; 5: a row a micro-batch
+            assert got == r["expected"], (cut, got, r["expected"])
+            assert r["got_eos"][cut] == r["expected_eos"], (cut, r["got_eos"][cut], r["expected_eos"])
+        assert r["expected_eos"][0][-1] == 0 != r["expected"][0][-1]  # row 0 ended early: padded after its eos
+        if sampling:
+            assert r["same_seed_equal"] and r["other_seed_differs"]
+            assert r["top1_is_greedy"] and r["in_top3"]
+            assert r["pairs_shape"] == (10, 13) and r["pairs_prompts_equal"]
+
+
+@pytest.mark.parametrize("options", [
+    dict(do_sample=True, temperature=0.7, top_k=5, top_p=0.9),
+    dict(do_sample=True, temperature=1.3, top_k=0, top_p=0.5),
+    dict(do_sample=True),  # the config's defaults (transformers' top_k=50)
+    dict(do_sample=False, repetition_penalty=1.3),
+])
+def test_processed_distributions_equal_transformers(options, tiny_checkpoint):
+    """The scores the split model samples from are those transformers' `generate` samples from for the same logits:
+    its own model's `_get_logits_processor`, and the warpers built by hand in transformers' order."""
+    from transformers import (
+        AutoModelForCausalLM, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+        TopKLogitsWarper, TopPLogitsWarper,
+    )
+
+    from hfsplit.parallel.generation import generation_config_for, logits_processors, merged_generation_config
+
+    checkpoint = str(tiny_checkpoint("llama"))
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    config = merged_generation_config(generation_config_for(reference.config, checkpoint), **options)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 256, (4, 6), generator=gen)
+    logits = torch.randn(4, reference.config.vocab_size, generator=gen) * 3
+    ours = logits_processors(reference.config, config, prompt=prompt)(prompt, logits.clone())
+    theirs = reference._get_logits_processor(generation_config=config, input_ids_seq_length=6,
+                                             encoder_input_ids=prompt, device=prompt.device)(prompt, logits.clone())
+    by_hand = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(config.repetition_penalty)]
+                                  if config.repetition_penalty != 1.0 else [])
+    if config.do_sample:
+        by_hand += [w for w in (TemperatureLogitsWarper(config.temperature) if config.temperature != 1.0 else None,
+                                TopKLogitsWarper(config.top_k) if config.top_k else None,
+                                TopPLogitsWarper(config.top_p) if config.top_p < 1.0 else None) if w is not None]
+    expected = by_hand(prompt, logits.clone())
+    assert torch.equal(ours, theirs)
+    assert torch.allclose(torch.softmax(ours, -1), torch.softmax(expected, -1), atol=0, rtol=0)
+    if options.get("top_k"):
+        assert ((torch.softmax(ours, -1) > 0).sum(-1) <= options["top_k"]).all()
+
+
+def test_generation_config_refuses_an_unknown_argument(tiny_checkpoint):
+    from transformers import AutoConfig
+
+    from hfsplit.parallel.generation import generation_config_for, merged_generation_config
+
+    base = generation_config_for(AutoConfig.from_pretrained(str(tiny_checkpoint("llama"))))
+    with pytest.raises(TypeError, match="top_q"):
+        merged_generation_config(base, top_q=0.5)
