@@ -4,11 +4,11 @@ Each stage keeps its layers' KV cache per micro-batch (a transformers `DynamicCa
 chooses one micro-batch's next tokens the first already runs the next micro-batch: every stage works at once, where
 the relay that `device_map` does (one micro-batch through the stages in turn, `micro_batches=1` here) keeps one busy.
 
-Every rank runs the same loop over (step, micro-batch), in the same order. For each it takes the tokens the last
-stage chose at the previous step (every rank appends them to its copy of the micro-batch's rows, so each knows
-alike when a micro-batch has finished), receives the hidden states its first stage needs, runs its stages and sends
-on without waiting (`isend`). A receive only ever waits for something earlier in that order, so the loop cannot
-deadlock. Hidden states and tokens travel on two process groups over the same pipeline ranks: each pair of ranks
+Every rank runs the same loop over (step, stage, micro-batch), in that order, over its own stages. Before a step's
+first stage here it takes the tokens the last stage chose at the previous step (every rank appends them to its copy
+of the micro-batch's rows, so each knows alike when a micro-batch has finished); each stage receives the hidden
+states it needs, runs, and sends on without waiting (`isend`). A receive only ever waits for something earlier in
+that order, so the loop cannot deadlock. Hidden states and tokens travel on two process groups over the same pipeline ranks: each pair of ranks
 then sees either stream in the order it was sent (NCCL matches point-to-point messages in order, without tags).
 
 Tokens are chosen as transformers' `generate` chooses them: its own logits processors for the `GenerationConfig`
@@ -184,37 +184,45 @@ class PipelinedGeneration:
         self.me = ctx.coords.pp
         self.last = len(owner) - 1
         self.sends: deque = deque()
+        self.carry: dict[int, torch.Tensor] = {}  # a micro-batch's hidden states between two stages of this rank
+        self.outstanding = 0
 
     def run(self, rollouts: list[Rollout]) -> list[Rollout]:
-        """Generate every micro-batch to its end: step by step, micro-batch after micro-batch."""
+        """Generate every micro-batch to its end. Each step runs this rank's stages in order, each over every
+        micro-batch: a rank holding two stages (the V shape) runs one over all micro-batches while the other rank
+        runs its own, instead of waiting on each micro-batch's round trip."""
         # a (step, micro-batch) sends at most one hidden state per stage here and the tokens to every other rank
         self.outstanding = 2 * (len(rollouts) + 1) * (len(self.stages) + len(self.owner))
+        first = min(self.stages)
         for r in rollouts:
             r.done = self.choice.limit <= 0
         for step in range(self.choice.limit + 1):
-            for index, r in enumerate(rollouts):
-                if r.done:
-                    continue
-                if step > 0:
-                    r.take(self.chosen(r), eos=self.choice.eos, limit=self.choice.limit)
-                    if r.done:
-                        continue
-                self.pass_through(index, r)
+            for stage in sorted(self.stages):
+                for index, r in enumerate(rollouts):
+                    if stage == first and step > 0 and not r.done:
+                        r.take(self.chosen(r), eos=self.choice.eos, limit=self.choice.limit)
+                    if not r.done:
+                        self.run_stage(stage, index, r)
         while self.sends:
             self.sends.popleft()[0].wait()
         return rollouts
 
-    def pass_through(self, index: int, r: Rollout) -> None:
-        """One step of micro-batch `index` through this rank's stages."""
-        x, positions = r.inputs(), r.positions()
-        for stage in sorted(self.stages):
-            if stage > 0 and self.owner[stage - 1] != self.me:
-                x = self.receive_hidden(rows=len(r.sequences), new=r.new, pp=self.owner[stage - 1])
-            x = self.stages[stage](x, cache=r.caches[stage], position_ids=positions, attention_mask=r.mask)
-            if stage == self.last:
-                self.choose(index, r, x)
-            elif self.owner[stage + 1] != self.me:
-                self.send(x.contiguous(), pp=self.owner[stage + 1], group=self.ctx.pp_group)
+    def run_stage(self, stage: int, index: int, r: Rollout) -> None:
+        """One step of micro-batch `index` through stage `stage` of this rank."""
+        if stage == 0:
+            x = r.inputs()
+        elif self.owner[stage - 1] != self.me:
+            x = self.receive_hidden(rows=len(r.sequences), new=r.new, pp=self.owner[stage - 1])
+        else:
+            x = self.carry.pop(index)
+        x = self.stages[stage](x, cache=r.caches[stage], position_ids=r.positions(), attention_mask=r.mask,
+                               logits_to_keep=1)
+        if stage == self.last:
+            self.choose(index, r, x)
+        elif self.owner[stage + 1] != self.me:
+            self.send(x.contiguous(), pp=self.owner[stage + 1], group=self.ctx.pp_group)
+        else:
+            self.carry[index] = x
 
     def choose(self, index: int, r: Rollout, logits: torch.Tensor) -> None:
         """The last stage: the next tokens of micro-batch `index`, sent to every other pipeline rank."""

@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PreTrainedModel
 
 from hfsplit.apply.load import load_stages
 from hfsplit.apply.lora import LoraSetup
 from hfsplit.apply.steps import apply_plan
 from hfsplit.apply.tp import grad_summed_over_tp, local_tensor, shard_layout, tp_shard_dim
 from hfsplit.checkpoint.resolve import load_config
-from hfsplit.errors import PlanError
+from hfsplit.errors import PlanError, SplitAttributeError
 from hfsplit.models.loss import IGNORE_INDEX
 from hfsplit.models.families import tp_degree_error
 from hfsplit.parallel.generation import (
@@ -41,6 +43,7 @@ from hfsplit.parallel.pipeline import (
     ReducedOutput, StageTimer, build_schedule, chunked_or, head_in_loss, pipeline_stages, releasing_graph,
 )
 from hfsplit.parallel.router import carrying, with_router_loss
+from hfsplit.parallel.save import save_split_model
 from hfsplit.parallel.stage import StageModule
 from hfsplit.plan import Plan
 
@@ -68,6 +71,8 @@ class SplitModel(nn.Module):
         self._timer = StageTimer()
         self._tokens = None  # generation's second pipeline group (`_token_group`)
         self.generation_config = generation_config_for(config)  # build_split_model: the checkpoint's own
+        self.source: Optional[str] = None  # the checkpoint it was read from (build_split_model)
+        self.hf_device_map: dict[str, str] = {}  # every stage's modules → "rank:device" (build_split_model)
         # flash attention finds packed examples from the position ids of a one-row batch only (transformers'
         # `_is_packed_sequence`), so each micro-batch then runs as one row of its rows joined (exact: every row
         # starts a sequence at position 0, and the join never lets a row's last token learn the next row's first)
@@ -76,6 +81,11 @@ class SplitModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.ctx.device
+
+    @property
+    def hfsplit_plan(self) -> Plan:
+        """The Plan this split runs, as the single-process model's `hfsplit_plan`."""
+        return self.plan
 
     @property
     def num_stages(self) -> int:
@@ -190,6 +200,19 @@ class SplitModel(nn.Module):
                                   ctx=self.ctx, tokens=self._token_group(), hidden_size=self.config.hidden_size,
                                   dtype=self._dtype(), choice=choice)
         return joined_sequences(run.run(rollouts), pad=pad)
+
+    def save_pretrained(self, save_directory, *, tokenizer=None) -> Path:
+        """Write the whole model as a Hugging Face folder (sharded safetensors, index, config, generation config;
+        LoRA adapters, if any, folded in), as transformers' `save_pretrained` does on one process. Collective: every
+        rank calls it; each stage's rank writes its own shard (`hfsplit.parallel.save`)."""
+        return save_split_model(self, save_directory, method="full", tokenizer=tokenizer, base_model=self.source,
+                                merge_lora=True)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise missing_on_split(self, name) from None
 
     # --- training ----------------------------------------------------------------------------
 
@@ -456,5 +479,50 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     model = SplitModel(plan=replace(plan, applied=applied), config=config, ctx=ctx, stages=modules,
                        stage_indices=indices)
     model.generation_config = generation_config_for(config, name_or_path)
+    model.source = name_or_path
+    model.hf_device_map = split_device_map(plan, body=modules[0].body_name, ctx=ctx)  # collective
     return model
+
+
+def split_device_map(plan: Plan, *, body: str, ctx: ParallelContext) -> dict[str, str]:
+    """`hf_device_map` of the split: every stage's modules (checkpoint prefixes, as transformers names them) →
+    "rank:device" of the ranks holding them in this rank's replica (several, comma-joined, under TP). Collective:
+    the ranks' devices are gathered."""
+    devices = [None] * dist.get_world_size()
+    dist.all_gather_object(devices, str(ctx.device))
+    owner = stage_to_pp_rank(plan)
+    out = {}
+    for stage in plan.stages:
+        ranks = [(ctx.coords.dp * plan.pp + owner[stage.index]) * plan.tp + tp for tp in range(plan.tp)]
+        where = ",".join(f"{rank}:{devices[rank]}" for rank in ranks)
+        names = [f"{body}.embed_tokens"] * stage.has_embed + [f"{body}.layers.{i}" for i in range(*stage.layers)]
+        out.update({name: where for name in names + [f"{body}.norm", "lm_head"] * stage.has_head})
+    return out
+
+
+# transformers attributes of the whole model that a rank's part cannot stand for, and why
+WHOLE_MODEL = {
+    ("model", "lm_head", "base_model", "get_input_embeddings", "get_output_embeddings", "get_decoder",
+     "set_input_embeddings", "set_output_embeddings", "resize_token_embeddings", "tie_weights"):
+        "the model's modules are spread over the ranks (`hf_device_map`): this rank holds only its stages' "
+        "modules, as `.stages`",
+    ("gradient_checkpointing_enable", "gradient_checkpointing_disable", "is_gradient_checkpointing"):
+        "the plan decides activation checkpointing per stage: pass activation_checkpointing= to "
+        "hfsplit.from_pretrained (the recipe: --activation-checkpointing)",
+}
+
+
+def missing_on_split(model: SplitModel, name: str) -> AttributeError:
+    """The error for an attribute `model` lacks: a `SplitAttributeError` saying why where transformers' models
+    have it, else the plain AttributeError."""
+    why = next((reason for names, reason in WHOLE_MODEL.items() if name in names), None)
+    if why is None and not hasattr(PreTrainedModel, name):
+        return AttributeError(f"'{type(model).__name__}' object has no attribute '{name}'")
+    held = model.__dict__.get("stage_indices")
+    why = why or ("it acts on the whole model in one process, and under a launch each rank holds only its "
+                  "stages and runs them as a pipeline with the other ranks")
+    return SplitAttributeError(
+        f"{name}: not available on a model split over ranks (this rank holds stage(s) {held}): {why}. "
+        "The split model has config, generation_config, hf_device_map, hfsplit_plan, forward, generate and "
+        "save_pretrained")
 

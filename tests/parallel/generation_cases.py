@@ -89,3 +89,38 @@ def generation_matches_transformers(*, sampling: bool = True, **split) -> dict:
     if sampling:
         out.update(sampling_checks(model, reference))
     return out
+
+
+def distributed_surface(*, checkpoint: str, out: str) -> dict:
+    """`hfsplit.from_pretrained` under a launch with no budget: the transformers surface of its model (device map,
+    plan, configs, forward, generate, save_pretrained) and the errors of what cannot hold on a split."""
+    from transformers import AutoModelForCausalLM
+
+    import hfsplit
+    from hfsplit.budget import local_share, parse_max_memory
+    from hfsplit.errors import SplitAttributeError
+
+    model = hfsplit.from_pretrained(checkpoint, pp=2)  # max_memory=None: each rank's share of what is free
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=model.plan.spec.dtype).eval()
+    ids, mask = left_padded_prompts(model.config.vocab_size, pad=model.config.pad_token_id)
+    greedy = dict(max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        logits_diff = (model(ids[:, -1:].repeat(1, 4), broadcast=True) - reference(ids[:, -1:].repeat(1, 4)).logits)
+    model.save_pretrained(out)
+    saved = AutoModelForCausalLM.from_pretrained(out, dtype=model.plan.spec.dtype)
+    errors = {}
+    for name in ("get_input_embeddings", "gradient_checkpointing_enable", "no_such_attribute"):
+        try:
+            getattr(model, name)
+        except AttributeError as exc:
+            errors[name] = (isinstance(exc, SplitAttributeError), str(exc))
+    share = parse_max_memory(local_share(2, ranks_here=2))
+    return {"device_map": model.hf_device_map, "layers": [s.layers for s in model.hfsplit_plan.stages],
+            "plan_is_plan": model.hfsplit_plan is model.plan, "method": model.hfsplit_plan.spec.method,
+            "budgets": [s.budget for s in model.plan.stages], "share": min(share.values()),
+            "model_type": model.config.model_type, "eos": model.generation_config.eos_token_id,
+            "logits_diff": logits_diff.abs().max().item(),
+            "generate_equal": torch.equal(model.generate(ids, mask, **greedy),
+                                          reference.generate(ids, attention_mask=mask, **greedy)),
+            "saved_equal": torch.equal(saved(ids).logits, reference(ids).logits),
+            "has_lm_head": hasattr(model, "lm_head"), "errors": errors}

@@ -78,3 +78,25 @@ def test_generation_config_refuses_an_unknown_argument(tiny_checkpoint):
     base = generation_config_for(AutoConfig.from_pretrained(str(tiny_checkpoint("llama"))))
     with pytest.raises(TypeError, match="top_q"):
         merged_generation_config(base, top_q=0.5)
+
+
+@pytest.mark.slow
+def test_distributed_from_pretrained_has_the_transformers_surface(launch, tiny_checkpoint, tmp_path):
+    """Issue 33: under a launch, `hfsplit.from_pretrained` with no budget plans on each rank's share of what is
+    free, and its model has the single-process surface; whole-model attributes raise an hfsplit error saying why."""
+    checkpoint = str(tiny_checkpoint("llama"))
+    results = launch("tests.parallel.generation_cases:distributed_surface", world_size=2,
+                     kwargs=dict(checkpoint=checkpoint, out=str(tmp_path / "saved")), timeout_s=300)
+    layers = results[0]["layers"]
+    expected = {"model.embed_tokens": "0:cpu", "model.norm": "1:cpu", "lm_head": "1:cpu"}
+    expected.update({f"model.layers.{i}": f"{rank}:cpu" for rank, span in enumerate(layers) for i in range(*span)})
+    for r in results:
+        assert r["device_map"] == expected
+        assert r["plan_is_plan"] and r["method"] == "inference" and r["model_type"] == "llama" and r["eos"] == 2
+        assert 0.8 * r["share"] <= min(r["budgets"]) <= 1.25 * r["share"], (r["budgets"], r["share"])
+        assert r["logits_diff"] <= 1e-5 and r["generate_equal"] and r["saved_equal"]
+        assert not r["has_lm_head"]
+        assert r["errors"]["get_input_embeddings"][0] and "spread over the ranks" in r["errors"]["get_input_embeddings"][1]
+        assert r["errors"]["gradient_checkpointing_enable"][0]
+        assert "activation_checkpointing=" in r["errors"]["gradient_checkpointing_enable"][1]
+        assert r["errors"]["no_such_attribute"][0] is False
