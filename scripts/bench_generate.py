@@ -114,8 +114,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_tiny_checkpoint(Path(tmp) / "bench", "llama", **MODEL)
+        load = os.getloadavg()[0]
         result = run_ranks(str(folder), args)
     relay = result["rates"]["1"]
+    print(f"load average (1 min) before / after the run: {load:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"Llama {MODEL}, fp32, stages {result['layers']}; {args.sequences} sequences × {args.new_tokens} new "
           f"tokens, greedy; same tokens in every cut: {result['same_tokens']}")
     print(f"{'micro-batches':>13}  {'tokens/s':>9}  {'× relay':>8}")
