@@ -49,8 +49,26 @@ def timed(run) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+class Busy:
+    """Seconds this rank spends inside its stages' forwards (forward hooks): busy over wall is the share of the
+    run it computes, about half in the relay at pp=2 and near all when the stages work at once."""
+
+    def __init__(self, stages) -> None:
+        self.seconds, self.started = 0.0, 0.0
+        for stage in stages:
+            stage.register_forward_pre_hook(self.start)
+            stage.register_forward_hook(self.stop)
+
+    def start(self, *_) -> None:
+        self.started = time.perf_counter()
+
+    def stop(self, *_) -> None:
+        self.seconds += time.perf_counter() - self.started
+
+
 def worker(checkpoint: str, *, sequences: int, new_tokens: int, cuts: list[int], repeats: int) -> None:
-    """One rank: load the split, time the relay and each cut alternately, print the medians (rank 0)."""
+    """One rank: load the split, time the relay and each cut alternately, print the medians and each rank's busy
+    share (rank 0)."""
     import torch
     import torch.distributed as dist
 
@@ -61,17 +79,22 @@ def worker(checkpoint: str, *, sequences: int, new_tokens: int, cuts: list[int],
     ids, mask = prompts(sequences=sequences, vocab=model.config.vocab_size)
     greedy = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     times: dict[int, list[float]] = {cut: [] for cut in [1, *cuts]}
-    outputs = {}
+    busy = {cut: 0.0 for cut in times}
+    outputs, watch = {}, Busy(model.stages)
     for repeat in range(repeats + 1):  # the first round warms up
         for cut in times:
+            before = watch.seconds
             seconds, outputs[cut] = timed(lambda: model.generate(ids, mask, micro_batches=cut, **greedy))
             if repeat:
                 times[cut].append(seconds)
+                busy[cut] += watch.seconds - before
     same = all(torch.equal(outputs[cut], outputs[1]) for cut in cuts)
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, {cut: busy[cut] / sum(times[cut]) for cut in times})
     tokens = sequences * new_tokens
     if dist.get_rank() == 0:
         rates = {cut: tokens / statistics.median(t) for cut, t in times.items()}
-        print("RESULT " + json.dumps({"rates": rates, "same_tokens": same,
+        print("RESULT " + json.dumps({"rates": rates, "same_tokens": same, "busy": shares,
                                       "layers": [s.layers for s in model.plan.stages]}), flush=True)
     dist.destroy_process_group()
 
@@ -120,9 +143,10 @@ def main() -> None:
     print(f"load average (1 min) before / after the run: {load:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"Llama {MODEL}, fp32, stages {result['layers']}; {args.sequences} sequences × {args.new_tokens} new "
           f"tokens, greedy; same tokens in every cut: {result['same_tokens']}")
-    print(f"{'micro-batches':>13}  {'tokens/s':>9}  {'× relay':>8}")
+    print(f"{'micro-batches':>13}  {'tokens/s':>9}  {'× relay':>8}  {'busy rank 0 / 1':>16}")
     for cut, rate in result["rates"].items():
-        print(f"{cut:>13}  {rate:9.1f}  {rate / relay:8.2f}" + ("  (the relay)" if cut == "1" else ""))
+        busy = " / ".join(f"{100 * share[cut]:.0f}%" for share in result["busy"])
+        print(f"{cut:>13}  {rate:9.1f}  {rate / relay:8.2f}  {busy:>16}" + ("  (the relay)" if cut == "1" else ""))
 
 
 if __name__ == "__main__":
