@@ -168,8 +168,10 @@ class SplitModel(nn.Module):
                 as transformers' `generate` takes them (None: the `generation_config`'s).
             generator: the `torch.Generator` sampling draws from; seed: draw micro-batch i's tokens from a
                 generator seeded `seed + i`; neither: torch's global generator, as transformers.
-            micro_batches: how many micro-batches the batch is cut into (default: the plan's, at most one a row);
-                1 relays the whole batch through the stages in turn, as `device_map` does.
+            micro_batches: how many micro-batches the batch is cut into (at most one a row); default: one a
+                pipeline rank, the fewest that keep every stage working (each more re-reads a stage's weights every
+                step: docs/benchmarks/generate.md); 1 relays the whole batch through the stages in turn, as
+                `device_map` does.
             generation_kwargs: further `GenerationConfig` fields (repetition_penalty, min_new_tokens, ...).
 
         Returns:
@@ -184,7 +186,7 @@ class SplitModel(nn.Module):
         mask = attention_mask.to(self.device) if attention_mask is not None else torch.ones_like(input_ids)
         copies = config.num_return_sequences or 1
         input_ids, mask = input_ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
-        groups = min(len(input_ids), micro_batches or self.plan.micro_batches)
+        groups = min(len(input_ids), micro_batches or self.plan.pp)
         rollouts = rollouts_of(input_ids, mask, micro_batches=groups, config=self.config,
                                stage_indices=self.stage_indices)
         eos, pad = special_tokens(config)
