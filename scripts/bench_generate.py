@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(num_layers=8, hidden=768, heads=12, kv_heads=4, intermediate=2048, vocab=16000)
+SMALL = dict(num_layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256)  # --small: a smoke run
 
 
 def prompts(*, sequences: int, vocab: int, longest: int = 32):
@@ -127,6 +128,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4], help="the pipelined cuts to time")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="a tiny model: a smoke run in seconds, not a figure")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -136,12 +138,13 @@ def main() -> None:
     from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_tiny_checkpoint(Path(tmp) / "bench", "llama", **MODEL)
+        model = SMALL if args.small else MODEL
+        folder = write_tiny_checkpoint(Path(tmp) / "bench", "llama", **model)
         load = os.getloadavg()[0]
         result = run_ranks(str(folder), args)
     relay = result["rates"]["1"]
     print(f"load average (1 min) before / after the run: {load:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"Llama {MODEL}, fp32, stages {result['layers']}; {args.sequences} sequences × {args.new_tokens} new "
+    print(f"Llama {model}, fp32, stages {result['layers']}; {args.sequences} sequences × {args.new_tokens} new "
           f"tokens, greedy; same tokens in every cut: {result['same_tokens']}")
     print(f"{'micro-batches':>13}  {'tokens/s':>9}  {'× relay':>8}  {'busy rank 0 / 1':>16}")
     for cut, rate in result["rates"].items():

@@ -100,3 +100,20 @@ def test_distributed_from_pretrained_has_the_transformers_surface(launch, tiny_c
         assert r["errors"]["gradient_checkpointing_enable"][0]
         assert "activation_checkpointing=" in r["errors"]["gradient_checkpointing_enable"][1]
         assert r["errors"]["no_such_attribute"][0] is False
+
+
+@pytest.mark.slow
+def test_the_generation_benchmark_runs_and_both_paths_agree():
+    """scripts/bench_generate.py on a tiny model: the relay and the pipelined cuts generate the same tokens."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from tests.parallel.launcher import run_command
+
+    root = Path(__file__).resolve().parents[2]
+    out = run_command([sys.executable, "scripts/bench_generate.py", "--small", "--sequences", "4", "--new-tokens", "4",
+                       "--micro-batches", "2", "--repeats", "1"], cwd=root, env=dict(os.environ), timeout_s=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "same tokens in every cut: True" in out.stdout, out.stdout
+    assert "(the relay)" in out.stdout
