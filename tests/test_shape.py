@@ -5,7 +5,9 @@ functions included):
 - no cycle among hfsplit's modules;
 - no module imports another module's private (`_name`) names;
 - imports point down the layers: the contract (errors, plan, schedules, budget), then models, checkpoint, then
-  planning and apply (which never import each other), parallel, load, training and cli;
+  planning and apply (which never import each other), parallel, load, training (its data and its loop, which
+  calls the objective it is given), the objectives, the run built from an objective's name with its options, and
+  cli;
 - hfsplit's own imports sit at the top of files, but for the few `LAZY` ones, each kept for a reason its
   comment gives.
 """
@@ -28,7 +30,9 @@ LAYERS = {
     "hfsplit.parallel": 4,
     "hfsplit.load": 5,
     "hfsplit.training": 6,
-    "hfsplit.cli": 7, "hfsplit.finetune": 7,
+    "hfsplit.objectives": 7,  # between training's data and loop below and the run that names an objective above
+    "hfsplit.training.options": 8, "hfsplit.training.run": 8,
+    "hfsplit.cli": 9, "hfsplit.finetune": 9,
 }
 # Parts of one rank that must not import each other: deciding a split and applying one are independent.
 APART = {("hfsplit.planning", "hfsplit.apply"), ("hfsplit.apply", "hfsplit.planning")}

@@ -419,7 +419,7 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     acts = held_micro_batches(costs, slot) * (sum(c.activation_bytes * k for c, k in parts) + kept +
                                               costs.stage_inputs.activation_bytes) + workspace
     host = slot.in_flight * (sum(c.offload_bytes * k for c, k in parts) - kept)
-    # DPO's reference: what it keeps through the step, and its own pass's peak where the training pass's is lower
+    # the objective's reference: what it keeps through the step, and its own pass's peak where the training pass's is lower
     ref_kept, ref_peak = reference_bytes(costs, has_embed=slot.has_embed, has_head=slot.has_head,
                                          micro_batches=slot.micro_batches, relay=slot.relay)
     workspace += max(0, ref_peak - acts)
@@ -514,13 +514,13 @@ def _slot_time(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> floa
     flops = sum(c.flops * k for c, k in parts)
     compute = flops / (DEVICE_FLOPS * slot.speed) * _split_factor(costs, slot)
     seconds = compute + _comm_time(costs, slot, parts) + _offload_time(costs, slot, layers, parts, compute=compute)
-    if per_step(costs.spec) and not slot.relay:  # DPO: the reference's forward of the micro-batch, in the schedule
+    if per_step(costs.spec) and not slot.relay:  # the reference's forward of the micro-batch, in the schedule
         seconds += reference_forward_s(costs, slot, layers)
     return seconds
 
 
 def reference_forward_s(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float:
-    """Seconds of one no-grad forward of a micro-batch through `slot`'s stage (DPO's reference): the forward share
+    """Seconds of one no-grad forward of a micro-batch through `slot`'s stage (the reference's): the forward share
     of its training compute, and its sends one way."""
     parts = _parts(costs, slot, layers)
     compute = sum(c.flops * k for c, k in parts) / (DEVICE_FLOPS * slot.speed) * forward_fraction(costs)
@@ -606,9 +606,9 @@ def _plan(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequence[Slot],
 
 def _reference_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels: Sequence[int], *, m: int,
                  bubble: float) -> float:
-    """Seconds of DPO's reference pass over one step's rows (0 for SFT): a forward-only pipeline of the `m`
+    """Seconds of the reference pass over one step's rows (0 without one): a forward-only pipeline of the `m`
     micro-batches where each rank runs one stage, else a relay of all rows through the stages in turn."""
-    if variants[0].spec.objective != "dpo":
+    if not variants[0].spec.reference_pass:
         return 0.0
     ranks: dict[int, float] = {}
     for slot, level in zip(slots, levels):
@@ -843,9 +843,10 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     if seqs and fits(budgets, replace(spec, seq_len=seqs[-1])):
         seq = next(s for s in seqs if fits(budgets, replace(spec, seq_len=s)))
         fixes.append(f"a shorter sequence (--seq-len {seq})")
-    least = 2 if spec.objective == "dpo" and not spec.packing else 1  # a padded DPO pair is two rows
+    least = spec.rows_per_example  # a padded example of several rows (DPO's pair) stays in one micro-batch
     if spec.micro_batch_size > least and fits(budgets, replace(spec, micro_batch_size=least)):
-        fixes.append(f"micro-batch size {least} (--micro-batch-size {least}{', one pair' if least == 2 else ''})")
+        one = f", one {spec.counts.example}" if least > 1 else ""
+        fixes.append(f"micro-batch size {least} (--micro-batch-size {least}{one})")
     count = _fewest_devices(lambda b: fits(b, spec), budgets)
     if count is not None:
         fixes.append(f"{count} devices (add {count - len(budgets)} × {format_bytes(min(budgets.values()))})")

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
 
@@ -18,25 +18,25 @@ import torch
 import yaml
 
 from hfsplit.errors import HfsplitError
+from hfsplit.objectives import OBJECTIVES, objective_of, option_mixins
 from hfsplit.plan import TrainingSpec
 from hfsplit.training.data import DatasetError, bundled_dataset_path, detect_format, load_examples, packs_by_default
+from hfsplit.training.objective import reference_of
+from hfsplit.training.option_fields import GROUPS, option
 
-GROUPS = ("model", "data", "method", "parallelism", "optimisation", "checkpoints", "faults")
+__all__ = ["ACCELERATE_CPU_CONFIG", "GROUPS", "TINY_RECIPE", "FinetuneOptions", "option", "options_from",
+           "parse_options", "reference_of", "tiny_demo_options", "training_spec"]
 TINY_RECIPE = Path(__file__).parent / "bundled" / "tiny.yaml"
 # accelerate launch on CPU ranks needs its multi-process launcher (STACK.md): `hfsplit accelerate-config` prints it.
 ACCELERATE_CPU_CONFIG = Path(__file__).parent / "bundled" / "accelerate_cpu.yaml"
 
 
-def option(default, group: str, help: str, **metadata):
-    """A FinetuneOptions field: its default, the `--help` group it is listed under and its help text."""
-    assert group in GROUPS, group
-    return field(default=default, metadata={"group": group, "help": help, **metadata})
-
-
 @dataclass
-class FinetuneOptions:
+class FinetuneOptions(*option_mixins()):
     """Everything a fine-tuning run can be told. Each field is also a `--flag` and a key of a YAML recipe;
-    flags override the recipe. See each field's help (`recipes/finetune.py --help`)."""
+    flags override the recipe. See each field's help (`recipes/finetune.py --help`). The objectives' own options
+    are declared in their modules (`hfsplit.objectives`) and mixed in; where an option is left unset, the
+    objective's default applies (`Objective.defaults`)."""
 
     model: Optional[str] = option(
         None, "model", "hub name (org/name) or local folder; unset: the built-in tiny demo (a tiny Llama written "
@@ -60,22 +60,23 @@ class FinetuneOptions:
         "auto", "data", "auto: instruction and chat examples packed several to a row by best-fit decreasing, each "
         "isolated (position ids restart, attention stays inside it), text documents joined and cut into blocks; on: "
         "packed, text documents too (each its own example); off: one example a row, padded to --seq-len. "
-        "--objective dpo: auto is off (each pair two padded rows, TRL's layout); on packs several pairs a row, a "
-        "pair's chosen and rejected always in one row, each sequence isolated")
+        "Preference pairs (--objective dpo): auto is off (each pair two padded rows, TRL's layout); on packs several "
+        "pairs a row, a pair's chosen and rejected always in one row, each sequence isolated")
     seq_len: int = option(2048, "data", "tokens per sequence")
     eval_every: Optional[int] = option(None, "data", "evaluate on held-out rows (5%%) every N steps; unset: never")
     method: Literal["lora", "qlora", "full"] = option(
         "lora", "method", "lora (frozen base + adapters), qlora (LoRA on a bitsandbytes 4-bit or 8-bit base) or full")
-    objective: Literal["sft", "dpo"] = option(
-        "sft", "method", "sft (next-token loss on the responses) or dpo (direct preference optimisation on "
-        "prompt/chosen/rejected pairs, TRL's DPOTrainer loss)")
-    beta: float = option(0.1, "method", "DPO: the strength of the pull towards the reference model (TRL's beta)")
-    dpo_loss: Literal["sigmoid", "ipo"] = option(
-        "sigmoid", "method", "DPO: the loss on the log-ratio margin, by TRL's loss_type names")
+    objective: str = option(
+        "sft", "method", "sft (next-token loss on the responses), dpo (direct preference optimisation on "
+        "prompt/chosen/rejected pairs, TRL's DPOTrainer loss) or another registered objective "
+        "(hfsplit/objectives)", choices=tuple(OBJECTIVES))
+    beta: Optional[float] = option(
+        None, "objective", "the strength of the pull towards the reference model (TRL's beta); unset: the "
+        "objective's default (DPO: 0.1)")
     reference: Optional[Literal["adapters-off", "precomputed"]] = option(
-        None, "method", "DPO: where the reference log-probs come from: adapters-off (the same stages with the LoRA "
-        "adapters disabled, a no-grad pass per micro-batch) or precomputed (one no-grad pass before training, what "
-        "full fine-tuning uses); unset: adapters-off with LoRA/QLoRA, precomputed with full")
+        None, "objective", "where an objective's reference log-probs come from: adapters-off (the same stages with "
+        "the LoRA adapters disabled, a no-grad pass per micro-batch) or precomputed (one no-grad pass before "
+        "training, what full fine-tuning uses with DPO); unset: adapters-off with LoRA/QLoRA, precomputed with full")
     lora_r: int = option(16, "method", "LoRA rank")
     lora_alpha: int = option(32, "method", "LoRA alpha (the adapters' scale is alpha / r)")
     lora_dropout: float = option(0.05, "method", "dropout on the adapters' inputs")
@@ -96,9 +97,9 @@ class FinetuneOptions:
     schedule: Literal["auto", "1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV",
                       "InterleavedZeroBubble", "LoopedBFS"] = option(
         "auto", "parallelism", "pipeline schedule; auto: the fastest by the planner's calibrated time model")
-    micro_batch_size: int = option(
-        1, "parallelism", "rows per micro-batch (a packed row holds several examples; DPO's padded pairs take two "
-        "rows each, so it is even there)")
+    micro_batch_size: Optional[int] = option(
+        None, "parallelism", "rows per micro-batch (a packed row holds several examples; DPO's padded pairs take two "
+        "rows each, so it is even there); unset: the objective's default (1; DPO: 2, one pair)")
     micro_batches: Optional[int] = option(
         None, "parallelism", "micro-batches per optimizer step (gradient accumulation); unset: 4 x pipeline depth")
     global_batch: Optional[int] = option(
@@ -147,7 +148,7 @@ class FinetuneOptions:
                                    f"{' or ' + allowed if allowed else ''}; got {getattr(self, f.name)!r}")
         if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
-        check_dpo_options(self)
+        objective_of(self.objective).check_options(self)
         if self.peer_timeout <= 0:
             raise HfsplitError(f"--peer-timeout must be a positive number of seconds (got {self.peer_timeout})")
         for name in ("seq_len", "micro_batch_size", "lora_r"):
@@ -164,32 +165,12 @@ class FinetuneOptions:
                 raise HfsplitError(f"--{_flag(name)} must be at least 1, or left out (got {getattr(self, name)})")
 
     def __post_init__(self):
+        if self.objective in OBJECTIVES:  # the objective's defaults where an option is left unset (parsed once)
+            for name, value in OBJECTIVES[self.objective].defaults(self).items():
+                if getattr(self, name) is None:
+                    setattr(self, name, value)
         if self.output_dir is None:  # runs/<the model's folder or hub name>
             self.output_dir = f"runs/{Path(self.model).name}" if self.model else "runs/tiny"
-
-
-def check_dpo_options(options) -> None:
-    """One line when the DPO options contradict each other or the method."""
-    _check_number(options, "beta", low=0, above=True)
-    if options.objective != "dpo":
-        return
-    if options.reference == "adapters-off" and options.method not in ("lora", "qlora"):
-        raise HfsplitError("--reference adapters-off disables LoRA adapters, and --method full has none; "
-                           "use --reference precomputed (or leave it unset)")
-    if options.micro_batch_size % 2 and options.packing != "on":  # a packed row holds whole pairs
-        raise HfsplitError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch: "
-                           f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size}), "
-                           "or pass --packing on (a packed row holds whole pairs)")
-    if options.chunked_loss and options.packing == "on":  # the chunked head sums log-probs by row, not by sequence
-        raise HfsplitError("--objective dpo --chunked-loss sums each row's log-probs, and a packed row holds several "
-                           "sequences: drop --chunked-loss or --packing on")
-
-
-def reference_of(options) -> str:
-    """The DPO reference a run uses: the option, else adapters-off with adapters and precomputed without."""
-    if options.reference is not None:
-        return options.reference
-    return "adapters-off" if options.method in ("lora", "qlora") else "precomputed"
 
 
 def _flag(name: str) -> str:
@@ -208,7 +189,9 @@ def _types_of(f) -> tuple:
 
 
 def _choices_of(f) -> tuple:
-    """The values a field's Literal allows (empty when it has none)."""
+    """The values a field allows: its `choices`, else its Literal's (empty when it has neither)."""
+    if "choices" in f.metadata:
+        return tuple(f.metadata["choices"])
     hint = _field_types()[f.name]
     args = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
     return tuple(v for a in args if typing.get_origin(a) is Literal for v in typing.get_args(a))
@@ -239,16 +222,16 @@ def _check_number(options, name: str, *, low: float, high: float = math.inf, abo
 
 
 def dataset_of(options: FinetuneOptions) -> str:
-    """The run's dataset: --dataset, else the bundled tiny alpaca set (preference pairs with --objective dpo)."""
-    default = "tiny_preference.jsonl" if options.objective == "dpo" else "tiny_alpaca.jsonl"
-    return options.dataset or str(bundled_dataset_path(default))
+    """The run's dataset: --dataset, else the objective's bundled tiny set (alpaca; preference pairs for DPO)."""
+    return options.dataset or str(bundled_dataset_path(objective_of(options.objective).default_dataset))
 
 
 def packing_of(options: FinetuneOptions) -> bool:
     """Whether the run packs its rows: --packing on / off, or under auto whether its format packs by default
     (instruction and chat do; the format is --dataset-format, else read from the dataset's columns)."""
-    if options.objective == "dpo":  # auto: a pair is two padded rows, as TRL lays them out; on: packed pairs
-        return options.packing == "on"
+    packs = objective_of(options.objective).packs(options)  # the objective's rows may decide (DPO's pairs)
+    if packs is not None:
+        return packs
     if options.packing != "auto":
         return options.packing == "on"
     if options.dataset_format:
@@ -278,14 +261,14 @@ def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
                         chunked_loss=options.chunked_loss, packing=packing_of(options),
                         quantize_experts=options.quantize_experts, objective=options.objective,
-                        reference=reference_of(options) if options.objective == "dpo" else None)
+                        **objective_of(options.objective).spec_fields(options))
 
 
 def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[bool] = None,
                    reference_pairs: Optional[int] = None) -> dict:
     """Keyword arguments of `make_plan` (besides model and budget) for the run `options` describe on
     `world_size` ranks (on GPUs or CPU ranks: `training_spec`): the trainer and `hfsplit plan` both plan with
-    exactly these. `reference_pairs`: the pairs whose log-probs a precomputed DPO reference caches (the run knows
+    exactly these. `reference_pairs`: the examples whose log-probs a precomputed reference caches (the run knows
     them from its data; `TrainingSpec.reference_pairs`), else None."""
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world_size if options.model is None and options.tp is None else None)

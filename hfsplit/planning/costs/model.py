@@ -107,7 +107,7 @@ class ModelCosts:
     boundary_bytes: int = 0
     layer_blocks: tuple[PartCost, ...] = ()
     stage_inputs: PartCost = PartCost(0, 0, 0, 0, 0, 0.0)
-    logits_bytes: int = 0  # one micro-batch's logits on one TP rank, in the compute dtype (DPO's reference counts them)
+    logits_bytes: int = 0  # one micro-batch's logits on one TP rank, in the compute dtype (a reference pass counts them)
 
 
 _MASTER_WEIGHT_BYTES = 4  # fp32 master copy under mixed precision

@@ -314,14 +314,14 @@ def trace_ends(key: str, spec: TrainingSpec) -> EndsTrace:
                 head = lambda h: FAMILIES.get(config.model_type, Family()).output_side(config, lm_head(h))  # noqa: E731
                 if train and spec.chunked_loss:  # the stage outputs the normed states; the loss runs lm_head per chunk
                     logits = norm(x)
-                    if spec.objective == "dpo":  # each row's response log-prob chunk by chunk, then the pairs' loss
+                    if spec.counts.head == "sequences":  # each row's response log-prob chunk by chunk, then its loss
                         loss = dpo_head_loss(logits, ids, logps=functools.partial(chunked_sequence_logps, head=head,
                                                                                   vocab_size=config.vocab_size))
                     else:
                         loss = chunked_causal_lm_loss(logits, ids, head=head, vocab_size=config.vocab_size)
                 else:
                     logits = head(norm(x))
-                    if train and spec.objective == "dpo":  # each row's response log-prob, then the pairs' loss
+                    if train and spec.counts.head == "sequences":  # each row's response log-prob, then its loss
                         loss = dpo_head_loss(logits, ids)
                     elif train:
                         loss = model.loss_function(logits=logits, labels=ids, vocab_size=config.vocab_size)
