@@ -65,6 +65,8 @@ def decoder_layout(model: nn.Module) -> DecoderLayout:
     `num_hidden_layers` modules; the decoder's other children go before or after them in registration
     order, which is the order the model's forward runs them."""
     prefix = model.base_model_prefix
+    if not isinstance(getattr(model, prefix, None), nn.Module) and isinstance(getattr(model, "model", None), nn.Module):
+        prefix = "model"  # Llama 4's text model: prefix "language_model", decoder at "model"
     base = getattr(model, prefix, None)
     if not isinstance(base, nn.Module):
         raise UnsupportedModelError(f"{type(model).__name__} has no decoder named {prefix!r}; load it with transformers")
