@@ -28,8 +28,7 @@ from torch import nn
 from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.apply.tp import mark_tp_sharded, tp_shard_dim
 from hfsplit.errors import HfsplitError
-from hfsplit.models.expert_lora import split_lora_targets
-from hfsplit.models.layout import block_linear_names
+from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
 from hfsplit.plan import Plan, Step, lora_step
 
 _LAYER_NAME = re.compile(r"(model\.layers\.\d+\..*)$")
@@ -44,7 +43,7 @@ def lora_config(*, r: int, alpha: int, dropout: float, targets: Optional[Sequenc
     from peft import LoraConfig  # lazy: importing peft imports bitsandbytes and torch._inductor (~3 s)
 
     # names of fused MoE expert parameters (gate_up_proj, down_proj) go to peft as target parameters
-    modules, parameters = split_lora_targets(list(targets or block_linear_names(model_config)), model_config)
+    modules, parameters = split_lora_targets(list(targets or default_lora_targets(model_config)), model_config)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules,
                         target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM")
     register_quantized_experts_lora(config)

@@ -60,6 +60,7 @@ def shrunk_config(config):
     small.update(_mla(data, small))
     small.update(_vocab(data))
     small.update(_layers(data, layers))
+    small.update(_mamba(data, small))
     data.update(small)
     shrunk = config.__class__.from_dict(data)
     for key in ("_attn_implementation_internal", "_name_or_path"):
@@ -108,6 +109,17 @@ def _mla(data: dict, small: dict) -> dict:
     return out
 
 
+def _mamba(data: dict, small: dict) -> dict:
+    """Mamba2 mixers: heads × head width = expand × hidden (Granite 4, Bamba), or the SSM width given (Falcon-H1)."""
+    if not isinstance(data.get("mamba_d_head"), int) or not isinstance(data.get("mamba_n_heads"), int):
+        return {}
+    heads = small.get("mamba_n_heads", data["mamba_n_heads"])
+    if isinstance(data.get("mamba_d_ssm"), int):
+        return {"mamba_d_ssm": heads * small["mamba_d_head"]}
+    expand = data.get("mamba_expand") or 2
+    return {"mamba_d_head": expand * small.get("hidden_size", HIDDEN) // heads}
+
+
 def _vocab(data: dict) -> dict:
     out = {"vocab_size": VOCAB} if isinstance(data.get("vocab_size"), int) else {}
     for key, tiny in _SPECIAL_TOKENS.items():
@@ -147,6 +159,8 @@ def _layers(data: dict, layers: int) -> dict:
             out[key] = data[key][:layers]
             if key == "intermediate_size":
                 out[key] = [2 * HIDDEN] * layers
+    if isinstance(data.get("per_layer_config"), dict):  # Gemma 4: overrides keyed by layer index
+        out["per_layer_config"] = {k: v for k, v in data["per_layer_config"].items() if int(k) < layers}
     for key in _INDEX_LISTS:
         if isinstance(data.get(key), list) and all(isinstance(i, int) for i in data[key]):
             out[key] = [i for i in data[key] if i < layers]

@@ -146,7 +146,7 @@ class FollowedStage(nn.Module):
         self.router = None
         full = meta_model(config)
         layout = decoder_layout(full)
-        self._init_weights = full._init_weights
+        self._init_weights = getattr(full.get_submodule(layout.base), "_init_weights", full._init_weights)
         blocks = full.get_submodule(layout.layers)
         self._relay = _Relay()
         start, stop = stage.layers
@@ -166,6 +166,7 @@ class FollowedStage(nn.Module):
             setattr(self, name, child)
         object.__setattr__(self, "_model", full)  # not a submodule: its children are this module's already
         self.body_name = layout.base
+        self.base_model_prefix = layout.base  # read by transformers' conversion mapping (peft's MoE targets)
         self._layers_path = layout.layers
         self.shares_embedding = tied and stage.has_embed and stage.has_head
         if stage.has_head and tied and not self.shares_embedding:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 
 from hfsplit.checkpoint.quantized import quantized_experts_bytes, quantized_linear_bytes
 from hfsplit.errors import PlanError
-from hfsplit.models.expert_lora import expert_lora_numel, expert_parameters
+from hfsplit.models.expert_lora import default_lora_targets, expert_lora_numel, expert_parameters
 from hfsplit.models.families import tp_degree_error
 from hfsplit.models.layer_kinds import kind_config, layer_kinds
-from hfsplit.models.layout import block_linear_names, meta_model, one_layer_config, routed_expert_numel
+from hfsplit.models.layout import meta_model, one_layer_config, routed_expert_numel
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.cache import read_cache, write_cache
 from hfsplit.planning.costs.optimizer import moments_bytes, shared_bytes
@@ -139,7 +139,7 @@ def _with_layer_kinds(config, costs: ModelCosts, spec: TrainingSpec, tp: int) ->
     if kinds is None:
         return costs
     if spec.method in ("lora", "qlora") and spec.lora_targets is None:  # the default every kind shares
-        spec = replace(spec, lora_targets=tuple(block_linear_names(config)))
+        spec = replace(spec, lora_targets=tuple(default_lora_targets(config)))
         costs = replace(_model_costs(keyed(config), spec, tp), spec=costs.spec)
     blocks = {}
     for kind in set(kinds):
