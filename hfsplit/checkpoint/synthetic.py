@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from hfsplit.checkpoint.mxfp4 import BLOCKS, QUANT_METHOD, SCALES, pack_experts
+from hfsplit.models.shrink import shrunk_config
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
 # Families doing work outside their blocks (hfsplit.models.families.FAMILIES), with non-default factors so that a
@@ -79,8 +80,6 @@ def shrunk_causal_lm_config(model_type: str, *, tied: bool = False, **overrides)
     """transformers' default config of `model_type` (the flagship's switches and layer kinds) with tiny sizes
     (`hfsplit.models.shrink`), `overrides` applied after."""
     from transformers import AutoConfig
-
-    from hfsplit.models.shrink import shrunk_config
 
     config = shrunk_config(AutoConfig.for_model(model_type))
     for key, value in {"tie_word_embeddings": tied, **overrides}.items():

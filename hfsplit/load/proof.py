@@ -21,7 +21,7 @@ from torch import nn
 from hfsplit.apply.load import checkpoint_buffers, materialize_buffers, set_parameter
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.models.families import check_causal_lm
-from hfsplit.models.layout import decoder_layout
+from hfsplit.models.layout import decoder_layout, meta_model
 from hfsplit.models.shrink import shrunk_config
 from hfsplit.parallel.stage import build_stage_module
 from hfsplit.plan import Stage, StageMemory
@@ -117,8 +117,6 @@ def measured_verdict(config) -> Verdict:
 def tiny_model(tiny) -> nn.Module:
     """The shrunk model, fp32 on the CPU, every parameter perturbed (so a skipped zero bias or unit norm shows)."""
     from transformers import AutoModelForCausalLM
-
-    from hfsplit.models.layout import meta_model
 
     size = sum(p.numel() for p in meta_model(tiny).parameters())
     if size > MAX_PARAMETERS:  # a size field the shrinking does not know: never build a big model by surprise

@@ -14,7 +14,7 @@ from torch import nn
 
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.models.families import tp_style_of
-from hfsplit.models.layer_kinds import kind_config, layer_kinds
+from hfsplit.models.layer_kinds import DENSE, SPARSE, kind_config, layer_kinds
 
 
 def meta_model(config, *, dtype: Optional[torch.dtype] = None, attn_implementation: Optional[str] = None) -> nn.Module:
@@ -138,13 +138,18 @@ def _routed_expert_numel(key: str) -> int:
 def block_linear_names(config) -> list[str]:
     """The linear layers of one decoder block ("q_proj" … "down_proj", Phi-3's fused "qkv_proj" and
     "gate_up_proj"): LoRA's default targets, which the cost model counts when none are given. Where the layers are
-    of several kinds (Qwen3-MoE's dense `mlp_only_layers`), those every kind has (attention): a dense layer's
-    `gate_proj`/`up_proj`/`down_proj` would also make peft adapt the other layers' fused experts (its v4-to-v5 MoE
-    target conversion), and name no module of a stage holding expert layers only."""
+    of several kinds (`hfsplit.models.layer_kinds`): over attention kinds, those of any (Qwen3-Next's linear
+    attention's and its full attention's projections); over MLP kinds (Qwen3-MoE's dense `mlp_only_layers`), those
+    every kind has: a dense layer's `gate_proj`/`up_proj`/`down_proj` would also make peft adapt the other layers'
+    fused experts (its v4-to-v5 MoE target conversion), and name no module of a stage holding expert layers only."""
     kinds = layer_kinds(config)
-    configs = [kind_config(config, kind) for kind in sorted(set(kinds))] if kinds else [config]
-    names = [{lin.name.rsplit(".", 1)[-1] for lin in block_linears(c)} for c in configs]
-    return sorted(set.intersection(*names))
+    if not kinds:
+        return sorted({lin.name.rsplit(".", 1)[-1] for lin in block_linears(config)})
+    by_mlp: dict = {}
+    for kind in sorted(set(kinds)):
+        mlp = next((part for part in kind.split("/") if part in (DENSE, SPARSE)), None)
+        by_mlp.setdefault(mlp, set()).update(lin.name.rsplit(".", 1)[-1] for lin in block_linears(kind_config(config, kind)))
+    return sorted(set.intersection(*by_mlp.values()))
 
 
 def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] = None) -> None:

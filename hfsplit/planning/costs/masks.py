@@ -57,7 +57,10 @@ def mask_as_run(config, kwargs: dict, *, batch: int, seq: int, packed: bool = Fa
         return kwargs
 
     masks = stage_masks(config, batch=batch, seq=seq, packed=packed)
-    return {**kwargs, "attention_mask": None} if masks[layer_attention_type(config, 0)] is None else kwargs
+    kind = layer_attention_type(config, 0)
+    if kind not in masks:  # a type of its own (linear, chunked, indexed attention): traced with the model's own mask
+        return kwargs
+    return {**kwargs, "attention_mask": None} if masks[kind] is None else kwargs
 
 
 def traced_rows(config, *, batch: int, seq: int, packed: bool):
