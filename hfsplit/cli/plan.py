@@ -114,8 +114,10 @@ def run_plan(args) -> int:
 
     config = load_config(model) if isinstance(model, str) else model
     verdict = proven_split(config)  # refused by name, with the first block that differs, before anything is planned
+    if not verdict.packing and kwargs["spec"].packing:  # as the run turns it off
+        kwargs["spec"] = dataclasses.replace(kwargs["spec"], packing=False)
     plan = make_plan(config if not isinstance(model, str) else model, budget, **kwargs)
-    notes = notes + (() if verdict.packing else (f"packing off for {verdict.model_type}: {verdict.reason}",))
+    notes = notes + (() if verdict.packing else (f"packing off for {verdict.model_type}: {verdict.reason}"[:200],))
     plan = dataclasses.replace(plan, notes=notes + plan.notes)
     print(plan.to_json() if args.json else plan.table())
     if args.png:

@@ -248,7 +248,9 @@ def valid_tp_degrees(config, max_degree: int) -> list[int]:
 def mlp_widths(config) -> tuple[int, ...]:
     """The MLP widths TP splits: the dense MLP's, and each expert's where it differs (Qwen3-MoE)."""
     moe = getattr(config, "moe_intermediate_size", None)
-    return (config.intermediate_size,) + ((moe,) if moe and moe != config.intermediate_size else ())
+    dense = getattr(config, "intermediate_size", None)
+    dense = dense if isinstance(dense, int) else None  # Qwen3.5-MoE has none; Gemma 3n one per layer
+    return tuple(w for w in (dense, moe if moe != dense else None) if w)
 
 
 def tp_degree_error(config, tp: int) -> Optional[str]:

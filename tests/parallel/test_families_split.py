@@ -46,7 +46,8 @@ CASES = {
     "deepseek_v3-pp2-1f1b": ("deepseek_v3", {}, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
     "qwen3_next-pp2-gpipe": ("qwen3_next", {}, dict(tp=1, pp=2, layers=[(0, 3), (3, 4)], schedule="GPipe")),
     # (a finite time-step limit: transformers writes its default's infinity to config.json as it cannot read back)
-    "granitemoehybrid-pp2-1f1b": ("granitemoehybrid", dict(time_step_limit=[0.0, 1e4]), dict(tp=1, pp=2, layers=[(0, 2), (2, 4)],
+    "granitemoehybrid-pp2-1f1b": ("granitemoehybrid", dict(time_step_limit=[0.0, 1e4], layer_types=[
+        "linear_attention", "full_attention", "linear_attention", "full_attention"]), dict(tp=1, pp=2, layers=[(0, 2), (2, 4)],
                                                               schedule="1F1B")),
     "phi-pp2-gpipe": ("phi", {}, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
     # embedding scale on the first stage only (its module's buffer), head on the last
