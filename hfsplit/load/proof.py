@@ -68,7 +68,10 @@ def proven_split(config) -> Verdict:
     differs from transformers or the shrunk model cannot be built."""
     verdict = verdict_of(config)
     if not verdict.split:
-        raise UnsupportedModelError(f"{verdict.model_type}: {verdict.reason}")
+        name = getattr(config, "_name_or_path", "") or ""
+        raise UnsupportedModelError(
+            f"{name + ': ' if name else ''}model_type {verdict.model_type!r}: its split is refused: {verdict.reason}; "
+            "load it in a single process (hfsplit.from_pretrained without a distributed launch) or with transformers")
     return verdict
 
 

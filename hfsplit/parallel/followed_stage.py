@@ -200,12 +200,16 @@ class FollowedStage(nn.Module):
     # --- running -------------------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, router_sums: Optional[torch.Tensor] = None, cache=None,
-                position_ids: Optional[torch.Tensor] = None, router_mask: Optional[torch.Tensor] = None):
+                position_ids: Optional[torch.Tensor] = None, router_mask: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, logits_to_keep: int = 0):
         """As `StageModule.forward`: `position_ids` `(batch, seq)` each token's position in its example (packed rows
-        restart at 0), None for one sequence per row; `cache`, a transformers Cache for generation."""
+        restart at 0), None for one sequence per row; `cache`, a transformers Cache for generation (this stage's
+        layers' part), `attention_mask` its 2-D padding mask, `logits_to_keep` the last positions the head runs on."""
         kwargs = dict(position_ids=position_ids, use_cache=cache is not None)
         if cache is not None:
-            kwargs["cache"] = cache
+            kwargs["cache"] = stage_cache(cache, range(*self.layer_range))
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         if self.has_embed:
             kwargs["input_ids"] = x
         else:
@@ -216,7 +220,7 @@ class FollowedStage(nn.Module):
             if self.has_head and self.head_in_loss:
                 return _last_hidden(getattr(self._model, self.body_name)(**kwargs))
             if self.has_head:
-                return self._model(**kwargs).logits
+                return self._model(**kwargs, logits_to_keep=logits_to_keep).logits
             out = getattr(self._model, self.body_name)(**kwargs)
         except _StageEnd as end:
             return end.output
@@ -234,6 +238,44 @@ class FollowedStage(nn.Module):
             return self._model(inputs_embeds=hidden, use_cache=False).logits
         finally:
             setattr(self._model, self.body_name, decoder)
+
+
+class _StageCacheView:
+    """A cache as one stage sees it: the model's forward asks the cache for the sizes of layer 0 (or of its first
+    sliding layer), which another stage holds; it is answered from this stage's first layer of the same kind."""
+
+    _stage_layers: range
+
+    def _held(self, layer_idx: int) -> int:
+        if layer_idx in self._stage_layers or layer_idx >= len(self.layers):
+            return layer_idx
+        kind = _cache_kind(self, layer_idx)
+        return next((i for i in self._stage_layers if i < len(self.layers) and _cache_kind(self, i) == kind), layer_idx)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(self._held(layer_idx))
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return super().get_mask_sizes(query_length, self._held(layer_idx))
+
+
+def _cache_kind(cache, index: int) -> tuple:
+    return type(cache.layers[index]), cache.is_sliding[index]
+
+
+_VIEWS: dict[type, type] = {}
+
+
+def stage_cache(cache, layers: range):
+    """`cache` seen by the stage holding `layers` (the same storage: a view of its own class)."""
+    if not hasattr(cache, "layers") or 0 in layers:
+        return cache
+    cls = type(cache) if isinstance(cache, _StageCacheView) else \
+        _VIEWS.setdefault(type(cache), type(f"Stage{type(cache).__name__}", (_StageCacheView, type(cache)), {}))
+    view = object.__new__(cls)
+    view.__dict__ = cache.__dict__  # shared: what the stage's layers write is the cache's
+    view._stage_layers = layers
+    return view
 
 
 class _Returns(nn.Module):

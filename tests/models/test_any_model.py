@@ -65,7 +65,8 @@ def test_a_split_that_differs_is_refused_naming_the_block_and_the_cause():
     """Zaya hands its next block the previous router's hidden states beside the hidden state: the stage boundary
     drops it, and the proof names the first block whose output differs."""
     config = AutoConfig.for_model("zaya")
-    with pytest.raises(UnsupportedModelError, match=r"zaya: the split differs from transformers: block \d+'s output "
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'zaya': its split is refused: the split differs from "
+                                                    r"transformers: block \d+'s output "
                                                     r"first .* likely cause: state one block hands a later block"):
         proven_split(config)
 
