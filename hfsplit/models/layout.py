@@ -111,7 +111,12 @@ def _block_linears(key: str) -> tuple[BlockLinear, ...]:
     model = meta_model(one_layer_config(config))
     block = model.get_submodule(decoder_layout(model).layers)[0]
     return tuple(BlockLinear(name, m.in_features, m.out_features, tp_style_of(config, f"layers.0.{name}"))
-                 for name, m in block.named_modules() if isinstance(m, nn.Linear))
+                 for name, m in block.named_modules() if _plain_linear(m))
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear computing a linear map (not a router subclass returning its scores and logits, Llama 4's)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 def routed_expert_numel(config) -> int:

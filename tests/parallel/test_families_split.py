@@ -142,10 +142,13 @@ def test_families_split_equal_transformers_and_train_as_one_process(shape, launc
 
 def check_case(case: dict, results: list, reference, *, training: dict) -> None:
     """One family's split: equal to transformers, and trained as one process would train it."""
+    from hfsplit.checkpoint import load_config
+    from hfsplit.load.proof import verdict_of
     from hfsplit.models.families import FAMILIES
 
     assert_split_matches(results, checkpoint=case["checkpoint"], tp=case["tp"], tied=case["tied"],
-                         declared=case["name"].split("-")[0] in FAMILIES)
+                         declared=case["name"].split("-")[0] in FAMILIES,
+                         packs=verdict_of(load_config(case["checkpoint"])).packing)
     for method, options in training.items():
         runs = [r["training"][method] for r in results]
         losses, logits = reference(case["checkpoint"], method, options)
