@@ -42,6 +42,8 @@ LAZY = {
         "the training loop loads the planner only to explain an out-of-memory step with a re-plan",
     ("cli/plan.py", "hfsplit.planning.planner"): "`hfsplit plan --help` loads no transformers nor cost model",
     ("cli/plan.py", "hfsplit.checkpoint.synthetic"): "the same (the checkpoint package imports torch)",
+    ("cli/plan.py", "hfsplit.checkpoint"): "the same: a config is read only when a command runs",
+    ("cli/plan.py", "hfsplit.load.proof"): "the proof builds models: `hfsplit --help` loads none of it",
     ("finetune.py", "hfsplit.training.run"): "the recipe parses its flags before the training stack loads",
 }
 

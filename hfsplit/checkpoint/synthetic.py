@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from hfsplit.checkpoint.mxfp4 import BLOCKS, QUANT_METHOD, SCALES, pack_experts
+from hfsplit.models.shrink import shrunk_config
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
 # Families doing work outside their blocks (hfsplit.models.families.FAMILIES), with non-default factors so that a
@@ -54,8 +55,8 @@ def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4,
     """A transformers config of `arch` with tiny dimensions (fp32)."""
     from transformers import AutoConfig
 
-    if arch not in ARCHITECTURES and arch not in FAMILY_OVERRIDES:
-        raise ValueError(f"arch {arch!r}: choose one of {ARCHITECTURES + tuple(FAMILY_OVERRIDES)}")
+    if arch not in ARCHITECTURES and arch not in FAMILY_OVERRIDES:  # any other causal LM: its defaults shrunk
+        return shrunk_causal_lm_config(arch, tied=tied, **overrides)
     kwargs = dict(
         hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
@@ -72,6 +73,21 @@ def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4,
         kwargs["layer_types"] = [kwargs["layer_types"][i % 2] for i in range(num_layers)]
     config = AutoConfig.for_model(arch, **kwargs)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    return config
+
+
+def shrunk_causal_lm_config(model_type: str, *, tied: bool = False, **overrides):
+    """transformers' default config of `model_type` (the flagship's switches and layer kinds) with tiny sizes
+    (`hfsplit.models.shrink`), `overrides` applied after."""
+    from transformers import AutoConfig
+
+    config = shrunk_config(AutoConfig.for_model(model_type))
+    for key, value in {"tie_word_embeddings": tied, **overrides}.items():
+        setattr(config, key, value)
+    if not getattr(config, "architectures", None):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     return config
 
 

@@ -109,12 +109,35 @@ def run_plan(args) -> int:
         if len(values) != len(devices):
             raise HfsplitError(f"--device-speeds has {len(values)} values for {len(devices)} devices; give one each")
         kwargs["device_speeds"] = dict(zip(devices, values))
-    plan = make_plan(model, budget, **kwargs)
+    from hfsplit.checkpoint import load_config  # lazy: torch, as make_plan above
+    from hfsplit.load.proof import proven_split  # lazy: the proof builds models (transformers)
+
+    config = load_config(model) if isinstance(model, str) else model
+    verdict = proven_split(config)  # refused by name, with the first block that differs, before anything is planned
+    if not verdict.packing and kwargs["spec"].packing:  # as the run turns it off
+        kwargs["spec"] = dataclasses.replace(kwargs["spec"], packing=False)
+    plan = make_plan(config if not isinstance(model, str) else model, budget, **kwargs)
+    notes = notes + (() if verdict.packing else (f"packing off for {verdict.model_type}: {verdict.reason}"[:200],))
     plan = dataclasses.replace(plan, notes=notes + plan.notes)
     print(plan.to_json() if args.json else plan.table())
     if args.png:
         print(f"memory chart: {plan_memory_chart(plan, args.png)}", file=sys.stderr)
     return 0
+
+
+def run_check(args) -> int:
+    """`hfsplit check MODEL`: the proof's verdict for MODEL's config, one line; 0 when it splits, 2 when refused."""
+    from hfsplit.checkpoint import load_config  # lazy: torch; `hfsplit --help` stays quick
+    from hfsplit.load.proof import all_verdicts, families_markdown, verdict_of  # lazy: transformers and torch
+
+    if args.all:
+        print(families_markdown(all_verdicts(progress=True)))
+        return 0
+    if not args.model:
+        raise HfsplitError("check: name a model (hub name, folder or config.json), or pass --all")
+    verdict = verdict_of(load_config(args.model))
+    print(verdict.line())
+    return 0 if verdict.split else 2
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -124,13 +147,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub.add_parser("accelerate-config", help="print the path of the bundled accelerate config for CPU ranks",
                    description="accelerate launch --config_file \"$(hfsplit accelerate-config)\" -m hfsplit.finetune "
                                "runs the built-in demo on two CPU ranks from an installed package")
+    check = sub.add_parser("check", help="prove the split of a model equals transformers (its config shrunk, CPU)",
+                           description="Build MODEL's config shrunk (same class, flags and layer kinds, tiny sizes), "
+                                       "run it whole and split at pp=2 on the CPU, and compare logits and gradients "
+                                       "(fp32, 1e-5) and a packed row. Prints the verdict; exit 2 when refused. "
+                                       "Cached by the config's hash.")
+    check.add_argument("model", nargs="?", help="hub name, local folder or config.json (bundled configs answer offline)")
+    check.add_argument("--all", action="store_true", help="every causal-LM type transformers registers, on its "
+                                                         "default config: the table of docs/guides/families.md")
     args = parser.parse_args(argv)
     if args.command == "accelerate-config":
         print(ACCELERATE_CPU_CONFIG)
         return 0
     third_party_logs.install()
     try:
-        return run_plan(args)
+        return run_check(args) if args.command == "check" else run_plan(args)
     except HfsplitError as exc:
         print(f"hfsplit {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code

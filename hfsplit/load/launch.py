@@ -19,6 +19,7 @@ from hfsplit.errors import PlanError
 from hfsplit.parallel.mesh import init_distributed, init_parallel
 from hfsplit.parallel.split_model import SplitModel, build_split_model
 from hfsplit.checkpoint.resolve import load_config
+from hfsplit.load.proof import proven_split
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.planner import make_plan
 
@@ -47,6 +48,7 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         **plan_options: passed to `hfsplit.planning.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
     world = init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
+    proven_split(load_config(name_or_path))  # the split equals transformers on this config, or refused by name
     if plan is None:
         wanted = quantization_of_checkpoint(name_or_path, quantization_config, method="qlora"
                                             if quantization_config is not None else training)  # or as stored

@@ -44,7 +44,7 @@ from hfsplit.parallel.pipeline import (
 )
 from hfsplit.parallel.router import carrying, with_router_loss
 from hfsplit.parallel.save import save_split_model
-from hfsplit.parallel.stage import StageModule
+from hfsplit.parallel.stage import StageModule, build_stage_module
 from hfsplit.plan import Plan
 
 
@@ -472,7 +472,7 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     dtype = dtype or getattr(torch, plan.spec.dtype)
     indices = stage_indices_of_pp_rank(plan, pp_rank=ctx.coords.pp)
     by_index = {s.index: s for s in plan.stages}
-    modules = [StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings) for index in indices]
+    modules = [build_stage_module(config=config, stage=by_index[index], tied=plan.tied_embeddings) for index in indices]
 
     load = functools.partial(load_stages, source=name_or_path, config=config, device=ctx.device, dtype=dtype,
                              tp_rank=ctx.coords.tp, tp_size=plan.tp, quantization_config=quantization_config,

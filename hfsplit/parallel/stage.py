@@ -18,11 +18,21 @@ from typing import Optional
 import torch
 from torch import nn
 
-from hfsplit.models.families import check_pp_plan, family_of
+from hfsplit.models.families import FAMILIES, check_pp_plan, family_of
 from hfsplit.models.layout import meta_model
 from hfsplit.models.masks import causal_masks, layer_attention_type
+from hfsplit.parallel.followed_stage import FollowedStage
 from hfsplit.parallel.router import router_stats_of
 from hfsplit.plan import Stage
+
+
+def build_stage_module(*, config, stage: Stage, tied: bool) -> nn.Module:
+    """This stage's module, on meta: a declared family's `StageModule` (its outside work redone as declared, packed
+    rows under sdpa example by example), any other causal LM's `FollowedStage` (its own forward, proven on the
+    user's config by `hfsplit.load.proof` before a run builds it)."""
+    if config.model_type in FAMILIES:
+        return StageModule(config=config, stage=stage, tied=tied)
+    return FollowedStage(config=config, stage=stage, tied=tied)
 
 
 class StageModule(nn.Module):
@@ -43,6 +53,7 @@ class StageModule(nn.Module):
         self.head_in_loss = False
         # A stage is built from the blocks alone: only declared families, whose outside work it redoes, split right.
         self.family = family_of(config)
+        self.layer_range = tuple(stage.layers)
         full = meta_model(config)
         self._init_weights = full._init_weights  # recomputes buffers no checkpoint holds (`materialize_buffers`)
         base = getattr(full, full.base_model_prefix)
@@ -67,6 +78,10 @@ class StageModule(nn.Module):
     @property
     def body(self) -> nn.Module:
         return getattr(self, self.body_name)
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits from the final hidden states, as the model's forward makes them (lm_head, the family's scaling)."""
+        return self.family.output_side(self.config, self.lm_head(hidden))
 
     def forward(self, x: torch.Tensor, router_sums: Optional[torch.Tensor] = None, cache=None,
                 position_ids: Optional[torch.Tensor] = None, router_mask: Optional[torch.Tensor] = None,

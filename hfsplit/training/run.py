@@ -4,6 +4,8 @@ weight is read.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 from pathlib import Path
@@ -18,8 +20,8 @@ from hfsplit.checkpoint.resolve import load_config
 from hfsplit.checkpoint.synthetic import TINY_MODEL, tiny_tokenizer, write_tiny_checkpoint
 from hfsplit.errors import HfsplitError
 from hfsplit.load.launch import shared_plan, split_from_pretrained
+from hfsplit.load.proof import Verdict, proven_split
 from hfsplit.load.probes import run_link, run_speeds
-from hfsplit.models.families import check_supported
 from hfsplit.parallel.mesh import World, init_distributed
 from hfsplit.training import elastic
 from hfsplit.training.checkpointer import Checkpointer, TrainState
@@ -83,7 +85,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     launch = launch_state(options)
     model_path = options.model or default_model_path(options.output_dir)
     check_sequence_length(model_path, options.seq_len)  # both before the data is read
-    check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
+    options = packing_proven(options, proven_split(load_config(model_path)))  # refused by name before a probe runs
     objective = objective_of(options.objective)
     objective.check_model(options, load_config(model_path))
     tokenizer, rows = load_rows(options, model_path=model_path)  # before the plan: it counts a cached reference's pairs
@@ -188,6 +190,18 @@ def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
     scheduler = cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
     return dict(batches=batches, held_out=held_out, total_steps=total_steps, scheduler=scheduler,
                 metrics=None, checkpointer=None)
+
+
+def packing_proven(options: FinetuneOptions, verdict: Verdict) -> FinetuneOptions:
+    """`options` with packing turned off where the proof found a packed row's examples not isolated in this model
+    (a recurrent layer that cannot restart at an example boundary): one line under --packing auto, refused under
+    --packing on."""
+    if verdict.packing or not packing_of(options):
+        return options
+    if options.packing == "on":
+        raise HfsplitError(f"--packing on: {verdict.model_type} cannot pack: {verdict.reason}; pass --packing off")
+    print(f"packing off for {verdict.model_type}: {verdict.reason}", flush=True)
+    return dataclasses.replace(options, packing="off")
 
 
 def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, global_batch: Optional[int] = None,

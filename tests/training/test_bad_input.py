@@ -74,11 +74,11 @@ def config_deeper_than_weights(tiny_checkpoint, tmp_path):
 
 
 def unsupported_architecture(tiny_checkpoint, tmp_path):
-    from transformers import GPT2Config
+    from transformers import AutoConfig
 
-    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256).save_pretrained(tmp_path / "gpt2")  # no weights
-    return ["--model", str(tmp_path / "gpt2")], [str(tmp_path / "gpt2"), "'gpt2'", "not verified against transformers",
-                                                  "llama"]
+    AutoConfig.for_model("zaya").save_pretrained(tmp_path / "zaya")  # no weights: refused by the proof before any read
+    return ["--model", str(tmp_path / "zaya")], [str(tmp_path / "zaya"), "'zaya'", "its split is refused",
+                                                  "single process"]
 
 
 def model_folder_missing(tiny_checkpoint, tmp_path):

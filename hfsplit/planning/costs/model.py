@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 
 from hfsplit.checkpoint.quantized import quantized_experts_bytes, quantized_linear_bytes
 from hfsplit.errors import PlanError
-from hfsplit.models.expert_lora import expert_lora_numel, expert_parameters
+from hfsplit.models.expert_lora import default_lora_targets, expert_lora_numel, expert_parameters
 from hfsplit.models.families import tp_degree_error
-from hfsplit.models.layer_kinds import kind_config, layer_kinds
+from hfsplit.models.layer_kinds import DENSE, SPARSE, kind_config, layer_kinds
 from hfsplit.models.layout import block_linear_names, meta_model, one_layer_config, routed_expert_numel
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.cache import read_cache, write_cache
@@ -139,12 +139,20 @@ def _with_layer_kinds(config, costs: ModelCosts, spec: TrainingSpec, tp: int) ->
     if kinds is None:
         return costs
     if spec.method in ("lora", "qlora") and spec.lora_targets is None:  # the default every kind shares
-        spec = replace(spec, lora_targets=tuple(block_linear_names(config)))
-        costs = replace(_model_costs(keyed(config), spec, tp), spec=costs.spec)
-    blocks = {}
-    for kind in set(kinds):
-        blocks[kind] = _model_costs(keyed(kind_config(config, kind)), spec, tp).block
+        spec = replace(spec, lora_targets=tuple(default_lora_targets(config)))
+        costs = replace(_model_costs(keyed(config), _spec_of_kind(config, kinds[0], spec), tp), spec=costs.spec)
+    blocks = {kind: _model_costs(keyed(kind_config(config, kind)), _spec_of_kind(config, kind, spec), tp).block
+              for kind in set(kinds)}
     return replace(costs, layer_blocks=tuple(blocks[kind] for kind in kinds))
+
+
+def _spec_of_kind(config, kind: str, spec: TrainingSpec) -> TrainingSpec:
+    """`spec` for a block of `kind`: an attention kind holds the LoRA targets of its own kind only (the full
+    attention's `q_proj`, not the linear attention's `in_proj_qkvz`); each target is held by some kind."""
+    if not spec.lora_targets or all(part in (DENSE, SPARSE) for part in kind.split("/")):
+        return spec
+    held = set(block_linear_names(kind_config(config, kind))) | set(expert_parameters(config))
+    return replace(spec, lora_targets=tuple(t for t in spec.lora_targets if t in held))
 
 
 def estimate_peak_bytes(costs: ModelCosts) -> int:

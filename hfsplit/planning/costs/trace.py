@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.models.families import FAMILIES, Family
-from hfsplit.models.layout import meta_model
+from hfsplit.models.layout import decoder_layout, meta_model
 from hfsplit.models.loss import chunked_causal_lm_loss, chunked_sequence_logps, dpo_head_loss
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.layout import (
@@ -124,7 +124,7 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     forward passes to the block (rotary embeddings, mask), captured by running it once."""
     config = CONFIGS[key]
     model = meta_model(rank_layer_config(config, tp=tp), dtype=dtype_of(spec.dtype))
-    base = getattr(model, model.base_model_prefix)
+    base = model.get_submodule(decoder_layout(model).base)
     block = parts(model)[1]
     if spec.method == "lora":
         _add_lora(block, key, spec)
