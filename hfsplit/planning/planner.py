@@ -115,15 +115,14 @@ def make_plan(
     budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
     rates = kind_rates(budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
                        link_given=link is not None)
-    if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
-        spec = replace(spec, reserve_bytes=reserve_for(budgets, gpus=gpus,  # one process has no NCCL buffers
-                                                       distributed=not single_process and (world_size or len(budgets)) > 1))
+    if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU; one process: no NCCL), unless given
+        spec = replace(spec, reserve_bytes=reserve_for(budgets, gpus=gpus, distributed=(world_size or len(budgets)) > 1
+                                                       and not single_process))
     _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing, world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
                    device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
                    world_size=world_size, host=host, headroom=_checked_headroom(headroom))
-    choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim,
-                     single_process=single_process)
+    choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim, single_process=single_process)
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule)
     _check_budget_count(world_size, budgets)
     found = best_plan(config, budgets, spec, name=name, choices=choices, **options)
