@@ -12,17 +12,19 @@ from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_ma
 from hfsplit.cli.charts import plan_memory_chart
 from hfsplit.errors import HfsplitError
 from hfsplit.planning.memory_choices import host_budget
-from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, FinetuneOptions, add_option_arguments, options_from,
-                                      plan_arguments)
+from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, PLANNED, FinetuneOptions, OptionParser,
+                                      add_option_arguments, options_from, plan_arguments, training_only_flags)
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
-    """`hfsplit plan`: MODEL, every fine-tuning option (the same fields as the recipe's, so a recipe's command
-    line plans as it runs), and the flags that only a plan has."""
+    """`hfsplit plan`: MODEL, the fine-tuning options a plan depends on (listed; the others are taken unlisted, so
+    a recipe's command line plans as it runs), and the flags that only a plan has."""
     p = sub.add_parser("plan", help="plan a split of MODEL over a memory budget (reads config.json only)",
                        description="Will it fit, and how: plan the split a fine-tuning run with these options "
-                                   "would make, before a byte of weights is read. Takes every option of "
-                                   "recipes/finetune.py; flags override a --config recipe.")
+                                   "would make, before a byte of weights is read. Flags override a --config recipe.",
+                       epilog="It also takes the recipe's training options, which change no plan ("
+                              + ", ".join(training_only_flags())
+                              + "): `python -m hfsplit.finetune --help` says what each does.")
     p.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
                    help="hub name (org/name), local folder, or config.json (default: --model, or the --config recipe's)")
     only = p.add_argument_group("plan options")
@@ -38,7 +40,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                       "config launches)")
     only.add_argument("--json", action="store_true", help="print the Plan as JSON instead of the table")
     only.add_argument("--png", default=None, help="also draw per-device memory bars into this PNG file (default: no chart)")
-    add_option_arguments(p)
+    add_option_arguments(p, names=PLANNED)
     return p
 
 
@@ -118,8 +120,8 @@ def run_plan(args) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="hfsplit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OptionParser(prog="hfsplit", description="`hfsplit COMMAND`, run (`hfsplit.cli.commands` lists them)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan_parser(sub)
     sub.add_parser("accelerate-config", help="print the path of the bundled accelerate config for CPU ranks",
                    description="accelerate launch --config_file \"$(hfsplit accelerate-config)\" -m hfsplit.finetune "

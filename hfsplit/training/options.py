@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import typing
 from dataclasses import dataclass, field, replace
@@ -330,17 +331,72 @@ def _shown(value) -> str:
     return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
 
 
+# The options a plan depends on (what `plan_arguments` reads, the dataset for its packing): `hfsplit plan --help` lists
+# these. It takes the others too, so that a recipe's command line plans as it runs, and names them in one line.
+PLANNED = ("model", "config", "dtype", "dataset", "dataset_format", "packing", "seq_len", "method", "objective",
+           "reference", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "bnb_4bit_quant_type",
+           "bnb_4bit_use_double_quant", "load_in_8bit", "quantize_experts", "max_memory", "tp", "pp", "schedule",
+           "micro_batch_size", "micro_batches", "global_batch", "activation_checkpointing", "headroom", "chunked_loss",
+           "optim")
+
+
+def training_only_flags() -> list[str]:
+    """The flags of the options no plan depends on (`PLANNED`'s complement), in field order."""
+    return ["--" + _flag(f.name) for f in dataclasses.fields(FinetuneOptions) if f.name not in PLANNED]
+
+
 def add_option_arguments(parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None) -> None:
-    """Add a `--flag` per FinetuneOptions field (those in `names`, default all) to `parser`, listed by group,
-    each with its help, choices and default. Defaults stay None in the namespace, so only given flags override
-    a recipe (`options_from`)."""
-    wanted = [f for f in dataclasses.fields(FinetuneOptions) if names is None or f.name in names]
+    """Add a `--flag` per FinetuneOptions field to `parser`, listed by group, each with its help, choices and
+    default; the fields outside `names` (default: none) are taken but left out of `--help`. Defaults stay None in
+    the namespace, so only given flags override a recipe (`options_from`)."""
     for group in GROUPS:
-        fields_ = [f for f in wanted if f.metadata["group"] == group]
-        if fields_:
-            section = parser.add_argument_group(f"{group} options")
-            for f in fields_:
-                section.add_argument("--" + _flag(f.name), dest=f.name, default=None, **_argument_of(f))
+        fields_ = [f for f in dataclasses.fields(FinetuneOptions) if f.metadata["group"] == group]
+        shown = [f for f in fields_ if names is None or f.name in names]
+        section = parser.add_argument_group(f"{group} options") if shown else parser
+        for f in fields_:
+            argument = _argument_of(f)
+            if f not in shown:
+                argument["help"] = argparse.SUPPRESS
+            section.add_argument("--" + _flag(f.name), dest=f.name, default=None, **argument)
+
+
+class OptionParser(argparse.ArgumentParser):
+    """argparse, answering a mistyped flag with the flags closest to it (its own, or its chosen command's)."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = self.chosen(parsed)
+            chosen.error(unknown_arguments(extras, [s for a in chosen._actions for s in a.option_strings]))
+        return parsed
+
+    def chosen(self, parsed) -> argparse.ArgumentParser:
+        """The subcommand's parser `parsed` went through (`hfsplit plan`), else this one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+                return action.choices[getattr(parsed, action.dest)]
+        return self
+
+    def error(self, message: str):
+        """One line, as every refusal of the recipe is (argparse would print the whole usage first)."""
+        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
+
+
+def unknown_arguments(extras: Sequence[str], flags: Sequence[str]) -> str:
+    """What argparse could not place: each unknown flag with the known ones closest to it (difflib), else the
+    arguments left over."""
+    typos = [extra.split("=", 1)[0] for extra in extras if extra.startswith("--")]
+    if not typos:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    return "; ".join(f"unknown flag {typo}" + (f": did you mean {' or '.join(close)}?" if close else "")
+                     for typo, close in ((t, closest_flags(t, flags)) for t in typos))
+
+
+def closest_flags(typed: str, flags: Sequence[str]) -> list[str]:
+    """Up to three of `flags` closest to `typed` (`_` read as `-`), as close as the closest give or take 0.05."""
+    scored = sorted(((difflib.SequenceMatcher(None, typed.replace("_", "-"), flag).ratio(), flag) for flag in flags),
+                    reverse=True)
+    return [flag for score, flag in scored[:3] if score >= max(0.6, scored[0][0] - 0.05)] if scored else []
 
 
 def _argument_of(f) -> dict:
@@ -416,7 +472,7 @@ def tiny_demo_options(**overrides) -> FinetuneOptions:
 
 
 def options_parser(**kwargs) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(**kwargs)
+    parser = OptionParser(**kwargs)
     add_option_arguments(parser)
     return parser
 
