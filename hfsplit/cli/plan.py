@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from hfsplit.apply import third_party_logs
 from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_max_memory, parse_size, torch_gpus
+from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli.charts import plan_memory_chart
 from hfsplit.errors import HfsplitError
 from hfsplit.planning.memory_choices import host_budget
@@ -73,7 +74,7 @@ def plan_request(args) -> tuple[str, object, dict, tuple[str, ...]]:
         spec = replace(spec, method="inference")
     if args.reserve:
         spec = replace(spec, reserve_bytes=parse_size(args.reserve, what="--reserve"))
-    return options.model or tiny_model_folder(), budget, {**kwargs, "spec": spec}, notes
+    return options.model or tiny_model(), budget, {**kwargs, "spec": spec}, notes
 
 
 def local_budget(nproc: Optional[int]) -> tuple[str, tuple[str, ...]]:
@@ -89,22 +90,23 @@ def local_budget(nproc: Optional[int]) -> tuple[str, tuple[str, ...]]:
                     f"other devices; --nproc other rank counts)",)
 
 
-def tiny_model_folder() -> str:
-    """The recipe's built-in tiny model, written to a temporary folder (its config is all planning reads)."""
-    import tempfile
-
-    from hfsplit.checkpoint.synthetic import TINY_MODEL, write_tiny_checkpoint  # lazy: as make_plan (run_plan)
+def tiny_model():
+    """The recipe's built-in tiny model as its config, all that planning reads: nothing is written (the run writes
+    its checkpoint beside its output)."""
+    from hfsplit.checkpoint.synthetic import TINY_MODEL, tiny_config  # lazy: as make_plan (run_plan)
 
     spec = dict(TINY_MODEL)
-    folder = f"{tempfile.mkdtemp(prefix='hfsplit-tiny-')}/tiny-llama"
-    write_tiny_checkpoint(folder, spec.pop("arch"), sharded=True, **spec)
-    return folder
+    config = tiny_config(spec.pop("arch"), **spec)
+    config._name_or_path = "tiny-llama"  # what the plan calls it: the folder name the run writes it to
+    return config
 
 
 def run_plan(args) -> int:
+    model, budget, kwargs, notes = plan_request(args)
+    # the config first: an unknown name fails at once, before the planner (transformers' models) loads
+    model = load_config(model) if isinstance(model, str) else model
     from hfsplit.planning.planner import make_plan  # lazy: transformers and the cost model; `plan --help` stays quick
 
-    model, budget, kwargs, notes = plan_request(args)
     if args.device_speeds:
         devices = parse_max_memory(budget)
         values = [float(v) for v in args.device_speeds.split(",")]
