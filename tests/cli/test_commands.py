@@ -88,3 +88,18 @@ def test_an_option_left_out_of_plan_help_changes_no_plan(name):
     base = {"model": "Qwen/Qwen2.5-0.5B", "max_memory": "2x8GiB"}
     planned = plan_arguments(options_from(base), world_size=2, gpu=True)
     assert plan_arguments(options_from({**base, name: other[name]}), world_size=2, gpu=True) == planned
+
+
+def test_the_readme_quick_start_plan_prints_the_headline_figures(capsys):
+    """The first `hfsplit plan` command of the README gives the per-card figures its headline table prints."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("hfsplit plan meta-llama/Llama-3.1-70B"))
+    row = next(line for line in readme.splitlines() if line.startswith("| Llama-3.1-70B QLoRA r=16, seq 2048"))
+    first, second = re.search(r"\*\*([\d.]+) / ([\d.]+) GiB\*\*", row).groups()
+    assert main(shlex.split(command)[1:]) == 0
+    table = capsys.readouterr().out
+    assert re.search(rf"^0 .* {first} GiB ", table, re.M) and re.search(rf"^1 .* {second} GiB ", table, re.M), table
+    assert "85704.5 ms" in table and "85.7 s" in row
