@@ -103,3 +103,39 @@ def test_the_readme_quick_start_plan_prints_the_headline_figures(capsys):
     table = capsys.readouterr().out
     assert re.search(rf"^0 .* {first} GiB ", table, re.M) and re.search(rf"^1 .* {second} GiB ", table, re.M), table
     assert "85704.5 ms" in table and "85.7 s" in row
+
+
+def test_plan_of_a_tiny_recipe_writes_nothing(tmp_path):
+    """It plans the built-in model's config: no checkpoint in the temp folder, the working folder or the home."""
+    dirs = {name: tmp_path / name for name in ("tmp", "cwd", "home")}
+    for folder in dirs.values():
+        folder.mkdir()
+    env = {**ENV, "TMPDIR": str(dirs["tmp"]), "HOME": str(dirs["home"]), "HFSPLIT_CACHE": str(tmp_path / "cache")}
+    for recipe in ("lora", "dpo"):
+        done = subprocess.run([sys.executable, "-m", "hfsplit.cli", "plan", "--config",
+                               str(ROOT / "recipes" / "tiny" / f"{recipe}.yaml"), "--max-memory", "2x1GiB"],
+                              cwd=dirs["cwd"], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "tiny-llama (llama, 4 layers)" in done.stdout, done.stderr[-2000:]
+    # (torch makes its inductor cache folder in the temp folder, empty: torch's, not a write of the plan's)
+    written = {name: sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+               for name, folder in dirs.items()}
+    assert written == {"tmp": [], "cwd": [], "home": []}, written
+
+
+def test_an_unknown_hub_name_without_a_hub_fails_at_once_naming_what_answers_offline(tmp_path):
+    """No retries: HF_HUB_OFFLINE, or an endpoint that refuses (a machine without network), answer from the cache."""
+    import resource
+
+    for offline in ({"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}):
+        env = {**ENV, **offline, "HF_HOME": str(tmp_path / "hf")}
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "hfsplit.cli", "plan", "no-such-org/no-such-model",
+                               "--max-memory", "24GiB"], env=env, capture_output=True, text=True, timeout=120)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+        assert "no-such-org/no-such-model/config.json: not in the local hub cache" in done.stderr
+        assert "meta-llama/Llama-3.1-70B" in done.stderr and "Retrying" not in done.stderr
+        # the work is the imports: within 5 s of CPU time (wall time on a loaded machine measures the load)
+        assert cpu < 5.0, (cpu, time.perf_counter() - start)
