@@ -129,7 +129,11 @@ def load_examples(source: str, *, split: str = "train", **load_kwargs: Any):
         if "corresponds to no data" in str(err):
             raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples; add examples or pass "
                                "another dataset") from err
-        raise
+        if "data_files" not in kwargs and not Path(source).exists():
+            raise
+        # a local file its reader cannot parse (pyarrow: "Parquet magic bytes not found", ...)
+        raise DatasetError(f"could not read dataset {source!r}: {first_line(err)}; fix the file or pass "
+                           "another") from err
     if len(dataset) == 0:
         raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples; add examples or pass "
                            "another dataset")
@@ -385,6 +389,7 @@ def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None, p
     columns = list(dataset.column_names)
     format = format or detect_format(columns)
     check_columns(columns, format)
+    check_text_values(dataset, format)
     packing = packs_by_default(format) if packing is None else packing
     if format == "text" and not packing:
         return concatenated_text_rows(dataset["text"], tokenizer, seq_len=seq_len)
@@ -399,6 +404,17 @@ def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None, p
     else:
         examples = chat_examples(dataset["messages"], tokenizer)
     return layout_rows(examples, tokenizer, format=format, seq_len=seq_len, packing=packing, seed=seed)
+
+
+def check_text_values(dataset, format: str) -> None:
+    """A `DatasetError` naming the first example whose text column holds no string (a number, a list, null)."""
+    text = {"text": ("text",), "instruction": ("instruction", "output", "input")}.get(format, ())
+    for column in (c for c in text if c in dataset.column_names):
+        bad = next((i for i, v in enumerate(dataset[column]) if not isinstance(v, str)
+                    and not (column == "input" and v is None)), None)
+        if bad is not None:
+            raise DatasetError(f"example {bad}: {column!r} holds {dataset[bad][column]!r}, not text; make every "
+                               f"{column!r} a string")
 
 
 def local_text_files(source: str) -> list[Path]:

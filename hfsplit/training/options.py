@@ -428,7 +428,7 @@ def _switch(choices: tuple):
     return convert
 
 
-def _from_yaml(name: str, value):
+def _from_yaml(name: str, value, *, path: Path):
     """A recipe value as its field's type: YAML 1.1 reads `1e-4` (no dot) as a string."""
     field_ = next(f for f in dataclasses.fields(FinetuneOptions) if f.name == name)
     types = _types_of(field_)
@@ -436,20 +436,41 @@ def _from_yaml(name: str, value):
         try:
             return (int if int in types else float)(value)
         except ValueError:
-            raise HfsplitError(f"{name}: {value!r} is not a number") from None
+            raise HfsplitError(f"{path}: {name}: {value!r} is not a number; fix it in the recipe") from None
     return value
+
+
+def read_recipe(path: Path) -> dict:
+    """The mapping a YAML recipe holds, or one line naming the file and what is wrong (empty, not YAML, no mapping)."""
+    if not path.is_file():
+        raise HfsplitError(f"--config {path}: file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+        loaded = yaml.safe_load(text)
+    except UnicodeDecodeError as err:
+        raise HfsplitError(f"{path}: not UTF-8 text (byte {err.start}); save the recipe as UTF-8 YAML") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise HfsplitError(f"{path}: not valid YAML{where} ({getattr(err, 'problem', None) or err}); fix the recipe "
+                           "(one `option: value` a line, as recipes/tiny/lora.yaml)") from None
+    if loaded is None:
+        raise HfsplitError(f"{path}: the recipe is empty; write `option: value` lines (as recipes/tiny/lora.yaml) or "
+                           "drop --config")
+    if not isinstance(loaded, dict):
+        raise HfsplitError(f"{path}: a recipe is a mapping of `option: value` lines (as recipes/tiny/lora.yaml), "
+                           f"not a {type(loaded).__name__}")
+    return loaded
 
 
 def recipe_values(path: Path) -> dict:
     """A YAML recipe's options by field name, each unknown key refused by name."""
-    if not path.is_file():
-        raise HfsplitError(f"--config {path}: file not found")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    loaded = read_recipe(path)
     known = {f.name for f in dataclasses.fields(FinetuneOptions)}
     unknown = sorted(set(k.replace("-", "_") for k in loaded) - known)
     if unknown:
         raise HfsplitError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return {k.replace("-", "_"): _from_yaml(k.replace("-", "_"), v) for k, v in loaded.items()}
+    return {k.replace("-", "_"): _from_yaml(k.replace("-", "_"), v, path=path) for k, v in loaded.items()}
 
 
 def options_from(given: dict) -> FinetuneOptions:

@@ -127,6 +127,7 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
         if f"step/{names[p]}" in saved:
             moments[p] = _blank_moments(model, optimizer, p, names[p], saved)
             targets.update(moments[p]["targets"])
+    check_saved_shapes(folder, targets, saved)
     dcp.load(targets, storage_reader=reader)
     for p, blank in moments.items():
         load_moments(optimizer, p, exp_avg=blank["exp_avg"], exp_avg_sq=blank["exp_avg_sq"],
@@ -137,6 +138,17 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
     batches.load_state_dict(data_position_for(small, batches, folder=folder))
     torch.set_rng_state(small["rng"].cpu())
     return int(small["step"])
+
+
+def check_saved_shapes(folder: Path, targets: dict, saved: dict) -> None:
+    """One line when a tensor of the checkpoint has another shape than this run's (another model, LoRA rank)."""
+    differ = [(key, list(saved[key].size), list(tensor.shape)) for key, tensor in targets.items()
+              if hasattr(saved.get(key), "size") and tuple(saved[key].size) != tuple(tensor.shape)]
+    if differ:
+        key, there, here = differ[0]
+        raise HfsplitError(f"{folder}: was written for another model or LoRA rank: {key.split('/', 1)[1]} is {there} "
+                           f"there and {here} in this run ({len(differ)} tensors differ); resume with the --model and "
+                           "--lora-r of the run that wrote it, or start afresh without --resume")
 
 
 def _moment_tensors(model, optimizer, p, name: str) -> dict[str, torch.Tensor]:

@@ -170,13 +170,27 @@ def loss_of_run(options: FinetuneOptions, model):
 
 
 def load_rows(options: FinetuneOptions, *, model_path: str):
-    """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default)."""
+    """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default), every token one the
+    model has an embedding for."""
     tokenizer = tokenizer_for(options, model_path=model_path)
     if options.objective == "dpo":
-        return tokenizer, load_paired_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
-                                           packing=packing_of(options), seed=options.seed)
-    return tokenizer, load_token_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
-                                      format=options.dataset_format, packing=packing_of(options), seed=options.seed)
+        rows = load_paired_rows(dataset_of(options), tokenizer, seq_len=options.seq_len, packing=packing_of(options),
+                                seed=options.seed)
+    else:
+        rows = load_token_rows(dataset_of(options), tokenizer, seq_len=options.seq_len, format=options.dataset_format,
+                               packing=packing_of(options), seed=options.seed)
+    check_token_ids(rows, vocab_size=load_config(model_path).vocab_size, tokenizer=options.tokenizer or model_path,
+                    model=model_path)
+    return tokenizer, rows
+
+
+def check_token_ids(rows, *, vocab_size: int, tokenizer: Optional[str], model: str) -> None:
+    """One line when the tokenizer gives ids past the model's embeddings (it belongs to another model)."""
+    largest = int(rows.input_ids.max()) if rows.input_ids.numel() else -1
+    if largest >= vocab_size:
+        raise HfsplitError(f"{tokenizer or 'the tokenizer'}: gives token id {largest}, beyond {model}'s vocab_size "
+                           f"{vocab_size} (its embedding rows): it is another model's tokenizer; pass the model's own "
+                           "(leave --tokenizer unset)")
 
 
 def lora_of_run(plan, *, model_path: str, merge: bool):
