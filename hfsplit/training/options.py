@@ -146,6 +146,9 @@ class FinetuneOptions:
                 allowed = " or ".join(repr(c) for c in _choices_of(f))
                 raise HfsplitError(f"--{_flag(f.name)} is on or off (True or False in Python)"
                                    f"{' or ' + allowed if allowed else ''}; got {getattr(self, f.name)!r}")
+        if self.max_memory is not None and not str(self.max_memory).strip():
+            raise HfsplitError("--max-memory is empty; give sizes (2x24GiB) or GPU kinds (2xRTX4090), or leave it out "
+                               "for what each device has free")
         if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
         check_dpo_options(self)

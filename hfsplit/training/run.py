@@ -33,7 +33,7 @@ from hfsplit.training.options import (FinetuneOptions, dataset_of, packing_of, p
                                      training_spec, with_plan_batch)
 from hfsplit.training.preference import DpoLoss, load_paired_rows
 from hfsplit.training.reference import precompute_reference
-from hfsplit.training.resume import trusted_checkpoint
+from hfsplit.training.resume import check_trainer_state, trusted_checkpoint
 from hfsplit.training.save import writable_dir
 from hfsplit.training.trainer import Run, fit
 
@@ -111,6 +111,8 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
               optimizer=optimizer, lora_config=config, loss_fn=loss_of_run(options, model),
               calibration_spec=calibrated, **data_of_run(options, rows, plan=plan, optimizer=optimizer))
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
+    if launch.resume_from is not None:  # another run's checkpoint is refused before the metrics files open
+        check_trainer_state(launch.resume_from, model=model, params=params)
     run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
                           padded_padding=rows.padded_padding if rows.packed else None,
                           holds_loss=holds_loss, progress=progress, append=launch.append,
