@@ -67,3 +67,8 @@ class Interrupted(HfsplitError):
     Exits 130, as a shell reports a command Ctrl-C ended."""
 
     exit_code = 130
+
+
+class SplitAttributeError(HfsplitError, AttributeError):
+    """A transformers model attribute that cannot hold on a split model, where each rank holds only its stages
+    (an AttributeError too, so `hasattr` and `getattr(model, name, default)` answer as for a missing attribute)."""

@@ -34,7 +34,7 @@ from hfsplit.training.options import (FinetuneOptions, dataset_of, packing_of, p
 from hfsplit.training.preference import DpoLoss, load_paired_rows
 from hfsplit.training.reference import precompute_reference
 from hfsplit.training.resume import check_trainer_state, trusted_checkpoint
-from hfsplit.training.save import writable_dir
+from hfsplit.parallel.save import writable_dir
 from hfsplit.training.trainer import Run, fit
 
 
