@@ -40,6 +40,7 @@ APART = {("hfsplit.planning", "hfsplit.apply"), ("hfsplit.apply", "hfsplit.plann
 LAZY = {
     ("training/memory.py", "hfsplit.planning.planner"):
         "the training loop loads the planner only to explain an out-of-memory step with a re-plan",
+    ("cli/commands.py", "hfsplit.cli.plan"): "`hfsplit --help` loads no torch (under 1 s)",
     ("cli/plan.py", "hfsplit.planning.planner"): "`hfsplit plan --help` loads no transformers nor cost model",
     ("cli/plan.py", "hfsplit.checkpoint.synthetic"): "the same (the checkpoint package imports torch)",
     ("cli/plan.py", "hfsplit.checkpoint"): "the same: a config is read only when a command runs",

@@ -7,6 +7,7 @@ tied or untied, a plain folder or a hub cache.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -47,6 +48,22 @@ ZERO_INITIALISED = {"gpt_oss": ("experts.gate_up_proj_bias", "experts.down_proj_
 # The recipe's built-in tiny model (`recipes/finetune.py` without --model, `hfsplit plan --config` of a tiny recipe).
 TINY_MODEL = dict(arch="llama", num_layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=256,
                   max_positions=1024)
+
+
+def tiny_model(folder: str | Path = "tiny-llama") -> str:
+    """The built-in tiny Llama (`TINY_MODEL`: random weights, the tiny tokenizer), written to `folder` unless it is
+    there, and its path: what the recipe trains without --model, to try hfsplit on. Several ranks may ask at once:
+    each writes a copy aside, the first renamed into place stays."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        spec = dict(TINY_MODEL)
+        aside = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        write_tiny_checkpoint(aside, spec.pop("arch"), sharded=True, **spec)
+        try:
+            os.replace(aside, folder)
+        except OSError:  # another rank's copy is in place
+            shutil.rmtree(aside, ignore_errors=True)
+    return str(folder)
 
 
 def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4, hidden: int = 64,

@@ -9,20 +9,23 @@ from typing import Optional, Sequence
 
 from hfsplit.apply import third_party_logs
 from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_max_memory, parse_size, torch_gpus
+from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli.charts import plan_memory_chart
 from hfsplit.errors import HfsplitError
 from hfsplit.planning.memory_choices import host_budget
-from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, FinetuneOptions, add_option_arguments, options_from,
-                                      plan_arguments)
+from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, PLANNED, FinetuneOptions, OptionParser,
+                                      add_option_arguments, options_from, plan_arguments, training_only_flags)
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
-    """`hfsplit plan`: MODEL, every fine-tuning option (the same fields as the recipe's, so a recipe's command
-    line plans as it runs), and the flags that only a plan has."""
+    """`hfsplit plan`: MODEL, the fine-tuning options a plan depends on (listed; the others are taken unlisted, so
+    a recipe's command line plans as it runs), and the flags that only a plan has."""
     p = sub.add_parser("plan", help="plan a split of MODEL over a memory budget (reads config.json only)",
                        description="Will it fit, and how: plan the split a fine-tuning run with these options "
-                                   "would make, before a byte of weights is read. Takes every option of "
-                                   "recipes/finetune.py; flags override a --config recipe.")
+                                   "would make, before a byte of weights is read. Flags override a --config recipe.",
+                       epilog="It also takes the recipe's training options, which change no plan ("
+                              + ", ".join(training_only_flags())
+                              + "): `python -m hfsplit.finetune --help` says what each does.")
     p.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
                    help="hub name (org/name), local folder, or config.json (default: --model, or the --config recipe's)")
     only = p.add_argument_group("plan options")
@@ -38,7 +41,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                       "config launches)")
     only.add_argument("--json", action="store_true", help="print the Plan as JSON instead of the table")
     only.add_argument("--png", default=None, help="also draw per-device memory bars into this PNG file (default: no chart)")
-    add_option_arguments(p)
+    add_option_arguments(p, names=PLANNED)
     return p
 
 
@@ -71,7 +74,7 @@ def plan_request(args) -> tuple[str, object, dict, tuple[str, ...]]:
         spec = replace(spec, method="inference")
     if args.reserve:
         spec = replace(spec, reserve_bytes=parse_size(args.reserve, what="--reserve"))
-    return options.model or tiny_model_folder(), budget, {**kwargs, "spec": spec}, notes
+    return options.model or tiny_model(), budget, {**kwargs, "spec": spec}, notes
 
 
 def local_budget(nproc: Optional[int]) -> tuple[str, tuple[str, ...]]:
@@ -87,22 +90,23 @@ def local_budget(nproc: Optional[int]) -> tuple[str, tuple[str, ...]]:
                     f"other devices; --nproc other rank counts)",)
 
 
-def tiny_model_folder() -> str:
-    """The recipe's built-in tiny model, written to a temporary folder (its config is all planning reads)."""
-    import tempfile
-
-    from hfsplit.checkpoint.synthetic import TINY_MODEL, write_tiny_checkpoint  # lazy: as make_plan (run_plan)
+def tiny_model():
+    """The recipe's built-in tiny model as its config, all that planning reads: nothing is written (the run writes
+    its checkpoint beside its output)."""
+    from hfsplit.checkpoint.synthetic import TINY_MODEL, tiny_config  # lazy: as make_plan (run_plan)
 
     spec = dict(TINY_MODEL)
-    folder = f"{tempfile.mkdtemp(prefix='hfsplit-tiny-')}/tiny-llama"
-    write_tiny_checkpoint(folder, spec.pop("arch"), sharded=True, **spec)
-    return folder
+    config = tiny_config(spec.pop("arch"), **spec)
+    config._name_or_path = "tiny-llama"  # what the plan calls it: the folder name the run writes it to
+    return config
 
 
 def run_plan(args) -> int:
+    model, budget, kwargs, notes = plan_request(args)
+    # the config first: an unknown name fails at once, before the planner (transformers' models) loads
+    model = load_config(model) if isinstance(model, str) else model
     from hfsplit.planning.planner import make_plan  # lazy: transformers and the cost model; `plan --help` stays quick
 
-    model, budget, kwargs, notes = plan_request(args)
     if args.device_speeds:
         devices = parse_max_memory(budget)
         values = [float(v) for v in args.device_speeds.split(",")]
@@ -141,8 +145,8 @@ def run_check(args) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="hfsplit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OptionParser(prog="hfsplit", description="`hfsplit COMMAND`, run (`hfsplit.cli.commands` lists them)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan_parser(sub)
     sub.add_parser("accelerate-config", help="print the path of the bundled accelerate config for CPU ranks",
                    description="accelerate launch --config_file \"$(hfsplit accelerate-config)\" -m hfsplit.finetune "

@@ -115,14 +115,14 @@ def make_plan(
     budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
     rates = kind_rates(budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
                        link_given=link is not None)
-    if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
-        spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1, gpus=gpus))
+    if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU; one process: no NCCL), unless given
+        spec = replace(spec, reserve_bytes=reserve_for(budgets, gpus=gpus, distributed=(world_size or len(budgets)) > 1
+                                                       and not single_process))
     _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing, world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
                    device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
                    world_size=world_size, host=host, headroom=_checked_headroom(headroom))
-    choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim,
-                     single_process=single_process)
+    choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim, single_process=single_process)
     _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule)
     _check_budget_count(world_size, budgets)
     found = best_plan(config, budgets, spec, name=name, choices=choices, **options)
@@ -425,7 +425,12 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     workspace += max(0, ref_peak - acts)
     acts = ref_kept + _buffers(costs, slot) + max(acts, ref_peak)
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
-                       reserve=costs.spec.reserve_bytes, workspace=int(workspace), offload=int(host))
+                       reserve=_reserve(costs.spec, slot.devices), workspace=int(workspace), offload=int(host))
+
+
+def _reserve(spec: TrainingSpec, devices) -> int:
+    """The spec's reserve on a GPU; none on a stage of the CPU alone (a single process's "cpu" device)."""
+    return 0 if all(d == "cpu" for group in devices for d in group) else spec.reserve_bytes
 
 
 def held_micro_batches(costs: ModelCosts, slot: Slot) -> int:
@@ -797,6 +802,8 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
     unlimited = {k: 1 << 62 for k in budgets}
     best, best_over = None, math.inf
     for t in tp_degrees_for(config, spec, len(budgets)):
+        if options["tp"] not in (None, t):  # a split this path can run (one process: tp=1)
+            continue
         costs = model_costs(config, spec, tp=t)
         p = min(len(budgets) // t, costs.num_layers)
         m = _micro_batches(options["micro_batches"], options["global_batch"], spec, p, 1)
@@ -889,7 +896,7 @@ def could_fit(config, budgets: dict[str, int], spec: TrainingSpec) -> bool:
     """False when the weights alone (held once) exceed what the devices hold beyond their reserves: no split of
     `spec` fits, which the diagnosis learns without tracing a block (each trace is one per TP degree and shape)."""
     reserve = spec.reserve_bytes or 0
-    return weight_bytes(config, spec) <= sum(max(b - reserve, 0) for b in budgets.values())
+    return weight_bytes(config, spec) <= sum(max(b - (reserve if d != "cpu" else 0), 0) for d, b in budgets.items())
 
 
 def tp_degrees_for(config, spec: TrainingSpec, devices: int) -> list[int]:

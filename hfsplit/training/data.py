@@ -112,6 +112,8 @@ def load_examples(source: str, *, split: str = "train", **load_kwargs: Any):
         raise DatasetError(f"dataset file {source!r} is empty; add examples to it or pass another dataset")
     for path in local_text_files(source):  # pyarrow keeps invalid UTF-8 as it is, to fail later on the first row
         check_utf8(path)
+    for path in local_files(source, (".parquet",)):  # else `datasets` logs its own error line before failing
+        check_parquet(path)
     try:
         dataset = datasets.load_dataset(builder, split=split, **kwargs, **load_kwargs)
     except UnicodeDecodeError as err:
@@ -129,7 +131,11 @@ def load_examples(source: str, *, split: str = "train", **load_kwargs: Any):
         if "corresponds to no data" in str(err):
             raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples; add examples or pass "
                                "another dataset") from err
-        raise
+        if "data_files" not in kwargs and not Path(source).exists():
+            raise
+        # a local file its reader cannot parse (pyarrow: "Parquet magic bytes not found", ...)
+        raise DatasetError(f"could not read dataset {source!r}: {first_line(err)}; fix the file or pass "
+                           "another") from err
     if len(dataset) == 0:
         raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples; add examples or pass "
                            "another dataset")
@@ -385,6 +391,7 @@ def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None, p
     columns = list(dataset.column_names)
     format = format or detect_format(columns)
     check_columns(columns, format)
+    check_text_values(dataset, format)
     packing = packs_by_default(format) if packing is None else packing
     if format == "text" and not packing:
         return concatenated_text_rows(dataset["text"], tokenizer, seq_len=seq_len)
@@ -401,11 +408,38 @@ def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None, p
     return layout_rows(examples, tokenizer, format=format, seq_len=seq_len, packing=packing, seed=seed)
 
 
-def local_text_files(source: str) -> list[Path]:
-    """The local json/jsonl/csv/txt files `source` names (itself, or those in its folder); none for a hub name."""
+def check_text_values(dataset, format: str) -> None:
+    """A `DatasetError` naming the first example whose text column holds no string (a number, a list, null)."""
+    text = {"text": ("text",), "instruction": ("instruction", "output", "input")}.get(format, ())
+    for column in (c for c in text if c in dataset.column_names):
+        bad = next((i for i, v in enumerate(dataset[column]) if not isinstance(v, str)
+                    and not (column == "input" and v is None)), None)
+        if bad is not None:
+            raise DatasetError(f"example {bad}: {column!r} holds {dataset[bad][column]!r}, not text; make every "
+                               f"{column!r} a string")
+
+
+def local_files(source: str, suffixes: tuple[str, ...]) -> list[Path]:
+    """The local files with `suffixes` that `source` names (itself, or those in its folder); none for a hub name."""
     path = Path(os.path.expanduser(source))
     found = sorted(path.rglob("*")) if path.is_dir() else [path] if path.is_file() else []
-    return [p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
+    return [p for p in found if p.is_file() and p.suffix.lower() in suffixes]
+
+
+def check_parquet(path: Path) -> None:
+    """A `DatasetError` for a .parquet file that does not begin and end with parquet's magic bytes."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(path.stat().st_size - 4, 0))
+        tail = f.read(4)
+    if head != b"PAR1" or tail != b"PAR1":
+        raise DatasetError(f"{path} is not a parquet file (no PAR1 magic bytes: corrupt, cut short or another "
+                           "format); re-export it, or give it the suffix of its format (.jsonl, .csv)")
+
+
+def local_text_files(source: str) -> list[Path]:
+    """The local json/jsonl/csv/txt files `source` names (itself, or those in its folder); none for a hub name."""
+    return local_files(source, TEXT_SUFFIXES)
 
 
 def check_utf8(path: Path, *, chunk: int = 1 << 20) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import typing
 from dataclasses import dataclass, replace
@@ -146,6 +147,9 @@ class FinetuneOptions(*option_mixins()):
                 allowed = " or ".join(repr(c) for c in _choices_of(f))
                 raise HfsplitError(f"--{_flag(f.name)} is on or off (True or False in Python)"
                                    f"{' or ' + allowed if allowed else ''}; got {getattr(self, f.name)!r}")
+        if self.max_memory is not None and not str(self.max_memory).strip():
+            raise HfsplitError("--max-memory is empty; give sizes (2x24GiB) or GPU kinds (2xRTX4090), or leave it out "
+                               "for what each device has free")
         if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
         objective_of(self.objective).check_options(self)
@@ -313,17 +317,72 @@ def _shown(value) -> str:
     return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
 
 
+# The options a plan depends on (what `plan_arguments` reads, the dataset for its packing): `hfsplit plan --help` lists
+# these. It takes the others too, so that a recipe's command line plans as it runs, and names them in one line.
+PLANNED = ("model", "config", "dtype", "dataset", "dataset_format", "packing", "seq_len", "method", "objective",
+           "reference", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "bnb_4bit_quant_type",
+           "bnb_4bit_use_double_quant", "load_in_8bit", "quantize_experts", "max_memory", "tp", "pp", "schedule",
+           "micro_batch_size", "micro_batches", "global_batch", "activation_checkpointing", "headroom", "chunked_loss",
+           "optim")
+
+
+def training_only_flags() -> list[str]:
+    """The flags of the options no plan depends on (`PLANNED`'s complement), in field order."""
+    return ["--" + _flag(f.name) for f in dataclasses.fields(FinetuneOptions) if f.name not in PLANNED]
+
+
 def add_option_arguments(parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None) -> None:
-    """Add a `--flag` per FinetuneOptions field (those in `names`, default all) to `parser`, listed by group,
-    each with its help, choices and default. Defaults stay None in the namespace, so only given flags override
-    a recipe (`options_from`)."""
-    wanted = [f for f in dataclasses.fields(FinetuneOptions) if names is None or f.name in names]
+    """Add a `--flag` per FinetuneOptions field to `parser`, listed by group, each with its help, choices and
+    default; the fields outside `names` (default: none) are taken but left out of `--help`. Defaults stay None in
+    the namespace, so only given flags override a recipe (`options_from`)."""
     for group in GROUPS:
-        fields_ = [f for f in wanted if f.metadata["group"] == group]
-        if fields_:
-            section = parser.add_argument_group(f"{group} options")
-            for f in fields_:
-                section.add_argument("--" + _flag(f.name), dest=f.name, default=None, **_argument_of(f))
+        fields_ = [f for f in dataclasses.fields(FinetuneOptions) if f.metadata["group"] == group]
+        shown = [f for f in fields_ if names is None or f.name in names]
+        section = parser.add_argument_group(f"{group} options") if shown else parser
+        for f in fields_:
+            argument = _argument_of(f)
+            if f not in shown:
+                argument["help"] = argparse.SUPPRESS
+            section.add_argument("--" + _flag(f.name), dest=f.name, default=None, **argument)
+
+
+class OptionParser(argparse.ArgumentParser):
+    """argparse, answering a mistyped flag with the flags closest to it (its own, or its chosen command's)."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = self.chosen(parsed)
+            chosen.error(unknown_arguments(extras, [s for a in chosen._actions for s in a.option_strings]))
+        return parsed
+
+    def chosen(self, parsed) -> argparse.ArgumentParser:
+        """The subcommand's parser `parsed` went through (`hfsplit plan`), else this one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+                return action.choices[getattr(parsed, action.dest)]
+        return self
+
+    def error(self, message: str):
+        """One line, as every refusal of the recipe is (argparse would print the whole usage first)."""
+        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
+
+
+def unknown_arguments(extras: Sequence[str], flags: Sequence[str]) -> str:
+    """What argparse could not place: each unknown flag with the known ones closest to it (difflib), else the
+    arguments left over."""
+    typos = [extra.split("=", 1)[0] for extra in extras if extra.startswith("--")]
+    if not typos:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    return "; ".join(f"unknown flag {typo}" + (f": did you mean {' or '.join(close)}?" if close else "")
+                     for typo, close in ((t, closest_flags(t, flags)) for t in typos))
+
+
+def closest_flags(typed: str, flags: Sequence[str]) -> list[str]:
+    """Up to three of `flags` closest to `typed` (`_` read as `-`), as close as the closest give or take 0.05."""
+    scored = sorted(((difflib.SequenceMatcher(None, typed.replace("_", "-"), flag).ratio(), flag) for flag in flags),
+                    reverse=True)
+    return [flag for score, flag in scored[:3] if score >= max(0.6, scored[0][0] - 0.05)] if scored else []
 
 
 def _argument_of(f) -> dict:
@@ -355,7 +414,7 @@ def _switch(choices: tuple):
     return convert
 
 
-def _from_yaml(name: str, value):
+def _from_yaml(name: str, value, *, path: Path):
     """A recipe value as its field's type: YAML 1.1 reads `1e-4` (no dot) as a string."""
     field_ = next(f for f in dataclasses.fields(FinetuneOptions) if f.name == name)
     types = _types_of(field_)
@@ -363,20 +422,41 @@ def _from_yaml(name: str, value):
         try:
             return (int if int in types else float)(value)
         except ValueError:
-            raise HfsplitError(f"{name}: {value!r} is not a number") from None
+            raise HfsplitError(f"{path}: {name}: {value!r} is not a number; fix it in the recipe") from None
     return value
+
+
+def read_recipe(path: Path) -> dict:
+    """The mapping a YAML recipe holds, or one line naming the file and what is wrong (empty, not YAML, no mapping)."""
+    if not path.is_file():
+        raise HfsplitError(f"--config {path}: file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+        loaded = yaml.safe_load(text)
+    except UnicodeDecodeError as err:
+        raise HfsplitError(f"{path}: not UTF-8 text (byte {err.start}); save the recipe as UTF-8 YAML") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise HfsplitError(f"{path}: not valid YAML{where} ({getattr(err, 'problem', None) or err}); fix the recipe "
+                           "(one `option: value` a line, as recipes/tiny/lora.yaml)") from None
+    if loaded is None:
+        raise HfsplitError(f"{path}: the recipe is empty; write `option: value` lines (as recipes/tiny/lora.yaml) or "
+                           "drop --config")
+    if not isinstance(loaded, dict):
+        raise HfsplitError(f"{path}: a recipe is a mapping of `option: value` lines (as recipes/tiny/lora.yaml), "
+                           f"not a {type(loaded).__name__}")
+    return loaded
 
 
 def recipe_values(path: Path) -> dict:
     """A YAML recipe's options by field name, each unknown key refused by name."""
-    if not path.is_file():
-        raise HfsplitError(f"--config {path}: file not found")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    loaded = read_recipe(path)
     known = {f.name for f in dataclasses.fields(FinetuneOptions)}
     unknown = sorted(set(k.replace("-", "_") for k in loaded) - known)
     if unknown:
         raise HfsplitError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return {k.replace("-", "_"): _from_yaml(k.replace("-", "_"), v) for k, v in loaded.items()}
+    return {k.replace("-", "_"): _from_yaml(k.replace("-", "_"), v, path=path) for k, v in loaded.items()}
 
 
 def options_from(given: dict) -> FinetuneOptions:
@@ -399,7 +479,7 @@ def tiny_demo_options(**overrides) -> FinetuneOptions:
 
 
 def options_parser(**kwargs) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(**kwargs)
+    parser = OptionParser(**kwargs)
     add_option_arguments(parser)
     return parser
 

@@ -32,7 +32,7 @@ from hfsplit.training.optimizers import build_optimizer, optim_of_rank
 from hfsplit.objectives import objective_of
 from hfsplit.objectives.dpo import check_dpo_router_eval  # noqa: F401  (its tests import it from here)
 from hfsplit.training.options import FinetuneOptions, dataset_of, packing_of, plan_arguments, training_spec, with_plan_batch
-from hfsplit.training.resume import trusted_checkpoint
+from hfsplit.training.resume import check_trainer_state, trusted_checkpoint
 from hfsplit.parallel.save import writable_dir
 from hfsplit.training.trainer import Run, fit
 
@@ -111,6 +111,8 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
               optimizer=optimizer, lora_config=config, loss_fn=loss_of_run(options, model), objective=objective,
               calibration_spec=calibrated, **data_of_run(options, rows, plan=plan, optimizer=optimizer))
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
+    if launch.resume_from is not None:  # another run's checkpoint is refused before the metrics files open
+        check_trainer_state(launch.resume_from, model=model, params=params)
     run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
                           padded_padding=rows.padded_padding if rows.packed else None,
                           holds_loss=holds_loss, progress=progress, append=launch.append,
@@ -163,10 +165,23 @@ def loss_of_run(options: FinetuneOptions, model):
 
 def load_rows(options: FinetuneOptions, *, model_path: str):
     """(tokenizer, token rows) of the run's dataset (the objective's bundled tiny set by default), as its objective
-    reads them."""
+    reads them, every token one the model has an embedding for."""
     tokenizer = tokenizer_for(options, model_path=model_path)
-    return tokenizer, objective_of(options.objective).load_rows(options, tokenizer, source=dataset_of(options),
-                                                                packing=packing_of(options))
+    rows = objective_of(options.objective).load_rows(options, tokenizer, source=dataset_of(options),
+                                                     packing=packing_of(options))
+    if torch.is_tensor(getattr(rows, "input_ids", None)):
+        check_token_ids(rows, vocab_size=load_config(model_path).get_text_config().vocab_size,
+                        tokenizer=options.tokenizer or model_path, model=model_path)
+    return tokenizer, rows
+
+
+def check_token_ids(rows, *, vocab_size: int, tokenizer: Optional[str], model: str) -> None:
+    """One line when the tokenizer gives ids past the model's embeddings (it belongs to another model)."""
+    largest = int(rows.input_ids.max()) if rows.input_ids.numel() else -1
+    if largest >= vocab_size:
+        raise HfsplitError(f"{tokenizer or 'the tokenizer'}: gives token id {largest}, beyond {model}'s vocab_size "
+                           f"{vocab_size} (its embedding rows): it is another model's tokenizer; pass the model's own "
+                           "(leave --tokenizer unset)")
 
 
 def lora_of_run(plan, *, model_path: str, merge: bool):

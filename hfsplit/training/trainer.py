@@ -23,6 +23,7 @@ from hfsplit.plan import TrainingSpec
 from hfsplit.planning.timing import time_report
 from hfsplit.training.checkpointer import Checkpointer
 from hfsplit.training.elastic import StopAtBoundary, stop_for_regroup
+from hfsplit.training.interrupts import interrupted
 from hfsplit.training.memory import out_of_memory_is_one_line
 from hfsplit.training.data import MicroBatches, TokenRows
 from hfsplit.training.metrics import Metrics, StepOutcome, TrainResult, summary_line
@@ -66,6 +67,8 @@ def fit(run: Run) -> TrainResult:
         if not is_peer_failure(exc):
             raise
         raise peer_lost_error(exc, step=step, output_dir=options.output_dir) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`interrupts.sigterm_interrupts`)
+        raise interrupted(options.output_dir, step=step + 1 if step < run.first_step else step) from None
     finally:
         run.metrics.close_bar()  # an error then prints on a line of its own, not after the bar
     if dist.get_rank() == 0:
