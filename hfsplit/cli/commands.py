@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 # Each command's one-line help, as `hfsplit --help` lists it; `hfsplit.cli.plan` parses and runs them all.
 COMMANDS = {
     "plan": "plan a split of MODEL over a memory budget (reads config.json only)",
+    "check": "prove the split of MODEL equals transformers on its config, shrunk (CPU, cached)",
     "accelerate-config": "print the path of the bundled accelerate config for CPU ranks",
 }
 DESCRIPTION = ("Plan, load and fine-tune Hugging Face causal LMs split across GPUs that are each too small: "
