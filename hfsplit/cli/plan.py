@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 from hfsplit.apply import third_party_logs
 from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_max_memory, parse_size, torch_gpus
 from hfsplit.cli.charts import plan_memory_chart
+from hfsplit.cli.ship import COMMANDS as SHIP_COMMANDS, add_ship_parsers, run_ship
 from hfsplit.errors import HfsplitError
 from hfsplit.planning.memory_choices import host_budget
 from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, FinetuneOptions, add_option_arguments, options_from,
@@ -124,13 +125,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub.add_parser("accelerate-config", help="print the path of the bundled accelerate config for CPU ranks",
                    description="accelerate launch --config_file \"$(hfsplit accelerate-config)\" -m hfsplit.finetune "
                                "runs the built-in demo on two CPU ranks from an installed package")
+    add_ship_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "accelerate-config":
         print(ACCELERATE_CPU_CONFIG)
         return 0
     third_party_logs.install()
     try:
-        return run_plan(args)
+        return run_ship(args) if args.command in SHIP_COMMANDS else run_plan(args)
     except HfsplitError as exc:
         print(f"hfsplit {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
