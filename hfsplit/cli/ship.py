@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from hfsplit.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
@@ -33,10 +34,16 @@ def add_ship_parsers(sub) -> None:
 
 
 def run_ship(args: argparse.Namespace) -> int:
-    """Run `merge` or `export-gguf`; errors propagate to the CLI's handler (one line, exit 2)."""
+    """Run `merge` or `export-gguf`; errors propagate to the CLI's handler (one line, exit 2). SIGTERM unwinds like
+    Ctrl-C, so the half-written output is removed."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.command == "merge":
         out = merge_adapter(args.base, args.adapter, args.out, max_shard_size=args.max_shard_size)
     else:
         out = export_gguf(args.model, args.out, tensor_type=args.gguf_type)
     print(out, file=sys.stdout)
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
