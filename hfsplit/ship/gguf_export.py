@@ -113,6 +113,9 @@ def gguf_arch(config) -> GgufArch:
     if model_type == "mistral" and getattr(config, "sliding_window", None):
         raise UnsupportedModelError("export-gguf: Mistral with a sliding window is not exported (llama.cpp's "
                                     "Llama layout has none)")
+    if model_type == "qwen3" and getattr(config, "head_dim", 128) != 128:
+        raise UnsupportedModelError(f"export-gguf: Qwen3 with head_dim {config.head_dim} is not exported: transformers' "
+                                    "GGUF reader, the proof of the export, takes Qwen3's head_dim as 128")
     return ARCHITECTURES[model_type]
 
 
@@ -171,7 +174,7 @@ def add_hyperparameters(writer, config, tensor_type: str) -> None:
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
-    writer.add_name(Path(getattr(config, "_name_or_path", "") or "model").name)
+    # No general.name: transformers' reader takes a file named exactly "mistral" for its own Mistral layout.
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
