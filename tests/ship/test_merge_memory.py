@@ -66,3 +66,32 @@ def test_an_interrupted_merge_leaves_no_output(big, tmp_path):
     proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert list(tmp_path.iterdir()) == []
+
+
+EXPORT = """
+import sys
+import torch, transformers, gguf, safetensors
+from hfsplit.ship.gguf_export import export_gguf
+def hwm():
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+before = hwm()
+export_gguf(sys.argv[1], sys.argv[2], tensor_type=sys.argv[3])
+print(before, hwm())
+"""
+
+
+def test_gguf_export_peak_ram_stays_under_twice_the_largest_tensor_plus_1_gib(big, tmp_path):
+    """f16 export of the bf16 base: one tensor read and its f16 copy at a time."""
+    from tests.ship.bpe import write_bpe_tokenizer
+
+    base, _, largest, _ = big
+    write_bpe_tokenizer(base)  # 400 trained tokens, padded to the 128256 rows as unused tokens
+    done = subprocess.run([sys.executable, "-c", EXPORT, base, tmp_path / "model.gguf", "f16"], capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported, peak = map(int, done.stdout.split()[-2:])
+    bound = 2 * largest + 2**30
+    print(f"\nexport-gguf f16: peak RSS {peak / 2**30:.2f} GiB (after imports {imported / 2**30:.2f} GiB), bound "
+          f"{bound / 2**30:.2f} GiB = 2 × largest tensor + 1 GiB; file {(tmp_path / 'model.gguf').stat().st_size / 2**30:.2f} GiB")
+    assert peak < bound
