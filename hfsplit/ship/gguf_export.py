@@ -33,10 +33,12 @@ class GgufArch:
         name: GGUF `general.architecture` (a `gguf.MODEL_ARCH_NAMES` value).
         permute_qk: q and k rows interleaved per head (llama.cpp's rope layout for Llama; transformers' reader
             undoes it).
+        norm_offset: added to RMSNorm weights (Gemma's norms scale by 1 + w; llama.cpp stores 1 + w).
     """
 
     name: str
     permute_qk: bool = False
+    norm_offset: float = 0.0
 
 
 # transformers model_type → GGUF architecture; each proven by tests/ship/test_gguf.py against transformers' reader.
@@ -45,7 +47,11 @@ ARCHITECTURES = {
     "mistral": GgufArch("llama", permute_qk=True),  # llama.cpp converts Mistral as Llama (no sliding window)
     "qwen2": GgufArch("qwen2"),
     "qwen3": GgufArch("qwen3"),
+    "gemma2": GgufArch("gemma2", norm_offset=1.0),
 }
+# Config values transformers' GGUF reader does not read back (it takes its defaults): exported only when they are.
+_READER_DEFAULTS = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                               "query_pre_attn_scalar": 256}}
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,11 @@ def gguf_arch(config) -> GgufArch:
     if model_type == "mistral" and getattr(config, "sliding_window", None):
         raise UnsupportedModelError("export-gguf: Mistral with a sliding window is not exported (llama.cpp's "
                                     "Llama layout has none)")
+    differ = {k: getattr(config, k, None) for k, v in _READER_DEFAULTS.get(model_type, {}).items()
+              if getattr(config, k, None) != v}
+    if differ:
+        raise UnsupportedModelError(f"export-gguf: {model_type!r} with {differ} is not exported: transformers' GGUF "
+                                    f"reader, the proof of the export, takes {_READER_DEFAULTS[model_type]}")
     if model_type == "qwen3" and getattr(config, "head_dim", 128) != 128:
         raise UnsupportedModelError(f"export-gguf: Qwen3 with head_dim {config.head_dim} is not exported: transformers' "
                                     "GGUF reader, the proof of the export, takes Qwen3's head_dim as 128")
@@ -149,6 +160,8 @@ def tensor_bytes(source: BaseCheckpoint, arch: GgufArch, t: GgufTensor) -> np.nd
     if arch.permute_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
         heads = source.config.num_attention_heads if "attn_q" in t.name else source.config.num_key_value_heads
         value = _rope_permuted(value, heads)
+    if arch.norm_offset and t.name.endswith("norm.weight"):
+        value = value.float() + arch.norm_offset
     if t.qtype == gguf.GGMLQuantizationType.F32:
         return value.float().numpy()
     if t.qtype == gguf.GGMLQuantizationType.F16:
@@ -187,6 +200,11 @@ def add_hyperparameters(writer, config, tensor_type: str) -> None:
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "sliding_window", None) and config.model_type != "mistral":
+        writer.add_sliding_window(config.sliding_window)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, key, None):
+            getattr(writer, f"add_{key}")(config.__getattribute__(key))
     writer.add_file_type(_FILE_TYPES[tensor_type](gguf))
     if tensor_type.startswith("q"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

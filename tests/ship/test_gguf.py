@@ -18,13 +18,27 @@ TEXT = "Hello world! <|im_start|>user\n Numbers 12345 and ünïcödé, spaces   
 BOUNDS = {"bf16": 0.01, "q8_0": 0.02, "q4_0": 0.25}
 
 
+# transformers' GGUF reader takes Qwen3's head_dim as 128 and Gemma2's soft-caps and query scale at their defaults
+READER_DEFAULTS = {"qwen3": dict(head_dim=128), "gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                                               query_pre_attn_scalar=256, tied=True)}
+
+
 def fp16_model(folder, arch, split="llama-bpe"):
-    """An fp16 tiny `arch` with a trained byte-level BPE tokenizer (vocabulary a little larger than the tokenizer)."""
-    from hfsplit.checkpoint.synthetic import tiny_config, write_checkpoint
+    """An fp16 tiny `arch` with random norm weights (Gemma's are stored as 1 + w) and a trained byte-level BPE
+    tokenizer (the vocabulary a little larger than the tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    from hfsplit.checkpoint.synthetic import tiny_config
 
     tokenizer = write_bpe_tokenizer(folder, split=split)
-    extra = {"head_dim": 128} if arch == "qwen3" else {}  # transformers' reader takes Qwen3's head_dim as 128
-    write_checkpoint(folder, tiny_config(arch, num_layers=2, vocab=len(tokenizer) + 3, **extra), dtype=torch.float16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, num_layers=2, vocab=len(tokenizer) + 3,
+                                                         **READER_DEFAULTS.get(arch, {})))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0 if arch != "gemma2" else 0.0, 0.1)
+    model.to(torch.float16).save_pretrained(folder)
     return folder, tokenizer
 
 
@@ -45,7 +59,7 @@ def logits_and_tokenizer(folder, gguf_file=None):
 
 
 @pytest.mark.parametrize("arch, split", [("llama", "llama-bpe"), ("qwen2", "qwen2"), ("qwen3", "qwen2"),
-                                         ("mistral", "gpt-2")])
+                                         ("mistral", "gpt-2"), ("gemma2", "llama-bpe")])
 def test_f16_export_loads_in_transformers_to_equal_logits_and_tokens(tmp_path, arch, split):
     folder, tokenizer = fp16_model(tmp_path / arch, arch, split)
     export_gguf(folder, folder / "model.gguf", tensor_type="f16")
@@ -84,10 +98,11 @@ def test_a_merged_folder_exports_to_the_merged_models_logits(tmp_path):
 
 
 def test_architectures_without_a_proof_are_refused_by_name(tiny_checkpoint, tmp_path):
-    folder = tiny_checkpoint("gemma2")
-    with pytest.raises(UnsupportedModelError, match="'gemma2' is not exported"):
-        export_gguf(folder, tmp_path / "x.gguf")
-    done = subprocess.run([sys.executable, "-m", "hfsplit.cli", "export-gguf", folder, tmp_path / "x.gguf"],
-                          capture_output=True, text=True)
-    assert done.returncode == 2 and "hfsplit export-gguf: export-gguf: model type 'gemma2'" in done.stderr
+    with pytest.raises(UnsupportedModelError, match="'phi3' is not exported"):
+        export_gguf(tiny_checkpoint("phi3"), tmp_path / "x.gguf")
+    with pytest.raises(UnsupportedModelError, match="'gemma2' with .*attn_logit_softcapping"):
+        export_gguf(tiny_checkpoint("gemma2"), tmp_path / "x.gguf")  # soft-caps the reader would not read back
+    done = subprocess.run([sys.executable, "-m", "hfsplit.cli", "export-gguf", tiny_checkpoint("olmo2"),
+                           tmp_path / "x.gguf"], capture_output=True, text=True)
+    assert done.returncode == 2 and "hfsplit export-gguf: export-gguf: model type 'olmo2'" in done.stderr
     assert list(tmp_path.iterdir()) == []
