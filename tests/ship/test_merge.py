@@ -103,3 +103,19 @@ def test_the_cli_merges_and_refuses_bad_input_in_one_line_with_exit_2(bf16_llama
         assert not (tmp_path / "bad").exists()
     with pytest.raises(CheckpointError, match="another model"):
         merge_adapter(base, other, tmp_path / "bad")
+
+
+def test_a_hub_name_base_merges_through_the_hub_cache(bf16_llama, tmp_path):
+    """BASE as `org/name`, resolved offline through huggingface_hub's own cache lookup."""
+    import os
+
+    from hfsplit.checkpoint.synthetic import write_hub_cache
+
+    base, adapter = bf16_llama
+    write_hub_cache(tmp_path / "hub", "someone/tiny-llama", base)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "hfsplit.cli", "merge", "someone/tiny-llama", adapter,
+                           tmp_path / "out"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_bitwise(peft_merged(base, adapter), loaded(tmp_path / "out"), loaded(base))
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
