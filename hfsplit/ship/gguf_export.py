@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -48,10 +48,13 @@ ARCHITECTURES = {
     "qwen2": GgufArch("qwen2"),
     "qwen3": GgufArch("qwen3"),
     "gemma2": GgufArch("gemma2", norm_offset=1.0),
+    "qwen3_moe": GgufArch("qwen3moe"),
 }
 # Config values transformers' GGUF reader does not read back (it takes its defaults): exported only when they are.
 _READER_DEFAULTS = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-                               "query_pre_attn_scalar": 256}}
+                               "query_pre_attn_scalar": 256},
+                    "qwen3_moe": {"norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1,
+                                  "moe_intermediate_size": 768}}
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class GgufTensor:
     source: str
     shape: tuple[int, ...]
     qtype: object  # gguf.GGMLQuantizationType
+    rows: Optional[tuple[int, int]] = None  # (start, length) along dim 1: gate or up half of fused MoE experts
 
 
 def export_gguf(model: Union[str, os.PathLike], out: Union[str, os.PathLike], *, tensor_type: str = "f16") -> Path:
@@ -141,15 +145,28 @@ def gguf_tensors(source: BaseCheckpoint, arch: GgufArch, tensor_type: str) -> li
     for name in source.names():
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise UnsupportedModelError(f"export-gguf: gguf's tensor map has no name for {name!r} of "
-                                        f"{source.config.model_type!r}")
-        shape = tuple(source.spec(name).shape)
-        block = gguf.GGML_QUANT_SIZES[wanted][0]
-        qtype = wanted if len(shape) == 2 and shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
-        out.append(GgufTensor(gguf_name, name, shape, qtype))
+        for lookup, rows in _pieces(name, tuple(source.spec(name).shape)):
+            gguf_name = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
+                raise UnsupportedModelError(f"export-gguf: gguf's tensor map has no name for {name!r} of "
+                                            f"{source.config.model_type!r}")
+            gguf_name += "" if lookup.endswith((".weight", ".bias")) else ".weight"
+            shape = list(source.spec(name).shape)
+            if rows is not None:
+                shape[1] = rows[1]
+            block = gguf.GGML_QUANT_SIZES[wanted][0]
+            qtype = wanted if len(shape) >= 2 and shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
+            out.append(GgufTensor(gguf_name, name, tuple(shape), qtype, rows))
     return out
+
+
+def _pieces(name: str, shape: tuple[int, ...]) -> list[tuple[str, Optional[tuple[int, int]]]]:
+    """(name to look up in gguf's tensor map, rows along dim 1) of the GGUF tensors `name` becomes: fused MoE experts'
+    `gate_up_proj` [E, 2I, H] as llama.cpp's separate gate and up experts, anything else as itself."""
+    if not name.endswith("experts.gate_up_proj"):
+        return [(name, None)]
+    half = shape[1] // 2
+    return [(name.replace("gate_up_proj", "gate_proj"), (0, half)), (name.replace("gate_up_proj", "up_proj"), (half, half))]
 
 
 def tensor_bytes(source: BaseCheckpoint, arch: GgufArch, t: GgufTensor) -> np.ndarray:
@@ -157,6 +174,8 @@ def tensor_bytes(source: BaseCheckpoint, arch: GgufArch, t: GgufTensor) -> np.nd
     import gguf
 
     value = source.read(t.source)
+    if t.rows is not None:
+        value = value.narrow(1, *t.rows).contiguous()
     if arch.permute_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
         heads = source.config.num_attention_heads if "attn_q" in t.name else source.config.num_key_value_heads
         value = _rope_permuted(value, heads)
@@ -200,6 +219,10 @@ def add_hyperparameters(writer, config, tensor_type: str) -> None:
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "num_experts", None):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "sliding_window", None) and config.model_type != "mistral":
         writer.add_sliding_window(config.sliding_window)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):

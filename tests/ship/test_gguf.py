@@ -18,9 +18,11 @@ TEXT = "Hello world! <|im_start|>user\n Numbers 12345 and ünïcödé, spaces   
 BOUNDS = {"bf16": 0.01, "q8_0": 0.02, "q4_0": 0.25}
 
 
-# transformers' GGUF reader takes Qwen3's head_dim as 128 and Gemma2's soft-caps and query scale at their defaults
+# transformers' GGUF reader takes Qwen3's head_dim as 128, Gemma2's soft-caps and query scale and Qwen3-MoE's expert
+# width and top-k normalisation at their defaults
 READER_DEFAULTS = {"qwen3": dict(head_dim=128), "gemma2": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                                                               query_pre_attn_scalar=256, tied=True)}
+                                                               query_pre_attn_scalar=256, tied=True),
+                   "qwen3_moe": dict(norm_topk_prob=True, moe_intermediate_size=768)}
 
 
 def fp16_model(folder, arch, split="llama-bpe"):
@@ -59,7 +61,8 @@ def logits_and_tokenizer(folder, gguf_file=None):
 
 
 @pytest.mark.parametrize("arch, split", [("llama", "llama-bpe"), ("qwen2", "qwen2"), ("qwen3", "qwen2"),
-                                         ("mistral", "gpt-2"), ("gemma2", "llama-bpe")])
+                                         ("mistral", "gpt-2"), ("gemma2", "llama-bpe"),
+                                         ("qwen3_moe", "qwen2")])
 def test_f16_export_loads_in_transformers_to_equal_logits_and_tokens(tmp_path, arch, split):
     folder, tokenizer = fp16_model(tmp_path / arch, arch, split)
     export_gguf(folder, folder / "model.gguf", tensor_type="f16")
