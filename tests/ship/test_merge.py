@@ -48,17 +48,20 @@ def test_merge_equals_peft_bitwise_on_a_bf16_llama_in_shards_with_tokenizer(bf16
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no temporary folder left
 
 
-def test_merge_moe_fused_experts_with_expert_parameter_lora_equals_peft(tmp_path):
-    """Qwen3-MoE: checkpoint experts one by one, the model's fused; LoRA on q_proj and on both expert parameters."""
-    base = write_base(tmp_path / "base", "qwen3_moe")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_merge_moe_fused_experts_with_expert_parameter_lora_equals_peft(tmp_path, arch):
+    """Qwen3-MoE: checkpoint experts one by one, the model's fused (out, in); gpt-oss: fused and transposed
+    (in, out). LoRA on q_proj and on both expert parameters."""
+    base = write_base(tmp_path / "base", arch)
     adapter = write_adapter(base, tmp_path / "adapter", target_modules=["q_proj"],
                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     out = merge_adapter(base, adapter, tmp_path / "merged")
     assert_bitwise(peft_merged(base, adapter), loaded(out), loaded(base))
     from safetensors import safe_open
 
-    with safe_open(str(out / "model.safetensors"), "pt") as f:  # written as save_pretrained writes: one by one
-        assert "model.layers.0.mlp.experts.3.gate_proj.weight" in f.keys()
+    with safe_open(str(out / "model.safetensors"), "pt") as f:  # written as save_pretrained writes them
+        stored = "experts.3.gate_proj.weight" if arch == "qwen3_moe" else "experts.gate_up_proj"
+        assert f"model.layers.0.mlp.{stored}" in f.keys()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
