@@ -120,7 +120,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
                                       batches=run.batches),
         output_dir=options.output_dir, method=saved_method(options.method), base_model=model_path, lora_config=config,
         tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
-        metrics=run.metrics)
+        metrics=run.metrics, max_shard_size=options.max_shard_size)
     if options.objective == "dpo" and reference_of(options) == "precomputed":  # the starting weights', not a resume's
         run.loss_fn.precomputed, run.held_out_reference = precompute_reference(run, progress=progress and holds_loss)
     run.first_step = run.checkpointer.resume(launch.resume_from)

@@ -122,3 +122,31 @@ def test_a_hub_name_base_merges_through_the_hub_cache(bf16_llama, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert_bitwise(peft_merged(base, adapter), loaded(tmp_path / "out"), loaded(base))
     assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_merge_on_at_the_end_of_training_streams_shards_of_max_shard_size(tiny_checkpoint, tmp_path):
+    """A LoRA run with --merge and --max-shard-size 40KB (one rank, no launcher): merged/ is shards of at most 40 KB
+    (a larger tensor alone), its index, and a model transformers loads."""
+    import os
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT")}
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(root / "recipes" / "finetune.py"), "--model", tiny_checkpoint("llama"),
+                           "--method", "lora", "--merge", "--max-shard-size", "40KB", "--max-memory", "1GiB",
+                           "--max-steps", "2", "--seq-len", "64", "--global-batch", "2", "--output-dir", out],
+                          capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    index = json.loads((out / "merged" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    held = {s: [k for k, v in index["weight_map"].items() if v == s] for s in shards}
+    # at most 40 KB of tensors a shard, or one tensor larger than that alone (as save_pretrained shards)
+    assert len(shards) > 2 and all((out / "merged" / s).stat().st_size <= 40_000 + 8192 or len(held[s]) == 1
+                                   for s in shards)
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    assert set(merged.state_dict()) >= set(index["weight_map"])
