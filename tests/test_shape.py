@@ -26,7 +26,7 @@ LAYERS = {
     "hfsplit.configs": 0, "hfsplit.gpu_kinds": 0,
     "hfsplit.models": 1,
     "hfsplit.checkpoint": 2,
-    "hfsplit.planning": 3, "hfsplit.apply": 3,
+    "hfsplit.planning": 3, "hfsplit.apply": 3, "hfsplit.ship": 3,
     "hfsplit.parallel": 4,
     "hfsplit.load": 5,
     "hfsplit.training": 6,

@@ -9,6 +9,8 @@ from typing import Optional, Sequence
 COMMANDS = {
     "plan": "plan a split of MODEL over a memory budget (reads config.json only)",
     "check": "prove the split of MODEL equals transformers on its config, shrunk (CPU, cached)",
+    "merge": "merge a LoRA adapter into its base model, tensor by tensor (bounded host RAM)",
+    "export-gguf": "write a model folder as one GGUF file (f16, bf16, f32, q8_0, q4_0) for llama.cpp",
     "accelerate-config": "print the path of the bundled accelerate config for CPU ranks",
 }
 DESCRIPTION = ("Plan, load and fine-tune Hugging Face causal LMs split across GPUs that are each too small: "

@@ -11,6 +11,7 @@ from hfsplit.apply import third_party_logs
 from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_max_memory, parse_size, torch_gpus
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli.charts import plan_memory_chart
+from hfsplit.cli.ship import COMMANDS as SHIP_COMMANDS, add_ship_parsers, run_ship
 from hfsplit.errors import HfsplitError
 from hfsplit.planning.memory_choices import host_budget
 from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, PLANNED, FinetuneOptions, OptionParser,
@@ -159,13 +160,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     check.add_argument("model", nargs="?", help="hub name, local folder or config.json (bundled configs answer offline)")
     check.add_argument("--all", action="store_true", help="every causal-LM type transformers registers, on its "
                                                          "default config: the table of docs/guides/families.md")
+    add_ship_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "accelerate-config":
         print(ACCELERATE_CPU_CONFIG)
         return 0
     third_party_logs.install()
     try:
-        return run_check(args) if args.command == "check" else run_plan(args)
+        if args.command == "check":
+            return run_check(args)
+        return run_ship(args) if args.command in SHIP_COMMANDS else run_plan(args)
     except HfsplitError as exc:
         print(f"hfsplit {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code

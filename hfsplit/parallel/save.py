@@ -1,9 +1,10 @@
 """Saving a split model in the formats everyone loads, atomically.
 
-Full fine-tuning: a Hugging Face model folder (sharded safetensors + index, config,
-generation config, tokenizer). Each pipeline stage writes its own shard; tensor-parallel
-pieces are gathered tensor by tensor within the stage's TP group, so no rank ever holds
-the whole model. LoRA: a peft adapter folder (adapter_config.json, adapter_model.safetensors).
+Full fine-tuning (and `--merge`): a Hugging Face model folder (sharded safetensors + index, config,
+generation config, tokenizer). Each pipeline stage writes its own shards through the streaming writer
+(`hfsplit.checkpoint.writer`): tensor by tensor, tensor-parallel pieces gathered within the stage's TP
+group and LoRA adapters folded in one layer at a time, each written and dropped before the next, so no
+rank holds a whole stage. LoRA: a peft adapter folder (adapter_config.json, adapter_model.safetensors).
 
 Writes go into `<dir>.tmp-<step>` and are renamed into place only after every rank has
 finished, so a crash mid-save leaves the previous checkpoint as it was.
@@ -15,7 +16,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,10 @@ import torch.distributed as dist
 from hfsplit.apply.lora import lora_layers
 from hfsplit.apply.quantize import dequantized
 from hfsplit.apply.tp import full_tensor, local_tensor, tp_shard_dim
-from hfsplit.checkpoint.merged import as_stored
+from hfsplit.checkpoint.writer import (DEFAULT_MAX_SHARD_SIZE, StreamingWriter, TensorSpec, shard_layout,
+                                       write_index_file)
 from hfsplit.errors import HfsplitError
+from hfsplit.ship.base import StoredLayout
 
 _ADAPTER_NAME = re.compile(r"\.default(?=\.)")
 
@@ -42,41 +45,53 @@ def writable_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-def full_state_of_stage(model, module, *, merge_lora: bool = False) -> dict[str, torch.Tensor]:
-    """Checkpoint-named CPU tensors of one stage module, TP pieces joined (collective over the TP group);
-    with `merge_lora`, LoRA layers' weights come out with their adapters folded in."""
+def stage_tensor_names(model, module) -> list[str]:
+    """Parameter names of one stage module that a model folder stores: no LoRA matrices, no tied head."""
+    return [name for name, _ in module.named_parameters() if ".lora_" not in name
+            and not (model.plan.tied_embeddings and name == "lm_head.weight")]  # the head is stored once, as the embedding
+
+
+def stage_tensor(model, module, name: str, *, merge_lora: bool = False) -> torch.Tensor:
+    """Parameter `name` of a stage module as a CPU tensor in the run's dtype, TP pieces joined (collective over the TP
+    group); with `merge_lora`, a LoRA layer's weight comes out with its adapter folded in, bitsandbytes weights
+    dequantized (QLoRA: merged in 16 bits)."""
+    value = _stage_value(module, name, merge_lora=merge_lora)
     # Saved in the run's dtype (bf16 runs keep fp32 master weights in memory, users expect bf16 files).
+    return full_tensor(value).to(getattr(torch, model.plan.spec.dtype)).cpu().contiguous()
+
+
+def _stage_value(module, name: str, *, merge_lora: bool) -> torch.Tensor:
+    """`name`'s local value: merged with its LoRA adapter or dequantized, not yet gathered over TP."""
+    owner = module.get_submodule(name.rpartition(".")[0])  # an 8-bit layer keeps its scales on itself
+    if merge_lora and name.endswith(".base_layer.weight"):
+        layer = module.get_submodule(name[:-len(".base_layer.weight")])
+        if hasattr(layer, "lora_A") and "default" in layer.lora_A:
+            return merged_lora_weight(layer)
+    return dequantized(module.get_parameter(name), owner).detach()
+
+
+def stage_tensor_specs(model, module, layout) -> list[TensorSpec]:
+    """The stored tensors one stage writes, in order, from shapes alone (no collective): checkpoint names, the
+    run's dtype, MoE experts one by one as `save_pretrained` writes them (`layout`: hfsplit.ship.base.StoredLayout)."""
     dtype = getattr(torch, model.plan.spec.dtype)
-    merged = merged_lora_weights(module) if merge_lora else {}
-    state = {}
-    for name, param in module.named_parameters():
-        if ".lora_" in name:
-            continue
-        if model.plan.tied_embeddings and name == "lm_head.weight":
-            continue  # stored once, as the embedding
-        owner = module.get_submodule(name.rpartition(".")[0])  # an 8-bit layer keeps its scales on itself
-        value = merged[name] if name in merged else dequantized(param, owner).detach()  # QLoRA: merged in 16 bits
-        state[name.replace(".base_layer.", ".")] = full_tensor(value).to(dtype).cpu().contiguous()
-    return state
+    specs = []
+    for name in stage_tensor_names(model, module):
+        shape = tuple(_stage_value(module, name, merge_lora=False).shape)  # a DTensor's shape is the global one
+        specs += layout.specs(TensorSpec(name.replace(".base_layer.", "."), dtype, shape))
+    return specs
 
 
-def merged_lora_weights(module) -> dict[str, torch.Tensor]:
-    """`W + scaling · B @ A` for every LoRA layer of `module`, keyed by the base weight's parameter name.
-
-    Computed on this rank's pieces: a column-parallel layer holds rows of W and of B (A whole), a
-    row-parallel one columns of W and of A (B whole), so the local product is exactly the local piece.
-    """
+def merged_lora_weight(layer) -> torch.Tensor:
+    """`W + scaling · B @ A` of one LoRA layer, on this rank's pieces: a column-parallel layer holds rows of W and of B
+    (A whole), a row-parallel one columns of W and of A (B whole), so the local product is exactly the local piece."""
     from torch.distributed.tensor import DTensor
 
-    merged = {}
-    for prefix, sub in lora_layers(module):
-        weight = dequantized(sub.base_layer.weight, sub.base_layer).detach()
-        delta = sub.lora_B["default"].weight.detach().float() @ sub.lora_A["default"].weight.detach().float()
-        local = (local_tensor(weight).float() + delta * sub.scaling["default"]).to(weight.dtype)
-        if isinstance(weight, DTensor):
-            local = DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False)
-        merged[f"{prefix}.base_layer.weight"] = local
-    return merged
+    weight = dequantized(layer.base_layer.weight, layer.base_layer).detach()
+    delta = layer.lora_B["default"].weight.detach().float() @ layer.lora_A["default"].weight.detach().float()
+    local = (local_tensor(weight).float() + delta * layer.scaling["default"]).to(weight.dtype)
+    if isinstance(weight, DTensor):
+        local = DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False)
+    return local
 
 
 def lora_state_of_stage(model, module) -> dict[str, torch.Tensor]:
@@ -97,12 +112,13 @@ def lora_state_of_stage(model, module) -> dict[str, torch.Tensor]:
 
 
 def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_config=None, tokenizer=None,
-                     base_model: Optional[str] = None, extra=None, merge_lora: bool = False) -> Path:
+                     base_model: Optional[str] = None, extra=None, merge_lora: bool = False,
+                     max_shard_size: Union[str, int] = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Save `model` (a SplitModel, on every rank) into `folder` atomically; the final path.
 
     `method="full"` writes a Hugging Face model folder (with `merge_lora`, LoRA adapters folded into
     the weights), `"lora"` a peft adapter folder. `extra(tmp_folder)`, when given, runs on every rank
-    before the rename (trainer state).
+    before the rename (trainer state). Shards hold at most `max_shard_size` bytes each ("5GB", as save_pretrained).
     """
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
@@ -124,7 +140,7 @@ def _save_through(model, folder: Path, tmp: Path, *, method: str, lora_config, t
         tmp.mkdir(parents=True)
     dist.barrier()
     if method == "full":
-        _write_full(model, tmp, merge_lora=merge_lora, base_model=base_model)
+        _write_full(model, tmp, merge_lora=merge_lora, base_model=base_model, max_shard_size=max_shard_size)
     else:
         _write_adapter(model, tmp, lora_config=lora_config, base_model=base_model)
     if rank == 0 and tokenizer is not None:
@@ -149,26 +165,41 @@ def _writes(model) -> bool:
     return model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
 
 
-def _write_full(model, tmp: Path, *, merge_lora: bool, base_model: Optional[str]) -> None:
-    """A Hugging Face model folder in `tmp`: one safetensors shard per stage, the index, the configs (collective)."""
-    from safetensors.torch import save_file
-
-    pieces = {}
-    for index, module in zip(model.stage_indices, model.stages):
-        state = full_state_of_stage(model, module, merge_lora=merge_lora)  # collective: every TP rank takes part
-        pieces[index] = as_stored(model.config, state)  # MoE experts one by one, as transformers saves them
-    writer = _writes(model)
-    if writer:
-        total = len(model.plan.stages)
-        for index, state in pieces.items():
-            save_file(state, str(tmp / _shard_name(index, total)), metadata={"format": "pt"})
-    names = {index: sorted(state) for index, state in pieces.items()} if writer else {}
+def _write_full(model, tmp: Path, *, merge_lora: bool, base_model: Optional[str],
+                max_shard_size: Union[str, int] = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """A Hugging Face model folder in `tmp` (collective): each stage's tensors streamed one at a time into shards of at
+    most `max_shard_size` (a shard never spans stages; one writing rank per stage), the index, the configs."""
+    layout = StoredLayout(model.config)
+    stages = list(zip(model.stage_indices, model.stages))
+    groups = [group for _, module in stages
+              for group in shard_layout(stage_tensor_specs(model, module, layout), max_shard_size)]
+    writes = _writes(model)
+    first, total = _shard_numbering(min(model.stage_indices), len(groups) if writes else 0)
+    writer = StreamingWriter(tmp, [], layout=groups, first_shard=first, total_shards=total) if writes else None
+    for _, module in stages:
+        for name in stage_tensor_names(model, module):
+            value = stage_tensor(model, module, name, merge_lora=merge_lora)  # collective: every TP rank takes part
+            for key, piece in layout.pieces(name.replace(".base_layer.", "."), value).items():
+                if writer is not None:
+                    writer.write(key, piece)
+            del value
+    mine = (writer.close(write_index=False), writer.total_size) if writer is not None else ({}, 0)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, names)
+    dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:
-        _write_index(tmp, gathered, total=len(model.plan.stages))
+        write_index_file(tmp, {k: v for part, _ in gathered for k, v in part.items()},
+                         total_size=sum(size for _, size in gathered))
         model.config.save_pretrained(tmp)
         _write_generation_config(tmp, base_model, config=model.config)
+
+
+def _shard_numbering(first_stage: int, shards: int) -> tuple[int, int]:
+    """(this rank's first shard number, the shards of all ranks) with the writing ranks' shards in stage order
+    (collective)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (first_stage, shards))
+    before = sum(n for stage, n in gathered if stage < first_stage)
+    return before, sum(n for _, n in gathered)
 
 
 def _write_adapter(model, tmp: Path, *, lora_config, base_model: Optional[str]) -> None:
@@ -185,21 +216,6 @@ def _write_adapter(model, tmp: Path, *, lora_config, base_model: Optional[str]) 
         save_file(merged, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         lora_config.base_model_name_or_path = base_model
         lora_config.save_pretrained(tmp)
-
-
-def _shard_name(index: int, total: int) -> str:
-    return f"model-{index + 1:05d}-of-{total:05d}.safetensors"
-
-
-def _write_index(folder: Path, gathered: list[dict], *, total: int) -> None:
-    weight_map = {}
-    for names_by_stage in gathered:
-        for index, names in names_by_stage.items():
-            for name in names:
-                weight_map[name] = _shard_name(int(index), total)
-    size = sum((folder / f).stat().st_size for f in set(weight_map.values()))
-    index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _write_generation_config(folder: Path, base_model: Optional[str], *, config) -> None:

@@ -18,6 +18,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 import yaml
 
+from hfsplit.budget import parse_size
 from hfsplit.errors import HfsplitError
 from hfsplit.objectives import OBJECTIVES, objective_of, option_mixins
 from hfsplit.plan import TrainingSpec
@@ -130,6 +131,8 @@ class FinetuneOptions(*option_mixins()):
         None, "checkpoints", "metrics, checkpoints and the final model go here; unset: runs/<model name>")
     save_every: Optional[int] = option(None, "checkpoints", "save a checkpoint every N steps; unset: only at the end")
     save_total_limit: int = option(0, "checkpoints", "keep only the newest K checkpoints; 0 keeps all")
+    max_shard_size: str = option("5GB", "checkpoints", "largest safetensors shard of model/ and merged/, as "
+                                 "save_pretrained (each stage streams its tensors into shards of at most this size)")
     resume: Optional[str] = option(
         None, "checkpoints", "a checkpoint folder, or latest (a bare --resume): weights, optimizer, scheduler, RNG and "
         "data position, resharded to this run's split; auto: the latest if there is one (what a torchrun restart "
@@ -153,6 +156,7 @@ class FinetuneOptions(*option_mixins()):
         if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
         objective_of(self.objective).check_options(self)
+        parse_size(self.max_shard_size, what="--max-shard-size")  # refused before the run, not at its end
         if self.peer_timeout <= 0:
             raise HfsplitError(f"--peer-timeout must be a positive number of seconds (got {self.peer_timeout})")
         for name in ("seq_len", "micro_batch_size", "lora_r"):

@@ -122,7 +122,7 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
                                       batches=run.batches),
         output_dir=options.output_dir, method=saved_method(options.method), base_model=model_path, lora_config=config,
         tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
-        metrics=run.metrics)
+        metrics=run.metrics, max_shard_size=options.max_shard_size)
     objective.prepare(run, progress=progress and holds_loss)  # before a resume loads trained weights
     run.first_step = run.checkpointer.resume(launch.resume_from)
     log_launch(run, launch, started=started)
