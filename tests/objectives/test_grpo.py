@@ -170,3 +170,33 @@ def test_grpo_options_take_trls_defaults_and_refuse_what_cannot_run():
     with pytest.raises(HfsplitError, match="no function nothing"):
         load_reward_functions(["hfsplit.objectives.rewards:nothing"])
     assert not math.isnan(load_reward_functions(FUNCS, [1, 2]).weights.sum())
+
+
+@pytest.mark.slow
+def test_the_tiny_grpo_recipe_raises_the_mean_reward_over_30_steps(tmp_path):
+    """The recipe (recipes/tiny/grpo.yaml: the built-in tiny Llama, full fine-tuning at pp=2, the bundled "a+b="
+    prompts and their verifiable rewards): the mean reward of the last 10 steps is well above that of the first 5
+    (measured 0.015 → 0.36); TRL's figures are in metrics.jsonl and TensorBoard under TRL's names."""
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hfsplit.training.options import recipe_values
+    from tests.parallel.launcher import launch
+
+    recipe = recipe_values(Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "grpo.yaml")
+    run = {**recipe, "output_dir": str(tmp_path / "grpo"), "max_memory": "2x2GiB"}
+    results = launch("tests.objectives.grpo_cases:grpo_losses", world_size=2, kwargs={"options": run},
+                     timeout_s=900)
+    records = results[0]["records"]
+    assert len(records) == 30
+    rewards = [r["reward"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    assert last > 3 * first and last - first > 0.1, rewards
+    names = ("reward", "reward_std", "rewards/answer_correct/mean", "rewards/digits_only/mean",
+             "completions/mean_length", "clip_ratio/region_mean", "entropy")
+    events = [EventAccumulator(str(p.parent)).Reload() for p in (tmp_path / "grpo" / "tensorboard").rglob(
+        "events.out.tfevents.*")]
+    for key in names:
+        scalars = sorted((s.step, s.value) for e in events if key in e.Tags()["scalars"] for s in e.Scalars(key))
+        assert [v for _, v in scalars] == pytest.approx([r[key] for r in records], rel=1e-6, abs=1e-7), key
