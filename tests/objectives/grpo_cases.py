@@ -63,3 +63,20 @@ def grpo_losses(options: dict) -> dict:
     with open(Path(options.output_dir) / "metrics.jsonl") as f:
         records = [r for r in map(json.loads, f) if "reward" in r]
     return dict(losses=result.losses, records=records)
+
+
+def rollout_generations(checkpoint: str, ids, mask, *, new: int) -> dict:
+    """On every rank: the objectives' `generate` on `checkpoint` split over the ranks' pipeline stages: greedy, and
+    sampled twice with one seed (temperature, top-k, top-p, 3 sequences a prompt)."""
+    from hfsplit.load.launch import split_from_pretrained
+    from hfsplit.objectives.rollout import generate
+    from hfsplit.plan import TrainingSpec
+
+    model = split_from_pretrained(checkpoint, "2x1GiB", spec=TrainingSpec(method="full", seq_len=32, dtype="float32"),
+                                  micro_batches=2, pp=2, tp=1)
+    common = dict(attention_mask=mask, max_new_tokens=new, eos_token_id=3, pad_token_id=0)
+    with torch.no_grad():
+        greedy = generate(model, ids, **common)
+        sampled = [generate(model, ids, do_sample=True, temperature=0.7, top_k=20, top_p=0.9, num_return_sequences=3,
+                            seed=7, **common) for _ in range(2)]
+    return dict(greedy=greedy, sampled=sampled)

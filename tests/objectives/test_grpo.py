@@ -39,7 +39,7 @@ def grpo_run(model: str, tmp_path, **overrides) -> dict:
 
 
 def trl_step(options: FinetuneOptions, order: list[str], completions: dict, weights: dict | None = None) -> dict:
-    """TRL's GRPOTrainer on the same LoRA (hfsplit's seeded adapters), prompts and completions (its `rollout_func`
+    """TRL's GRPOTrainer on the same model (LoRA: hfsplit's seeded adapters), prompts and completions (its `rollout_func`
     hands them back instead of generating), in fp32: its loss and adapter gradients of `_compute_loss`, and its
     metrics. `weights`: the trainable weights (by model name) the loss is computed with, after the rollout was
     scored with the seeded ones (a later iteration of `num_iterations`); None: the seeded ones."""
@@ -52,10 +52,11 @@ def trl_step(options: FinetuneOptions, order: list[str], completions: dict, weig
     from hfsplit.training.run import tokenizer_for
 
     tokenizer = tokenizer_for(options, model_path=options.model)
-    base = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
-    model = get_peft_model(base, lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=0.0,
-                                             targets=options.lora_targets, model_config=base.config))
-    seed_lora_weights(model, seed=options.seed)
+    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
+    if options.method != "full":
+        model = get_peft_model(model, lora_config(r=options.lora_r, alpha=options.lora_alpha, dropout=0.0,
+                                                  targets=options.lora_targets, model_config=model.config))
+        seed_lora_weights(model, seed=options.seed)
     seeded = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     queue = [c for prompt in order for c in completions[prompt]]
 
@@ -91,11 +92,14 @@ def trl_step(options: FinetuneOptions, order: list[str], completions: dict, weig
     return dict(loss=float(loss), grads=grads, metrics={k: v[-1] for k, v in trainer._metrics["train"].items()})
 
 
-def assert_step_equals_trl(run: dict, results: list[dict], completions: dict, *, rtol: float = 1e-4) -> dict:
+def assert_step_equals_trl(run: dict, results: list[dict], completions: dict, *, steps: int = 1,
+                           rtol: float = 1e-4) -> dict:
     """Every rank's loss equals TRL's; the ranks' gradients together are TRL's, each within `rtol` (relative to the
     largest of its tensor); the logged figures TRL's. The worst relative differences."""
     options = tiny_demo_options(**run)
-    weights = {n: w for r in results for n, w in r["weights"].items()} if run.get("num_iterations", 1) > 1 else None
+    # after steps before it, TRL's loss with the weights they trained (the rollout scored with the starting ones:
+    # the generating policy's log-probs of a later iteration)
+    weights = {n: w for r in results for n, w in r["weights"].items()} if steps > 1 else None
     trl = trl_step(options, results[0]["order"], completions, weights)
     assert all(r["loss"] == results[0]["loss"] for r in results)
     # on a fresh rollout the ratios are 1 and each group's advantages sum to 0: the loss is 0 but for rounding
@@ -123,19 +127,22 @@ ITERATED = dict(beta=0.04, num_iterations=2, learning_rate=0.05, warmup_steps=0,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides, steps", [(ITERATED, 2), (dict(loss_type="grpo", scale_rewards="batch"), 1)],
-                         ids=["lora-beta-dapo-iteration2", "lora-grpo-batch"])
-def test_grpo_lora_at_pp2_equals_trl_compute_loss(tiny_checkpoint, tmp_path, overrides, steps):
-    """LoRA on two pipeline stages, the reference the same stages with the adapters off (beta > 0): a step's loss
-    and adapter gradients equal TRL's `_compute_loss` on the same completions within rel 1e-4, its figures TRL's."""
+@pytest.mark.parametrize("overrides, steps, ranks", [
+    (ITERATED, 2, 2), (dict(loss_type="grpo", scale_rewards="batch"), 1, 2),
+    (dict(method="full", micro_batches=2, max_memory="4x1GiB", loss_type="dr_grpo", learning_rate=1e-3,
+          warmup_steps=0), 2, 4)], ids=["lora-beta-dapo-iteration2", "lora-grpo-batch", "full-pp2xdp2-dr_grpo"])
+def test_grpo_at_pp2_equals_trl_compute_loss(tiny_checkpoint, tmp_path, overrides, steps, ranks):
+    """Two pipeline stages (× two data-parallel replicas for full fine-tuning), LoRA's reference the same stages with
+    the adapters off (beta > 0): a step's loss and gradients equal TRL's `_compute_loss` on the same completions
+    within rel 1e-4, its figures TRL's."""
     from tests.parallel.launcher import launch
 
     run = grpo_run(str(tiny_checkpoint("llama")), tmp_path, **overrides)
     completions = fixed_completions()
-    results = launch("tests.objectives.grpo_cases:fixed_completion_step", world_size=2,
-                     kwargs={"options": run, "completions": completions, "steps": steps}, timeout_s=600)
-    assert_step_equals_trl(run, results, completions)
-    if steps > 1:  # the terms a first step leaves at zero are there
+    results = launch("tests.objectives.grpo_cases:fixed_completion_step", world_size=ranks,
+                     kwargs={"options": run, "completions": completions, "steps": steps}, timeout_s=900)
+    assert_step_equals_trl(run, results, completions, steps=steps)
+    if steps > 1 and run.get("beta"):  # the terms a first step leaves at zero are there
         metrics = results[0]["metrics"]
         assert metrics["kl"] > 1e-4 and metrics["clip_ratio/region_mean"] > 0, metrics
 
@@ -200,3 +207,29 @@ def test_the_tiny_grpo_recipe_raises_the_mean_reward_over_30_steps(tmp_path):
     for key in names:
         scalars = sorted((s.step, s.value) for e in events if key in e.Tags()["scalars"] for s in e.Scalars(key))
         assert [v for _, v in scalars] == pytest.approx([r[key] for r in records], rel=1e-6, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_rollouts_on_two_stages_equal_transformers_generate_with_left_padding(tiny_checkpoint):
+    """The objectives' generation (`hfsplit.objectives.rollout.generate`) on two pipeline stages: greedy output of
+    left-padded prompts of different lengths equals transformers' `generate` with the attention mask on the whole
+    model; a seeded draw is the same on every rank and run to run, each prompt's sequences next to each other."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.parallel.launcher import launch
+
+    checkpoint = str(tiny_checkpoint("llama"))
+    prompts = [[5, 9, 17, 33, 60], [12, 7], [90, 91, 92]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    results = launch("tests.objectives.grpo_cases:rollout_generations", world_size=2,
+                     kwargs={"checkpoint": checkpoint, "ids": ids, "mask": mask, "new": 8}, timeout_s=600)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=3,
+                              pad_token_id=0)
+    for result in results:
+        assert torch.equal(result["greedy"], expected)
+        first, second = result["sampled"]
+        assert torch.equal(first, second) and torch.equal(first, results[0]["sampled"][0])
+        assert first.shape[0] == 9 and torch.equal(first[:, :width], ids.repeat_interleave(3, dim=0))
