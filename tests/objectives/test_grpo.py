@@ -233,3 +233,27 @@ def test_rollouts_on_two_stages_equal_transformers_generate_with_left_padding(ti
         first, second = result["sampled"]
         assert torch.equal(first, second) and torch.equal(first, results[0]["sampled"][0])
         assert first.shape[0] == 9 and torch.equal(first[:, :width], ids.repeat_interleave(3, dim=0))
+
+
+def test_prompts_are_read_as_trl_reads_them_standard_or_conversational(tmp_path):
+    """A "prompt" column of text (tokenized with the tokenizer's special tokens) or of messages (the chat template
+    with the generation prompt); the other columns travel with each row for the reward functions; a prompt leaving no
+    room for the completion is refused by row."""
+    from hfsplit.checkpoint.synthetic import tiny_tokenizer
+    from hfsplit.objectives.grpo import load_prompt_rows
+    from hfsplit.training.data import DatasetError
+
+    tokenizer = tiny_tokenizer()
+    standard, chat = tmp_path / "standard.jsonl", tmp_path / "chat.jsonl"
+    standard.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in PROMPTS))
+    chat.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": p}], "answer": a}) + "\n"
+                            for p, a in PROMPTS))
+    rows = load_prompt_rows(str(standard), tokenizer, seq_len=32, room=8)
+    assert list(rows.prompt_ids[0]) == tokenizer("1+2=")["input_ids"] and rows.records[1]["answer"] == "4"
+    assert not rows.conversational and (rows.labels == -100).all()
+    talk = load_prompt_rows(str(chat), tokenizer, seq_len=64, room=8)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert talk.conversational and list(talk.prompt_ids[0]) == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    with pytest.raises(DatasetError, match="row 0"):
+        load_prompt_rows(str(chat), tokenizer, seq_len=16, room=8)
