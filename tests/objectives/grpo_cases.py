@@ -80,3 +80,13 @@ def rollout_generations(checkpoint: str, ids, mask, *, new: int) -> dict:
         sampled = [generate(model, ids, do_sample=True, temperature=0.7, top_k=20, top_p=0.9, num_return_sequences=3,
                             seed=7, **common) for _ in range(2)]
     return dict(greedy=greedy, sampled=sampled)
+
+
+def default_options_losses(options: dict) -> list[float]:
+    """On every rank: a run of `FinetuneOptions(**options)`, every other option at its default (no tiny recipe)."""
+    from hfsplit.training.options import FinetuneOptions
+    from hfsplit.training.run import train
+
+    options = FinetuneOptions(**options)
+    options.validate()
+    return train(options, progress=False).losses
