@@ -60,3 +60,8 @@ class RankIdle(HfsplitError):
     Not a failure (exit 0): its launcher then waits at torchrun's exit barrier while the others train."""
 
     exit_code = 0
+
+
+class SplitAttributeError(HfsplitError, AttributeError):
+    """A transformers model attribute that cannot hold on a split model, where each rank holds only its stages
+    (an AttributeError too, so `hasattr` and `getattr(model, name, default)` answer as for a missing attribute)."""

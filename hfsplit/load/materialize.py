@@ -68,7 +68,13 @@ def from_pretrained(
 
     Under a distributed launch (more than one rank: torchrun, accelerate launch) this returns this
     rank's `hfsplit.parallel.split_model.SplitModel` instead: the plan spans all ranks, each rank reads and
-    holds only its stage's (and TP slice's) bytes.
+    holds only its stage's (and TP slice's) bytes. It has the same surface: `hf_device_map` (every stage's
+    modules → "rank:device"), `hfsplit_plan`, `config`, `generation_config`, `forward`, `generate` (pipelined over
+    the stages, transformers' arguments) and `save_pretrained` (collective); a transformers attribute of the whole
+    model raises `SplitAttributeError` saying why. The default budget is an equal share of what each host's
+    devices have free, as the recipe's. An inference plan budgets generation's KV cache for micro_batches ×
+    micro-batch size sequences of `seq_len` tokens: state the rollout with `spec=TrainingSpec(method="inference",
+    seq_len=..., micro_batch_size=...)` and `global_batch=` (or `micro_batches=`).
 
     Returns:
         The model with real weights, `hf_device_map` and `hfsplit_plan` set, in eval mode.

@@ -417,8 +417,8 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     workspace = stage_transient(_offload_workspace(costs, slot, layers), slot, layers) + \
         costs.stage_inputs.workspace_bytes
     kept = _kept_input(costs, slot, layers)  # offload: the first block's input of a later stage stays (see there)
-    acts = slot.in_flight * (sum(c.activation_bytes * k for c, k in parts) + kept +
-                             costs.stage_inputs.activation_bytes) + workspace
+    acts = held_micro_batches(costs, slot) * (sum(c.activation_bytes * k for c, k in parts) + kept +
+                                              costs.stage_inputs.activation_bytes) + workspace
     host = slot.in_flight * (sum(c.offload_bytes * k for c, k in parts) - kept)
     # the objective's reference: what it keeps through the step, and its own pass's peak where the training pass's is lower
     ref_kept, ref_peak = reference_bytes(costs, has_embed=slot.has_embed, has_head=slot.has_head,
@@ -430,6 +430,13 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     acts = ref_kept + _buffers(costs, slot) + max(acts, ref_peak)
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
                        reserve=costs.spec.reserve_bytes, workspace=int(workspace), offload=int(host))
+
+
+def held_micro_batches(costs: ModelCosts, slot: Slot) -> int:
+    """The micro-batches whose kept bytes a stage holds at once: those its schedule has in flight; for inference,
+    every one: generation keeps each micro-batch's KV cache on every stage until the whole rollout batch (micro-batches
+    × micro-batch size sequences of `seq_len` tokens, prompt and new tokens) is done (`hfsplit.parallel.generation`)."""
+    return slot.micro_batches if costs.spec.method == "inference" else slot.in_flight
 
 
 def _buffers(costs: ModelCosts, slot: Slot) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from hfsplit.training.resume import prune_checkpoints, read_trainer_state, write_trainer_state
-from hfsplit.training.save import save_split_model
+from hfsplit.parallel.save import save_split_model
 
 
 @dataclass

@@ -31,7 +31,7 @@ from hfsplit.objectives import objective_of
 from hfsplit.objectives.dpo import check_dpo_router_eval  # noqa: F401  (its tests import it from here)
 from hfsplit.training.options import FinetuneOptions, dataset_of, packing_of, plan_arguments, training_spec, with_plan_batch
 from hfsplit.training.resume import trusted_checkpoint
-from hfsplit.training.save import writable_dir
+from hfsplit.parallel.save import writable_dir
 from hfsplit.training.trainer import Run, fit
 
 
