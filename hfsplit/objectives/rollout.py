@@ -2,11 +2,10 @@
 arguments: left-padded prompts with their attention mask, `max_new_tokens`, `do_sample`, `temperature`, `top_k`,
 `top_p`, `num_return_sequences`, `eos_token_id`, `pad_token_id`, and a seed.
 
-This is the one place the objectives generate. Until `SplitModel.generate` takes these arguments itself (issue 31
-item 2: pipelined, with each stage's KV cache), `generate` here runs each new token as one forward of the whole
-sequences through the pipeline (`SplitModel.forward(broadcast=True)`): no KV cache, the same shape every token (the
-rows padded to their final width, which causal attention never looks ahead to), so one schedule serves a whole
-rollout. Every rank draws the same tokens: the logits are broadcast over the pipeline and the draw is seeded.
+This is the one place the objectives generate: `SplitModel.generate` (issue 31 item 2: pipelined, each stage
+keeping its layers' KV cache per micro-batch, transformers' logits processors). `recompute_generate` below is the
+stand-in the objectives used before it, kept as a second implementation for the models without `generate`: each
+new token one forward of the whole sequences through the pipeline, no KV cache. Every rank draws the same tokens.
 """
 from __future__ import annotations
 
@@ -20,6 +19,21 @@ def generate(model, input_ids: torch.Tensor, *, attention_mask: Optional[torch.T
              top_p: float = 1.0, num_return_sequences: int = 1,
              eos_token_id: Union[int, Sequence[int], None] = None, pad_token_id: Optional[int] = None,
              seed: int = 0) -> torch.Tensor:
+    """Prompts and their continuations `(batch × num_return_sequences, prompt + new)`, as transformers' `generate`
+    returns them, by the split model's own pipelined `generate` (`recompute_generate` where it has none)."""
+    arguments = dict(attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                     temperature=temperature, top_k=top_k or 0, top_p=top_p, num_return_sequences=num_return_sequences,
+                     eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
+    if not hasattr(model, "generate"):
+        return recompute_generate(model, input_ids, **arguments)
+    return model.generate(input_ids, **arguments).cpu()
+
+
+def recompute_generate(model, input_ids: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
+                       max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+                       top_k: Optional[int] = None, top_p: float = 1.0, num_return_sequences: int = 1,
+                       eos_token_id: Union[int, Sequence[int], None] = None, pad_token_id: Optional[int] = None,
+                       seed: int = 0) -> torch.Tensor:
     """Prompts and their continuations `(batch × num_return_sequences, prompt + new)`, as transformers' `generate`
     returns them: each prompt's sequences next to each other, finished ones continued with `pad_token_id`, the loop
     over once every sequence has produced an end-of-sequence token. Sampling applies transformers' own logits

@@ -66,10 +66,10 @@ def grpo_losses(options: dict) -> dict:
 
 
 def rollout_generations(checkpoint: str, ids, mask, *, new: int) -> dict:
-    """On every rank: the objectives' `generate` on `checkpoint` split over the ranks' pipeline stages: greedy, and
-    sampled twice with one seed (temperature, top-k, top-p, 3 sequences a prompt)."""
+    """On every rank: the objectives' `generate` on `checkpoint` split over the ranks' pipeline stages: greedy (and by
+    the recomputing stand-in), and sampled twice with one seed (temperature, top-k, top-p, 3 sequences a prompt)."""
     from hfsplit.load.launch import split_from_pretrained
-    from hfsplit.objectives.rollout import generate
+    from hfsplit.objectives.rollout import generate, recompute_generate
     from hfsplit.plan import TrainingSpec
 
     model = split_from_pretrained(checkpoint, "2x1GiB", spec=TrainingSpec(method="full", seq_len=32, dtype="float32"),
@@ -77,9 +77,10 @@ def rollout_generations(checkpoint: str, ids, mask, *, new: int) -> dict:
     common = dict(attention_mask=mask, max_new_tokens=new, eos_token_id=3, pad_token_id=0)
     with torch.no_grad():
         greedy = generate(model, ids, **common)
+        recomputed = recompute_generate(model, ids, **common)
         sampled = [generate(model, ids, do_sample=True, temperature=0.7, top_k=20, top_p=0.9, num_return_sequences=3,
                             seed=7, **common) for _ in range(2)]
-    return dict(greedy=greedy, sampled=sampled)
+    return dict(greedy=greedy, recomputed=recomputed, sampled=sampled)
 
 
 def default_options_losses(options: dict) -> list[float]:

@@ -211,9 +211,9 @@ def test_the_tiny_grpo_recipe_raises_the_mean_reward_over_30_steps(tmp_path):
 
 @pytest.mark.slow
 def test_rollouts_on_two_stages_equal_transformers_generate_with_left_padding(tiny_checkpoint):
-    """The objectives' generation (`hfsplit.objectives.rollout.generate`) on two pipeline stages: greedy output of
-    left-padded prompts of different lengths equals transformers' `generate` with the attention mask on the whole
-    model; a seeded draw is the same on every rank and run to run, each prompt's sequences next to each other."""
+    """The objectives' generation (`hfsplit.objectives.rollout.generate`: `SplitModel.generate`, and the recomputing
+    stand-in) on two pipeline stages: greedy output of left-padded prompts of different lengths equals transformers'
+    `generate` with the attention mask on the whole model; a seeded draw is the same on every rank and run to run, each prompt's sequences next to each other."""
     from transformers import AutoModelForCausalLM
 
     from tests.parallel.launcher import launch
@@ -229,7 +229,7 @@ def test_rollouts_on_two_stages_equal_transformers_generate_with_left_padding(ti
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=3,
                               pad_token_id=0)
     for result in results:
-        assert torch.equal(result["greedy"], expected)
+        assert torch.equal(result["greedy"], expected) and torch.equal(result["recomputed"], expected)
         first, second = result["sampled"]
         assert torch.equal(first, second) and torch.equal(first, results[0]["sampled"][0])
         assert first.shape[0] == 9 and torch.equal(first[:, :width], ids.repeat_interleave(3, dim=0))
