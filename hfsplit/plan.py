@@ -294,6 +294,8 @@ class Plan:
         reference_s: DPO's reference pass over one step's rows (`hfsplit.planning.reference`): with adapters-off,
             seconds within each step (in `step_time_s`); precomputed, the one-off pass's seconds per global batch
             of the data, before training (not in `step_time_s`); 0 for SFT.
+        rollout_s: an objective that generates (GRPO, `hfsplit.planning.rollout`): seconds of each step's rollout
+            (prefill and decode of the replica's rows), in `step_time_s`; its KV cache is in the stages' memory.
     """
 
     model: str
@@ -314,6 +316,7 @@ class Plan:
     applied: tuple[Step, ...] = field(default_factory=tuple)
     fused_experts: bool = False
     reference_s: float = 0.0
+    rollout_s: float = 0.0
 
     def steps(self) -> tuple[Step, ...]:
         """What `hfsplit.apply.steps.apply_plan` does to each stage for this plan, in order: data, one
@@ -425,7 +428,7 @@ class Plan:
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         tail = (
             f"\nestimated step: {self.step_time_s * 1e3:.1f} ms, bubble {100 * self.bubble_fraction:.1f}%"
-        ) + self._reference_line()
+        ) + self._rollout_line() + self._reference_line()
         if self.virtual_stages > 1:  # a device's stages share it: their figures together, as the planner fits them
             tail += "\nper device, its stages together: " + ", ".join(
                 f"{mine[0].devices[0][0]} {format_bytes(rank_total(s.memory for s in mine))} of "
@@ -440,6 +443,16 @@ class Plan:
         steps = " → ".join(map(str, applied or planned)) or "nothing (plain stages)"
         runs = f"\n{'applied' if applied else 'applies'} per stage: {steps}"
         return head + "\n".join(lines) + tail + runs + notes
+
+    def _rollout_line(self) -> str:
+        """What the objective's generation costs each step (empty where it generates none)."""
+        spec = self.spec
+        if not spec.counts.generation:
+            return ""
+        rows = spec.micro_batch_size * self.micro_batches
+        return (f"\n{spec.objective.upper()}: rollout of {rows} sequences a replica × up to {spec.rollout_tokens} new "
+                f"tokens before each update (KV cache of every sequence on its stages, in activ), "
+                f"{self.rollout_s * 1e3:.1f} ms of the step")
 
     def _reference_line(self) -> str:
         """What the objective's examples and reference cost, as it declares them (empty without a reference)."""

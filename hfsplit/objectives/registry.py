@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from hfsplit.errors import HfsplitError
 from hfsplit.objectives.dpo import Dpo
+from hfsplit.objectives.grpo import Grpo
 from hfsplit.objectives.sft import Sft
 from hfsplit.training.objective import Objective
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (Sft(), Dpo())}
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (Sft(), Dpo(), Grpo())}
 
 
 def objective_of(name: str) -> Objective:

@@ -33,6 +33,7 @@ from hfsplit.planning.buffers import pipeline_buffer_bytes
 from hfsplit.planning.kind_rates import kind_rates
 from hfsplit.planning.links import DEFAULT_LINK, Link
 from hfsplit.planning.reference import forward_fraction, per_step, reference_bytes
+from hfsplit.planning.rollout import rollout_bytes, rollout_seconds
 from hfsplit.planning.memory_choices import (
     AUTO as AUTO_CHOICE, Choice, frugal, host_budget, host_share, ladder, plan_spec,
 )
@@ -422,6 +423,9 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     # the objective's reference: what it keeps through the step, and its own pass's peak where the training pass's is lower
     ref_kept, ref_peak = reference_bytes(costs, has_embed=slot.has_embed, has_head=slot.has_head,
                                          micro_batches=slot.micro_batches, relay=slot.relay)
+    # the objective's generation (a phase before the update): its peak where the training pass's is lower
+    ref_peak = max(ref_peak, rollout_bytes(costs, _count(layers), has_head=slot.has_head,
+                                           micro_batches=slot.micro_batches))
     workspace += max(0, ref_peak - acts)
     acts = ref_kept + _buffers(costs, slot) + max(acts, ref_peak)
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
@@ -600,12 +604,13 @@ def _plan(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequence[Slot],
     bubble = bubble_fraction(schedule, p, m, v)
     spec = plan_spec(variants[0].spec, [choices[level] for level in levels])
     reference = _reference_s(variants, slots, counts, levels, m=m, bubble=bubble)
-    step = max(times.values()) * m / (1 - bubble) + (reference if per_step(spec) and v > 1 else 0.0)
+    rollout = _rollout_s(variants, slots, counts, levels, m=m, bubble=bubble)
+    step = max(times.values()) * m / (1 - bubble) + (reference if per_step(spec) and v > 1 else 0.0) + rollout
     return Plan(
         model=name, model_type=config.model_type, num_layers=variants[0].num_layers, tp=t, pp=p, dp=d,
         virtual_stages=v, schedule=schedule, micro_batches=m, spec=spec, stages=tuple(stages),
         step_time_s=step, bubble_fraction=bubble, tied_embeddings=variants[0].tied,
-        fused_experts=bool(expert_parameters(config)), reference_s=reference,
+        fused_experts=bool(expert_parameters(config)), reference_s=reference, rollout_s=rollout,
     )
 
 
@@ -623,6 +628,28 @@ def _reference_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels:
     if slots[0].relay:
         return m * sum(ranks.values())
     return max(ranks.values()) * m / (1 - bubble)
+
+
+def _rollout_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels: Sequence[int], *, m: int,
+               bubble: float) -> float:
+    """Seconds of the step's generation (0 where the objective generates none, `hfsplit.planning.rollout`): its
+    prefill a forward-only pipeline of the `m` micro-batches, each decode step the rows' hidden states through every
+    link once."""
+    spec = variants[0].spec
+    if not spec.counts.generation:
+        return 0.0
+    ranks: dict[int, float] = {}
+    for slot, level in zip(slots, levels):
+        seconds = reference_forward_s(variants[level], slot, stage_layers(variants[level], counts, slot.index))
+        ranks[slot.pp_rank] = ranks.get(slot.pp_rank, 0.0) + seconds
+    prefill = max(ranks.values()) * m / (1 - bubble)
+    per_token = variants[0].boundary_bytes * m / spec.seq_len  # every row's hidden state of one position
+    messages = sum(slot.sends for slot in slots) / 2 * slots[0].link.send_s(per_token)
+    return rollout_seconds(prefill, spec=spec, step_message_s=messages)
+
+
+def _count(layers: Union[int, range]) -> int:
+    return layers if isinstance(layers, int) else len(layers)
 
 
 def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: dict, *, p: int, d: int, v: int,

@@ -59,3 +59,18 @@ def test_an_unknown_objective_is_refused_by_name():
         FinetuneOptions(model="m", objective="ppo").validate()
     with pytest.raises(HfsplitError, match="choose sft"):
         objective_of("ppo")
+
+
+@pytest.mark.slow
+def test_dpo_trains_with_the_default_options_on_two_ranks(tiny_checkpoint, tmp_path):
+    """`--objective dpo --model M` with nothing else set: one pair a micro-batch, the reference adapters-off (LoRA,
+    the default method), the first loss ln 2."""
+    import math
+
+    from tests.parallel.launcher import launch
+
+    run = dict(model=str(tiny_checkpoint("llama")), objective="dpo", seq_len=64, max_steps=2, max_memory="2x1GiB",
+               output_dir=str(tmp_path / "dpo"))
+    losses = launch("tests.objectives.grpo_cases:default_options_losses", world_size=2, kwargs={"options": run},
+                    timeout_s=600)
+    assert math.isclose(losses[0][0], math.log(2), rel_tol=1e-6) and len(losses[0]) == 2

@@ -185,8 +185,8 @@ def test_every_bundled_recipe_packs_by_default_and_packing_off_turns_it_off(reci
 
     assert recipe.name != "accelerate_cpu.yaml" and len(RECIPES) >= 4
     options = parse_options(["--config", str(recipe)])
-    if options.objective == "dpo":  # issue 23: preference pairs are padded rows, two per example (not packed yet)
-        assert not packing_of(options) and not training_spec(options).packing
+    if options.objective in ("dpo", "grpo"):  # DPO's pairs are padded rows, two per example (issue 23); GRPO trains
+        assert not packing_of(options) and not training_spec(options).packing  # one completion a row (issue 31)
         return
     assert options.packing == "auto" and packing_of(options) and training_spec(options).packing
     off = parse_options(["--config", str(recipe), "--packing", "off"])

@@ -108,6 +108,7 @@ class ModelCosts:
     layer_blocks: tuple[PartCost, ...] = ()
     stage_inputs: PartCost = PartCost(0, 0, 0, 0, 0, 0.0)
     logits_bytes: int = 0  # one micro-batch's logits on one TP rank, in the compute dtype (a reference pass counts them)
+    kv_bytes: int = 0  # one micro-batch's KV cache of one block on one TP rank, where the objective generates
 
 
 _MASTER_WEIGHT_BYTES = 4  # fp32 master copy under mixed precision
@@ -310,7 +311,8 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
                     flops=head_flops)
     return _with_deferred_grads(ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec,
                                            boundary_bytes=hidden_bytes, stage_inputs=_stage_inputs(key, spec, ckpt),
-                                           logits_bytes=tokens * (config.vocab_size // tp) * size),
+                                           logits_bytes=tokens * (config.vocab_size // tp) * size,
+                                           kv_bytes=kv_cache_bytes(config, spec, tp) if spec.counts.generation else 0),
                                 layout, config)
 
 
