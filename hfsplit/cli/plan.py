@@ -114,14 +114,13 @@ def run_plan(args) -> int:
         if len(values) != len(devices):
             raise HfsplitError(f"--device-speeds has {len(values)} values for {len(devices)} devices; give one each")
         kwargs["device_speeds"] = dict(zip(devices, values))
-    from hfsplit.checkpoint import load_config  # lazy: torch, as make_plan above
     from hfsplit.load.proof import proven_split  # lazy: the proof builds models (transformers)
 
-    config = load_config(model) if isinstance(model, str) else model
+    config = model
     verdict = proven_split(config)  # refused by name, with the first block that differs, before anything is planned
     if not verdict.packing and kwargs["spec"].packing:  # as the run turns it off
         kwargs["spec"] = dataclasses.replace(kwargs["spec"], packing=False)
-    plan = make_plan(config if not isinstance(model, str) else model, budget, **kwargs)
+    plan = make_plan(config, budget, **kwargs)
     notes = notes + (() if verdict.packing else (f"packing off for {verdict.model_type}: {verdict.reason}"[:200],))
     plan = dataclasses.replace(plan, notes=notes + plan.notes)
     print(plan.to_json() if args.json else plan.table())
@@ -132,7 +131,6 @@ def run_plan(args) -> int:
 
 def run_check(args) -> int:
     """`hfsplit check MODEL`: the proof's verdict for MODEL's config, one line; 0 when it splits, 2 when refused."""
-    from hfsplit.checkpoint import load_config  # lazy: torch; `hfsplit --help` stays quick
     from hfsplit.load.proof import all_verdicts, families_markdown, verdict_of  # lazy: transformers and torch
 
     if args.all:

@@ -131,7 +131,9 @@ def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
         raise PlanError(f"tp={tp} with QLoRA: a bitsandbytes 4-bit weight cannot be sharded by tensor parallelism "
                         "here; use tp=1 (the planner splits QLoRA runs over pipeline stages × data parallelism)")
     dtype_of(spec.dtype)  # fail early on an unknown dtype
-    return _with_layer_kinds(config, _model_costs(keyed(config), spec, tp), spec, tp)
+    kinds = layer_kinds(config)
+    first = _spec_of_kind(config, kinds[0], spec) if kinds else spec  # layer 0's kind holds what it holds
+    return _with_layer_kinds(config, replace(_model_costs(keyed(config), first, tp), spec=spec), spec, tp)
 
 
 def _with_layer_kinds(config, costs: ModelCosts, spec: TrainingSpec, tp: int) -> ModelCosts:
@@ -148,12 +150,24 @@ def _with_layer_kinds(config, costs: ModelCosts, spec: TrainingSpec, tp: int) ->
 
 
 def _spec_of_kind(config, kind: str, spec: TrainingSpec) -> TrainingSpec:
-    """`spec` for a block of `kind`: an attention kind holds the LoRA targets of its own kind only (the full
-    attention's `q_proj`, not the linear attention's `in_proj_qkvz`); each target is held by some kind."""
-    if not spec.lora_targets or all(part in (DENSE, SPARSE) for part in kind.split("/")):
+    """`spec` for a block of `kind`: a kind holds the LoRA targets of its own layers only (the full attention's
+    `q_proj`, not the linear attention's `in_proj_qkvz`; a dense first layer no expert parameter); each target must
+    be held by some kind of the model (PlanError naming those none holds)."""
+    if not spec.lora_targets:
         return spec
-    held = set(block_linear_names(kind_config(config, kind))) | set(expert_parameters(config))
-    return replace(spec, lora_targets=tuple(t for t in spec.lora_targets if t in held))
+    kinds = sorted(set(layer_kinds(config) or ()))
+    held = {k: _held_targets(config, k) for k in kinds}
+    nowhere = [t for t in spec.lora_targets if not any(t in names for names in held.values())]
+    if nowhere:
+        raise PlanError(f"LoRA target(s) {', '.join(nowhere)} name no module of the model; linear layers here: "
+                        f"{', '.join(sorted(set().union(*held.values())))}")
+    return replace(spec, lora_targets=tuple(t for t in spec.lora_targets if t in held[kind]))
+
+
+def _held_targets(config, kind: str) -> set[str]:
+    """The LoRA target names a block of `kind` holds: its linears' names and its fused expert parameters'."""
+    one = kind_config(config, kind)
+    return set(block_linear_names(one)) | set(expert_parameters(one))
 
 
 def estimate_peak_bytes(costs: ModelCosts) -> int:
