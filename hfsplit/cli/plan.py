@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import textwrap
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -18,12 +19,21 @@ from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, PLANNED, FinetuneOp
                                       add_option_arguments, options_from, plan_arguments, training_only_flags)
 
 
+class WholeFlags(argparse.HelpFormatter):
+    """argparse's help, its paragraphs wrapped at spaces only: a flag is never broken at its hyphens."""
+
+    def _fill_text(self, text, width, indent):
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
+
+
 def plan_parser(sub) -> argparse.ArgumentParser:
     """`hfsplit plan`: MODEL, the fine-tuning options a plan depends on (listed; the others are taken unlisted, so
     a recipe's command line plans as it runs), and the flags that only a plan has."""
     p = sub.add_parser("plan", help="plan a split of MODEL over a memory budget (reads config.json only)",
                        description="Will it fit, and how: plan the split a fine-tuning run with these options "
                                    "would make, before a byte of weights is read. Flags override a --config recipe.",
+                       formatter_class=WholeFlags,
                        epilog="It also takes the recipe's training options, which change no plan ("
                               + ", ".join(training_only_flags())
                               + "): `python -m hfsplit.finetune --help` says what each does.")

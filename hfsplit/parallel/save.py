@@ -124,14 +124,14 @@ def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_conf
     tmp = folder.with_name(folder.name + ".tmp")
     try:
         return _save_through(model, folder, tmp, method=method, lora_config=lora_config, tokenizer=tokenizer,
-                             base_model=base_model, extra=extra, merge_lora=merge_lora)
+                             base_model=base_model, extra=extra, merge_lora=merge_lora, max_shard_size=max_shard_size)
     except BaseException:  # Ctrl-C, SIGTERM, a lost peer: nothing half-written stays (each rank clears what is left)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 def _save_through(model, folder: Path, tmp: Path, *, method: str, lora_config, tokenizer, base_model, extra,
-                  merge_lora: bool) -> Path:
+                  merge_lora: bool, max_shard_size: Union[str, int]) -> Path:
     """`save_split_model`'s writes: everything into `tmp`, renamed to `folder` once every rank is done."""
     rank = dist.get_rank()
     if rank == 0:

@@ -179,11 +179,13 @@ def adapter_deltas(adapter: LoraAdapter, parameters: dict[str, tuple[int, ...]],
         if target is None:
             raise CheckpointError(f"{adapter.folder}: the adapter adapts {module!r}, which the base model lacks; "
                                   "is the adapter for this base model?")
+        # peft's saved target_parameters may not keep its wrapping order (a set on its side): among the module's
+        # wrapped parameters, the one whose shape the matrices fit
+        fitting = [t for t in [target, *(f"{module}.{leaf}" for leaf in wrapped)] if t in parameters and
+                   _delta(adapter, module, ab, t, parameters, transposed_experts).expected_shape() == tuple(parameters[t])]
+        target = fitting[0] if fitting else target
         shape = parameters[target]
-        experts = shape[0] if len(shape) == 3 else 0
-        r = ab["A"].shape[0] // max(experts, 1)
-        delta = LoraDelta(target, ab["A"], ab["B"], adapter.scaling(module, r), experts,
-                          transposed=target in transposed_experts, fan_in_fan_out=bool(adapter.config.get("fan_in_fan_out")))
+        delta = _delta(adapter, module, ab, target, parameters, transposed_experts)
         if delta.expected_shape() != tuple(shape):
             raise CheckpointError(
                 f"{adapter.folder}: the adapter's {module!r} (A {list(ab['A'].shape)}, B {list(ab['B'].shape)}) fits a "
@@ -191,6 +193,15 @@ def adapter_deltas(adapter: LoraAdapter, parameters: dict[str, tuple[int, ...]],
                 "was trained on another model")
         deltas[target] = delta
     return deltas
+
+
+def _delta(adapter: LoraAdapter, module: str, ab: dict, target: str, parameters: dict, transposed_experts: set):
+    """The LoraDelta of `module`'s matrices `ab` read as adapting `target`."""
+    shape = parameters[target]
+    experts = shape[0] if len(shape) == 3 else 0
+    r = ab["A"].shape[0] // max(experts, 1)
+    return LoraDelta(target, ab["A"], ab["B"], adapter.scaling(module, r), experts,
+                     transposed=target in transposed_experts, fan_in_fan_out=bool(adapter.config.get("fan_in_fan_out")))
 
 
 def _wrapped_parameters(targets: list[str]) -> list[str]:
