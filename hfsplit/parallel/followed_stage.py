@@ -6,14 +6,17 @@ after the blocks (embeddings, final norm, lm_head, GPT-2's positional embeddings
 `AbsentModule`, which gives zeros of the shape the real module would give. Then the model's own `forward` runs on
 every stage: whatever it computes around and between its blocks (embedding and logit scales, soft-capping, rotary
 tables per layer type, masks per layer type, packed rows found from the position ids) is the model's own code, so
-nothing is re-implemented per family. Two hooks make it a stage:
+nothing is re-implemented per family. Two of the stand-in blocks make it a stage, both outside the real blocks (so an
+activation-checkpointing recompute sees the real inputs):
 
-- on a stage after the first, the hidden state the previous stage sent replaces the first block's input (the
-  forward is given zero embeddings of the right shape, so its masks and rotary tables are built as usual);
-- on a stage before the last, the last block's output ends the forward (`_StageEnd`), skipping the rest.
+- on a stage after the first, the block just before its own hands the first of them the hidden state the previous
+  stage sent (the forward is given zero embeddings of the right shape, so its masks and rotary tables are built as
+  usual);
+- on a stage before the last, the block just after its own ends the forward (`_StageEnd`) with the hidden state the
+  model's loop passes it, skipping the rest.
 
 What this cannot carry is state one block hands a later block outside the hidden state (Gemma 3n's shared KV,
-GLM-DSA's top-k indices): such a model computes differently split, which the proof on the user's config
+Zaya's router states): such a model computes differently split, which the proof on the user's config
 (`hfsplit.load.proof`) finds and refuses by name. Parameter names stay the checkpoint keys.
 """
 from __future__ import annotations
