@@ -215,13 +215,13 @@ def first_difference(whole, stages, ids, logits_diff: float, grad_diffs: dict[st
         block_outputs(whole, lambda: run_split(stages, ids), stages)
     boundary = stages[0].layer_range[1] if hasattr(stages[0], "layer_range") else stages[0].body.layers and \
         max(int(k) for k in stages[0].body.layers) + 1
-    for index in sorted(want):
-        if index in got and (want[index] - got[index]).abs().max().item() > TOLERANCE:
+    for index in sorted(want):  # (`not <=`: a NaN differs)
+        if index in got and not (want[index] - got[index]).abs().max().item() <= TOLERANCE:
             cause = ("state one block hands a later block outside the hidden state" if index >= boundary else
                      "work its forward does before the blocks that the stage does not redo")
             return (f"the split differs from transformers: block {index}'s output first (logits {logits_diff:.2g} "
                     f"off; stages hold blocks 0-{boundary - 1} | {boundary}-); likely cause: {cause}")
-    if logits_diff > TOLERANCE:
+    if not logits_diff <= TOLERANCE:
         return (f"the split differs from transformers after its blocks: logits {logits_diff:.2g} off; likely cause: "
                 "work its forward does after the blocks (norm, head, scaling) that the last stage does not redo")
     name = max(grad_diffs, key=grad_diffs.get)

@@ -169,7 +169,7 @@ def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] =
         own = [b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
         if device is not None:
             own = [b for b in own if module._buffers[b].is_meta]
-            module._buffers.update({b: torch.empty_like(module._buffers[b], device=device) for b in own})
+            module._buffers.update({b: torch.zeros_like(module._buffers[b], device=device) for b in own})  # what init leaves
         if not own:
             continue
         if init is None:

@@ -67,7 +67,7 @@ def test_plan_help_lists_only_what_changes_a_plan_and_names_the_rest(capsys):
         assert flag in text.split("It also takes", 1)[1]  # named once, in the epilog
     for name in PLANNED:
         assert f"--{name.replace('_', '-')}" in listed
-    assert len(text.splitlines()) < 180
+    assert len(text.splitlines()) < 200  # was 231 with every training flag
 
 
 def test_plan_takes_a_training_flag_and_plans_the_same(capsys):
