@@ -24,7 +24,8 @@ from hfsplit.models.loss import token_logps
 from hfsplit.objectives.rewards import (BUNDLED_REWARDS, RewardFunctions, group_advantages, load_reward_functions,
                                         reward_metrics)
 from hfsplit.objectives.rollout import generate
-from hfsplit.training.data import DatasetError, MicroBatches, load_examples, pad_id, rendered_chat
+from hfsplit.training.data import DatasetError, load_examples, pad_id, rendered_chat
+from hfsplit.training.batches import MicroBatches
 from hfsplit.training.objective import Objective, StepRows, replica_rows
 from hfsplit.training.option_fields import option
 from hfsplit.training.packing import IGNORE_INDEX, TokenRows, padded_rows

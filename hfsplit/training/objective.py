@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from hfsplit.plan import OBJECTIVE_COUNTS, ObjectiveCounts
-from hfsplit.training.data import MicroBatches, TokenRows
+from hfsplit.training.data import TokenRows
+from hfsplit.training.batches import MicroBatches
 from hfsplit.training.evaluation import eval_loss
 from hfsplit.training.packing import label_tokens
 

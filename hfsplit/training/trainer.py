@@ -25,7 +25,8 @@ from hfsplit.training.checkpointer import Checkpointer
 from hfsplit.training.elastic import StopAtBoundary, stop_for_regroup
 from hfsplit.training.interrupts import interrupted
 from hfsplit.training.memory import out_of_memory_is_one_line
-from hfsplit.training.data import MicroBatches, TokenRows
+from hfsplit.training.data import TokenRows
+from hfsplit.training.batches import MicroBatches
 from hfsplit.training.metrics import Metrics, StepOutcome, TrainResult, summary_line
 from hfsplit.training.evaluation import eval_loss
 from hfsplit.training.objective import Objective
