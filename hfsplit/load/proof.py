@@ -213,8 +213,7 @@ def first_difference(whole, stages, ids, logits_diff: float, grad_diffs: dict[st
     """One line naming the first block whose output differs (or the first gradient), and the likely cause."""
     want, got = block_outputs(whole, lambda: whole(input_ids=ids, use_cache=False)), \
         block_outputs(whole, lambda: run_split(stages, ids), stages)
-    boundary = stages[0].layer_range[1] if hasattr(stages[0], "layer_range") else stages[0].body.layers and \
-        max(int(k) for k in stages[0].body.layers) + 1
+    boundary = stages[0].layer_range[1]  # both stage kinds record their layers
     for index in sorted(want):  # (`not <=`: a NaN differs)
         if index in got and not (want[index] - got[index]).abs().max().item() <= TOLERANCE:
             cause = ("state one block hands a later block outside the hidden state" if index >= boundary else
