@@ -185,7 +185,8 @@ def main() -> None:
               + ("  (the relay)" if cut == "1" else ""))
     for rank, forwards in enumerate(result["forwards"]):
         print(f"rank {rank}: a decode step's forward, median: "
-              + ", ".join(f"{rows} rows {ms:.1f} ms" for rows, ms in sorted(forwards.items(), key=lambda i: -int(i[0]))))
+              + ", ".join(f"{rows} rows {ms:.1f} ms"
+                          for rows, ms in sorted(forwards.items(), key=lambda item: -int(item[0]))))
 
 
 if __name__ == "__main__":

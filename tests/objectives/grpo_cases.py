@@ -74,11 +74,16 @@ def rollout_generations(checkpoint: str, ids, mask, *, new: int, dp: int = 1) ->
     from hfsplit.objectives.rollout import generate, recompute_generate
     from hfsplit.plan import TrainingSpec
 
-    model = split_from_pretrained(checkpoint, f"{2 * dp}x1GiB", spec=TrainingSpec(method="full", seq_len=32, dtype="float32"),
+    model = split_from_pretrained(checkpoint, f"{2 * dp}x1GiB",
+                                  spec=TrainingSpec(method="full", seq_len=32, dtype="float32"),
                                   micro_batches=2, pp=2, tp=1, dp=dp)
-    batches = []
-    generate_rows = model.generate
-    model.generate = lambda input_ids, **kw: batches.append(len(input_ids)) or generate_rows(input_ids, **kw)
+    batches, split_generate = [], model.generate
+
+    def counted(input_ids, **kwargs):  # the prompts this replica's pipeline generates
+        batches.append(len(input_ids))
+        return split_generate(input_ids, **kwargs)
+
+    model.generate = counted
     common = dict(attention_mask=mask, max_new_tokens=new, eos_token_id=3, pad_token_id=0)
     with torch.no_grad():
         greedy = generate(model, ids, **common)

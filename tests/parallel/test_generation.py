@@ -114,8 +114,8 @@ def test_the_generation_benchmark_runs_and_both_paths_agree():
 
     root = Path(__file__).resolve().parents[2]
     out = run_command([sys.executable, "scripts/bench_generate.py", "--small", "--sequences", "4", "--new-tokens", "4",
-                       "--micro-batches", "2", "--repeats", "1", "--prompt-length", "8"], cwd=root, env=dict(os.environ),
-                      timeout_s=300)
+                       "--micro-batches", "2", "--repeats", "1", "--prompt-length", "8"], cwd=root,
+                      env=dict(os.environ), timeout_s=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "same tokens in every cut: True" in out.stdout, out.stdout
     assert "(the relay)" in out.stdout and "waiting 0 / 1" in out.stdout
