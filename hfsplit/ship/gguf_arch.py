@@ -37,6 +37,8 @@ class GgufArch:
     squeeze: tuple[str, ...] = ()
     per_layer_kv_heads: bool = False
     extra_keys: tuple[str, ...] = field(default=())  # names of `add_hyperparameters`' optional key groups
+    renames: tuple[tuple[str, str], ...] = ()  # (source name ending, the ending gguf's tensor map knows)
+    ffn_tensor: str = ""  # a weight whose rows are the FFN width, where the config only implies it (LFM2's)
 
 
 # transformers model_type → GGUF architecture; each proven by tests/ship/test_gguf.py against transformers' reader.
@@ -51,10 +53,16 @@ ARCHITECTURES = {
     "gemma2": GgufArch("gemma2", norm_offset=1.0, extra_keys=("softcaps", "sliding_window")),
     "gemma3_text": GgufArch("gemma3", norm_offset=1.0, extra_keys=("sliding_window",)),
     "starcoder2": GgufArch("starcoder2", extra_keys=("layer_norm",)),
-    "lfm2": GgufArch("lfm2", per_layer_kv_heads=True, extra_keys=("short_conv",)),
+    "lfm2": GgufArch("lfm2", per_layer_kv_heads=True, squeeze=("conv.conv.weight",), extra_keys=("short_conv",),
+                     ffn_tensor="feed_forward.w1.weight"),
+    "minimax_m2": GgufArch("minimax-m2", extra_keys=("experts", "gating"),
+                           renames=(("e_score_correction_bias", "e_score_correction.bias"),)),
+    "nemotron": GgufArch("nemotron", norm_offset=1.0, extra_keys=("layer_norm",)),
+    "stablelm": GgufArch("stablelm", extra_keys=("layer_norm",)),
 }
-# Config entries that describe the file, not the model: never compared with what the reader rebuilds.
-_NOT_COMPARED = {"architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "bos_token_id",
+# Config entries that describe the file, not the model: never compared with what the reader rebuilds. model_type:
+# the table above chooses the layout (Mistral reads back as the Llama it equals without a sliding window).
+_NOT_COMPARED = {"model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "bos_token_id",
                  "eos_token_id", "pad_token_id", "unk_token_id", "use_cache", "output_hidden_states",
                  "output_attentions", "return_dict", "id2label", "label2id", "full_attn_idxs"}
 
@@ -64,9 +72,8 @@ def gguf_arch(config) -> GgufArch:
     model_type = config.model_type
     if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(f"export-gguf: model type {model_type!r} is not exported yet (exported: "
-                                    f"{', '.join(sorted(ARCHITECTURES))}); transformers' GGUF reader, the proof of "
-                                    "the export, does not read it back; llama.cpp's convert_hf_to_gguf.py may "
-                                    "convert the merged folder")
+                                    f"{', '.join(sorted(ARCHITECTURES))}): no round trip through transformers' GGUF "
+                                    "reader proves it; llama.cpp's convert_hf_to_gguf.py may convert the folder")
     for rope in _rope_parameters(config):
         if rope.get("rope_type", "default") == "llama3":
             raise UnsupportedModelError(
@@ -88,36 +95,42 @@ def _rope_parameters(config) -> list[dict]:
     return [v for v in rope.values() if isinstance(v, dict)] or [rope]
 
 
-def add_hyperparameters(writer, config, arch: GgufArch) -> None:
-    """The keys llama.cpp (and transformers' reader) take the model's shape from."""
+def add_hyperparameters(writer, config, arch: GgufArch, ffn_width: int) -> None:
+    """The keys llama.cpp (and transformers' reader) take the model's shape from; `ffn_width` is the FFN's."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rope = _rope_parameters(config)[-1]  # Gemma 3: the full-attention layers' base
+    rope = (getattr(config, "rope_parameters", None) or {}).get("full_attention") or _rope_parameters(config)[0]
     # No general.name: transformers' reader takes a file named exactly "mistral" for its own Mistral layout.
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_feed_forward_length(ffn_width)
     writer.add_head_count(config.num_attention_heads)
     if arch.per_layer_kv_heads:
         writer.add_head_count_kv([config.num_key_value_heads if kind == "full_attention" else 0
                                   for kind in config.layer_types])
     else:
-        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_head_count_kv(config.num_key_value_heads or config.num_attention_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     if "layer_norm" in arch.extra_keys:
-        writer.add_layer_norm_eps(config.norm_epsilon)
+        writer.add_layer_norm_eps(next(getattr(config, k) for k in ("norm_epsilon", "layer_norm_eps", "norm_eps",
+                                                                    "layer_norm_epsilon") if hasattr(config, k)))
     else:
         writer.add_layer_norm_rms_eps(getattr(config, "rms_norm_eps", None) or config.norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if "experts" in arch.extra_keys:
-        writer.add_expert_count(config.num_experts)
+        writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
         if getattr(config, "shared_expert_intermediate_size", None):
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if "gating" in arch.extra_keys:
+        import gguf
+
+        writer.add_expert_gating_func({"softmax": gguf.ExpertGatingFuncType.SOFTMAX,
+                                       "sigmoid": gguf.ExpertGatingFuncType.SIGMOID}[getattr(config, "scoring_func", "sigmoid")])  # MiniMax-M2 routes by sigmoid
     if "sliding_window" in arch.extra_keys and getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
     if "softcaps" in arch.extra_keys:
@@ -128,7 +141,15 @@ def add_hyperparameters(writer, config, arch: GgufArch) -> None:
         writer.add_shortconv_l_cache(config.conv_L_cache)
 
 
-def reader_mismatch(config, add_keys, tensor_names: list[str]) -> dict:
+def ffn_width(config, arch: GgufArch, shapes: dict) -> int:
+    """The FFN width: the config's, or the rows of `arch.ffn_tensor` in `shapes` ({name: shape}) where the config
+    derives it (LFM2's `block_auto_adjust_ff_dim`)."""
+    if arch.ffn_tensor and getattr(config, "block_auto_adjust_ff_dim", False):
+        return next(shape[0] for name, shape in shapes.items() if name.endswith(arch.ffn_tensor))
+    return config.intermediate_size
+
+
+def reader_mismatch(config, add_keys, tensor_names: list[str], width: int) -> dict:
     """{config key: (the model's value, the value transformers' GGUF reader rebuilds)} for every entry the reader
     would read back differently from a file with these keys (`add_keys(writer)`) and tensors: asked of the reader
     itself, on a probe file whose tensors are single zeros."""
@@ -147,9 +168,27 @@ def reader_mismatch(config, add_keys, tensor_names: list[str]) -> dict:
         writer.write_tensors_to_file()
         writer.close()
         rebuilt = AutoConfig.from_pretrained(folder, gguf_file=probe.name).to_dict()
-    mine = config.to_dict()
+    mine, rebuilt = _rope_spelled_out(_ffn_width_spelled_out(config.to_dict(), width)), _rope_spelled_out(rebuilt)
     return {k: (v, rebuilt.get(k)) for k, v in mine.items()
             if k not in _NOT_COMPARED and not _same(v, rebuilt.get(k))}
+
+
+def _ffn_width_spelled_out(config: dict, width: int) -> dict:
+    """`config` with a derived FFN width (LFM2's `block_auto_adjust_ff_dim`) replaced by the width it derives, as
+    the reader writes it."""
+    if not config.get("block_auto_adjust_ff_dim"):
+        return config
+    dropped = {"block_multiple_of", "block_ffn_dim_multiplier"}
+    return {**{k: v for k, v in config.items() if k not in dropped}, "intermediate_size": width,
+            "block_auto_adjust_ff_dim": False}
+
+
+def _rope_spelled_out(config: dict) -> dict:
+    """`config` with its rope parameters' implicit full rotary width written (1.0 and absent mean the same)."""
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        config = {**config, "rope_parameters": {"partial_rotary_factor": 1.0, **rope}}
+    return config
 
 
 def _same(a, b) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 
 from hfsplit.errors import CheckpointError, UnsupportedModelError
 from hfsplit.ship.base import open_base
-from hfsplit.ship.gguf_arch import add_hyperparameters, gguf_arch, reader_mismatch
+from hfsplit.ship.gguf_arch import add_hyperparameters, ffn_width, gguf_arch, reader_mismatch
 from hfsplit.ship.gguf_tensors import gguf_tensors, nbytes, tensor_bytes
 from hfsplit.ship.gguf_vocab import add_tokenizer
 
@@ -44,15 +44,16 @@ def export_gguf(model: Union[str, os.PathLike], out: Union[str, os.PathLike], *,
     source = open_base(str(model))
     arch = gguf_arch(source.config)
     tensors = gguf_tensors(source, arch, tensor_type)
+    width = ffn_width(source.config, arch, {name: tuple(source.spec(name).shape) for name in source.names()})
 
     def add_keys(writer):
-        add_hyperparameters(writer, source.config, arch)
+        add_hyperparameters(writer, source.config, arch, width)
         writer.add_file_type(_file_type(gguf, tensor_type))
         if tensor_type.startswith("q"):
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         add_tokenizer(writer, str(model), source.config)
 
-    differ = reader_mismatch(source.config, add_keys, [t.name for t in tensors])
+    differ = reader_mismatch(source.config, add_keys, [t.name for t in tensors], width)
     if differ:
         raise UnsupportedModelError(f"export-gguf: {source.config.model_type!r} is not exported with these values "
                                     "(the model's, then what transformers' GGUF reader, the proof of the export, "

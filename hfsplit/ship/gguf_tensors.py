@@ -35,7 +35,8 @@ def gguf_tensors(source: BaseCheckpoint, arch: GgufArch, tensor_type: str) -> li
     for name in source.names():
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        for lookup, rows in _pieces(name, tuple(source.spec(name).shape)):
+        renamed = next((name[:-len(a)] + b for a, b in arch.renames if name.endswith(a)), name)
+        for lookup, rows in _pieces(renamed, tuple(source.spec(name).shape)):
             gguf_name = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
             if gguf_name is None:
                 raise UnsupportedModelError(f"export-gguf: gguf's tensor map has no name for {name!r} of "
