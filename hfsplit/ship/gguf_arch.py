@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hfsplit.errors import UnsupportedModelError
@@ -25,10 +25,13 @@ class GgufArch:
         permute_qk: q and k rows interleaved per head (llama.cpp's rope layout for Llama; transformers' reader
             undoes it).
         norm_offset: added to RMSNorm weights (Gemma's norms scale by 1 + w; llama.cpp stores 1 + w).
-        squeeze: source tensor-name endings llama.cpp stores without their leading size-1 dim (Qwen2-MoE's shared
-            expert gate [1, H] as [H]).
+        squeeze: source tensor-name endings llama.cpp stores without their size-1 dims (Qwen2-MoE's shared expert
+            gate [1, H] as [H], LFM2's convolution [H, 1, L] as [H, L]).
         per_layer_kv_heads: `attention.head_count_kv` written per layer, 0 on layers without attention (LFM2's
             convolution layers: the reader tells the layer kinds apart this way).
+        extra_keys: the optional key groups of `add_hyperparameters` the architecture has.
+        renames: (source name ending, the ending gguf's tensor map knows it by).
+        ffn_tensor: a weight whose rows are the FFN width, where the config only implies the width (LFM2's).
     """
 
     name: str
@@ -36,9 +39,9 @@ class GgufArch:
     norm_offset: float = 0.0
     squeeze: tuple[str, ...] = ()
     per_layer_kv_heads: bool = False
-    extra_keys: tuple[str, ...] = field(default=())  # names of `add_hyperparameters`' optional key groups
-    renames: tuple[tuple[str, str], ...] = ()  # (source name ending, the ending gguf's tensor map knows)
-    ffn_tensor: str = ""  # a weight whose rows are the FFN width, where the config only implies it (LFM2's)
+    extra_keys: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+    ffn_tensor: str = ""
 
 
 # transformers model_type → GGUF architecture; each proven by tests/ship/test_gguf.py against transformers' reader.
@@ -60,11 +63,15 @@ ARCHITECTURES = {
     "nemotron": GgufArch("nemotron", norm_offset=1.0, extra_keys=("layer_norm",)),
     "stablelm": GgufArch("stablelm", extra_keys=("layer_norm",)),
 }
-# Config entries that describe the file, not the model: never compared with what the reader rebuilds. model_type:
-# the table above chooses the layout (Mistral reads back as the Llama it equals without a sliding window).
-_NOT_COMPARED = {"model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "bos_token_id",
-                 "eos_token_id", "pad_token_id", "unk_token_id", "use_cache", "output_hidden_states",
-                 "output_attentions", "return_dict", "id2label", "label2id", "full_attn_idxs"}
+# Config entries never compared with what the reader rebuilds: those that describe the file, not the model; those only
+# training reads (dropout, initialisation, router losses); model_type, since the table above chooses the layout
+# (Mistral reads back as the Llama it equals without a sliding window); max_window_layers, whose effect is compared
+# through layer_types.
+_NOT_COMPARED = {"model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
+                 "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "use_cache", "output_hidden_states",
+                 "output_attentions", "return_dict", "id2label", "label2id", "full_attn_idxs", "initializer_range",
+                 "attention_dropout", "hidden_dropout", "embedding_dropout", "resid_pdrop", "embd_pdrop",
+                 "router_aux_loss_coef", "output_router_logits", "router_jitter_noise", "max_window_layers"}
 
 
 def gguf_arch(config) -> GgufArch:

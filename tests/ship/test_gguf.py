@@ -136,6 +136,14 @@ def test_config_values_the_reader_would_not_read_back_are_refused(tmp_path):
     assert [p.name for p in tmp_path.glob("*/*.gguf")] == []
 
 
+def test_values_only_training_reads_do_not_stop_an_export(tmp_path):
+    """Dropout, initialisation and a sliding-window layer count without a sliding window change no logit: exported."""
+    folder, _ = fp16_model(tmp_path / "qwen2", "qwen2", initializer_range=0.01, attention_dropout=0.1,
+                           max_window_layers=1)
+    export_gguf(folder, folder / "model.gguf")
+    assert torch.equal(logits(folder), logits(folder, "model.gguf"))
+
+
 def test_llama3_rope_scaling_is_refused_naming_why(tmp_path):
     """llama.cpp takes Llama 3's rope scaling from a rope_freqs tensor that transformers' reader ignores: the reader
     rebuilds plain rope, so it cannot prove such an export, and export-gguf refuses it."""
