@@ -89,11 +89,8 @@ def gguf_arch(config) -> GgufArch:
                                     f"{', '.join(sorted(ARCHITECTURES))}): no round trip through transformers' GGUF "
                                     "reader proves it; llama.cpp's convert_hf_to_gguf.py may convert the folder")
     for rope in _rope_parameters(config):
-        if rope.get("rope_type", "default") == "llama3":
-            raise UnsupportedModelError(
-                f"export-gguf: Llama 3 rope scaling of {model_type!r} is not exported: llama.cpp needs a rope_freqs "
-                "tensor that transformers' GGUF reader, the proof of the export, ignores (it rebuilds plain rope, so "
-                "it could not tell a right file from a wrong one); llama.cpp's convert_hf_to_gguf.py converts it")
+        if rope.get("rope_type", "default") == "llama3" and model_type == "llama":
+            continue  # llama.cpp's rope_freqs tensor (gguf_tensors.py)
         if rope.get("rope_type", "default") != "default":
             raise UnsupportedModelError(f"export-gguf: rope scaling {rope.get('rope_type')!r} of {model_type!r} is "
                                         "not exported yet (only plain rope)")
@@ -198,9 +195,13 @@ def _ffn_width_spelled_out(config: dict, width: int) -> dict:
 
 
 def _rope_spelled_out(config: dict) -> dict:
-    """`config` with its rope parameters' implicit full rotary width written (1.0 and absent mean the same)."""
+    """`config` with its rope parameters' implicit full rotary width written (1.0 and absent mean the same), and
+    Llama 3's rope scaling as the plain rope the reader rebuilds: the scaling travels in the rope_freqs tensor, which
+    llama.cpp reads and transformers' reader skips (tests/ship/test_gguf.py proves the tensor on its own)."""
     rope = config.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" in rope:
+        if rope.get("rope_type") == "llama3":
+            rope = {"rope_theta": rope["rope_theta"], "rope_type": "default"}
         config = {**config, "rope_parameters": {"partial_rotary_factor": 1.0, **rope}}
     return config
 

@@ -50,7 +50,26 @@ def gguf_tensors(source: BaseCheckpoint, arch: GgufArch, tensor_type: str) -> li
             block = gguf.GGML_QUANT_SIZES[wanted][0]
             qtype = wanted if len(shape) >= 2 and shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
             out.append(GgufTensor(gguf_name, name, tuple(shape), qtype, rows))
+    if _rope_type(source.config) == "llama3":
+        out.append(GgufTensor("rope_freqs.weight", "", (len(llama3_rope_freqs(source.config)),),
+                              gguf.GGMLQuantizationType.F32))
     return out
+
+
+def _rope_type(config) -> str:
+    return (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+
+
+def llama3_rope_freqs(config) -> torch.Tensor:
+    """llama.cpp's `rope_freqs` for Llama 3's rope scaling: per rotary pair, what it divides plain rope's frequency by
+    (plain rope's inverse frequency over Llama 3's, as transformers computes both)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    base = config.rope_parameters["rope_theta"]
+    plain = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    return plain / scaled
 
 
 def _pieces(name: str, shape: tuple[int, ...]) -> list[tuple[str, Optional[tuple[int, int]]]]:
@@ -66,6 +85,8 @@ def tensor_bytes(source: BaseCheckpoint, arch: GgufArch, t: GgufTensor) -> np.nd
     """Tensor `t` read, laid out as llama.cpp stores it, in its GGML type (quantized rows in blocks of rows)."""
     import gguf
 
+    if t.name == "rope_freqs.weight":
+        return llama3_rope_freqs(source.config).float().numpy()
     value = source.read(t.source)
     if t.rows is not None:
         value = value.narrow(1, *t.rows).contiguous()

@@ -152,20 +152,40 @@ def test_values_only_training_reads_do_not_stop_an_export(tmp_path):
     assert torch.equal(logits(folder), logits(folder, "model.gguf"))
 
 
-def test_llama3_rope_scaling_is_refused_naming_why(tmp_path):
-    """llama.cpp takes Llama 3's rope scaling from a rope_freqs tensor that transformers' reader ignores: the reader
-    rebuilds plain rope, so it cannot prove such an export, and export-gguf refuses it."""
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+def test_llama3_rope_scaling_travels_in_rope_freqs_as_llama_cpp_reads_it(tmp_path):
+    """Llama 3's rope scaling: llama.cpp divides each rotary pair's plain frequency by the file's rope_freqs, which
+    transformers' reader skips (it rebuilds plain rope). So the proof is in two parts: the reader loads the file to
+    the logits of the source model with plain rope, exactly; and plain frequency / rope_freqs is the source model's own
+    Llama 3 inverse frequency."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    assert not any("scaling" in key for key in GGUF_CONFIG_MAPPING["llama"])  # what the refusal rests on
     llama3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                   original_max_position_embeddings=64)
     folder, _ = fp16_model(tmp_path / "llama3", "llama", rope_parameters=llama3)
+    export_gguf(folder, folder / "model.gguf")
+    plain = AutoConfig.from_pretrained(folder)
+    plain.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    (tmp_path / "plain").mkdir()
+    plain.save_pretrained(tmp_path / "plain")
+    for f in folder.glob("*.safetensors"):
+        (tmp_path / "plain" / f.name).symlink_to(f)
+    assert torch.equal(logits(tmp_path / "plain"), logits(folder, "model.gguf"))
+
+    freqs = next(t for t in gguf.GGUFReader(folder / "model.gguf").tensors if t.name == "rope_freqs.weight")
+    scaled = AutoModelForCausalLM.from_pretrained(folder).model.rotary_emb.inv_freq
+    plain_freq = AutoModelForCausalLM.from_pretrained(tmp_path / "plain").model.rotary_emb.inv_freq
+    assert not torch.allclose(plain_freq, scaled)  # the scaling is there to carry
+    torch.testing.assert_close(plain_freq / torch.from_numpy(freqs.data.copy()), scaled, rtol=1e-6, atol=0)
+
+
+def test_other_rope_scaling_is_refused_in_one_line(tmp_path):
+    folder, _ = fp16_model(tmp_path / "linear", "llama", rope_parameters=dict(rope_type="linear", factor=2.0,
+                                                                              rope_theta=10000.0))
     done = subprocess.run([sys.executable, "-m", "hfsplit.cli", "export-gguf", folder, folder / "x.gguf"],
                           capture_output=True, text=True)
-    assert done.returncode == 2 and "Llama 3 rope scaling of 'llama' is not exported: llama.cpp needs a rope_freqs" \
-        in done.stderr, done.stderr[-2000:]
-    assert len(done.stderr.strip().splitlines()) == 1
+    assert done.returncode == 2 and "rope scaling 'linear' of 'llama' is not exported yet" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not list(folder.glob("*.gguf"))
 
 
 def test_a_sentencepiece_tokenizer_without_tokenizer_json_is_refused_naming_the_fix(tmp_path):
