@@ -82,8 +82,9 @@ def gguf_arch(config) -> GgufArch:
     model_type = config.model_type
     if model_type in NOT_READ_BACK:
         raise UnsupportedModelError(f"export-gguf: model type {model_type!r} is not exported: transformers' GGUF "
-                                    f"reader, the proof of the export, cannot read it back ({NOT_READ_BACK[model_type]})"
-                                    "; llama.cpp's convert_hf_to_gguf.py may convert the folder")
+                                    "reader, the proof of the export, cannot read it back "
+                                    f"({NOT_READ_BACK[model_type]}); llama.cpp's convert_hf_to_gguf.py may convert "
+                                    "the folder")
     if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(f"export-gguf: model type {model_type!r} is not exported yet (exported: "
                                     f"{', '.join(sorted(ARCHITECTURES))}): no round trip through transformers' GGUF "
@@ -134,14 +135,15 @@ def add_hyperparameters(writer, config, arch: GgufArch, ffn_width: int) -> None:
     if "experts" in arch.extra_keys:
         writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+        width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # MiniMax-M2: its experts'
+        writer.add_expert_feed_forward_length(width)
         if getattr(config, "shared_expert_intermediate_size", None):
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    if "gating" in arch.extra_keys:
+    if "gating" in arch.extra_keys:  # MiniMax-M2's router: sigmoid, which its config does not name
         import gguf
 
-        writer.add_expert_gating_func({"softmax": gguf.ExpertGatingFuncType.SOFTMAX,
-                                       "sigmoid": gguf.ExpertGatingFuncType.SIGMOID}[getattr(config, "scoring_func", "sigmoid")])  # MiniMax-M2 routes by sigmoid
+        gating = {"softmax": gguf.ExpertGatingFuncType.SOFTMAX, "sigmoid": gguf.ExpertGatingFuncType.SIGMOID}
+        writer.add_expert_gating_func(gating[getattr(config, "scoring_func", "sigmoid")])
     if "sliding_window" in arch.extra_keys and getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
     if "softcaps" in arch.extra_keys:
