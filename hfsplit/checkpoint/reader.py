@@ -23,7 +23,7 @@ import torch
 
 from hfsplit.budget import torch_device
 from hfsplit.checkpoint.index import (
-    TensorEntry, _persistent_state_names, _read_header, _weight_map,
+    TensorEntry, _meta_state, _persistent_state_names, _read_header, _weight_map,
     parameter_to_checkpoint_names,
 )
 from hfsplit.checkpoint.merged import MergedTensor
