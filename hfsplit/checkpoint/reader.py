@@ -23,10 +23,11 @@ import torch
 
 from hfsplit.budget import torch_device
 from hfsplit.checkpoint.index import (
-    TensorEntry, _meta_state, _persistent_state_names, _read_header, _weight_map,
+    TensorEntry, _meta_state, _optional_file, _persistent_state_names, _read_header, _weight_map,
     parameter_to_checkpoint_names,
 )
 from hfsplit.checkpoint.merged import MergedTensor
+from hfsplit.checkpoint.multimodal import text_checkpoint_names, wrapper_of
 from hfsplit.checkpoint.mxfp4 import (
     DEQUANTIZED_DTYPE, PackedExperts, dequantize_expert, dequantized_shape, packed_experts,
 )
@@ -88,7 +89,11 @@ class CheckpointReader:
         """
         source = str(name_or_path)
         layout_file, weight_map = _weight_map(source, revision)
-        names, merged = parameter_to_checkpoint_names(weight_map, model)
+        wrapper = wrapper_of(_optional_file(source, "config.json", revision)) if model is not None else None
+        if wrapper is not None:  # a multimodal checkpoint: its language model's tensors only, towers never opened
+            names, merged, weight_map = text_checkpoint_names(wrapper, weight_map, model)
+        else:
+            names, merged = parameter_to_checkpoint_names(weight_map, model)
         try:
             mxfp4 = packed_experts(weight_map, _persistent_state_names(model)) if model is not None else {}
         except CheckpointError as exc:

@@ -1,0 +1,89 @@
+"""Multimodal checkpoints fine-tuned as their language model (issue 29, item 5): hfsplit reads and plans only the
+language model's tensors, and its split computes what transformers' multimodal class computes from input_ids."""
+import json
+
+import pytest
+import torch
+
+from hfsplit.cli import main
+
+KINDS = ["gemma3", "mistral3"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_config_is_the_language_models_with_the_classes_tie(multimodal, kind):
+    from hfsplit.checkpoint import load_config
+    from tests.multimodal.checkpoints import multimodal_class
+
+    config = load_config(multimodal(kind))
+    whole = multimodal_class(kind).from_pretrained(multimodal(kind))
+    assert config.model_type == whole.config.get_text_config().model_type
+    tied = whole.get_output_embeddings().weight is whole.get_input_embeddings().weight
+    assert config.tie_word_embeddings == tied
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reader_opens_only_the_language_models_tensors(multimodal, kind):
+    """Every name is the text model's; the towers' keys are not in the reader, and their shards are never opened."""
+    from hfsplit.checkpoint import CheckpointReader, load_config
+    from hfsplit.models.layout import meta_model
+
+    folder = multimodal(kind)
+    text = meta_model(load_config(folder))
+    with CheckpointReader.open(folder, model=text) as reader:
+        assert set(reader.keys()) == set(text.state_dict())
+        stored = {reader.checkpoint_name(n) for n in reader.keys()}
+    assert not any("vision" in key or "projector" in key for key in stored)
+    assert all("language_model" in key for key in stored if not key.startswith("lm_head"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plan_counts_only_the_text_weights(multimodal, kind, tmp_path, capsys):
+    """`hfsplit plan` on the multimodal checkpoint plans exactly what it plans for the language model saved alone."""
+    from tests.multimodal.checkpoints import write_text_only
+
+    text = write_text_only(tmp_path / "text", kind)
+
+    def planned(folder) -> dict:
+        assert main(["plan", str(folder), "--max-memory", "2x4GiB", "--pp", "2", "--seq-len", "64", "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        plan.pop("model", None)
+        return plan
+
+    assert planned(multimodal(kind)) == planned(text)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_split_equals_the_multimodal_class_text_forward(multimodal, kind):
+    """Two stages loaded from the multimodal checkpoint by hfsplit's reader, chained in one process: their logits
+    are transformers' multimodal class's given input_ids only (fp32, ≤ 1e-5)."""
+    from tests.multimodal.checkpoints import multimodal_class
+
+    folder = multimodal(kind)
+    stages = loaded_stages(folder, pp=2)
+    whole = multimodal_class(kind).from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = whole(input_ids=ids).logits
+        got = ids
+        for stage in stages:
+            got = stage(got)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def loaded_stages(folder: str, *, pp: int):
+    """`pp` stages of the checkpoint's language model, built as a run builds them and read by hfsplit's reader."""
+    from hfsplit.apply.load import load_stages
+    from hfsplit.checkpoint import load_config
+    from hfsplit.parallel.stage import build_stage_module
+    from hfsplit.plan import Stage, StageMemory
+
+    config = load_config(folder)
+    n = config.num_hidden_layers
+    bounds = [round(i * n / pp) for i in range(pp + 1)]
+    stages = [build_stage_module(config=config, tied=config.tie_word_embeddings, stage=Stage(
+        index=i, pp_rank=i, devices=(("cpu",),), layers=(bounds[i], bounds[i + 1]), has_embed=i == 0,
+        has_head=i == pp - 1, memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)) for i in range(pp)]
+    load_stages(stages, source=folder, config=config, device=torch.device("cpu"), dtype=torch.float32, tp_rank=0,
+                tp_size=1)
+    return [s.eval() for s in stages]
