@@ -23,6 +23,16 @@ def multimodal_config(kind: str):
     if kind == "mistral3":
         return transformers.Mistral3Config(text_config=dict(TEXT, model_type="mistral"), dtype="float32",
                                            vision_config=dict(VISION, model_type="pixtral", head_dim=8))
+    if kind == "qwen3_5":  # Gated DeltaNet linear attention beside full attention; the vision tower `model.visual`
+        return transformers.Qwen3_5Config(
+            text_config=dict(TEXT, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                             linear_value_head_dim=8, dtype="float32"), dtype="float32",
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32))
+    if kind == "llama4":  # the whole causal LM inside (`language_model.model.layers`, `language_model.lm_head`)
+        return transformers.Llama4Config(
+            text_config=dict(TEXT, num_local_experts=2, intermediate_size_mlp=64, interleave_moe_layer_step=2,
+                             attention_chunk_size=4, dtype="float32"), dtype="float32",
+            vision_config=dict(VISION, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32))
     raise ValueError(kind)
 
 
@@ -30,7 +40,9 @@ def multimodal_class(kind: str):
     import transformers
 
     return {"gemma3": transformers.Gemma3ForConditionalGeneration,
-            "mistral3": transformers.Mistral3ForConditionalGeneration}[kind]
+            "mistral3": transformers.Mistral3ForConditionalGeneration,
+            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+            "llama4": transformers.Llama4ForConditionalGeneration}[kind]
 
 
 def write_multimodal(folder: Path, kind: str) -> Path:

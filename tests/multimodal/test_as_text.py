@@ -7,7 +7,7 @@ import torch
 
 from hfsplit.cli import main
 
-KINDS = ["gemma3", "mistral3"]
+KINDS = ["gemma3", "mistral3", "qwen3_5", "llama4"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -63,8 +63,11 @@ def test_split_equals_the_multimodal_class_text_forward(multimodal, kind):
     stages = loaded_stages(folder, pp=2)
     whole = multimodal_class(kind).from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    # Llama 4's multimodal forward fails in transformers 5.24 without images (its output asks its language model's
+    # for `image_outputs`): its oracle is the causal LM the multimodal class holds, loaded by that class
+    oracle = whole.language_model if kind == "llama4" else whole
     with torch.no_grad():
-        want = whole(input_ids=ids).logits
+        want = oracle(input_ids=ids).logits
         got = ids
         for stage in stages:
             got = stage(got)
