@@ -43,9 +43,9 @@ class TensorEntry:
 # ---- checkpoint layout ------------------------------------------------------------------
 
 
-def _weight_map(source: str, revision: Optional[str]) -> tuple[Path, dict[str, str]]:
+def weight_map_of(source: str, revision: Optional[str]) -> tuple[Path, dict[str, str]]:
     """(index or single file, checkpoint tensor name → shard file name)."""
-    index_path = _optional_file(source, INDEX_FILE, revision)
+    index_path = optional_file(source, INDEX_FILE, revision)
     if index_path is not None:
         try:
             data = json.loads(index_path.read_text())
@@ -55,15 +55,15 @@ def _weight_map(source: str, revision: Optional[str]) -> tuple[Path, dict[str, s
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: 'weight_map' is empty or not a mapping")
         return index_path, dict(weight_map)
-    single = _optional_file(source, SINGLE_FILE, revision)
+    single = optional_file(source, SINGLE_FILE, revision)
     if single is None:
         raise CheckpointError(
             f"{source}: neither {INDEX_FILE} nor {SINGLE_FILE} found; hfsplit reads safetensors checkpoints "
             "(convert .bin weights with `save_pretrained(..., safe_serialization=True)`)")
-    return single, {key: SINGLE_FILE for key in _read_header(single)}
+    return single, {key: SINGLE_FILE for key in read_header(single)}
 
 
-def _optional_file(source: str, filename: str, revision: Optional[str]) -> Optional[Path]:
+def optional_file(source: str, filename: str, revision: Optional[str]) -> Optional[Path]:
     path = Path(source)
     if path.is_dir():
         candidate = path / filename
@@ -74,7 +74,7 @@ def _optional_file(source: str, filename: str, revision: Optional[str]) -> Optio
         return None
 
 
-def _read_header(path: Path) -> dict[str, TensorEntry]:
+def read_header(path: Path) -> dict[str, TensorEntry]:
     """Tensor entries of one safetensors file; CheckpointError names the file when it is corrupt."""
     from safetensors import SafetensorError, safe_open
 
@@ -137,10 +137,25 @@ def _tied_pairs(model: Optional[torch.nn.Module]) -> dict[str, str]:
     return {}
 
 
-def _meta_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def meta_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by name (tied duplicates included)."""
     return dict(model.state_dict(keep_vars=True))
 
 
-def _persistent_state_names(model: torch.nn.Module) -> list[str]:
-    return list(_meta_state(model))
+def persistent_state_names(model: torch.nn.Module) -> list[str]:
+    return list(meta_state(model))
+
+
+def text_checkpoint_names(wrapper, weight_map: dict[str, str], text_model: torch.nn.Module):
+    """(the language model's parameter name → checkpoint key, its merged tensors, the weight map cut to the language
+    model's keys) of a multimodal checkpoint, `wrapper` its `hfsplit.checkpoint.multimodal.Wrapper`: through the
+    multimodal class's own names and transformers' renames for it, so the towers' keys are left out."""
+    names, merged = parameter_to_checkpoint_names(weight_map, wrapper.model)
+    ours = {}
+    for text_name in text_model.state_dict(keep_vars=True):
+        theirs = wrapper.name(text_name)
+        if theirs in names:
+            ours[text_name] = names[theirs]
+    our_merged = {t: merged[wrapper.name(t)] for t in text_model.state_dict() if wrapper.name(t) in merged}
+    keys = set(ours.values()) | {k for m in our_merged.values() for k in m.keys()}
+    return ours, our_merged, {k: v for k, v in weight_map.items() if k in keys}

@@ -156,19 +156,3 @@ def wrapper_of(config_file: Optional[Path]) -> Optional[Wrapper]:
     """The Wrapper of the checkpoint whose config.json is `config_file` when it is multimodal, else None."""
     config = raw_config(config_file) if config_file is not None else None
     return Wrapper.of(config) if config is not None and is_multimodal(config) else None
-
-
-def text_checkpoint_names(wrapper: Wrapper, weight_map: dict[str, str], text_model: nn.Module):
-    """(the language model's parameter name → checkpoint key, its merged tensors, the weight map cut to the
-    language model's keys): through the multimodal class's own names and transformers' renames for it."""
-    from hfsplit.checkpoint.index import parameter_to_checkpoint_names
-
-    names, merged = parameter_to_checkpoint_names(weight_map, wrapper.model)
-    ours = {}
-    for text_name in text_model.state_dict(keep_vars=True):
-        theirs = wrapper.name(text_name)
-        if theirs in names:
-            ours[text_name] = names[theirs]
-    our_merged = {t: merged[wrapper.name(t)] for t in text_model.state_dict() if wrapper.name(t) in merged}
-    keys = set(ours.values()) | {k for m in our_merged.values() for k in m.keys()}
-    return ours, our_merged, {k: v for k, v in weight_map.items() if k in keys}

@@ -23,11 +23,11 @@ import torch
 
 from hfsplit.budget import torch_device
 from hfsplit.checkpoint.index import (
-    TensorEntry, _meta_state, _optional_file, _persistent_state_names, _read_header, _weight_map,
-    parameter_to_checkpoint_names,
+    TensorEntry, meta_state, optional_file, parameter_to_checkpoint_names, persistent_state_names, read_header,
+    text_checkpoint_names, weight_map_of,
 )
 from hfsplit.checkpoint.merged import MergedTensor
-from hfsplit.checkpoint.multimodal import text_checkpoint_names, wrapper_of
+from hfsplit.checkpoint.multimodal import wrapper_of
 from hfsplit.checkpoint.mxfp4 import (
     DEQUANTIZED_DTYPE, PackedExperts, dequantize_expert, dequantized_shape, packed_experts,
 )
@@ -88,19 +88,19 @@ class CheckpointReader:
                 whose shape or kind of dtype disagrees with the model.
         """
         source = str(name_or_path)
-        layout_file, weight_map = _weight_map(source, revision)
-        wrapper = wrapper_of(_optional_file(source, "config.json", revision)) if model is not None else None
+        layout_file, weight_map = weight_map_of(source, revision)
+        wrapper = wrapper_of(optional_file(source, "config.json", revision)) if model is not None else None
         if wrapper is not None:  # a multimodal checkpoint: its language model's tensors only, towers never opened
             names, merged, weight_map = text_checkpoint_names(wrapper, weight_map, model)
         else:
             names, merged = parameter_to_checkpoint_names(weight_map, model)
         try:
-            mxfp4 = packed_experts(weight_map, _persistent_state_names(model)) if model is not None else {}
+            mxfp4 = packed_experts(weight_map, persistent_state_names(model)) if model is not None else {}
         except CheckpointError as exc:
             raise CheckpointError(f"{layout_file}: {exc}") from None
         reader = cls(source, weight_map, names, revision, layout_file, merged, mxfp4)
         wanted = set(needed) if needed is not None else (
-            set(names) | set(merged) | set(mxfp4) | set(_persistent_state_names(model)) if model is not None
+            set(names) | set(merged) | set(mxfp4) | set(persistent_state_names(model)) if model is not None
             else set(names))
         reader._validate(wanted, model)
         return reader
@@ -326,7 +326,7 @@ class CheckpointReader:
                 held = sorted(n for n in wanted if self.shard_of(n) == shard)
                 more = f" and {len(held) - 3} more" if len(held) > 3 else ""
                 raise CheckpointError(f"{exc}; it holds needed tensor(s) {', '.join(map(repr, held[:3]))}{more}") from exc
-        params = _meta_state(model) if model is not None else {}
+        params = meta_state(model) if model is not None else {}
         for name in sorted(wanted):
             shape, dtype = self.shape(name), self.dtype(name)
             ref = params.get(name)
@@ -357,7 +357,7 @@ class CheckpointReader:
 
     def _header(self, shard: str) -> dict[str, TensorEntry]:
         if shard not in self._headers:
-            self._headers[shard] = _read_header(self._path(shard))
+            self._headers[shard] = read_header(self._path(shard))
         return self._headers[shard]
 
     def _entry(self, name: str) -> TensorEntry:

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from hfsplit.checkpoint.index import _optional_file
+from hfsplit.checkpoint.index import optional_file, parameter_to_checkpoint_names, weight_map_of
 from hfsplit.checkpoint.multimodal import Wrapper, wrapper_of
 from hfsplit.checkpoint.reader import CheckpointReader
 from hfsplit.checkpoint.writer import TensorSpec
@@ -30,7 +30,7 @@ _PEFT_PREFIX = "base_model.model."
 
 def wrapper_of_source(source: Optional[str]) -> Optional[Wrapper]:
     """The Wrapper of the checkpoint `source` (a folder or hub name) when it is multimodal, else None."""
-    return wrapper_of(_optional_file(str(source), "config.json", None)) if source else None
+    return wrapper_of(optional_file(str(source), "config.json", None)) if source else None
 
 
 class WrappedLayout(StoredLayout):
@@ -65,9 +65,7 @@ class Towers:
     """The original checkpoint's tensors outside the language model, read as stored (dtype and bytes unchanged)."""
 
     def __init__(self, source: str, wrapper: Wrapper):
-        from hfsplit.checkpoint.index import parameter_to_checkpoint_names, _weight_map
-
-        _, weight_map = _weight_map(str(source), None)
+        _, weight_map = weight_map_of(str(source), None)
         names, _ = parameter_to_checkpoint_names(weight_map, wrapper.model)
         inside = set(wrapper.text_names().values())
         tied = set(getattr(wrapper.model, "all_tied_weights_keys", None) or {})
