@@ -13,6 +13,7 @@ the proof and the stages see a plain causal LM. Only two places know the checkpo
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,12 +77,9 @@ class Wrapper:
 
     @classmethod
     def of(cls, config) -> "Wrapper":
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            model = multimodal_class(config)(config)
-            text = AutoModelForCausalLM.from_config(config.get_text_config())
-        return cls(config, model, text, _prefixes(model, text))
+        """The Wrapper of `config`, built once per process and config (a flagship's meta build takes seconds, and
+        `load_config`, the reader and the save each ask)."""
+        return _wrapper_of_json(config.to_json_string(use_diff=False))
 
     def name(self, text_name: str) -> str:
         """The multimodal model's name for the language model's parameter `text_name`."""
@@ -112,6 +110,18 @@ class Wrapper:
         inside = set(self.text_names().values())
         tied = getattr(self.model, "all_tied_weights_keys", None) or {}
         return [n for n in self.model.state_dict() if n not in inside and n not in tied]
+
+
+@functools.lru_cache(maxsize=8)
+def _wrapper_of_json(text: str) -> Wrapper:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    data = json.loads(text)
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        model = multimodal_class(config)(config)
+        language = AutoModelForCausalLM.from_config(config.get_text_config())
+    return Wrapper(config, model, language, _prefixes(model, language))
 
 
 def _prefixes(model: nn.Module, text: nn.Module) -> list[tuple[str, str]]:
