@@ -90,3 +90,45 @@ def loaded_stages(folder: str, *, pp: int):
     load_stages(stages, source=folder, config=config, device=torch.device("cpu"), dtype=torch.float32, tp_rank=0,
                 tp_size=1)
     return [s.eval() for s in stages]
+
+
+def test_single_process_from_pretrained_is_the_language_model(multimodal):
+    """`hfsplit.from_pretrained` (no launch) of a multimodal checkpoint: its language model, read by hfsplit's reader,
+    equal to the multimodal class's text forward."""
+    import hfsplit
+    from tests.multimodal.checkpoints import multimodal_class
+
+    folder = multimodal("gemma3")
+    model = hfsplit.from_pretrained(folder, dtype=torch.float32)
+    original = multimodal_class("gemma3").from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, original(input_ids=ids).logits, rtol=0, atol=1e-5)
+    assert not any("vision" in name for name, _ in model.named_parameters())
+
+
+def test_a_missing_language_model_tensor_is_named_and_towers_are_never_needed(multimodal, tmp_path):
+    """A checkpoint lacking one of its language model's tensors is refused naming it; one lacking its towers'
+    (a language model's share of a multimodal checkpoint) reads, as the towers are never read."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hfsplit.checkpoint import CheckpointReader, load_config
+    from hfsplit.errors import CheckpointError
+    from hfsplit.models.layout import meta_model
+
+    source = multimodal("gemma3")
+    text = meta_model(load_config(source))
+    stored = load_file(f"{source}/model.safetensors")
+    for name, keep in (("no_layer", lambda k: "layers.3.mlp.up_proj" not in k),
+                       ("no_towers", lambda k: "vision" not in k and "projector" not in k)):
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        save_file({k: v for k, v in stored.items() if keep(k)}, str(folder / "model.safetensors"))
+        if name == "no_layer":
+            with pytest.raises(CheckpointError, match="model.layers.3.mlp.up_proj.weight"):
+                CheckpointReader.open(folder, model=text)
+        else:
+            with CheckpointReader.open(folder, model=text) as reader:
+                assert set(reader.keys()) == set(text.state_dict())
