@@ -18,6 +18,7 @@ PROBE = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(7
 def test_lora_split_saves_what_the_original_class_loads(multimodal, kind, tmp_path):
     from peft import PeftModel
 
+    from hfsplit.ship.merge import merge_adapter
     from tests.parallel.launcher import launch
 
     folder = multimodal(kind)
@@ -38,8 +39,12 @@ def test_lora_split_saves_what_the_original_class_loads(multimodal, kind, tmp_pa
         torch.testing.assert_close(peft.eval()(input_ids=PROBE).logits, run["tuned"], rtol=0, atol=1e-5)
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == folder
 
-    merged = multimodal_class(kind).from_pretrained(run["merged"], dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=PROBE).logits, run["tuned"], rtol=0, atol=1e-4)
     towers = {n: p for n, p in original.state_dict().items() if "language_model" not in n and n != "lm_head.weight"}
-    assert towers and all(torch.equal(merged.state_dict()[n], p) for n, p in towers.items())
+    assert towers
+    # the split's merged save, and `hfsplit merge BASE ADAPTER OUT` of the saved adapter into the multimodal base
+    merge_adapter(folder, adapter, tmp_path / "merged-cli")
+    for saved in (run["merged"], tmp_path / "merged-cli"):
+        merged = multimodal_class(kind).from_pretrained(saved, dtype=torch.float32).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(merged(input_ids=PROBE).logits, run["tuned"], rtol=0, atol=1e-4)
+        assert all(torch.equal(merged.state_dict()[n], p) for n, p in towers.items()), saved
