@@ -118,9 +118,15 @@ def _wrapper_of_json(text: str) -> Wrapper:
 
     data = json.loads(text)
     config = AutoConfig.for_model(data.pop("model_type"), **data)
+    kind = config.get_text_config().model_type
     with torch.device("meta"):
         model = multimodal_class(config)(config)
-        language = AutoModelForCausalLM.from_config(config.get_text_config())
+        try:
+            language = AutoModelForCausalLM.from_config(config.get_text_config())
+        except ValueError as error:  # no causal LM registered for the text model type
+            raise CheckpointError(f"model_type {config.model_type!r}: its language model ({kind!r}) has no causal-LM "
+                                  f"class in transformers ({str(error).splitlines()[0][:120]}); hfsplit fine-tunes "
+                                  "a multimodal checkpoint as its language model only") from None
     return Wrapper(config, model, language, _prefixes(model, language))
 
 

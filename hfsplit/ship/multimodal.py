@@ -23,6 +23,7 @@ from hfsplit.checkpoint.index import optional_file, parameter_to_checkpoint_name
 from hfsplit.checkpoint.multimodal import Wrapper, wrapper_of
 from hfsplit.checkpoint.reader import CheckpointReader
 from hfsplit.checkpoint.writer import TensorSpec
+from hfsplit.errors import CheckpointError
 from hfsplit.ship.base import StoredLayout
 
 _PEFT_PREFIX = "base_model.model."
@@ -67,9 +68,12 @@ class Towers:
     def __init__(self, source: str, wrapper: Wrapper):
         _, weight_map = weight_map_of(str(source), None)
         names, _ = parameter_to_checkpoint_names(weight_map, wrapper.model)
-        inside = set(wrapper.text_names().values())
-        tied = set(getattr(wrapper.model, "all_tied_weights_keys", None) or {})
-        self.keys = {name: key for name, key in names.items() if name not in inside and name not in tied}
+        missing = [name for name in wrapper.tower_names() if name not in names]
+        if missing:  # the original class would load the saved folder with these drawn at random
+            raise CheckpointError(f"{source}: the checkpoint lacks {len(missing)} tensor(s) of its "
+                                  f"{type(wrapper.model).__name__} outside the language model ({missing[0]!r} first); "
+                                  "the saved folder would not load as the original")
+        self.keys = {name: names[name] for name in wrapper.tower_names()}
         self.source = str(source)
 
     def specs(self) -> list[TensorSpec]:
