@@ -73,7 +73,9 @@ def materialize_buffers(module: nn.Module, *, device: torch.device) -> None:
     if isinstance(module.rotary_emb, nn.Module) and "rotary_emb" in module._modules:  # a followed stage's is the model's
         with torch.device(device):
             module.rotary_emb = type(module.rotary_emb)(config=module.config)
-    recompute_buffers(module, module._init_weights, device=device)
+    fresh = recompute_buffers(module, module._init_weights, device=device)
+    if fresh and hasattr(module, "init_decoder_buffers"):  # a followed stage: what the decoder's own init sets
+        module.init_decoder_buffers(fresh)
 
 
 def load_stage_weights(module: nn.Module, *, reader, device: torch.device, dtype: Optional[torch.dtype] = None,
