@@ -40,6 +40,8 @@ def one_layer_config(config):
     layer_types = getattr(cfg, "layer_types", None)
     if isinstance(layer_types, (list, tuple)) and layer_types:
         cfg.layer_types = list(layer_types[:1])
+    if getattr(cfg, "num_kv_shared_layers", None):  # Gemma 3n: one block reuses no other's keys
+        cfg.num_kv_shared_layers = 0
     return cfg
 
 
@@ -150,6 +152,12 @@ def routed_expert_numel(config) -> int:
     return _routed_expert_numel(key)
 
 
+def holds_experts(module: nn.Module) -> bool:
+    """Whether `module`'s own 3-D parameters are fused experts `[experts, d1, d2]`: a convolution's 3-D weight
+    (the conv1d of Mamba2 mixers and of gated DeltaNet linear attention) is not."""
+    return not isinstance(module, nn.modules.conv._ConvNd)
+
+
 @functools.lru_cache(maxsize=32)
 def _routed_expert_numel(key: str) -> int:
     config = _CONFIGS[key]
@@ -158,7 +166,8 @@ def _routed_expert_numel(key: str) -> int:
         return 0
     model = meta_model(one_layer_config(config))
     block = model.get_submodule(decoder_layout(model).layers)[0]
-    per_expert = sum(p[0].numel() for p in block.parameters() if p.dim() == 3)  # [experts, out, in]
+    per_expert = sum(p[0].numel() for m in block.modules() if holds_experts(m)  # [experts, out, in]
+                     for p in m.parameters(recurse=False) if p.dim() == 3)
     return top_k * per_expert
 
 
