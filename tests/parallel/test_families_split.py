@@ -50,9 +50,6 @@ CASES = {
         "linear_attention", "full_attention", "linear_attention", "full_attention"]), dict(tp=1, pp=2, layers=[(0, 2), (2, 4)],
                                                               schedule="1F1B")),
     "phi-pp2-gpipe": ("phi", {}, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
-    # per-layer inputs computed from input_ids on the first stage and four AltUp hidden streams, both sent on in one
-    # tensor (Gemma 3n); blocks 10-11 reuse the keys of blocks 8-9, on the same stage
-    "gemma3n_text-pp2-1f1b": ("gemma3n_text", {}, dict(tp=1, pp=2, layers=[(0, 5), (5, 12)], schedule="1F1B")),
     # embedding scale on the first stage only (its module's buffer), head on the last
     "gemma-pp2-gpipe": ("gemma", {}, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="GPipe")),
     # soft-capping with heads sharded over TP ranks
