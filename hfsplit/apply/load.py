@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from hfsplit.apply.quantize import Staging, quantize_module
 from hfsplit.apply.tp import shard_layout
 from hfsplit.checkpoint.reader import CheckpointReader
-from hfsplit.models.layout import meta_model, recompute_buffers
+from hfsplit.models.layout import holds_experts, meta_model, recompute_buffers
 from hfsplit.plan import Step
 
 _LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
@@ -73,7 +73,9 @@ def materialize_buffers(module: nn.Module, *, device: torch.device) -> None:
     if isinstance(module.rotary_emb, nn.Module) and "rotary_emb" in module._modules:  # a followed stage's is the model's
         with torch.device(device):
             module.rotary_emb = type(module.rotary_emb)(config=module.config)
-    recompute_buffers(module, module._init_weights, device=device)
+    fresh = recompute_buffers(module, module._init_weights, device=device)
+    if fresh and hasattr(module, "init_decoder_buffers"):  # a followed stage: what the decoder's own init sets
+        module.init_decoder_buffers(fresh)
 
 
 def load_stage_weights(module: nn.Module, *, reader, device: torch.device, dtype: Optional[torch.dtype] = None,
@@ -127,7 +129,8 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
                             experts=experts)
             staging.reset()
         current = block.group(1) if block else None
-        if reader.packed_state_keys(key) or (per_expert and block is not None and param.dim() == 3):
+        if reader.packed_state_keys(key) or (per_expert and block is not None and param.dim() == 3
+                                             and holds_experts(module.get_submodule(key.rpartition(".")[0]))):
             continue  # pre-quantized: read packed as stored; fused experts: read expert by expert as quantized
         if key in dense:  # a block's 16-bit linear weight lives only until its block is quantized
             value = reader.read_into(key, staging.take(dense[key]))

@@ -40,13 +40,14 @@ from torch import nn
 from hfsplit.apply.nf4 import quantize_4bit_state
 from hfsplit.checkpoint.quantized import BLOCKSIZE, NESTED_BLOCKSIZE
 from hfsplit.errors import UnsupportedModelError
+from hfsplit.models.layout import holds_experts
 
 Fill = Callable[[str, int, torch.Tensor], torch.Tensor]
 
 
 def expert_tensor_names(module: nn.Module) -> list[str]:
     """The 3-D parameters `[experts, d1, d2]` `module` holds itself (a fused experts module's matrices)."""
-    return [name for name, p in module.named_parameters(recurse=False) if p.dim() == 3]
+    return [name for name, p in module.named_parameters(recurse=False) if p.dim() == 3] if holds_experts(module) else []
 
 
 def experts_modules(block: nn.Module) -> list[tuple[str, nn.Module]]:

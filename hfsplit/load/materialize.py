@@ -22,7 +22,7 @@ from hfsplit.checkpoint.resolve import load_config, resolve_file
 from hfsplit.errors import CheckpointError, ConvertedOnLoadError
 from hfsplit.load.launch import spec_of_intent, split_from_pretrained
 from hfsplit.models.families import FAMILIES, check_causal_lm
-from hfsplit.models.layout import decoder_layout, meta_model, recompute_buffers
+from hfsplit.models.layout import decoder_layout, holds_experts, meta_model, recompute_buffers
 from hfsplit.models.masks import causal_masks, layer_attention_type
 from hfsplit.models.varlen import IMPLEMENTATION as VARLEN_IMPLEMENTATION, enabled as varlen_enabled, is_packed
 from hfsplit.parallel.mesh import World, launcher_world
@@ -298,7 +298,8 @@ class BlockQuantizer:
         for sub in module.modules():  # the rest (norms, biases, buffers) as to_empty gives them
             for table in (sub._parameters, sub._buffers):
                 for key, value in table.items():
-                    if self.per_expert and table is sub._parameters and value is not None and value.dim() == 3:
+                    if self.per_expert and table is sub._parameters and value is not None and value.dim() == 3 \
+                            and holds_experts(sub):
                         continue  # fused experts: read expert by expert when the block is quantized
                     if value is not None and value.is_meta:
                         fresh = torch.empty_like(value, device=device)

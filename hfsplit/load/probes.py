@@ -170,9 +170,10 @@ def _probe_block(config, spec, device: torch.device):
 
 
 def _probe_mask(config, x: torch.Tensor, *, packed: bool):
-    """(position ids, attention mask) block 0 of a stage gets for rows of `x`'s shape, packed or not."""
+    """(position ids, attention mask) block 0 of a stage gets for rows of `x`'s shape, packed or not (None for a
+    block without attention: linear attention, Mamba2)."""
     pos = traced_positions(x.shape[0], x.shape[1], packed=packed).to(x.device)
-    return pos, causal_masks(config, hidden=x, position_ids=pos)[layer_attention_type(config, 0)]
+    return pos, causal_masks(config, hidden=x, position_ids=pos).get(layer_attention_type(config, 0))
 
 
 def _quantize_probe(block, spec, device: torch.device) -> None:
@@ -193,7 +194,10 @@ def _seconds(run, device: torch.device, *, split: bool) -> float:
 
 
 def _block_rotary(config, rotary_emb, x: torch.Tensor, pos: torch.Tensor):
-    """The rotary table block 0 receives (Gemma 3 computes one per layer type)."""
+    """The rotary table block 0 receives (Gemma 3 computes one per layer type; None without rotary positions,
+    Granite 4's default)."""
+    if rotary_emb is None:
+        return None
     kind = (getattr(config, "layer_types", None) or ["full_attention"])[0]
     return FAMILIES.get(config.model_type, Family()).position_embeddings(rotary_emb, x, pos, [kind])[kind]
 

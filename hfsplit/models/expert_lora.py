@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 
 from hfsplit.errors import HfsplitError
 from hfsplit.models.layer_kinds import SPARSE, kind_config, layer_kinds
-from hfsplit.models.layout import block_linear_names, block_linears, decoder_layout, meta_model, one_layer_config
+from hfsplit.models.layout import (block_linear_names, block_linears, decoder_layout, holds_experts, meta_model,
+                                   one_layer_config)
 
 
 def expert_parameters(config) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -34,8 +35,8 @@ def _expert_parameters(key: str) -> tuple:
     cfg = one_layer_config(kind_config(config, SPARSE) if layer_kinds(config) else config)
     model = meta_model(cfg)
     block = model.get_submodule(decoder_layout(model).layers)[0]
-    return tuple((name.rsplit(".", 1)[-1], (name, tuple(p.shape))) for name, p in block.named_parameters()
-                 if p.dim() == 3)
+    return tuple((leaf, (f"{owner}.{leaf}", tuple(p.shape))) for owner, m in block.named_modules() if holds_experts(m)
+                 for leaf, p in m.named_parameters(recurse=False) if p.dim() == 3)
 
 
 def default_lora_targets(config) -> list[str]:

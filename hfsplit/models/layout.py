@@ -6,6 +6,8 @@ The one builder every part of hfsplit uses (`meta_model`) and what it reads off 
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +40,8 @@ def one_layer_config(config):
     layer_types = getattr(cfg, "layer_types", None)
     if isinstance(layer_types, (list, tuple)) and layer_types:
         cfg.layer_types = list(layer_types[:1])
+    if getattr(cfg, "num_kv_shared_layers", None):  # Gemma 3n: one block reuses no other's keys
+        cfg.num_kv_shared_layers = 0
     return cfg
 
 
@@ -76,13 +80,33 @@ def decoder_layout(model: nn.Module) -> DecoderLayout:
     if at is None:
         raise UnsupportedModelError(
             f"{type(model).__name__}: found no list of its {n} decoder blocks under {prefix!r}; load it with transformers")
+    early = _run_before_blocks(base, children[at][0])
+    later = [(name, m) for name, m in children[at + 1:] if name not in early or not any(True for _ in m.parameters())]
     return DecoderLayout(
         base=prefix,
-        before=tuple(f"{prefix}.{name}" for name, _ in children[:at]),
+        before=tuple(f"{prefix}.{name}" for name, m in children if (name, m) not in later and name != children[at][0]),
         layers=f"{prefix}.{children[at][0]}",
-        after=tuple(f"{prefix}.{name}" for name, _ in children[at + 1:]),
+        after=tuple(f"{prefix}.{name}" for name, _ in later),
         outside=tuple(name for name, _ in model.named_children() if name != prefix),
     )
+
+
+def _run_before_blocks(base: nn.Module, layers: str) -> set[str]:
+    """The names the decoder's forward uses before its loop over the blocks `layers`, read from its source and that
+    of its own methods it calls there: where a child registered after the blocks runs before them (Gemma 3n's and
+    Gemma 4's per-layer embeddings and projections, Gemma 3n's AltUp projections)."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return set()
+    loop = re.search(rf"\n\s*for [^\n]*self\.{layers}\b", source)
+    if loop is None:
+        return set()
+    head = source[:loop.start()]
+    for method in set(re.findall(r"self\.(\w+)\(", head)):
+        if inspect.isfunction(getattr(type(base), method, None)) and method != "forward":
+            head += inspect.getsource(getattr(type(base), method))
+    return set(re.findall(r"self\.(\w+)", head))
 
 
 @dataclass(frozen=True)
@@ -128,6 +152,12 @@ def routed_expert_numel(config) -> int:
     return _routed_expert_numel(key)
 
 
+def holds_experts(module: nn.Module) -> bool:
+    """Whether `module`'s own 3-D parameters are fused experts `[experts, d1, d2]`: a convolution's 3-D weight
+    (the conv1d of Mamba2 mixers and of gated DeltaNet linear attention) is not."""
+    return not isinstance(module, nn.modules.conv._ConvNd)
+
+
 @functools.lru_cache(maxsize=32)
 def _routed_expert_numel(key: str) -> int:
     config = _CONFIGS[key]
@@ -136,7 +166,8 @@ def _routed_expert_numel(key: str) -> int:
         return 0
     model = meta_model(one_layer_config(config))
     block = model.get_submodule(decoder_layout(model).layers)[0]
-    per_expert = sum(p[0].numel() for p in block.parameters() if p.dim() == 3)  # [experts, out, in]
+    per_expert = sum(p[0].numel() for m in block.modules() if holds_experts(m)  # [experts, out, in]
+                     for p in m.parameters(recurse=False) if p.dim() == 3)
     return top_k * per_expert
 
 
@@ -157,14 +188,15 @@ def block_linear_names(config) -> list[str]:
     return sorted(set.intersection(*by_mlp.values()))
 
 
-def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] = None) -> None:
+def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] = None) -> list[torch.Tensor]:
     """Recompute the non-persistent buffers no checkpoint holds (rotary `inv_freq`, Gemma's `embed_scale`)
     with the model's own `_init_weights` (`init`), as transformers' loading does.
 
     With `device`, only buffers still on the meta device are given storage there and recomputed. A module's
     own parameters (Gemma's embedding weight beside `embed_scale`) already hold checkpoint bytes: `init`
-    sees meta stand-ins, on which its writes do nothing.
+    sees meta stand-ins, on which its writes do nothing. Returns the buffers recomputed.
     """
+    fresh = []
     for module_name, module in root.named_modules():
         own = [b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
         if device is not None:
@@ -172,6 +204,7 @@ def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] =
             module._buffers.update({b: torch.zeros_like(module._buffers[b], device=device) for b in own})  # what init leaves
         if not own:
             continue
+        fresh += [module._buffers[b] for b in own]
         if init is None:
             raise UnsupportedModelError(f"{type(root).__name__} has no _init_weights to recompute {module_name} buffers")
         loaded = dict(module._parameters)
@@ -182,3 +215,4 @@ def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] =
                 init(module)
         finally:
             module._parameters.update(loaded)
+    return fresh

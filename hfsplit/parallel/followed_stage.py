@@ -15,9 +15,11 @@ activation-checkpointing recompute sees the real inputs):
 - on a stage before the last, the block just after its own ends the forward (`_StageEnd`) with the hidden state the
   model's loop passes it, skipping the rest.
 
-What this cannot carry is state one block hands a later block outside the hidden state (Gemma 3n's shared KV,
-Zaya's router states): such a model computes differently split, which the proof on the user's config
-(`hfsplit.load.proof`) finds and refuses by name. Parameter names stay the checkpoint keys.
+Per-layer inputs the decoder computes before its blocks (Gemma 3n, Gemma 4) cross the boundary with the hidden state,
+in one tensor (`packed_boundary`). What this cannot carry is other state one block hands a later block (Gemma 3n's
+keys/values reused by its last blocks: refused where a boundary falls between them; Zaya's router states): such a
+model computes differently split, which the proof on the user's config (`hfsplit.load.proof`) finds and refuses by
+name. Parameter names stay the checkpoint keys.
 """
 from __future__ import annotations
 
@@ -29,15 +31,18 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from hfsplit.errors import UnsupportedModelError
 from hfsplit.models.layout import decoder_layout, meta_model
 from hfsplit.plan import Stage
 
 
 class _Relay:
-    """What crosses this stage's edges during its forward: the hidden state received (None outside a forward)."""
+    """What crosses this stage's edges during its forward: the hidden state received, and the per-layer inputs
+    received or computed here (None outside a forward)."""
 
     def __init__(self):
         self.received = None
+        self.carried = None
         self.running = False
 
 
@@ -94,6 +99,9 @@ class AbsentModule(nn.Module):
     def __init__(self, meta: nn.Module):
         super().__init__()
         self._meta = [meta]  # a list: not a submodule, so no parameters of it are this stage's
+
+    def __getitem__(self, index):  # one of a ModuleList's modules (Gemma 3n's AltUp projections)
+        return AbsentModule(self._meta[0][index])
 
     def forward(self, *args, **kwargs):
         device = next((t.device for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)), None)
@@ -153,6 +161,10 @@ class FollowedStage(nn.Module):
         blocks = full.get_submodule(layout.layers)
         self._relay = _Relay()
         start, stop = stage.layers
+        refuse_split_kv_sharing(config, range(start, stop))
+        self.carries = carries_per_layer_inputs(full.get_submodule(layout.base))
+        if self.carries:
+            _carry_per_layer_inputs(full.get_submodule(layout.base), self._relay, first=stage.has_embed)
         arity = _output_arity(full.get_submodule(layout.base))
         for i in range(len(blocks)):
             if not start <= i < stop:
@@ -200,6 +212,31 @@ class FollowedStage(nn.Module):
     def input_embeddings(self) -> nn.Module:
         return self._model.get_input_embeddings()
 
+    def init_decoder_buffers(self, fresh: list[torch.Tensor]) -> None:
+        """Run the decoder's own init on the decoder itself, as transformers' loading does, for the buffers it sets
+        on its blocks (Falcon-H1's Mamba mixers' `mup_vector`): over this stage's blocks only, every tensor but the
+        buffers just made (`fresh`) a meta stand-in, so that nothing loaded is written."""
+        decoder = getattr(self._model, self.body_name)
+        owner_path, _, leaf = self._layers_path.rpartition(".")
+        owner = self._model.get_submodule(owner_path) if owner_path else self._model
+        blocks = owner._modules[leaf]
+        keep = {id(t) for t in fresh}
+        saved = []
+        owner._modules[leaf] = nn.ModuleList(blocks[i] for i in range(*self.layer_range))
+        try:
+            for module in decoder.modules():
+                for table in (module._parameters, module._buffers):
+                    saved.append((table, dict(table)))
+                    table.update({k: t.new_empty(t.shape, device="meta") if not isinstance(t, nn.Parameter) else
+                                  nn.Parameter(t.new_empty(t.shape, device="meta"), t.requires_grad)
+                                  for k, t in table.items() if t is not None and id(t) not in keep})
+            with torch.no_grad():
+                self._init_weights(decoder)
+        finally:
+            for table, before in saved:
+                table.update(before)
+            owner._modules[leaf] = blocks
+
     # --- running -------------------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, router_sums: Optional[torch.Tensor] = None, cache=None,
@@ -217,7 +254,7 @@ class FollowedStage(nn.Module):
             kwargs["input_ids"] = x
         else:
             kwargs["inputs_embeds"] = x.new_zeros(*x.shape[-3:-1], _hidden_size(self.config))
-            self._relay.received = x
+            self._relay.received, self._relay.carried = unpacked_boundary(x, self.config, carries=self.carries)
         self._relay.running = True
         try:
             if self.has_head and self.head_in_loss:
@@ -226,9 +263,9 @@ class FollowedStage(nn.Module):
                 return self._model(**kwargs, logits_to_keep=logits_to_keep).logits
             out = getattr(self._model, self.body_name)(**kwargs)
         except _StageEnd as end:
-            return end.output
+            return packed_boundary(end.output, self._relay.carried)
         finally:
-            self._relay.received, self._relay.running = None, False
+            self._relay.received, self._relay.carried, self._relay.running = None, None, False
         raise RuntimeError(f"stage {self.stage_index}: the model's forward ran past its last block "
                            f"{self.layer_range[1] - 1} without handing its output on ({type(out).__name__})")
 
@@ -291,6 +328,68 @@ class _Returns(nn.Module):
     def forward(self, *args, **kwargs):
         from transformers.modeling_outputs import BaseModelOutputWithPast
         return BaseModelOutputWithPast(last_hidden_state=self._hidden)
+
+
+# --- what crosses a stage boundary besides the hidden state ---------------------------------------------------------
+
+def carries_per_layer_inputs(decoder: nn.Module) -> bool:
+    """Whether the decoder computes per-layer inputs before its blocks (Gemma 3n's and Gemma 4's per-layer
+    embeddings: from `input_ids` and the embeddings, one slice handed to each block beside the hidden state)."""
+    return bool(getattr(decoder, "hidden_size_per_layer_input", 0)) and hasattr(decoder, "project_per_layer_inputs")
+
+
+def _carry_per_layer_inputs(decoder: nn.Module, relay: _Relay, *, first: bool) -> None:
+    """The first stage keeps the per-layer inputs its decoder computes (sent on with the hidden state); a later
+    stage's decoder takes the ones received instead of computing them from embeddings it does not hold."""
+    project = decoder.project_per_layer_inputs
+
+    def kept(*args, **kwargs):
+        relay.carried = project(*args, **kwargs)
+        return relay.carried
+
+    if first:
+        decoder.project_per_layer_inputs = kept
+    else:
+        decoder.project_per_layer_inputs = lambda *args, **kwargs: relay.carried
+        decoder.get_per_layer_inputs = lambda *args, **kwargs: None
+
+
+def packed_boundary(hidden: torch.Tensor, carried: Optional[torch.Tensor]) -> torch.Tensor:
+    """What a stage sends on: one `(batch, seq, width)` tensor, the hidden state (its streams side by side where
+    the loop keeps several, Gemma 3n's `(streams, batch, seq, hidden)`), then the per-layer inputs, flattened."""
+    if hidden.dim() == 4:
+        hidden = hidden.permute(1, 2, 0, 3).flatten(2)
+    return hidden if carried is None else torch.cat([hidden, carried.flatten(2)], dim=-1)
+
+
+def unpacked_boundary(x: torch.Tensor, config, *, carries: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(hidden state as the model's loop holds it, per-layer inputs or None) from what `packed_boundary` sent."""
+    size, layers = _hidden_size(config), config.num_hidden_layers
+    per_layer = config.hidden_size_per_layer_input if carries else 0
+    hidden, carried = x.split([x.shape[-1] - layers * per_layer, layers * per_layer], dim=-1)
+    if hidden.shape[-1] > size:
+        hidden = hidden.unflatten(-1, (hidden.shape[-1] // size, size)).permute(2, 0, 1, 3)
+    return hidden, carried.unflatten(-1, (layers, per_layer)) if carries else None
+
+
+def boundary_width(config) -> int:
+    """The last dimension of what a stage sends on (`packed_boundary`)."""
+    streams = getattr(config, "altup_num_inputs", None) or 1
+    per_layer = getattr(config, "hidden_size_per_layer_input", None) or 0
+    return streams * _hidden_size(config) + (config.num_hidden_layers * per_layer if per_layer else 0)
+
+
+def refuse_split_kv_sharing(config, layers: range) -> None:
+    """Refuse a stage holding a block that reuses the keys and values of a block another stage holds (Gemma 3n's
+    and Gemma 4's `kv_sharing_modes`): they are state outside the hidden state, which no stage sends."""
+    modes = getattr(config, "kv_sharing_modes", None) or []
+    reusing = [i for i in layers if i < len(modes) and modes[i] == "reuse"]
+    elsewhere = [i for i, mode in enumerate(modes) if mode == "store" and i not in layers]
+    if reusing and elsewhere:
+        raise UnsupportedModelError(
+            f"{config.model_type}: block {reusing[0]} reuses the keys and values that block {elsewhere[0]} stores, "
+            f"which another stage holds: put a stage boundary before block {min(elsewhere + reusing)} or after the "
+            "last block")
 
 
 def _last_hidden(output) -> torch.Tensor:

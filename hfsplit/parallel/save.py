@@ -68,7 +68,25 @@ def _stage_value(module, name: str, *, merge_lora: bool) -> torch.Tensor:
         layer = module.get_submodule(name[:-len(".base_layer.weight")])
         if hasattr(layer, "lora_A") and "default" in layer.lora_A:
             return merged_lora_weight(layer)
-    return dequantized(module.get_parameter(name), owner).detach()
+    value = dequantized(module.get_parameter(name), owner).detach()
+    return value + parameter_lora_delta(module, name) if merge_lora and ".base_layer." in name else value
+
+
+def parameter_lora_delta(module, name: str):
+    """The LoRA delta peft adds to the parameter `name` itself (a fused experts tensor adapted by peft's
+    `ParamWrapper`, each adapted parameter one wrapper around the module), 0 where none adapts it."""
+    from torch.distributed.tensor import DTensor
+
+    prefix, _, leaf = name.rpartition(".")
+    delta = 0
+    while prefix.endswith(".base_layer"):
+        prefix = prefix[:-len(".base_layer")]
+        wrapper = module.get_submodule(prefix)
+        if getattr(wrapper, "parameter_name", None) == leaf and "default" in getattr(wrapper, "lora_A", {}):
+            if isinstance(module.get_parameter(name), DTensor):
+                raise NotImplementedError(f"{name}: merging a LoRA adapted parameter sharded over TP")
+            delta = delta + wrapper.get_delta_weight("default").detach()
+    return delta
 
 
 def stage_tensor_specs(model, module, layout) -> list[TensorSpec]:

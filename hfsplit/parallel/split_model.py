@@ -34,6 +34,7 @@ from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import PlanError, SplitAttributeError
 from hfsplit.models.loss import IGNORE_INDEX
 from hfsplit.models.families import tp_degree_error
+from hfsplit.parallel.followed_stage import boundary_width
 from hfsplit.parallel.generation import (
     Choice, PipelinedGeneration, generation_config_for, joined_sequences, logits_processors, merged_generation_config,
     rollouts_of, special_tokens, token_group,
@@ -199,7 +200,7 @@ class SplitModel(nn.Module):
                         sample=bool(config.do_sample), generators=generators, eos=eos.to(self.device), pad=pad,
                         limit=limit)
         run = PipelinedGeneration(stages=dict(zip(self.stage_indices, self.stages)), owner=stage_to_pp_rank(self.plan),
-                                  ctx=self.ctx, tokens=self._token_group(), hidden_size=self.config.hidden_size,
+                                  ctx=self.ctx, tokens=self._token_group(), hidden_size=boundary_width(self.config),
                                   dtype=self._dtype(), choice=choice)
         return joined_sequences(run.run(rollouts), pad=pad)
 
@@ -373,7 +374,7 @@ class SplitModel(nn.Module):
         owner = stage_to_pp_rank(self.plan)
         mine = dict(zip(self.stage_indices, self.stages))
         cache_of = dict(zip(self.stage_indices, caches or [None] * len(self.stages)))
-        hidden_shape = (*input_ids.shape, self.config.hidden_size)
+        hidden_shape = (*input_ids.shape, boundary_width(self.config))
         x = input_ids
         for index in range(self.num_stages):
             if index not in mine:

@@ -222,3 +222,33 @@ def test_undeclared_moe_qlora_4bit_experts_split_equals_transformers_and_keeps_i
     results = launch("tests.training.test_moe_training:qlora_moe_runs", world_size=2,
                      kwargs={"runs": runs, "probe": probe, "ids": ids}, timeout_s=400)
     check_4bit_expert_run(runs[0], [r[0] for r in results], replicas=1, probe=probe, ids=ids)
+
+
+# one launch per layer kind the planner counts beyond attention (issue 29 items 4 and 6): gated DeltaNet linear
+# attention beside full attention (Qwen3-Next) and Mamba2 mixers beside attention (Granite 4), each with experts
+NEW_KINDS = {
+    "qwen3_next": ({}, ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "out_proj"]),
+    # (a finite time-step limit: transformers writes its default's infinity to config.json as it cannot read back)
+    "granitemoehybrid": (dict(time_step_limit=[0.0, 1e4], layer_types=["linear_attention", "full_attention"] * 2),
+                         ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(NEW_KINDS))
+def test_linear_attention_and_mamba2_qlora_equal_transformers_saved_and_keep_their_plan(family, tiny_checkpoint,
+                                                                                        tmp_path):
+    """pp=2 QLoRA of a family no one declared whose layers are linear attention (Qwen3-Next) or Mamba2 (Granite 4)
+    beside full attention and 4-bit experts, LoRA on both layer kinds' projections: against one process of
+    transformers + bitsandbytes + peft on the same NF4 bytes (one step's gradients ≤1e-5, every loss, the trained
+    logits), the saved adapter applied by plain peft, and each rank's measured peak within ±15% of its plan
+    (`check_4bit_expert_run`: the planner's costs of these layer kinds, run against the run)."""
+    overrides, targets = NEW_KINDS[family]
+    runs = [dict(run_options(tiny_checkpoint(family, **overrides), tmp_path, "qlora", tp=1, pp=2,
+                             max_memory="2x1GiB"), lora_targets=targets, output_dir=str(tmp_path / family),
+                 schedule="1F1B", packing="off")]
+    probe = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 256, (8, 16), generator=torch.Generator().manual_seed(2))
+    results = launch("tests.training.test_moe_training:qlora_moe_runs", world_size=2,
+                     kwargs={"runs": runs, "probe": probe, "ids": ids}, timeout_s=600)
+    check_4bit_expert_run(runs[0], [r[0] for r in results], replicas=1, probe=probe, ids=ids)
