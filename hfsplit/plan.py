@@ -67,6 +67,9 @@ class TrainingSpec:
             data before training, the log-probs kept on the last stage); None for SFT.
         reference_pairs: DPO with a precomputed reference: the pairs of the data set whose log-probs the last stage
             keeps (None: not known where the plan was made, counted as one step's pairs).
+        tiled_mlp: the slices of the sequence each block's MLP runs in, forward and recompute-backward, so its
+            intermediates never exist for the whole sequence (`hfsplit.apply.tiled_mlp`); 0: untiled. In a Plan, the
+            most any stage runs; each stage's own is `Stage.tiled_mlp`.
     """
 
     method: Method = "lora"
@@ -90,6 +93,7 @@ class TrainingSpec:
     objective: str = "sft"
     reference: Optional[str] = None
     reference_pairs: Optional[int] = None
+    tiled_mlp: int = 0
 
     def __post_init__(self):
         mode = checkpointing_mode(self.activation_checkpointing)
@@ -192,6 +196,7 @@ class Stage:
         time_s: estimated forward + backward time per micro-batch.
         checkpointing: this stage's activation checkpointing, "off" / "on" / "offload" (None: the spec's).
         optim: the optimizer of this stage's trainable parameters, an `OPTIMS` name (None: the spec's).
+        tiled_mlp: the slices each of this stage's blocks runs its MLP in (0: untiled; None: the spec's).
     """
 
     index: int
@@ -205,6 +210,7 @@ class Stage:
     time_s: float
     checkpointing: Optional[str] = None
     optim: Optional[str] = None
+    tiled_mlp: Optional[int] = None
 
     @property
     def num_layers(self) -> int:
@@ -265,6 +271,8 @@ class Plan:
             out.append(tp_step(self.tp))
         if any(self.checkpointing_of(s) != "off" for s in self.stages):
             out.append(checkpointing_step(self))
+        if any(self.tiled_mlp_of(s) > 1 for s in self.stages):
+            out.append(tiled_mlp_step(self))
         out.append(load_step())
         if self.spec.method == "qlora":
             out.append(quantize_step(self.spec, experts=self.fused_experts))
@@ -279,6 +287,12 @@ class Plan:
         if self.spec.method == "inference":
             return "off"
         return stage.checkpointing or self.spec.checkpointing
+
+    def tiled_mlp_of(self, stage: Stage) -> int:
+        """The slices stage `stage`'s blocks run their MLP in (0: untiled)."""
+        if self.spec.method == "inference":
+            return 0
+        return self.spec.tiled_mlp if stage.tiled_mlp is None else stage.tiled_mlp
 
     def optim_of(self, stage: Stage) -> str:
         """The optimizer (an `OPTIMS` name) of stage `stage`'s trainable parameters."""
@@ -312,7 +326,8 @@ class Plan:
             for s in data["stages"]
         )
         spec = data["spec"]  # a plan written before stages carried their own decisions: the spec's
-        data["stages"] = tuple(replace(s, checkpointing=s.checkpointing or spec.checkpointing, optim=s.optim or spec.optim)
+        data["stages"] = tuple(replace(s, checkpointing=s.checkpointing or spec.checkpointing, optim=s.optim or spec.optim,
+                                       tiled_mlp=spec.tiled_mlp if s.tiled_mlp is None else s.tiled_mlp)
                                for s in data["stages"])
         data["notes"] = tuple(data.get("notes", ()))
         data["applied"] = tuple(Step(*step) for step in data.get("applied", ()))
@@ -359,7 +374,7 @@ class Plan:
             + f", schedule {self.schedule}\n"
         )
         cols = ("stage", "device", "layers", "weights", "grads", "optim", "activ", "reserve", "total", "budget", "use",
-                "ckpt", "moments", "host")
+                "ckpt", "moments", "host") + (("mlp",) if self._tiles() else ())
         rows = [row for stage in self.stages for row in self._rows(stage)]
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
@@ -398,6 +413,9 @@ class Plan:
         how = "each micro-batch" if self.virtual_stages == 1 else "the step's rows at once, stage after stage"
         return pairs + f"reference adapters-off: a no-grad forward of {how}, {self.reference_s * 1e3:.1f} ms of the step"
 
+    def _tiles(self) -> bool:
+        return any(self.tiled_mlp_of(s) > 1 for s in self.stages)
+
     def _uniform(self, of, mixed: str) -> str:
         values = {of(s) for s in self.stages}
         return values.pop() if len(values) == 1 else mixed
@@ -410,6 +428,8 @@ class Plan:
         moments = ("8-bit" if is_8bit(self.optim_of(stage)) else "fp32") if training else "-"
         decisions = (self.checkpointing_of(stage) if training else "-", moments,
                      format_bytes(m.offload) if m.offload else "-")
+        if self._tiles():
+            decisions += (f"{self.tiled_mlp_of(stage)} tiles" if self.tiled_mlp_of(stage) > 1 else "whole",)
         return [(str(stage.index), device, layers, format_bytes(m.weights), format_bytes(m.gradients),
                  format_bytes(m.optimizer), format_bytes(m.activations), format_bytes(m.reserve), format_bytes(m.total),
                  format_bytes(stage.budget), f"{100 * m.total / stage.budget:.0f}%") + decisions
@@ -439,7 +459,8 @@ def coordinates_of_rank(plan: Plan, *, rank: int) -> Coordinates:
 class Step(NamedTuple):
     """One thing `apply_plan` does to every stage: its kind (the key of apply's table) and its value.
 
-    Kinds, in the order they run: "tp" (the degree), "checkpointing" ("per block"), "load" (every plan reads
+    Kinds, in the order they run: "tp" (the degree), "checkpointing" ("per block"), "tiled_mlp" (the slices, and
+    where), "load" (every plan reads
     its rank's bytes), "quantize" (the base's format), "lora" (the rank), "autocast" (the dtype).
     """
 
@@ -454,6 +475,7 @@ _LABELS = {
     "tp": lambda tp: f"tensor parallel tp={tp}",
     "checkpointing": lambda how: "activation checkpointing per block (non-reentrant)" + (
         "" if how == "per block" else how[len("per block"):]),
+    "tiled_mlp": lambda what: f"MLP tiled over the sequence ({what})",
     "load": lambda what: f"weights read ({what})",
     "quantize": lambda kind: _quantize_label(*kind.partition("; ")[::2]),
     "lora": lambda r: f"LoRA r={r}",
@@ -480,6 +502,16 @@ def checkpointing_step(plan: Optional["Plan"] = None) -> Step:
     where = "every stage" if len(offloaded) == len(plan.stages) else f"stage {', '.join(map(str, offloaded))}"
     return Step("checkpointing", f"per block, block inputs offloaded to host on {where}"
                 + (f" (stage {', '.join(map(str, on))}: on device)" if on else ""))
+
+
+def tiled_mlp_step(plan: "Plan") -> Step:
+    """The tiled-MLP step: the slices of each stage that tiles its blocks' MLP (`plan.tiled_mlp_of` says it per
+    stage; `apply.tiled_mlp` reads it there)."""
+    tiled = [s for s in plan.stages if plan.tiled_mlp_of(s) > 1]
+    counts = {plan.tiled_mlp_of(s) for s in tiled}
+    where = "every stage" if len(tiled) == len(plan.stages) else f"stage {', '.join(str(s.index) for s in tiled)}"
+    slices = f"{counts.pop()} slices" if len(counts) == 1 else "slices per stage"
+    return Step("tiled_mlp", f"{slices} on {where}")
 
 
 def load_step() -> Step:

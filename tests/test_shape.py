@@ -38,6 +38,7 @@ LAZY = {
         "the training loop loads the planner only to explain an out-of-memory step with a re-plan",
     ("cli/plan.py", "hfsplit.planning.planner"): "`hfsplit plan --help` loads no transformers nor cost model",
     ("cli/plan.py", "hfsplit.checkpoint.synthetic"): "the same (the checkpoint package imports torch)",
+    ("cli/plan.py", "hfsplit.planning.max_seq"): "the same (it loads configs through the checkpoint package)",
     ("finetune.py", "hfsplit.training.run"): "the recipe parses its flags before the training stack loads",
 }
 

@@ -31,10 +31,12 @@ from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec, checkpointing_m
 from hfsplit.planning.costs.model import ModelCosts, PartCost, model_costs, weight_bytes
 from hfsplit.planning.buffers import pipeline_buffer_bytes
 from hfsplit.planning.kind_rates import kind_rates
+from hfsplit.planning.knobs import frugal_loss, knob_fixes, turn_knobs
+from hfsplit.planning.max_seq import longest_fitting
 from hfsplit.planning.links import DEFAULT_LINK, Link
 from hfsplit.planning.reference import forward_fraction, per_step, reference_bytes
 from hfsplit.planning.memory_choices import (
-    AUTO as AUTO_CHOICE, Choice, frugal, host_budget, host_share, ladder, plan_spec,
+    AUTO as AUTO_CHOICE, Choice, frugal, host_budget, host_share, ladder, mlp_tiles, plan_spec,
 )
 from hfsplit.planning.reserve import reserve_for
 from hfsplit.planning.timing import DEVICE_FLOPS
@@ -74,15 +76,13 @@ def make_plan(
     model,
     max_memory: BudgetSpec,
     *,
-    spec: Optional[TrainingSpec] = None,
-    micro_batches: Union[int, str, None] = None,
-    global_batch: Optional[int] = None,
-    schedule: str = AUTO,
+    spec: Optional[TrainingSpec] = None, micro_batches: Union[int, str, None] = None,
+    global_batch: Optional[int] = None, schedule: str = AUTO,
     activation_checkpointing: Union[bool, str] = "auto", optim: str = "auto", headroom: float = 0.0,
     device_speeds: Optional[dict] = None, link: Optional[Link] = None,
     tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
-    world_size: Optional[int] = None, single_process: bool = False, gpus: bool = True,
-) -> Plan:
+    world_size: Optional[int] = None, single_process: bool = False, gpus: bool = True, tiled_mlp="auto",
+    chunked_loss="auto", explain: bool = True) -> Plan:
     """Plan the split of `model` over the devices of `max_memory`.
 
     Args:
@@ -91,27 +91,28 @@ def make_plan(
             host RAM the ranks' activation offload may share (single_process: a device, as accelerate's).
         spec: what a step does (method, seq_len, micro-batch size, dtype, LoRA rank...).
         micro_batches: per step per replica (default 4 × pipeline depth); "auto" + global_batch: the cut too (`_cuts`).
-        global_batch: sequences per optimizer step across replicas; sets micro_batches when given.
+        global_batch: sequences per optimizer step across replicas; sets micro_batches.
         schedule: "auto" (the fastest of `schedules.AUTO_CANDIDATES` by the time model, its step per candidate
             in the plan's notes) or a name from `hfsplit.schedules.TABLE` ("1F1B", "GPipe", ...).
         activation_checkpointing: "auto" (each pipeline rank off, on or offloaded to host memory: the fastest that
-            fits it, `hfsplit.planning.memory_choices`), or a setting every stage runs: False / "off", True / "on", "offload".
+            fits it, `memory_choices`), or a setting every stage runs: False / "off", True / "on", "offload".
         optim: "auto" (each rank's moments fp32, or bitsandbytes' 8-bit where fp32 would not fit), or an optimizer
             every stage runs ("adamw_torch", "adamw_8bit", "paged_adamw_8bit").
-        headroom: the fraction of each device's budget the plan leaves free (0.03: every device at most 97% full),
-            a margin for what the estimate misses; the table still shows the whole budget.
+        headroom: the fraction of each device's budget the plan leaves free (0.03: every device at most 97% full).
         device_speeds: relative speed per device key (default 1 each; a GPU kind's: `hfsplit.planning.kind_rates`).
-        link: the link pipeline sends and TP all-reduces use (default `DEFAULT_LINK` or the kinds'; runs: probed),
-            and the host link offloaded activations cross.
+        link: pipeline sends', TP all-reduces' and offload's host link (`DEFAULT_LINK` or the kinds'; runs: probed).
         tp, pp, dp, world_size: force a degree (tp=1 for single-process use), or exactly so many devices in all.
         single_process: plan for one process (the model's own forward; any causal LM), not the split. gpus: the
             numbered budgets are GPUs; False: CPU ranks, charged no reserve (`hfsplit.planning.reserve`).
+        tiled_mlp: "auto" (tiled where nothing else fits a rank: `memory_choices.ladder`), "on" or "off".
+        chunked_loss: "auto" (the spec's, or on where that fits faster: `knobs.turn_knobs`), True / "on", False / "off".
+        explain: False: a no-fit raises at once, without the diagnosis's re-plans (`max_seq` probes so).
 
     Raises:
         PlanError: nothing fits; the message says per stage what is needed against the budget and which fix fits.
     """
     config, name = _config_and_name(model, single_process=single_process)
-    spec = spec or TrainingSpec()
+    spec, chunked_loss = spec or TrainingSpec(), "off" if single_process else chunked_loss  # one process: its own loss
     budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
     rates = kind_rates(budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
                        link_given=link is not None)
@@ -122,14 +123,28 @@ def make_plan(
                    device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
                    world_size=world_size, host=host, headroom=_checked_headroom(headroom))
     choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim,
-                     single_process=single_process)
-    _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule)
-    _check_budget_count(world_size, budgets)
-    found = best_plan(config, budgets, spec, name=name, choices=choices, **options)
+                     single_process=single_process, tiled_mlp=tiled_mlp, tiles=mlp_tiles(config, spec))
+    _check_degrees(config, budgets, tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule,
+                   world_size=world_size)
+    found = _with_knobs(config, budgets, spec, name=name, choices=choices, options=options, chunked_loss=chunked_loss)
     if found is not None:
         return _with_host_note(replace(found, notes=found.notes + rates.notes), host, options["link"])
     options["schedule"] = _diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
-    raise PlanError(_explain_no_fit(config, budgets, frugal(choices).spec(spec), name=name, options=options))
+    raise PlanError(_explain_no_fit(config, budgets, frugal_loss(frugal(choices).spec(spec), chunked_loss), name=name,
+                                    options=options) if explain else f"{name}: no split fits (not explained)")
+
+
+def _with_knobs(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, choices: list, options: dict,
+                chunked_loss) -> Optional[Plan]:
+    """The fastest fitting plan of `spec` with each rank's memory choices (`best_plan`), and the plan-wide knobs
+    turned where that fits faster or fits at all (`knobs.turn_knobs`: the chunked loss, the micro-batches)."""
+    def search(trial: TrainingSpec, count: Optional[int]) -> Optional[Plan]:
+        return best_plan(config, budgets, trial, name=name, choices=choices,
+                         **{**options, **({"micro_batches": count} if count else {})})
+
+    free = options["micro_batches"] is None and not options["global_batch"]
+    return turn_knobs(search, spec, first=search(spec, None), fastest=choices[0], chunked_loss=chunked_loss,
+                      counts_free=free)
 
 
 def _config_and_name(model, *, single_process: bool):
@@ -180,7 +195,7 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
     micro_batches="auto"). Each rank runs the first of `choices` (default: the spec's own) that fits it; `host`
     is the host RAM the ranks' activation offload shares (None: no limit)."""
     candidates = _schedule_candidates(schedule)
-    choices = list(choices or [Choice(spec.checkpointing, spec.optim)])
+    choices = list(choices or [Choice(spec.checkpointing, spec.optim, spec.tiled_mlp)])
     best: dict[tuple[str, int], tuple[float, Plan]] = {}
     cache: dict = {}
     for t, p, d in _shapes(config, budgets, spec, tp=tp, pp=pp, dp=dp, world_size=world_size):
@@ -572,7 +587,8 @@ def _plan(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequence[Slot],
     """The Plan of `counts` layers per slot, each slot running `variants[levels[i]]` (the costs of `choices[...]`)."""
     variants = [costs] if isinstance(costs, ModelCosts) else list(costs)
     levels = list(levels or [0] * len(slots))
-    choices = list(choices) or [Choice(variants[0].spec.checkpointing, variants[0].spec.optim)]
+    choices = list(choices) or [Choice(variants[0].spec.checkpointing, variants[0].spec.optim,
+                                       variants[0].spec.tiled_mlp)]
     stages, start, times = [], 0, {}
     for slot, count, level in zip(slots, counts, levels):
         mine = variants[level]
@@ -581,7 +597,7 @@ def _plan(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequence[Slot],
             index=slot.index, pp_rank=slot.pp_rank, devices=slot.devices, layers=(start, start + count),
             has_embed=slot.has_embed, has_head=slot.has_head, memory=stage_memory(mine, slot, held),
             budget=slot.budget, time_s=_slot_time(mine, slot, held), checkpointing=choices[level].checkpointing,
-            optim=choices[level].optim,
+            optim=choices[level].optim, tiled_mlp=choices[level].tiled_mlp,
         ))
         times[slot.pp_rank] = times.get(slot.pp_rank, 0.0) + stages[-1].time_s
         start += count
@@ -738,7 +754,9 @@ def _check_world(world_size: Optional[int], *, tp, pp, dp) -> None:
                     f"(torchrun --nproc_per_node {needed}) or change {', '.join('--' + n for n in forced)}")
 
 
-def _check_degrees(config, devices: int, *, tp, pp, dp, micro_batches=None, schedule=AUTO) -> None:
+def _check_degrees(config, budgets: dict[str, int], *, tp, pp, dp, micro_batches=None, schedule=AUTO,
+                   world_size: Optional[int] = None) -> None:
+    devices = len(budgets)
     if tp is not None and (why := tp_degree_error(config, tp)):
         raise PlanError(why)
     needed = (tp or 1) * (pp or 1) * (dp or 1)
@@ -751,6 +769,7 @@ def _check_degrees(config, devices: int, *, tp, pp, dp, micro_batches=None, sche
                         f"micro-batch per stage; raise --micro-batches to at least {need} or use --schedule GPipe")
     if pp is not None and pp > config.num_hidden_layers:
         raise PlanError(f"pp={pp} is more pipeline stages than the model's {config.num_hidden_layers} layers")
+    _check_budget_count(world_size, budgets)
 
 
 def _speed(speeds: dict, device: str, budgets: dict[str, int]) -> float:
@@ -830,12 +849,14 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
     fixes += _headroom_fixes(spec, lambda s: fits(budgets, s))
     if options.get("host") is not None and spec.checkpointing == "offload":
         fixes += _host_fix(config, budgets, spec, options)
-    seqs = [spec.seq_len >> k for k in range(1, spec.seq_len.bit_length()) if spec.seq_len >> k >= 128]
-    # A shorter sequence only shrinks activations: when the shortest does not fit, none does, and the longer ones
-    # need no trace (each is one per TP degree: most of the no-fit CLI's time).
-    if seqs and fits(budgets, replace(spec, seq_len=seqs[-1])):
-        seq = next(s for s in seqs if fits(budgets, replace(spec, seq_len=s)))
-        fixes.append(f"a shorter sequence (--seq-len {seq})")
+    fixes += knob_fixes(lambda s, extra: best_plan(config, budgets, s, name="", **{**options, **extra})
+                        if could_fit(config, budgets, s) else None, spec, tiles=mlp_tiles(config, spec),
+                        micro_batches=options["micro_batches"])
+    # A shorter sequence only shrinks activations: the longest that fits, by binary search on the planner
+    seq = longest_fitting(lambda n: fits(budgets, replace(spec, seq_len=n)), low=128, high=spec.seq_len - 1,
+                          multiple=128)
+    if seq is not None:
+        fixes.append(f"a shorter sequence (--seq-len {seq}, the longest that fits, to 128 tokens)")
     least = 2 if spec.objective == "dpo" and not spec.packing else 1  # a padded DPO pair is two rows
     if spec.micro_batch_size > least and fits(budgets, replace(spec, micro_batch_size=least)):
         fixes.append(f"micro-batch size {least} (--micro-batch-size {least}{', one pair' if least == 2 else ''})")
