@@ -9,8 +9,8 @@ Each rank's checkpointing, offload, optimizer moments and tiled MLP are chosen r
   some rank pay for memory (recompute, offload, 8-bit moments, tiles); the faster plan is kept.
 - **the micro-batches**, when the caller fixed neither their count nor a global batch: fewer micro-batches mean
   fewer of the pipeline's receive buffers and kept outputs (one hidden state each), a longer bubble; a smaller
-  micro-batch (one row) holds a row's activations instead of several. Tried only when nothing fits otherwise, the
-  most micro-batches first.
+  micro-batch (one row) holds a row's activations instead of several. Tried when the default count fits nothing,
+  or fits only by paying for memory, the most micro-batches first.
 
 Of every plan that fits, the one with the most tokens a second is kept, as `planner.best_plan` keeps among splits.
 """
@@ -57,10 +57,10 @@ def turn_knobs(search: Search, spec: TrainingSpec, *, first: Optional[Plan], fas
     for chunked in _chunked_values(spec, chunked_loss_setting(chunked_loss)):
         trial = replace(spec, chunked_loss=chunked)
         plan = first if chunked == spec.chunked_loss else search(trial, None)
-        if plan is None and counts_free:
-            plan = _fewer_micro_batches(search, trial)
         if plan is not None and plan is not first:
             found.append(plan)
+        if counts_free:  # fewer micro-batches: a longer bubble, but maybe no tiles, offload or 8-bit moments
+            found += _fewer_micro_batches(search, trial, fastest=fastest, fits=plan is not None)
     return max(found, key=tokens_per_second, default=None)
 
 
@@ -88,16 +88,21 @@ def _chunked_values(spec: TrainingSpec, mode: str) -> list[bool]:
     return [spec.chunked_loss] + ([True] if can and not spec.chunked_loss else [])
 
 
-def _fewer_micro_batches(search: Search, spec: TrainingSpec) -> Optional[Plan]:
-    """The first plan that fits with fewer micro-batches (`FEWER_MICRO_BATCHES`), then with one row a micro-batch
-    at as many rows a step; None if none does."""
+def _fewer_micro_batches(search: Search, spec: TrainingSpec, *, fastest: Choice, fits: bool) -> list[Plan]:
+    """Plans with fewer micro-batches (`FEWER_MICRO_BATCHES`, most first) down to the first that pays nothing for
+    memory (or, where none of the default fits, the first that fits at all), then with one row a micro-batch at as
+    many rows a step where none fits."""
+    found = []
     for count in FEWER_MICRO_BATCHES:
         plan = search(spec, count)
         if plan is not None:
-            return plan
-    if spec.micro_batch_size > 1:
-        return search(replace(spec, micro_batch_size=1), None)
-    return None
+            found.append(plan)
+            if not fits or _pays_nothing(plan, fastest):
+                return found
+    if not found and spec.micro_batch_size > 1:
+        plan = search(replace(spec, micro_batch_size=1), None)
+        found += [plan] if plan is not None else []
+    return found
 
 
 def knob_fixes(plan_of: Callable[[TrainingSpec, dict], Optional[Plan]], spec: TrainingSpec, *, tiles: int,

@@ -22,6 +22,7 @@ from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.plan import CHECKPOINTING, OPTIMS, TrainingSpec, checkpointing_mode
 
 AUTO = "auto"
+MIN_SLICE = 1024  # tokens: the shortest slice a tiled MLP runs
 
 
 @dataclass(frozen=True)
@@ -81,12 +82,14 @@ def _tiling(tiled_mlp, *, tiles: int, single_process: bool) -> str:
 def mlp_tiles(config, spec: TrainingSpec) -> int:
     """The slices a tiled MLP of `config` runs a micro-batch in: enough that one slice's four intermediate-wide
     tensors (gate, up, the activation, their product) hold no more than one hidden state of the whole micro-batch,
-    at most one a token; 0 where the blocks have no dense MLP (MoE experts are routed, not tiled)."""
+    but no slice under `MIN_SLICE` tokens (each slice runs the MLP's weights again: QLoRA dequantizes them a slice);
+    0 where the blocks have no dense MLP (MoE experts are routed, not tiled)."""
     width, hidden = getattr(config, "intermediate_size", None), getattr(config, "hidden_size", None)
     if not width or not hidden or expert_parameters(config) or getattr(config, "num_experts", 0) or \
             getattr(config, "num_local_experts", 0):
         return 0
-    return max(2, min(math.ceil(4 * width / hidden), spec.seq_len * spec.micro_batch_size))
+    tokens = spec.seq_len * spec.micro_batch_size
+    return max(2, min(math.ceil(4 * width / hidden), math.ceil(tokens / MIN_SLICE)))
 
 
 def check_optim(optim: str) -> str:

@@ -154,8 +154,9 @@ LONG_MODEL = dict(num_layers=2, hidden=16, intermediate=256, heads=1, kv_heads=1
 @pytest.mark.timeout(1500)
 def test_tiled_mlp_keeps_the_plan_at_seq_16384(launch, tiny_checkpoint):
     """pp=2 LoRA at seq 16384 with the chunked loss (apply_cases.tiled_mlp_memory): checkpointing with the MLP whole,
-    tiled, then offloaded and tiled. Each rank's measured peak is its plan's within ±15% in all three, the offload's
-    host bytes too; tiling saves at least 70% of what the plan says it saves, every block of both stages runs its MLP
+    tiled, then offloaded and tiled. Each rank's measured peak is its plan's within ±15% in all three (1.02-1.12
+    measured: 115-120 MB whole, 18-23 MB tiled), the offload's host bytes too (rank 0; rank 1 keeps its only
+    block's input); tiling saves at least 70% of what the plan says it saves, every block of both stages runs its MLP
     in the plan's slices, and the losses are the untiled run's (rel 1e-5, fp32)."""
     checkpoint = str(tiny_checkpoint("llama", **LONG_MODEL))
     results = launch("tests.parallel.apply_cases:tiled_mlp_memory", world_size=2, timeout_s=1400,
@@ -169,11 +170,14 @@ def test_tiled_mlp_keeps_the_plan_at_seq_16384(launch, tiny_checkpoint):
             assert r["applied"] == r["steps"], (rank, name, r["applied"])
             tiled = name != "whole"
             assert any(step.kind == "tiled_mlp" for step in r["applied"]) == tiled
-            assert r["tiles"] == ([4 * 256 // 16] if tiled else [0]), (rank, name, r["tiles"])
+            assert r["tiles"] == ([16384 // 1024] if tiled else [0]), (rank, name, r["tiles"])
             ratio = r["measured"] / r["planned"]
             assert 0.85 <= ratio <= 1.15, f"rank {rank} MLP {name}: measured/planned = {ratio:.3f}"
             assert r["growth"] == 0, f"rank {rank} MLP {name}: each step leaks {r['growth']} bytes"
-            _check_offload(rank, "offload" if name == "offload" else True, r)
+            if name == "offload" and rank == 1:  # a later stage keeps its first (here only) block's input
+                assert r["offloaded"] == r["planned_offload"] == 0
+            else:
+                _check_offload(rank, "offload" if name == "offload" else True, r)
         whole, tiled = by_run["whole"], by_run["tiled"]
         planned_saving = whole["planned"] - tiled["planned"]
         assert planned_saving > 0.3 * whole["planned"], (rank, planned_saving)  # a case where the MLP matters

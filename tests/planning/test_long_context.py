@@ -42,8 +42,9 @@ def test_tiles_hold_one_hidden_state_of_intermediates_and_experts_are_not_tiled(
     from transformers import MixtralConfig
 
     spec = TrainingSpec(seq_len=16384)
-    assert mlp_tiles(_tiny_config(), spec) == 4 * 512 // 64
-    assert mlp_tiles(_tiny_config(), replace(spec, seq_len=4)) == 4  # at most one slice a token
+    assert mlp_tiles(_tiny_config(), spec) == 16  # slices of 1024 tokens (MIN_SLICE)
+    assert mlp_tiles(_tiny_config(), replace(spec, seq_len=1 << 17)) == 4 * 512 // 64  # one hidden state's worth
+    assert mlp_tiles(_tiny_config(), replace(spec, seq_len=100)) == 2
     assert mlp_tiles(MixtralConfig(num_local_experts=4, hidden_size=64, intermediate_size=128), spec) == 0
 
 
@@ -63,8 +64,11 @@ def test_a_tiled_mlp_costs_less_memory_and_one_more_mlp_forward():
     """Llama-3.1-70B at seq 16384, QLoRA with checkpointing: tiling in 14 slices takes the MLP's intermediates out of a
     block's recompute (gate, up, their activation and product: 4 × 896 MiB whole), for one more MLP forward."""
     spec = TrainingSpec(method="qlora", lora_r=16, seq_len=16384, activation_checkpointing=True, reserve_bytes=0)
-    whole = model_costs(LLAMA_70B, spec)
-    tiled = model_costs(LLAMA_70B, replace(spec, tiled_mlp=14))
+    from hfsplit.checkpoint.resolve import load_config
+
+    config = load_config(LLAMA_70B)
+    whole = model_costs(config, spec)
+    tiled = model_costs(config, replace(spec, tiled_mlp=14))
     assert whole.block.activation_bytes == tiled.block.activation_bytes == 16384 * 8192 * 2  # the block's input
     saved = whole.block.workspace_bytes - tiled.block.workspace_bytes
     assert 3 * 896 * MiB <= saved <= 5 * 896 * MiB, saved / MiB
@@ -75,12 +79,12 @@ def test_a_tiled_mlp_costs_less_memory_and_one_more_mlp_forward():
 def test_a_plan_with_tiles_says_so_per_stage_and_round_trips_through_json():
     plan = make_plan(_tiny_config(), "2x8GiB", spec=TrainingSpec(method="lora", seq_len=4096, dtype="float32"),
                      activation_checkpointing=True, tiled_mlp="on", pp=2, gpus=False)
-    assert [plan.tiled_mlp_of(s) for s in plan.stages] == [32, 32] and plan.spec.tiled_mlp == 32
+    assert [plan.tiled_mlp_of(s) for s in plan.stages] == [4, 4] and plan.spec.tiled_mlp == 4  # slices of 1024
     assert [s.kind for s in plan.steps()][:3] == ["checkpointing", "tiled_mlp", "load"]
-    assert "MLP tiled over the sequence (32 slices on every stage)" in plan.table()
-    assert "32 tiles" in plan.table()
+    assert "MLP tiled over the sequence (4 slices on every stage)" in plan.table()
+    assert "4 tiles" in plan.table()
     again = Plan.from_json(plan.to_json())
-    assert again == plan and again.stages[1].tiled_mlp == 32
+    assert again == plan and again.stages[1].tiled_mlp == 4
 
 
 def test_auto_tiles_only_the_ranks_that_fit_no_other_way():
@@ -119,3 +123,26 @@ def test_max_seq_len_is_the_longest_multiple_that_fits():
     assert plan is not None and plan.spec.seq_len % 256 == 0 and 256 < plan.spec.seq_len < 8192
     with pytest.raises(PlanError):
         make_plan(config, "2x24MiB", spec=replace(spec, seq_len=plan.spec.seq_len + 256), **fixed)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["rows", "packed"])
+def test_attention_memory_is_linear_in_the_sequence_and_no_seq2_mask_is_built(packing):
+    """Llama-3.1-8B under sdpa (the CPU flash kernel on fake tensors, the GPU's flash / memory-efficient kernels when
+    run): a block's kept activations and workspace double when the sequence doubles from 32768 to 65536 (a seq²
+    score matrix would quadruple them: 65536² × 32 heads × 2 B = 256 GiB), and the masks a stage builds hold no seq²
+    tensor (unpacked rows: sdpa's causal flag; packed rows: each example's indices, `hfsplit.models.varlen`)."""
+    import torch
+
+    from hfsplit.checkpoint.resolve import load_config
+    from hfsplit.planning.costs.masks import stage_mask_bytes
+
+    config = load_config("meta-llama/Llama-3.1-8B")
+    config._attn_implementation = "sdpa"
+    costs = {seq: model_costs(config, TrainingSpec(method="lora", seq_len=seq, packing=packing,
+                                                                      reserve_bytes=0)) for seq in (32768, 65536)}
+    for field in ("activation_bytes", "workspace_bytes"):
+        ratio = getattr(costs[65536].block, field) / getattr(costs[32768].block, field)
+        assert 1.9 <= ratio <= 2.1, (field, ratio)
+    for seq in (32768, 131072):
+        masks = stage_mask_bytes(config, batch=1, seq=seq, packed=packing, dtype=torch.bfloat16)
+        assert masks <= 64 * seq, (seq, masks)  # int64 indices at most: linear in the sequence
