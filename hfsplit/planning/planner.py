@@ -31,7 +31,7 @@ from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec, checkpointing_m
 from hfsplit.planning.costs.model import ModelCosts, PartCost, model_costs, weight_bytes
 from hfsplit.planning.buffers import pipeline_buffer_bytes
 from hfsplit.planning.kind_rates import kind_rates
-from hfsplit.planning.knobs import frugal_loss, knob_fixes, turn_knobs
+from hfsplit.planning.knobs import any_count_fits, frugal_loss, knob_fixes, turn_knobs
 from hfsplit.planning.max_seq import longest_fitting
 from hfsplit.planning.links import DEFAULT_LINK, Link
 from hfsplit.planning.reference import forward_fraction, per_step, reference_bytes
@@ -829,10 +829,11 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
 
 
 def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> list[str]:
-    def fits(b, s) -> bool:
+    def fits(b, s, extra: Optional[dict] = None) -> bool:
         # More devices means launching more processes: that fix is searched without the launch's world size.
         launch = {"world_size": None} if len(b) > len(budgets) else {}
-        return could_fit(config, b, s) and best_plan(config, b, s, name="", **{**options, **launch}) is not None
+        return could_fit(config, b, s) and best_plan(config, b, s, name="", **{**options, **launch,
+                                                                               **(extra or {})}) is not None
 
     fixes = []
     if spec.method == "full" and fits(budgets, replace(spec, method="lora")):
@@ -853,8 +854,8 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
                         if could_fit(config, budgets, s) else None, spec, tiles=mlp_tiles(config, spec),
                         micro_batches=options["micro_batches"])
     # A shorter sequence only shrinks activations: the longest that fits, by binary search on the planner
-    seq = longest_fitting(lambda n: fits(budgets, replace(spec, seq_len=n)), low=128, high=spec.seq_len - 1,
-                          multiple=128)
+    seq = longest_fitting(lambda n: any_count_fits(lambda extra: fits(budgets, replace(spec, seq_len=n), extra),
+                                                   options), low=128, high=spec.seq_len - 1, multiple=128)
     if seq is not None:
         fixes.append(f"a shorter sequence (--seq-len {seq}, the longest that fits, to 128 tokens)")
     least = 2 if spec.objective == "dpo" and not spec.packing else 1  # a padded DPO pair is two rows
