@@ -42,7 +42,7 @@ SHORT_OF_TARGET = {
     "70B QLoRA 4xRTX4090 seq 32768": (LLAMA_70B, "4xRTX4090", replace(QLORA, seq_len=32768), None),
     "8B QLoRA RTX4090 seq 131072": (LLAMA_8B, "RTX4090", replace(QLORA, seq_len=131072), None),
     "8B LoRA RTX4090 seq 32768": (LLAMA_8B, "RTX4090", replace(LORA, seq_len=32768), None),
-    "32B QLoRA RTX4090 seq 16384": (QWEN_32B, "RTX4090", replace(QLORA, seq_len=16384), None),
+    "32B QLoRA RTX4090 seq 16384": (QWEN_32B, "RTX4090", replace(QLORA, seq_len=16384), 15104),
 }
 
 
