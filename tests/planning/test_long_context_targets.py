@@ -36,12 +36,31 @@ def test_70b_qlora_at_seq_4096_fits_two_rtx4090s_with_the_default_options():
     assert plan.offload_bytes == pytest.approx(7.44 * GiB, rel=0.01)
 
 
+# (model, budget, spec, est. step s, host RAM GiB, micro-batches): targets met with no flags
+FITS = {
+    "70B QLoRA 4xRTX4090 seq 32768": (LLAMA_70B, "4xRTX4090", replace(QLORA, seq_len=32768), 567.9, 38.80, 1),
+    "8B LoRA RTX4090 seq 32768": (LLAMA_8B, "RTX4090", replace(LORA, seq_len=32768), 278.4, 8.00, 4),
+}
+
+
+@pytest.mark.parametrize("name", FITS)
+def test_long_context_targets_fit_with_every_knob_the_planner_turns(name):
+    """Offload, 8-bit moments (where fp32 ones do not fit), 14 MLP tiles on every stage and the chunked loss; on 4
+    cards one micro-batch (the pipeline's receive buffers are 512 MiB each at seq 32768)."""
+    model, budget, spec, step, host, micro_batches = FITS[name]
+    plan = make_plan(model, budget, spec=spec, headroom=0.03)
+    assert max(device_use(plan)) <= 0.97, device_use(plan)
+    assert plan.spec.chunked_loss and plan.micro_batches == micro_batches
+    assert {plan.checkpointing_of(s) for s in plan.stages} == {"offload"}
+    assert {plan.tiled_mlp_of(s) for s in plan.stages} == {14}
+    assert plan.step_time_s == pytest.approx(step, rel=0.01)
+    assert plan.offload_bytes == pytest.approx(host * GiB, rel=0.01)
+
+
 # (model, budget, spec at the target length, the longest length that fits under the cost model)
 SHORT_OF_TARGET = {
     "70B QLoRA 2xRTX4090 seq 16384": (LLAMA_70B, "2xRTX4090", replace(QLORA, seq_len=16384), 6912),
-    "70B QLoRA 4xRTX4090 seq 32768": (LLAMA_70B, "4xRTX4090", replace(QLORA, seq_len=32768), None),
-    "8B QLoRA RTX4090 seq 131072": (LLAMA_8B, "RTX4090", replace(QLORA, seq_len=131072), None),
-    "8B LoRA RTX4090 seq 32768": (LLAMA_8B, "RTX4090", replace(LORA, seq_len=32768), None),
+    "8B QLoRA RTX4090 seq 131072": (LLAMA_8B, "RTX4090", replace(QLORA, seq_len=131072), 101632),
     "32B QLoRA RTX4090 seq 16384": (QWEN_32B, "RTX4090", replace(QLORA, seq_len=16384), 15104),
 }
 
