@@ -829,11 +829,12 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
 
 
 def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> list[str]:
-    def fits(b, s, extra: Optional[dict] = None) -> bool:
+    def fits(b, s) -> bool:
         # More devices means launching more processes: that fix is searched without the launch's world size.
+        # Fewer micro-batches where the caller fixed no count: as make_plan would try them (`knobs.turn_knobs`).
         launch = {"world_size": None} if len(b) > len(budgets) else {}
-        return could_fit(config, b, s) and best_plan(config, b, s, name="", **{**options, **launch,
-                                                                               **(extra or {})}) is not None
+        return could_fit(config, b, s) and any_count_fits(
+            lambda extra: best_plan(config, b, s, name="", **{**options, **launch, **extra}) is not None, options)
 
     fixes = []
     if spec.method == "full" and fits(budgets, replace(spec, method="lora")):
@@ -854,8 +855,8 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
                         if could_fit(config, budgets, s) else None, spec, tiles=mlp_tiles(config, spec),
                         micro_batches=options["micro_batches"])
     # A shorter sequence only shrinks activations: the longest that fits, by binary search on the planner
-    seq = longest_fitting(lambda n: any_count_fits(lambda extra: fits(budgets, replace(spec, seq_len=n), extra),
-                                                   options), low=128, high=spec.seq_len - 1, multiple=128)
+    seq = longest_fitting(lambda n: fits(budgets, replace(spec, seq_len=n)), low=128, high=spec.seq_len - 1,
+                          multiple=128)
     if seq is not None:
         fixes.append(f"a shorter sequence (--seq-len {seq}, the longest that fits, to 128 tokens)")
     least = 2 if spec.objective == "dpo" and not spec.packing else 1  # a padded DPO pair is two rows

@@ -37,7 +37,9 @@ def test_flagship_qlora_targets_fit_with_3_percent_headroom_on_every_card(name):
     plan = make_plan(model, budget, spec=spec, headroom=0.03, **options)
     assert max(device_use(plan)) <= 0.97, device_use(plan)
     assert plan.tp == 1 and plan.world_size == int(budget.split("x")[0]) if "x" in budget else 1
-    assert {s.checkpointing for s in plan.stages} == {"offload"}  # none of these fits on the device alone
+    # none of these fits on the device alone: every stage recomputes, at least one offloads (a stage whose MLP is
+    # tiled may keep its inputs on the device: issue 30's knobs)
+    assert "offload" in {s.checkpointing for s in plan.stages} <= {"on", "offload"}
     assert Plan.from_json(plan.to_json()) == plan  # each stage's decisions travel with the plan
     tight = make_plan(model, budget, spec=spec, **options)  # without the margin: the fastest that fits, never slower
     assert tight.step_time_s <= plan.step_time_s and max(device_use(tight)) <= 1.0
@@ -45,7 +47,8 @@ def test_flagship_qlora_targets_fit_with_3_percent_headroom_on_every_card(name):
 
 def test_before_offload_and_8bit_states_the_70b_job_does_not_fit_and_the_fixes_say_so():
     with pytest.raises(PlanError) as err:
-        make_plan(LLAMA_70B, "2x24GiB", spec=QLORA, activation_checkpointing=True, optim="adamw_torch")
+        make_plan(LLAMA_70B, "2x24GiB", spec=QLORA, activation_checkpointing=True, optim="adamw_torch",
+                  tiled_mlp="off", chunked_loss=False, micro_batches=8)
     assert "offloaded activation checkpointing: block inputs in host RAM (--activation-checkpointing offload)" \
         in str(err.value)
     forced = dict(spec=replace(QLORA, lora_r=64), activation_checkpointing="offload", pp=2, schedule="1F1B")
@@ -126,5 +129,6 @@ def test_hfsplit_plan_takes_the_host_ram_and_prints_per_stage_what_it_trades(cap
     assert "ckpt     moments  host" in out and "offload" in out and "per device, its stages together:" in out
     assert "of max_memory['cpu'] 64.00 GiB (2 local ranks)" in out
     assert main(["plan", LLAMA_70B, "--max-memory", "2x24GiB", "--method", "qlora", "--seq-len", "2048",
-                 "--activation-checkpointing", "on", "--optim", "adamw_torch"]) == 2  # fixed by the user: kept
+                 "--activation-checkpointing", "on", "--optim", "adamw_torch", "--tiled-mlp", "off",
+                 "--chunked-loss", "off", "--micro-batches", "8"]) == 2  # fixed by the user: kept
     assert "--activation-checkpointing offload" in capsys.readouterr().err
