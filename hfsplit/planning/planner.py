@@ -143,8 +143,10 @@ def _with_knobs(config, budgets: dict[str, int], spec: TrainingSpec, *, name: st
                          **{**options, **({"micro_batches": count} if count else {})})
 
     free = options["micro_batches"] is None and not options["global_batch"]
-    return turn_knobs(search, spec, first=search(spec, None), fastest=choices[0], chunked_loss=chunked_loss,
-                      counts_free=free)
+    first = search(spec, None)
+    if first is None and not could_fit(config, budgets, spec):  # the weights alone exceed the devices: no knob helps
+        return None
+    return turn_knobs(search, spec, first=first, fastest=choices[0], chunked_loss=chunked_loss, counts_free=free)
 
 
 def _config_and_name(model, *, single_process: bool):
