@@ -105,13 +105,15 @@ def _fewer_micro_batches(search: Search, spec: TrainingSpec, *, fastest: Choice,
     return found
 
 
-def any_count_fits(fits: Callable[[dict], bool], options: dict) -> bool:
+def any_count_fits(fits: Callable[[dict], bool], options: dict, *, devices: int) -> bool:
     """Whether `fits(make_plan options)` holds at the caller's micro-batches, or (where the caller fixed neither their
-    count nor a global batch) at any of `FEWER_MICRO_BATCHES`, as `turn_knobs` would try them."""
+    count nor a global batch) at any of `FEWER_MICRO_BATCHES`, as `turn_knobs` would try them: fewer micro-batches
+    than `devices` under GPipe, as schedule auto runs them."""
     if fits({}):
         return True
     free = options.get("micro_batches") is None and not options.get("global_batch")
-    return free and any(fits({"micro_batches": count}) for count in FEWER_MICRO_BATCHES)
+    return free and any(fits({"micro_batches": count, **({"schedule": "GPipe"} if count < devices else {})})
+                        for count in FEWER_MICRO_BATCHES)
 
 
 def knob_fixes(plan_of: Callable[[TrainingSpec, dict], Optional[Plan]], spec: TrainingSpec, *, tiles: int,

@@ -100,8 +100,11 @@ def check_optim(optim: str) -> str:
 
 
 def frugal(choices: list[Choice]) -> Choice:
-    """The choice that holds least: the last checkpointing setting with the last optimizer (and tiles, if any)."""
-    return Choice(choices[-1].checkpointing, choices[-1].optim, choices[-1].tiled_mlp)
+    """The choice the no-fit diagnosis plans: the last checkpointing setting with the last optimizer, untiled where
+    the ladder has untiled choices (at a short sequence slices hold more than they save: the concatenated outputs and
+    gradients; the diagnosis lists a tiled MLP among the changes where it fits, `knobs.knob_fixes`)."""
+    untiled = [c for c in choices if not c.tiled_mlp] or choices
+    return Choice(untiled[-1].checkpointing, untiled[-1].optim, untiled[-1].tiled_mlp)
 
 
 def plan_spec(spec: TrainingSpec, used: list[Choice]) -> TrainingSpec:

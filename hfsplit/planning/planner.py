@@ -836,7 +836,8 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
         # Fewer micro-batches where the caller fixed no count: as make_plan would try them (`knobs.turn_knobs`).
         launch = {"world_size": None} if len(b) > len(budgets) else {}
         return could_fit(config, b, s) and any_count_fits(
-            lambda extra: best_plan(config, b, s, name="", **{**options, **launch, **extra}) is not None, options)
+            lambda extra: best_plan(config, b, s, name="", **{**options, **launch, **extra}) is not None, options,
+            devices=len(b))
 
     fixes = []
     if spec.method == "full" and fits(budgets, replace(spec, method="lora")):
