@@ -26,19 +26,19 @@ def device_use(plan: Plan) -> list[float]:
 def test_70b_qlora_at_seq_4096_fits_two_rtx4090s_with_the_default_options():
     """`hfsplit plan meta-llama/Llama-3.1-70B --max-memory 2xRTX4090 --qlora --lora-r 16 --seq-len 4096 --headroom
     0.03`: before issue 30 it fitted only with `--chunked-loss on --micro-batches 2`; the planner now turns the chunked
-    loss on and tiles the MLP itself (8 micro-batches: 155 tokens/s, against 147 with 2 micro-batches untiled)."""
+    loss on and runs 4 micro-batches itself (170 tokens/s: faster than 8 with the MLP tiled, 155)."""
     plan = make_plan(LLAMA_70B, "2xRTX4090", spec=replace(QLORA, seq_len=4096), headroom=0.03)
     assert max(device_use(plan)) <= 0.97 and plan.pp == 2, device_use(plan)
-    assert plan.spec.chunked_loss and plan.micro_batches == 8
+    assert plan.spec.chunked_loss and plan.micro_batches == 4
     assert {plan.checkpointing_of(s) for s in plan.stages} == {"offload"}
-    assert {plan.tiled_mlp_of(s) for s in plan.stages} == {4}
-    assert plan.step_time_s == pytest.approx(211.4, rel=0.01)
+    assert {plan.tiled_mlp_of(s) for s in plan.stages} == {0}
+    assert plan.step_time_s == pytest.approx(96.3, rel=0.01)
     assert plan.offload_bytes == pytest.approx(7.44 * GiB, rel=0.01)
 
 
 # (model, budget, spec, est. step s, host RAM GiB, micro-batches): targets met with no flags
 FITS = {
-    "70B QLoRA 4xRTX4090 seq 32768": (LLAMA_70B, "4xRTX4090", replace(QLORA, seq_len=32768), 567.9, 38.80, 1),
+    "70B QLoRA 4xRTX4090 seq 32768": (LLAMA_70B, "4xRTX4090", replace(QLORA, seq_len=32768), 536.6, 38.50, 1),
     "8B LoRA RTX4090 seq 32768": (LLAMA_8B, "RTX4090", replace(LORA, seq_len=32768), 278.4, 8.00, 4),
 }
 
