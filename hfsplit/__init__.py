@@ -5,12 +5,12 @@ from hfsplit.plan import Plan, Stage, StageMemory, TrainingSpec
 
 __all__ = [
     "BudgetError", "CheckpointError", "HfsplitError", "Plan", "PlanError", "Stage", "StageMemory",
-    "TrainingSpec", "UnsupportedModelError", "from_pretrained", "make_plan", "parse_max_memory",
+    "TrainingSpec", "UnsupportedModelError", "from_pretrained", "make_plan", "parse_max_memory", "tiny_model",
 ]
 
 # The planner (with the cost model's FakeTensor tracing) and the loader load on first use, so
 # `import hfsplit.plan` or the training runtime does not pull in planning code.
-_LAZY = {"from_pretrained": "load.materialize", "make_plan": "planning.planner"}
+_LAZY = {"from_pretrained": "load.materialize", "make_plan": "planning.planner", "tiny_model": "checkpoint.synthetic"}
 
 
 def __getattr__(name: str):

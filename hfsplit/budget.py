@@ -165,6 +165,51 @@ def local_share(world_size: int, *, ranks_here: int) -> str:
     return f"{world_size}x{min(free.values()) // sharing}B"
 
 
+def check_devices_here(devices: Mapping[str, int], *, what: str = "max_memory") -> None:
+    """Refuse, before any weight is read, a device of `devices` (budget keys and their bytes) that this machine
+    lacks, with what to pass instead: one process runs on the devices it sees (`hfsplit plan` plans for any)."""
+    missing = next((name for name in devices if not device_here(name)), None)
+    if missing is None:
+        return
+    kind = missing.split(":")[0] if ":" in missing else "cuda" if missing.isdigit() else missing
+    count = _device_count(kind)
+    has = f"no {kind.upper()}" if not count else \
+        f"{count} {kind.upper()} device(s) ({', '.join(map(str, range(count)))})"
+    elsewhere = sum(v for k, v in devices.items() if k != "cpu")
+    host = format_size(devices.get("cpu") or elsewhere)
+    raise BudgetError(f"{what}: device {missing} is not present: this machine has {has}; pass "
+                      + (f"max_memory={{'cpu': '{host}'}}" if not count else
+                         f"budgets for those (max_memory={{0: ..., 'cpu': '{host}'}})")
+                      + (" or run on GPUs" if not count else f" or run where device {missing} is"))
+
+
+def device_here(name: str) -> bool:
+    """Whether this process can place tensors on budget device `name` ("cpu", "0", "cuda:1", "mps", "xpu:0")."""
+    if name in ("cpu", "disk", "meta"):
+        return True
+    kind = name.split(":")[0] if ":" in name else "cuda" if name.isdigit() else name
+    index = gpu_index(name) or 0
+    return index < _device_count(kind)
+
+
+def _device_count(kind: str) -> int:
+    """Devices of `kind` ("cuda", "mps", "xpu", "npu") this process sees."""
+    import torch
+
+    if kind == "mps":
+        return int(torch.backends.mps.is_available())
+    backend = getattr(torch, kind, None)
+    return backend.device_count() if backend is not None and backend.is_available() else 0
+
+
+def format_size(n: int) -> str:
+    """`n` bytes as a budget takes it: "4GiB", "1536MiB" (a whole number of the largest unit that divides it)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
+
+
 def torch_gpus() -> int:
     """How many CUDA devices this process sees."""
     import torch

@@ -60,3 +60,15 @@ class RankIdle(HfsplitError):
     Not a failure (exit 0): its launcher then waits at torchrun's exit barrier while the others train."""
 
     exit_code = 0
+
+
+class Interrupted(HfsplitError):
+    """Ctrl-C or SIGTERM stopped the run: the message names the last complete checkpoint and how to resume.
+    Exits 130, as a shell reports a command Ctrl-C ended."""
+
+    exit_code = 130
+
+
+class SplitAttributeError(HfsplitError, AttributeError):
+    """A transformers model attribute that cannot hold on a split model, where each rank holds only its stages
+    (an AttributeError too, so `hasattr` and `getattr(model, name, default)` answer as for a missing attribute)."""

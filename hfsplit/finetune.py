@@ -7,7 +7,8 @@
 
 `recipes/finetune.py` in a clone is this same recipe. Every option is a flag and a key of the YAML recipe
 (`--config`); flags win. Exit codes: 0 done; 2 bad input (one `finetune: ...` line naming it and the fix, nothing
-written); 3 the run failed after it started (a rank died or hung, a non-finite step under --on-nonfinite stop).
+written); 3 the run failed after it started (a rank died or hung, a non-finite step under --on-nonfinite stop);
+130 Ctrl-C or SIGTERM stopped it (one line naming the last complete checkpoint and how to resume).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hfsplit.apply import third_party_logs  # noqa: E402
-from hfsplit.errors import HfsplitError  # noqa: E402
+from hfsplit.errors import HfsplitError, Interrupted  # noqa: E402
+from hfsplit.training.interrupts import interrupted, remove_partial_saves, sigterm_interrupts  # noqa: E402
 from hfsplit.training.options import parse_options  # noqa: E402
 
 
@@ -32,12 +34,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     `finetune: ...` line to stderr and returns 2, a run that failed after it started 3."""
     third_party_logs.install()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    options = None
     try:
-        options = parse_options(argv)
-        from hfsplit.training.run import train  # after parsing: --help, a bad flag answer before the stack loads
+        with sigterm_interrupts():
+            options = parse_options(argv)
+            from hfsplit.training.run import train  # after parsing: --help, a bad flag answer before the stack loads
 
-        train(options)
+            train(options)
         return 0
+    except (KeyboardInterrupt, Interrupted) as exc:  # Ctrl-C or SIGTERM: no traceback, no half-written folder
+        output_dir = options.output_dir if options else None
+        remove_partial_saves(output_dir)
+        exc = exc if isinstance(exc, Interrupted) else interrupted(output_dir)
+        print(f"finetune: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except HfsplitError as exc:
         print(f"finetune: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

@@ -21,6 +21,44 @@ OPTIMS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit")  # transformers' `opt
 _CHECKPOINTING_SPELLINGS = {False: "off", True: "on", "off": "off", "on": "on", "offload": "offload",
                             "false": "off", "true": "on"}
 
+
+@dataclass(frozen=True)
+class ObjectiveCounts:
+    """What a training objective asks the planner to count, as data. Each objective's module
+    (`hfsplit.objectives`) declares its own; the planner reads them by the spec's `objective` and never names one.
+
+    Args:
+        rows_per_example: padded rows one example takes, kept in one micro-batch (2: a preference pair's chosen
+            and rejected rows); a packed row holds whole examples.
+        head: what the last stage's loss makes of the logits: "tokens" (the causal-LM loss over label tokens) or
+            "sequences" (each row's summed fp32 response log-prob, then a loss over them).
+        reference: a reference policy's log-probs enter the loss, where the spec names their source
+            (`TrainingSpec.reference`: adapters-off or precomputed).
+        generation: each step first generates its rows (rollouts) on the stages: the KV cache of the rollout batch
+            (`TrainingSpec.rollout_rows` sequences of `rollout_tokens` new tokens) and its decode passes.
+        example: what one example is called in the plan's table ("pair").
+        parts: what an example's rows are, for the table ("chosen + rejected rows").
+        chunked_loss: where the planner may turn the chunked loss on: "yes", "padded" (on padded rows only: its
+            head sums each row, and a packed row holds several examples) or "no" (the loss needs whole logits).
+    """
+
+    rows_per_example: int = 1
+    head: str = "tokens"
+    reference: bool = False
+    generation: bool = False
+    example: str = "example"
+    parts: str = ""
+    chunked_loss: str = "yes"
+
+
+# The registered objectives' declarations, by name (their modules: `hfsplit.objectives`; a test checks they agree).
+OBJECTIVE_COUNTS = {
+    "sft": ObjectiveCounts(),
+    "dpo": ObjectiveCounts(rows_per_example=2, head="sequences", reference=True, example="pair",
+                           parts="chosen + rejected rows", chunked_loss="padded"),
+    "grpo": ObjectiveCounts(reference=True, generation=True, example="completion", chunked_loss="no"),
+}
+
 @dataclass(frozen=True)
 class TrainingSpec:
     """What a step does; the planner's costs depend on it.
@@ -59,14 +97,18 @@ class TrainingSpec:
             example's attention on its own (`hfsplit.models.varlen`: the examples' indices per micro-batch, no
             mask, attention `Σ lᵢ²`), under eager it builds transformers' block-diagonal causal mask (a
             materialised `seq_len²` mask per micro-batch), which the costs count and the calibration times.
-        objective: "sft" (the causal-LM loss) or "dpo" (TRL's DPO loss on chosen/rejected pairs: each pair is two
-            rows of one micro-batch, so `micro_batch_size` counts rows and is even; the last stage computes each
-            row's response log-prob, `hfsplit.planning.reference`).
-        reference: DPO's reference log-probs: "adapters-off" (a no-grad forward of each step's rows through the same
-            stages with the adapters off, before its training pass) or "precomputed" (one no-grad pass over the
-            data before training, the log-probs kept on the last stage); None for SFT.
+        objective: the training objective by its registered name ("sft": the causal-LM loss; "dpo": TRL's DPO loss
+            on chosen/rejected pairs, each pair two rows of one micro-batch, so `micro_batch_size` counts rows and
+            is even; "grpo": TRL's GRPO on generated completions). What the planner counts for it is its declared
+            `ObjectiveCounts` (`counts`).
+        reference: the reference policy's log-probs, for an objective that declares one (DPO; GRPO with beta > 0):
+            "adapters-off" (a no-grad forward of each step's rows through the same stages with the adapters off,
+            before its training pass) or "precomputed" (one no-grad pass over the data before training, the
+            log-probs kept on the last stage); None without one.
         reference_pairs: DPO with a precomputed reference: the pairs of the data set whose log-probs the last stage
             keeps (None: not known where the plan was made, counted as one step's pairs).
+        rollout_rows, rollout_tokens: an objective that generates (GRPO): the sequences one replica generates per
+            step (prompts × generations) and the new tokens of each; 0 otherwise.
         tiled_mlp: the slices of the sequence each block's MLP runs in, forward and recompute-backward, so its
             intermediates never exist for the whole sequence (`hfsplit.apply.tiled_mlp`); 0: untiled. In a Plan, the
             most any stage runs; each stage's own is `Stage.tiled_mlp`.
@@ -93,6 +135,8 @@ class TrainingSpec:
     objective: str = "sft"
     reference: Optional[str] = None
     reference_pairs: Optional[int] = None
+    rollout_rows: int = 0
+    rollout_tokens: int = 0
     tiled_mlp: int = 0
 
     def __post_init__(self):
@@ -101,10 +145,28 @@ class TrainingSpec:
         object.__setattr__(self, "activation_checkpointing", {"off": False, "on": True}.get(mode, mode))
 
     @property
+    def counts(self) -> ObjectiveCounts:
+        """What the objective declares for the planner to count (`OBJECTIVE_COUNTS`)."""
+        if self.objective not in OBJECTIVE_COUNTS:
+            raise PlanError(f"objective {self.objective!r}: choose {', '.join(OBJECTIVE_COUNTS)}")
+        return OBJECTIVE_COUNTS[self.objective]
+
+    @property
+    def reference_pass(self) -> bool:
+        """Whether a reference policy's log-probs enter the loss: the objective declares one and the spec names
+        its source."""
+        return self.counts.reference and self.reference is not None
+
+    @property
+    def rows_per_example(self) -> int:
+        """Padded rows one example takes in a micro-batch (a packed row holds whole examples: 1)."""
+        return 1 if self.packing else self.counts.rows_per_example
+
+    @property
     def pairs_per_micro_batch(self) -> int:
-        """DPO: the chosen/rejected pairs of one micro-batch (two padded rows each); 0 for SFT and for packed
-        pairs (as many as fit each row)."""
-        return self.micro_batch_size // 2 if self.objective == "dpo" and not self.packing else 0
+        """Examples of several rows (DPO's chosen/rejected pairs) one micro-batch holds; 0 where an example is one
+        row, and for packed rows (as many as fit each row)."""
+        return self.micro_batch_size // self.rows_per_example if self.rows_per_example > 1 else 0
 
     @property
     def checkpointing(self) -> str:
@@ -241,6 +303,8 @@ class Plan:
         reference_s: DPO's reference pass over one step's rows (`hfsplit.planning.reference`): with adapters-off,
             seconds within each step (in `step_time_s`); precomputed, the one-off pass's seconds per global batch
             of the data, before training (not in `step_time_s`); 0 for SFT.
+        rollout_s: an objective that generates (GRPO, `hfsplit.planning.rollout`): seconds of each step's rollout
+            (prefill and decode of the replica's rows), in `step_time_s`; its KV cache is in the stages' memory.
     """
 
     model: str
@@ -261,6 +325,7 @@ class Plan:
     applied: tuple[Step, ...] = field(default_factory=tuple)
     fused_experts: bool = False
     reference_s: float = 0.0
+    rollout_s: float = 0.0
 
     def steps(self) -> tuple[Step, ...]:
         """What `hfsplit.apply.steps.apply_plan` does to each stage for this plan, in order: data, one
@@ -381,7 +446,7 @@ class Plan:
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         tail = (
             f"\nestimated step: {self.step_time_s * 1e3:.1f} ms, bubble {100 * self.bubble_fraction:.1f}%"
-        ) + self._reference_line()
+        ) + self._rollout_line() + self._reference_line()
         if self.virtual_stages > 1:  # a device's stages share it: their figures together, as the planner fits them
             tail += "\nper device, its stages together: " + ", ".join(
                 f"{mine[0].devices[0][0]} {format_bytes(rank_total(s.memory for s in mine))} of "
@@ -397,16 +462,31 @@ class Plan:
         runs = f"\n{'applied' if applied else 'applies'} per stage: {steps}"
         return head + "\n".join(lines) + tail + runs + notes
 
-    def _reference_line(self) -> str:
-        """DPO: the pairs a micro-batch holds and what the reference costs (empty for SFT)."""
+    def _rollout_line(self) -> str:
+        """What the objective's generation costs each step (empty where it generates none)."""
         spec = self.spec
-        if spec.objective != "dpo":
+        if not spec.counts.generation:
             return ""
-        pairs = f"\nDPO: {spec.pairs_per_micro_batch} pair(s) a micro-batch (chosen + rejected rows), " \
-            if not spec.packing else f"\nDPO: packed pairs, {spec.micro_batch_size} full row(s) a micro-batch " \
-            "(chosen + rejected isolated in one row), "
+        rows = spec.micro_batch_size * self.micro_batches
+        return (f"\n{spec.objective.upper()}: rollout of {rows} sequences a replica × up to {spec.rollout_tokens} new "
+                f"tokens before each update (KV cache of every sequence on its stages, in activ), "
+                f"{self.rollout_s * 1e3:.1f} ms of the step")
+
+    def _reference_line(self) -> str:
+        """What the objective's examples and reference cost, as it declares them (empty without a reference)."""
+        spec = self.spec
+        if not spec.reference_pass:
+            return ""
+        name, counts = spec.objective.upper(), spec.counts
+        if counts.rows_per_example == 1:
+            pairs = f"\n{name}: "
+        elif not spec.packing:
+            pairs = f"\n{name}: {spec.pairs_per_micro_batch} {counts.example}(s) a micro-batch ({counts.parts}), "
+        else:
+            pairs = f"\n{name}: packed {counts.example}s, {spec.micro_batch_size} full row(s) a micro-batch " \
+                f"({counts.parts} isolated in one row), "
         if spec.reference == "precomputed":
-            cached = "" if spec.reference_pairs is None else f" for {spec.reference_pairs} pairs"
+            cached = "" if spec.reference_pairs is None else f" for {spec.reference_pairs} {counts.example}s"
             return pairs + (f"reference precomputed: a one-off no-grad pass of {self.reference_s * 1e3:.1f} ms per "
                             f"global batch before training (not in the step); the last stage keeps 8 bytes a "
                             f"pair{cached}")

@@ -130,7 +130,8 @@ def _baseline(device: str) -> int:
 def _hfsplit_run(job: dict, *, dtype: str) -> dict:
     from hfsplit.checkpoint import load_config
     from hfsplit.checkpoint.synthetic import TINY_TOKENIZER_DIR
-    from hfsplit.training.data import MicroBatches, bundled_dataset_path
+    from hfsplit.training.batches import MicroBatches
+    from hfsplit.training.data import bundled_dataset_path
     from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.metrics import peak_memory_bytes
     from hfsplit.training.run import build_run

@@ -5,7 +5,9 @@ functions included):
 - no cycle among hfsplit's modules;
 - no module imports another module's private (`_name`) names;
 - imports point down the layers: the contract (errors, plan, schedules, budget), then models, checkpoint, then
-  planning and apply (which never import each other), parallel, load, training and cli;
+  planning and apply (which never import each other), parallel, load, training (its data and its loop, which
+  calls the objective it is given), the objectives, the run built from an objective's name with its options, and
+  cli;
 - hfsplit's own imports sit at the top of files, but for the few `LAZY` ones, each kept for a reason its
   comment gives.
 """
@@ -24,11 +26,13 @@ LAYERS = {
     "hfsplit.configs": 0, "hfsplit.gpu_kinds": 0,
     "hfsplit.models": 1,
     "hfsplit.checkpoint": 2,
-    "hfsplit.planning": 3, "hfsplit.apply": 3,
+    "hfsplit.planning": 3, "hfsplit.apply": 3, "hfsplit.ship": 3,
     "hfsplit.parallel": 4,
     "hfsplit.load": 5,
     "hfsplit.training": 6,
-    "hfsplit.cli": 7, "hfsplit.finetune": 7,
+    "hfsplit.objectives": 7,  # between training's data and loop below and the run that names an objective above
+    "hfsplit.training.options": 8, "hfsplit.training.run": 8,
+    "hfsplit.cli": 9, "hfsplit.finetune": 9,
 }
 # Parts of one rank that must not import each other: deciding a split and applying one are independent.
 APART = {("hfsplit.planning", "hfsplit.apply"), ("hfsplit.apply", "hfsplit.planning")}
@@ -36,9 +40,11 @@ APART = {("hfsplit.planning", "hfsplit.apply"), ("hfsplit.apply", "hfsplit.plann
 LAZY = {
     ("training/memory.py", "hfsplit.planning.planner"):
         "the training loop loads the planner only to explain an out-of-memory step with a re-plan",
+    ("cli/commands.py", "hfsplit.cli.plan"): "`hfsplit --help` loads no torch (under 1 s)",
     ("cli/plan.py", "hfsplit.planning.planner"): "`hfsplit plan --help` loads no transformers nor cost model",
     ("cli/plan.py", "hfsplit.checkpoint.synthetic"): "the same (the checkpoint package imports torch)",
     ("cli/plan.py", "hfsplit.planning.max_seq"): "the same (it loads configs through the checkpoint package)",
+    ("cli/plan.py", "hfsplit.load.proof"): "the proof builds models: `hfsplit --help` loads none of it",
     ("finetune.py", "hfsplit.training.run"): "the recipe parses its flags before the training stack loads",
 }
 

@@ -33,7 +33,7 @@ def load_stages(stages: Sequence[nn.Module], *, source: str, config, device: tor
     """Read `stages`' parameters from the checkpoint `source` onto `device`, only what they hold: each TP-sharded
     parameter its slice; with `quantization_config` (a transformers `BitsAndBytesConfig`), each block quantized
     as it is read, an MoE's fused experts too with `experts` (4-bit: `TrainingSpec.quantize_experts`)."""
-    needed = [name for m in stages for name, _ in m.named_parameters()]
+    needed = [name for m in stages for name in [*(n for n, _ in m.named_parameters()), *checkpoint_buffers(m)]]
     reader = open_reader(source, needed=needed, model=meta_model(config))
     for module in stages:
         if quantization_config is not None:
@@ -41,6 +41,22 @@ def load_stages(stages: Sequence[nn.Module], *, source: str, config, device: tor
                                  experts=experts)
             continue
         load_stage_weights(module, reader=reader, device=device, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def checkpoint_buffers(module: nn.Module) -> list[str]:
+    """The names of `module`'s persistent buffers still on meta: tensors a checkpoint holds beside the parameters
+    (DeepSeek-V3's router `e_score_correction_bias`)."""
+    return [f"{owner}.{name}" if owner else name for owner, m in module.named_modules()
+            for name, b in m._buffers.items()
+            if b is not None and b.is_meta and name not in m._non_persistent_buffers_set]
+
+
+def read_buffers(module: nn.Module, *, reader, device: torch.device) -> None:
+    """Read `module`'s persistent buffers (`checkpoint_buffers`) in their own dtype."""
+    for key in checkpoint_buffers(module):
+        owner_name, _, leaf = key.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        owner._buffers[leaf] = reader.read(key, dtype=owner._buffers[leaf].dtype, device=device)
 
 
 def open_reader(name_or_path: str, *, needed: Iterable[str], model: nn.Module):
@@ -54,8 +70,9 @@ def open_reader(name_or_path: str, *, needed: Iterable[str], model: nn.Module):
 
 def materialize_buffers(module: nn.Module, *, device: torch.device) -> None:
     """Rebuild the rotary embedding and the other non-persistent buffers (absent from checkpoints) on `device`."""
-    with torch.device(device):
-        module.rotary_emb = type(module.rotary_emb)(config=module.config)
+    if isinstance(module.rotary_emb, nn.Module) and "rotary_emb" in module._modules:  # a followed stage's is the model's
+        with torch.device(device):
+            module.rotary_emb = type(module.rotary_emb)(config=module.config)
     recompute_buffers(module, module._init_weights, device=device)
 
 
@@ -79,6 +96,7 @@ def load_stage_weights(module: nn.Module, *, reader, device: torch.device, dtype
         set_parameter(module, key, nn.Parameter(value, requires_grad=param.requires_grad))
     if module.shares_embedding:  # named_parameters listed the shared matrix once, under the embedding
         module.lm_head.weight = module.body.embed_tokens.weight
+    read_buffers(module, reader=reader, device=device)
     materialize_buffers(module, device=device)
 
 
@@ -123,6 +141,7 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
         module.lm_head.weight = module.body.embed_tokens.weight
     module.is_loaded_in_4bit = not qconfig.load_in_8bit  # peft picks its bitsandbytes LoRA layers by these flags
     module.is_loaded_in_8bit = bool(qconfig.load_in_8bit)
+    read_buffers(module, reader=reader, device=device)
     materialize_buffers(module, device=device)
 
 

@@ -14,6 +14,8 @@ sliced, so the unsplit model and every split start from the same adapters.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import fnmatch
 import math
 import re
@@ -28,8 +30,7 @@ from torch import nn
 from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.apply.tp import mark_tp_sharded, tp_shard_dim
 from hfsplit.errors import HfsplitError
-from hfsplit.models.expert_lora import split_lora_targets
-from hfsplit.models.layout import block_linear_names
+from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
 from hfsplit.plan import Plan, Step, lora_step
 
 _LAYER_NAME = re.compile(r"(model\.layers\.\d+\..*)$")
@@ -44,7 +45,7 @@ def lora_config(*, r: int, alpha: int, dropout: float, targets: Optional[Sequenc
     from peft import LoraConfig  # lazy: importing peft imports bitsandbytes and torch._inductor (~3 s)
 
     # names of fused MoE expert parameters (gate_up_proj, down_proj) go to peft as target parameters
-    modules, parameters = split_lora_targets(list(targets or block_linear_names(model_config)), model_config)
+    modules, parameters = split_lora_targets(list(targets or default_lora_targets(model_config)), model_config)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules,
                         target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM")
     register_quantized_experts_lora(config)
@@ -117,6 +118,11 @@ class _SumOverTP(torch.autograd.Function):
         return grad, None
 
 
+def _whole_model(module: nn.Module) -> bool:
+    """Whether `module` is a whole model (every layer kind in it), not a stage."""
+    return not hasattr(module, "stage_index")
+
+
 def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: int = 0, tp_size: int = 1,
              tp_plan: Optional[dict] = None) -> nn.Module:
     """Inject LoRA adapters into `module`, freeze everything else, seed the adapters.
@@ -134,9 +140,11 @@ def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: in
 
     names = {n.rsplit(".", 1)[-1] for n, _ in module.named_modules()}
     missing = sorted(set(config.target_modules) - names)
-    if missing:
+    if missing and not set(config.target_modules) & names or missing and _whole_model(module):
         raise HfsplitError(f"LoRA target(s) {', '.join(missing)} name no module of the model; "
                            f"linear layers here: {', '.join(sorted(n for n in names if n.endswith('proj')))}")
+    if missing:  # a stage holding some layer kinds only (Qwen3-Next's full attention): the targets it has
+        config = dataclasses.replace(config, target_modules=sorted(set(config.target_modules) & names))
     for p in module.parameters():
         p.requires_grad_(False)
     inject_adapter_in_model(config, module)

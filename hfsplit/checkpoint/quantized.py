@@ -21,6 +21,8 @@ def stored_quantization(config, *, where: str):
     if raw is None:
         return None
     raw = raw if isinstance(raw, dict) else raw.to_dict()
+    if raw.get("quant_method") == "gguf":  # a folder saved after a GGUF load: the label stays, the tensors are floats
+        return None
     if raw.get("quant_method") != "bitsandbytes":
         raise QuantizationError(f"{where} is pre-quantized with {raw.get('quant_method')!r}; hfsplit loads bitsandbytes "
                                 "4-bit and 8-bit checkpoints only: use the 16-bit checkpoint and --method qlora")

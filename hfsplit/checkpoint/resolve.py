@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 from typing import Optional
 
 from hfsplit.errors import CheckpointError
@@ -36,16 +38,48 @@ def resolve_file(name_or_path: str, filename: str, *, revision: Optional[str] = 
         return candidate
     if path.exists() or os.sep in str(name_or_path).strip("/").replace("/", "", 1) or str(name_or_path).startswith((".", "/")):
         raise CheckpointError(f"{name_or_path}: not a model folder; give a folder with config.json or a hub name 'org/model'")
-    from huggingface_hub import hf_hub_download
+    return hub_file(str(name_or_path), filename, revision=revision)
 
+
+def hub_file(name: str, filename: str, *, revision: Optional[str] = None) -> Path:
+    """`filename` of hub repo `name` through huggingface_hub (its cache, `HF_HUB_OFFLINE`); without a hub to ask
+    (offline, or its endpoint unreachable) the cache alone answers at once, instead of a minute of retries."""
+    from huggingface_hub import constants, hf_hub_download
+
+    offline = constants.HF_HUB_OFFLINE or not hub_reachable(constants.ENDPOINT)
     try:
-        return Path(hf_hub_download(str(name_or_path), filename, revision=revision))
+        return Path(hf_hub_download(name, filename, revision=revision, local_files_only=offline))
     except Exception as exc:  # huggingface_hub raises many types: offline, missing repo, missing file
+        if offline:
+            raise CheckpointError(
+                f"{name}/{filename}: not in the local hub cache, and the hub is "
+                f"{'off (HF_HUB_OFFLINE=1)' if constants.HF_HUB_OFFLINE else 'unreachable'}; names that answer "
+                f"offline (bundled configs): {', '.join(bundled_names())}; or pass a local folder") from exc
         raise CheckpointError(
-            f"{name_or_path}/{filename}: could not be resolved through the Hugging Face hub "
+            f"{name}/{filename}: could not be resolved through the Hugging Face hub "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
             "check the name, log in for gated models, or pass a local folder"
         ) from exc
+
+
+def hub_reachable(endpoint: str, *, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub's `endpoint` opens within `timeout` seconds (behind a proxy: assumed,
+    the proxy decides)."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                       "all_proxy")):
+        return True
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def bundled_names() -> list[str]:
+    """The hub names whose config.json hfsplit bundles (hfsplit/configs): they plan with no network."""
+    return sorted(path.stem.replace("--", "/") for path in _BUNDLED.glob("*.json"))
 
 
 def load_config(model: str | os.PathLike, *, revision: Optional[str] = None):

@@ -7,11 +7,13 @@ tied or untied, a plain folder or a hub cache.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
 
 from hfsplit.checkpoint.mxfp4 import BLOCKS, QUANT_METHOD, SCALES, pack_experts
+from hfsplit.models.shrink import shrunk_config
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2")
 # Families doing work outside their blocks (hfsplit.models.families.FAMILIES), with non-default factors so that a
@@ -48,14 +50,30 @@ TINY_MODEL = dict(arch="llama", num_layers=4, hidden=128, heads=4, kv_heads=2, i
                   max_positions=1024)
 
 
+def tiny_model(folder: str | Path = "tiny-llama") -> str:
+    """The built-in tiny Llama (`TINY_MODEL`: random weights, the tiny tokenizer), written to `folder` unless it is
+    there, and its path: what the recipe trains without --model, to try hfsplit on. Several ranks may ask at once:
+    each writes a copy aside, the first renamed into place stays."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        spec = dict(TINY_MODEL)
+        aside = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        write_tiny_checkpoint(aside, spec.pop("arch"), sharded=True, **spec)
+        try:
+            os.replace(aside, folder)
+        except OSError:  # another rank's copy is in place
+            shutil.rmtree(aside, ignore_errors=True)
+    return str(folder)
+
+
 def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4, hidden: int = 64,
                 heads: int = 4, kv_heads: int = 2, intermediate: int = 128, vocab: int = 256,
                 max_positions: int = 512, **overrides):
     """A transformers config of `arch` with tiny dimensions (fp32)."""
     from transformers import AutoConfig
 
-    if arch not in ARCHITECTURES and arch not in FAMILY_OVERRIDES:
-        raise ValueError(f"arch {arch!r}: choose one of {ARCHITECTURES + tuple(FAMILY_OVERRIDES)}")
+    if arch not in ARCHITECTURES and arch not in FAMILY_OVERRIDES:  # any other causal LM: its defaults shrunk
+        return shrunk_causal_lm_config(arch, tied=tied, **overrides)
     kwargs = dict(
         hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
@@ -72,6 +90,21 @@ def tiny_config(arch: str = "llama", *, tied: bool = False, num_layers: int = 4,
         kwargs["layer_types"] = [kwargs["layer_types"][i % 2] for i in range(num_layers)]
     config = AutoConfig.for_model(arch, **kwargs)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    return config
+
+
+def shrunk_causal_lm_config(model_type: str, *, tied: bool = False, **overrides):
+    """transformers' default config of `model_type` (the flagship's switches and layer kinds) with tiny sizes
+    (`hfsplit.models.shrink`), `overrides` applied after."""
+    from transformers import AutoConfig
+
+    config = shrunk_config(AutoConfig.for_model(model_type))
+    for key, value in {"tie_word_embeddings": tied, **overrides}.items():
+        setattr(config, key, value)
+    if not getattr(config, "architectures", None):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     return config
 
 

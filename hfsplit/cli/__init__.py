@@ -1,4 +1,5 @@
-"""Command line: `hfsplit plan` (`plan`) and its memory chart (`charts`)."""
-from hfsplit.cli.plan import main
+"""Command line: `hfsplit` (`commands`: named without loading them), `hfsplit plan` (`plan`) and the pictures of a
+plan (`charts`)."""
+from hfsplit.cli.commands import main
 
 __all__ = ["main"]

@@ -1,5 +1,5 @@
 import sys
 
-from hfsplit.cli.plan import main
+from hfsplit.cli.commands import main
 
 sys.exit(main())

@@ -4,25 +4,39 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import textwrap
 from dataclasses import replace
 from typing import Optional, Sequence
 
 from hfsplit.apply import third_party_logs
 from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_max_memory, parse_size, torch_gpus
+from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli.charts import plan_memory_chart
+from hfsplit.cli.ship import COMMANDS as SHIP_COMMANDS, add_ship_parsers, run_ship
 from hfsplit.errors import HfsplitError, PlanError
 from hfsplit.planning.memory_choices import host_budget
-from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, FinetuneOptions, add_option_arguments, options_from,
-                                      plan_arguments)
+from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, PLANNED, FinetuneOptions, OptionParser,
+                                      add_option_arguments, options_from, plan_arguments, training_only_flags)
+
+
+class WholeFlags(argparse.HelpFormatter):
+    """argparse's help, its paragraphs wrapped at spaces only: a flag is never broken at its hyphens."""
+
+    def _fill_text(self, text, width, indent):
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
-    """`hfsplit plan`: MODEL, every fine-tuning option (the same fields as the recipe's, so a recipe's command
-    line plans as it runs), and the flags that only a plan has."""
+    """`hfsplit plan`: MODEL, the fine-tuning options a plan depends on (listed; the others are taken unlisted, so
+    a recipe's command line plans as it runs), and the flags that only a plan has."""
     p = sub.add_parser("plan", help="plan a split of MODEL over a memory budget (reads config.json only)",
                        description="Will it fit, and how: plan the split a fine-tuning run with these options "
-                                   "would make, before a byte of weights is read. Takes every option of "
-                                   "recipes/finetune.py; flags override a --config recipe.")
+                                   "would make, before a byte of weights is read. Flags override a --config recipe.",
+                       formatter_class=WholeFlags,
+                       epilog="It also takes the recipe's training options, which change no plan ("
+                              + ", ".join(training_only_flags())
+                              + "): `python -m hfsplit.finetune --help` says what each does.")
     p.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
                    help="hub name (org/name), local folder, or config.json (default: --model, or the --config recipe's)")
     only = p.add_argument_group("plan options")
@@ -41,7 +55,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                            "planner, to multiples of 256 tokens, up to the model's max_position_embeddings")
     only.add_argument("--json", action="store_true", help="print the Plan as JSON instead of the table")
     only.add_argument("--png", default=None, help="also draw per-device memory bars into this PNG file (default: no chart)")
-    add_option_arguments(p)
+    add_option_arguments(p, names=PLANNED)
     return p
 
 
@@ -74,7 +88,7 @@ def plan_request(args) -> tuple[str, object, dict, tuple[str, ...]]:
         spec = replace(spec, method="inference")
     if args.reserve:
         spec = replace(spec, reserve_bytes=parse_size(args.reserve, what="--reserve"))
-    return options.model or tiny_model_folder(), budget, {**kwargs, "spec": spec}, notes
+    return options.model or tiny_model(), budget, {**kwargs, "spec": spec}, notes
 
 
 def local_budget(nproc: Optional[int]) -> tuple[str, tuple[str, ...]]:
@@ -90,29 +104,38 @@ def local_budget(nproc: Optional[int]) -> tuple[str, tuple[str, ...]]:
                     f"other devices; --nproc other rank counts)",)
 
 
-def tiny_model_folder() -> str:
-    """The recipe's built-in tiny model, written to a temporary folder (its config is all planning reads)."""
-    import tempfile
-
-    from hfsplit.checkpoint.synthetic import TINY_MODEL, write_tiny_checkpoint  # lazy: as make_plan (run_plan)
+def tiny_model():
+    """The recipe's built-in tiny model as its config, all that planning reads: nothing is written (the run writes
+    its checkpoint beside its output)."""
+    from hfsplit.checkpoint.synthetic import TINY_MODEL, tiny_config  # lazy: as make_plan (run_plan)
 
     spec = dict(TINY_MODEL)
-    folder = f"{tempfile.mkdtemp(prefix='hfsplit-tiny-')}/tiny-llama"
-    write_tiny_checkpoint(folder, spec.pop("arch"), sharded=True, **spec)
-    return folder
+    config = tiny_config(spec.pop("arch"), **spec)
+    config._name_or_path = "tiny-llama"  # what the plan calls it: the folder name the run writes it to
+    return config
 
 
 def run_plan(args) -> int:
+    model, budget, kwargs, notes = plan_request(args)
+    # the config first: an unknown name fails at once, before the planner (transformers' models) loads
+    model = load_config(model) if isinstance(model, str) else model
     from hfsplit.planning.planner import make_plan  # lazy: transformers and the cost model; `plan --help` stays quick
 
-    model, budget, kwargs, notes = plan_request(args)
     if args.device_speeds:
         devices = parse_max_memory(budget)
         values = [float(v) for v in args.device_speeds.split(",")]
         if len(values) != len(devices):
             raise HfsplitError(f"--device-speeds has {len(values)} values for {len(devices)} devices; give one each")
         kwargs["device_speeds"] = dict(zip(devices, values))
-    plan = longest_plan(make_plan, model, budget, kwargs) if args.max_seq_len else make_plan(model, budget, **kwargs)
+    from hfsplit.load.proof import proven_split  # lazy: the proof builds models (transformers)
+
+    config = model
+    verdict = proven_split(config)  # refused by name, with the first block that differs, before anything is planned
+    if not verdict.packing and kwargs["spec"].packing:  # as the run turns it off
+        kwargs["spec"] = dataclasses.replace(kwargs["spec"], packing=False)
+    plan = (longest_plan(make_plan, config, budget, kwargs) if args.max_seq_len
+            else make_plan(config, budget, **kwargs))
+    notes = notes + (() if verdict.packing else (f"packing off for {verdict.model_type}: {verdict.reason}"[:200],))
     plan = dataclasses.replace(plan, notes=notes + plan.notes)
     print(plan.to_json() if args.json else plan.table())
     if args.png:
@@ -134,20 +157,45 @@ def longest_plan(make_plan, model, budget, kwargs: dict):
     return dataclasses.replace(plan, notes=(note,) + plan.notes)
 
 
+def run_check(args) -> int:
+    """`hfsplit check MODEL`: the proof's verdict for MODEL's config, one line; 0 when it splits, 2 when refused."""
+    from hfsplit.load.proof import all_verdicts, families_markdown, verdict_of  # lazy: transformers and torch
+
+    if args.all:
+        print(families_markdown(all_verdicts(progress=True)))
+        return 0
+    if not args.model:
+        raise HfsplitError("check: name a model (hub name, folder or config.json), or pass --all")
+    verdict = verdict_of(load_config(args.model))
+    print(verdict.line())
+    return 0 if verdict.split else 2
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="hfsplit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OptionParser(prog="hfsplit", description="`hfsplit COMMAND`, run (`hfsplit.cli.commands` lists them)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan_parser(sub)
     sub.add_parser("accelerate-config", help="print the path of the bundled accelerate config for CPU ranks",
                    description="accelerate launch --config_file \"$(hfsplit accelerate-config)\" -m hfsplit.finetune "
                                "runs the built-in demo on two CPU ranks from an installed package")
+    check = sub.add_parser("check", help="prove the split of a model equals transformers (its config shrunk, CPU)",
+                           description="Build MODEL's config shrunk (same class, flags and layer kinds, tiny sizes), "
+                                       "run it whole and split at pp=2 on the CPU, and compare logits and gradients "
+                                       "(fp32, 1e-5) and a packed row. Prints the verdict; exit 2 when refused. "
+                                       "Cached by the config's hash.")
+    check.add_argument("model", nargs="?", help="hub name, local folder or config.json (bundled configs answer offline)")
+    check.add_argument("--all", action="store_true", help="every causal-LM type transformers registers, on its "
+                                                         "default config: the table of docs/guides/families.md")
+    add_ship_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "accelerate-config":
         print(ACCELERATE_CPU_CONFIG)
         return 0
     third_party_logs.install()
     try:
-        return run_plan(args)
+        if args.command == "check":
+            return run_check(args)
+        return run_ship(args) if args.command in SHIP_COMMANDS else run_plan(args)
     except HfsplitError as exc:
         print(f"hfsplit {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -12,12 +12,14 @@ import torch.distributed as dist
 
 from hfsplit import errors
 from hfsplit.apply.lora import LoraSetup
+from hfsplit.budget import local_share
 from hfsplit.apply.quantize import check_quantization, quantization_config_of
 from hfsplit.checkpoint.quantized import quantization_of_checkpoint
 from hfsplit.errors import PlanError
 from hfsplit.parallel.mesh import init_distributed, init_parallel
 from hfsplit.parallel.split_model import SplitModel, build_split_model
 from hfsplit.checkpoint.resolve import load_config
+from hfsplit.load.proof import proven_split
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.planner import make_plan
 
@@ -33,7 +35,8 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
 
     Args:
         name_or_path: hub name or local folder.
-        max_memory: per-device budget for the planner (ignored when `plan` is given).
+        max_memory: per-device budget for the planner (ignored when `plan` is given); None: an equal share of what
+            this host's devices have free, one budget a rank, as the recipe's (`hfsplit.budget.local_share`).
         plan: a ready Plan to run instead of planning.
         dtype: override the plan's dtype for the weights.
         lora: the LoRA of a LoRA plan (default: the plan's own, `TrainingSpec` rank, alpha, dropout, targets).
@@ -45,12 +48,15 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         **plan_options: passed to `hfsplit.planning.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
     world = init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
+    proven_split(load_config(name_or_path))  # the split equals transformers on this config, or refused by name
     if plan is None:
         wanted = quantization_of_checkpoint(name_or_path, quantization_config, method="qlora"
                                             if quantization_config is not None else training)  # or as stored
         spec = plan_options.pop("spec", None) or spec_of_intent(
             training, dtype=dtype or load_config(name_or_path).dtype, quantization=wanted)
         plan_options.setdefault("gpus", world.device.type == "cuda")  # CPU ranks: "0", "1" budgets are not GPUs
+        if max_memory is None:
+            max_memory = local_share(world.world_size, ranks_here=world.local_world_size)
         plan = shared_plan(name_or_path, max_memory, spec=spec, **plan_options)
     ctx = init_parallel(plan)
     qconfig = quantization_of_run(plan, name_or_path, requested=quantization_config, device=ctx.device)

@@ -15,7 +15,7 @@ import torch
 
 from hfsplit.apply.quantize import Staging, check_quantization, quantize_module
 from hfsplit.apply.steps import apply_plan_to_model
-from hfsplit.budget import BudgetSpec, local_max_memory, torch_device
+from hfsplit.budget import BudgetSpec, check_devices_here, local_max_memory, parse_max_memory, torch_device
 from hfsplit.checkpoint.quantized import quantization_of_checkpoint
 from hfsplit.checkpoint.reader import CheckpointReader
 from hfsplit.checkpoint.resolve import load_config, resolve_file
@@ -68,7 +68,13 @@ def from_pretrained(
 
     Under a distributed launch (more than one rank: torchrun, accelerate launch) this returns this
     rank's `hfsplit.parallel.split_model.SplitModel` instead: the plan spans all ranks, each rank reads and
-    holds only its stage's (and TP slice's) bytes.
+    holds only its stage's (and TP slice's) bytes. It has the same surface: `hf_device_map` (every stage's
+    modules → "rank:device"), `hfsplit_plan`, `config`, `generation_config`, `forward`, `generate` (pipelined over
+    the stages, transformers' arguments) and `save_pretrained` (collective); a transformers attribute of the whole
+    model raises `SplitAttributeError` saying why. The default budget is an equal share of what each host's
+    devices have free, as the recipe's. An inference plan budgets generation's KV cache for micro_batches ×
+    micro-batch size sequences of `seq_len` tokens: state the rollout with `spec=TrainingSpec(method="inference",
+    seq_len=..., micro_batch_size=...)` and `global_batch=` (or `micro_batches=`).
 
     Returns:
         The model with real weights, `hf_device_map` and `hfsplit_plan` set, in eval mode.
@@ -91,6 +97,7 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
                       attn_implementation: Optional[str], revision: Optional[str], quantization_config=None,
                       **planner_options):
     """The single-process `from_pretrained`: whole blocks placed by the plan, the model's own forward."""
+    check_placement_here(max_memory, plan)
     config = load_config(source, revision=revision)
     check_causal_lm(config)  # whole blocks run inside the model's own forward: any causal LM loads right
     try:
@@ -125,6 +132,17 @@ def load_whole_blocks(source: str, max_memory: BudgetSpec, *, dtype, plan, train
         model.is_loaded_in_4bit = not quantization_config.load_in_8bit
         model.is_loaded_in_8bit = bool(quantization_config.load_in_8bit)
     return model.eval()
+
+
+def check_placement_here(max_memory: BudgetSpec, plan) -> None:
+    """Refuse a budget or a device map naming a device this machine lacks, before a byte is read (a plan made
+    elsewhere, `hfsplit plan` for GPUs that are not here, places nothing until it loads)."""
+    if max_memory is not None:
+        check_devices_here(parse_max_memory(max_memory))
+    if isinstance(plan, Mapping):
+        check_devices_here({str(d).removeprefix("cuda:"): 0 for d in plan.values()}, what="device map")
+    elif plan is not None:
+        check_devices_here({d: s.budget for s in plan.stages for g in s.devices for d in g}, what="plan")
 
 
 def split_across_ranks(source: str, max_memory, *, world: World, dtype, plan, training: str,

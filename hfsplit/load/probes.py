@@ -31,9 +31,8 @@ from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.budget import budget_kinds, parse_max_memory
 from hfsplit.gpu_kinds import kind_of_device_name
 from hfsplit.checkpoint.resolve import load_config
-from hfsplit.models.expert_lora import split_lora_targets
+from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
 from hfsplit.models.families import FAMILIES, Family
-from hfsplit.models.layout import block_linear_names
 from hfsplit.models.masks import causal_masks, layer_attention_type
 from hfsplit.parallel.mesh import launcher_world
 from hfsplit.planning.costs.cache import read_cache, write_cache
@@ -137,7 +136,7 @@ def _probe_block(config, spec, device: torch.device):
         from peft import LoraConfig, inject_adapter_in_model  # lazy: ~3 s import (inductor)
 
         # the run's targets, fused MoE experts included (peft target parameters)
-        modules, params = split_lora_targets(list(spec.lora_targets or block_linear_names(config)), config)
+        modules, params = split_lora_targets(list(spec.lora_targets or default_lora_targets(config)), config)
         lora = LoraConfig(r=spec.lora_r, target_modules=modules, target_parameters=params or None)
         register_quantized_experts_lora(lora)  # 4-bit experts: their adapters applied split, as the run does
         inject_adapter_in_model(lora, block)

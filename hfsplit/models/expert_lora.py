@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from hfsplit.errors import HfsplitError
 from hfsplit.models.layer_kinds import SPARSE, kind_config, layer_kinds
-from hfsplit.models.layout import block_linears, decoder_layout, meta_model, one_layer_config
+from hfsplit.models.layout import block_linear_names, block_linears, decoder_layout, meta_model, one_layer_config
 
 
 def expert_parameters(config) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -36,6 +36,14 @@ def _expert_parameters(key: str) -> tuple:
     block = model.get_submodule(decoder_layout(model).layers)[0]
     return tuple((name.rsplit(".", 1)[-1], (name, tuple(p.shape))) for name, p in block.named_parameters()
                  if p.dim() == 3)
+
+
+def default_lora_targets(config) -> list[str]:
+    """LoRA's default targets: the blocks' linear layers (`block_linear_names`) but those named like a fused expert
+    parameter (Qwen3-Next's shared expert `down_proj` beside the experts' `down_proj`), which peft's MoE target
+    conversion would also apply to the experts."""
+    experts = expert_parameters(config)
+    return [name for name in block_linear_names(config) if name not in experts]
 
 
 def split_lora_targets(targets: Sequence[str], config) -> tuple[list[str], list[str]]:

@@ -122,7 +122,10 @@ NOT_YET: dict[str, str] = {}
 
 def family_of(config) -> Family:
     """The declared family of `config` (UnsupportedModelError naming it when nobody declared it)."""
-    check_supported(config)
+    check_causal_lm(config)
+    if config.model_type not in FAMILIES:
+        raise UnsupportedModelError(_unsupported(config, "its family is not declared (its split follows the model's "
+                                                         "own forward instead)"))
     family = FAMILIES[config.model_type]
     for flag in family.refused_flags:
         if getattr(config, flag, False):
@@ -154,16 +157,15 @@ def check_causal_lm(config) -> None:
 
 
 def check_supported(config) -> None:
-    """Raise UnsupportedModelError unless the config is a decoder-only LM hfsplit can split across processes.
-
-    Called before any cost is computed (and so before any weight is read): other models lack
-    the fields the cost model reads (`intermediate_size`, ...) and would fail obscurely.
-    """
+    """Raise UnsupportedModelError unless the config is a decoder-only LM hfsplit may split across processes: a
+    declared family (`FAMILIES`, its refused flags unset), or any other causal LM, whose split runs the model's own
+    forward (`hfsplit.parallel.followed_stage`) and is proven equal on the user's config before a run
+    (`hfsplit.load.proof`)."""
     check_causal_lm(config)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        why = NOT_YET.get(config.model_type)
-        raise UnsupportedModelError(_unsupported(
-            config, f"its split is not verified against transformers{f' ({why})' if why else ''}"))
+    if config.model_type in NOT_YET:
+        raise UnsupportedModelError(_unsupported(config, f"its split is not built yet ({NOT_YET[config.model_type]})"))
+    if config.model_type in FAMILIES:
+        family_of(config)
 
 
 def _unsupported(config, why: str) -> str:
@@ -197,6 +199,8 @@ def tp_supported(config) -> bool:
     """Whether hfsplit can shard `config`'s model: it has a TP plan made only of the styles it implements
     (packed column-wise parameters only inside fused experts), and no flag its family declares the plan wrong
     under (`Family.tp_refused_flags`)."""
+    if getattr(config, "model_type", None) not in FAMILIES:  # a followed split is proven at pp=2, tp=1 only
+        return False
     styles = set(tp_plan_of(config).values())
     return (bool(styles) and styles <= set(TP_STYLES) and tp_refused_flag(config) is None
             and _unplaced_packed(config) is None)
@@ -244,7 +248,9 @@ def valid_tp_degrees(config, max_degree: int) -> list[int]:
 def mlp_widths(config) -> tuple[int, ...]:
     """The MLP widths TP splits: the dense MLP's, and each expert's where it differs (Qwen3-MoE)."""
     moe = getattr(config, "moe_intermediate_size", None)
-    return (config.intermediate_size,) + ((moe,) if moe and moe != config.intermediate_size else ())
+    dense = getattr(config, "intermediate_size", None)
+    dense = dense if isinstance(dense, int) else None  # Qwen3.5-MoE has none; Gemma 3n one per layer
+    return tuple(w for w in (dense, moe if moe != dense else None) if w)
 
 
 def tp_degree_error(config, tp: int) -> Optional[str]:
@@ -253,6 +259,9 @@ def tp_degree_error(config, tp: int) -> Optional[str]:
         return (f"tp={tp}: {config.model_type} with {flag}=True has modules holding a weight per attention head "
                 f"that its tensor-parallel plan leaves whole while the heads are sharded; use tp=1 (pipeline "
                 "stages split it)")
+    if tp > 1 and getattr(config, "model_type", None) not in FAMILIES:
+        return (f"tp={tp}: {config.model_type}'s split follows the model's own forward, proven over pipeline stages "
+                "only; use tp=1 (pipeline stages split it)")
     if tp > 1 and not tp_supported(config):
         styles = sorted(set(tp_plan_of(config).values()) - set(TP_STYLES))
         packed = _unplaced_packed(config)

@@ -13,25 +13,56 @@ from typing import Optional, Sequence, Union
 DENSE, SPARSE = "dense", "sparse"
 
 
+# Attention types that change only a layer's mask, not its modules: one kind for the cost model.
+MASK_ONLY = ("full_attention", "sliding_attention", "chunked_attention")
+
+
 def layer_kinds(config) -> Optional[tuple[str, ...]]:
-    """The kind of each decoder layer of `config`, or None when every layer is built alike."""
-    if not hasattr(config, "mlp_only_layers") and not hasattr(config, "decoder_sparse_step"):
-        return None
-    dense_only = set(getattr(config, "mlp_only_layers", None) or ())
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    experts = getattr(config, "num_experts", 0) or 0
-    kinds = tuple(SPARSE if i not in dense_only and experts > 0 and (i + 1) % step == 0 else DENSE
-                  for i in range(config.num_hidden_layers))
+    """The kind of each decoder layer of `config`, or None when every layer is built alike: its MLP's kind (dense or
+    sparse) where the model mixes them, and its attention type where that changes its modules (Qwen3-Next's linear
+    attention beside full attention, Granite 4's Mamba2 mixers), joined as "linear_attention/sparse"."""
+    n = config.num_hidden_layers
+    mlp = [_mlp_kind(config, i) for i in range(n)]
+    types = getattr(config, "layer_types", None)
+    attention = list(types) if isinstance(types, (list, tuple)) and len(types) == n and \
+        len(set(types)) > 1 and not set(types) <= set(MASK_ONLY) else [None] * n
+    mlp = mlp if len(set(mlp)) > 1 else [None] * n
+    kinds = tuple("/".join(part for part in (a, m) if part) for a, m in zip(attention, mlp))
     return kinds if len(set(kinds)) > 1 else None
+
+
+def _mlp_kind(config, i: int) -> Optional[str]:
+    """Layer `i`'s MLP: "sparse" (experts) or "dense", by whichever rule its config follows (None: not an MoE)."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0
+    if hasattr(config, "mlp_only_layers") or hasattr(config, "decoder_sparse_step"):
+        dense_only = set(getattr(config, "mlp_only_layers", None) or ())
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        return SPARSE if i not in dense_only and experts > 0 and (i + 1) % step == 0 else DENSE
+    types = getattr(config, "mlp_layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) == config.num_hidden_layers:
+        return DENSE if types[i] == DENSE else SPARSE
+    first_dense = getattr(config, "first_k_dense_replace", None)
+    if isinstance(first_dense, int) and experts:
+        return DENSE if i < first_dense else SPARSE
+    return None
 
 
 def kind_config(config, kind: str):
     """A copy of `config` whose every layer is of `kind` (what the cost model traces one block of)."""
     cfg = config.__class__.from_dict(config.to_dict())
-    if kind == DENSE:
-        cfg.mlp_only_layers = list(range(config.num_hidden_layers))
-    else:
-        cfg.mlp_only_layers, cfg.decoder_sparse_step = [], 1
+    n = config.num_hidden_layers
+    for part in kind.split("/"):
+        if part not in (DENSE, SPARSE):
+            cfg.layer_types = [part] * n
+        elif hasattr(config, "mlp_only_layers") or hasattr(config, "decoder_sparse_step"):
+            if part == DENSE:
+                cfg.mlp_only_layers = list(range(n))
+            else:
+                cfg.mlp_only_layers, cfg.decoder_sparse_step = [], 1
+        elif isinstance(getattr(config, "mlp_layer_types", None), (list, tuple)):
+            cfg.mlp_layer_types = [part] * n
+        elif hasattr(config, "first_k_dense_replace"):
+            cfg.first_k_dense_replace = n if part == DENSE else 0
     return cfg
 
 

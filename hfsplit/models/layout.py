@@ -14,7 +14,7 @@ from torch import nn
 
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.models.families import tp_style_of
-from hfsplit.models.layer_kinds import kind_config, layer_kinds
+from hfsplit.models.layer_kinds import DENSE, SPARSE, kind_config, layer_kinds
 
 
 def meta_model(config, *, dtype: Optional[torch.dtype] = None, attn_implementation: Optional[str] = None) -> nn.Module:
@@ -65,6 +65,8 @@ def decoder_layout(model: nn.Module) -> DecoderLayout:
     `num_hidden_layers` modules; the decoder's other children go before or after them in registration
     order, which is the order the model's forward runs them."""
     prefix = model.base_model_prefix
+    if not isinstance(getattr(model, prefix, None), nn.Module) and isinstance(getattr(model, "model", None), nn.Module):
+        prefix = "model"  # Llama 4's text model: prefix "language_model", decoder at "model"
     base = getattr(model, prefix, None)
     if not isinstance(base, nn.Module):
         raise UnsupportedModelError(f"{type(model).__name__} has no decoder named {prefix!r}; load it with transformers")
@@ -109,7 +111,12 @@ def _block_linears(key: str) -> tuple[BlockLinear, ...]:
     model = meta_model(one_layer_config(config))
     block = model.get_submodule(decoder_layout(model).layers)[0]
     return tuple(BlockLinear(name, m.in_features, m.out_features, tp_style_of(config, f"layers.0.{name}"))
-                 for name, m in block.named_modules() if isinstance(m, nn.Linear))
+                 for name, m in block.named_modules() if _plain_linear(m))
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear computing a linear map (not a router subclass returning its scores and logits, Llama 4's)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 def routed_expert_numel(config) -> int:
@@ -136,13 +143,18 @@ def _routed_expert_numel(key: str) -> int:
 def block_linear_names(config) -> list[str]:
     """The linear layers of one decoder block ("q_proj" … "down_proj", Phi-3's fused "qkv_proj" and
     "gate_up_proj"): LoRA's default targets, which the cost model counts when none are given. Where the layers are
-    of several kinds (Qwen3-MoE's dense `mlp_only_layers`), those every kind has (attention): a dense layer's
-    `gate_proj`/`up_proj`/`down_proj` would also make peft adapt the other layers' fused experts (its v4-to-v5 MoE
-    target conversion), and name no module of a stage holding expert layers only."""
+    of several kinds (`hfsplit.models.layer_kinds`): over attention kinds, those of any (Qwen3-Next's linear
+    attention's and its full attention's projections); over MLP kinds (Qwen3-MoE's dense `mlp_only_layers`), those
+    every kind has: a dense layer's `gate_proj`/`up_proj`/`down_proj` would also make peft adapt the other layers'
+    fused experts (its v4-to-v5 MoE target conversion), and name no module of a stage holding expert layers only."""
     kinds = layer_kinds(config)
-    configs = [kind_config(config, kind) for kind in sorted(set(kinds))] if kinds else [config]
-    names = [{lin.name.rsplit(".", 1)[-1] for lin in block_linears(c)} for c in configs]
-    return sorted(set.intersection(*names))
+    if not kinds:
+        return sorted({lin.name.rsplit(".", 1)[-1] for lin in block_linears(config)})
+    by_mlp: dict = {}
+    for kind in sorted(set(kinds)):
+        mlp = next((part for part in kind.split("/") if part in (DENSE, SPARSE)), None)
+        by_mlp.setdefault(mlp, set()).update(lin.name.rsplit(".", 1)[-1] for lin in block_linears(kind_config(config, kind)))
+    return sorted(set.intersection(*by_mlp.values()))
 
 
 def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] = None) -> None:
@@ -157,7 +169,7 @@ def recompute_buffers(root: nn.Module, init, *, device: Optional[torch.device] =
         own = [b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
         if device is not None:
             own = [b for b in own if module._buffers[b].is_meta]
-            module._buffers.update({b: torch.empty_like(module._buffers[b], device=device) for b in own})
+            module._buffers.update({b: torch.zeros_like(module._buffers[b], device=device) for b in own})  # what init leaves
         if not own:
             continue
         if init is None:

@@ -149,7 +149,7 @@ class ChunkedHeadLoss:
         self.stage, self.loss_fn = stage, loss_fn
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.stage.family.output_side(self.stage.config, self.stage.lm_head(hidden))
+        return self.stage.logits_of(hidden)
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         vocab_size = self.stage.config.vocab_size

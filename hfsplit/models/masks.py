@@ -21,7 +21,8 @@ def layer_attention_type(config, index: int) -> str:
 
 
 def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, cache=None,
-                 layers: tuple[int, ...] | list[int] = ()) -> dict[str, Optional[torch.Tensor]]:
+                 layers: tuple[int, ...] | list[int] = (),
+                 attention_mask: Optional[torch.Tensor] = None) -> dict[str, Optional[torch.Tensor]]:
     """Attention masks by attention type, as the model's own forward builds them; with `cache`, over the cached
     positions too (sized from the first of this stage's `layers` of each type: a stage's cache holds only its own).
 
@@ -31,6 +32,7 @@ def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, ca
     non-causal there. Packed rows (position ids restarting inside a row, no cache) get transformers' block-diagonal
     causal mask, sliding windows inside each example: materialised under eager, a BlockMask under flex; under sdpa
     instead a `PackedRows` (`hfsplit.models.varlen`), which runs each example on its own, with no L × L mask.
+    `attention_mask` `(batch, cached + new)`: transformers' 2-D padding mask (generation's left-padded prompts).
     """
     if cache is None and config._attn_implementation == IMPLEMENTATION and enabled() and is_packed(position_ids):
         return packed_masks(config, position_ids)
@@ -39,7 +41,7 @@ def causal_masks(config, *, hidden: torch.Tensor, position_ids: torch.Tensor, ca
     def first_layer(kind: str):
         return next((i for i in layers if layer_attention_type(config, i) == kind), None) if cache is not None else None
 
-    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=None, cache=cache,
+    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
                   position_ids=position_ids)
     masks = {"full_attention": create_causal_mask(**kwargs, layer_idx=first_layer("full_attention"))}
     if getattr(config, "sliding_window", None):

@@ -1,2 +1,3 @@
-"""Running a given Plan: process layout (`mesh`), stage modules, pipeline schedules, the split model, MoE router
-statistics, host memory. Never imports planning/ or training/."""
+"""Running a given Plan: process layout (`mesh`), stage modules, pipeline schedules, the split model, generation on
+the split stages, saving it as a Hugging Face folder, MoE router statistics, host memory. Never imports planning/,
+load/ or training/."""

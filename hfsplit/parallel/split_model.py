@@ -18,26 +18,33 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PreTrainedModel
 
 from hfsplit.apply.load import load_stages
 from hfsplit.apply.lora import LoraSetup
 from hfsplit.apply.steps import apply_plan
 from hfsplit.apply.tp import grad_summed_over_tp, local_tensor, shard_layout, tp_shard_dim
 from hfsplit.checkpoint.resolve import load_config
-from hfsplit.errors import PlanError
+from hfsplit.errors import PlanError, SplitAttributeError
 from hfsplit.models.loss import IGNORE_INDEX
 from hfsplit.models.families import tp_degree_error
+from hfsplit.parallel.generation import (
+    Choice, PipelinedGeneration, generation_config_for, joined_sequences, logits_processors, merged_generation_config,
+    rollouts_of, special_tokens, token_group,
+)
 from hfsplit.parallel.mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
 from hfsplit.parallel.pipeline import (
     ReducedOutput, StageTimer, build_schedule, chunked_or, head_in_loss, pipeline_stages, releasing_graph,
 )
 from hfsplit.parallel.router import carrying, with_router_loss
-from hfsplit.parallel.stage import StageModule
+from hfsplit.parallel.save import save_split_model
+from hfsplit.parallel.stage import StageModule, build_stage_module
 from hfsplit.plan import Plan
 
 
@@ -62,6 +69,10 @@ class SplitModel(nn.Module):
         self.stage_indices = stage_indices
         self._schedules: dict[tuple, object] = {}
         self._timer = StageTimer()
+        self._tokens = None  # generation's second pipeline group (`_token_group`)
+        self.generation_config = generation_config_for(config)  # build_split_model: the checkpoint's own
+        self.source: Optional[str] = None  # the checkpoint it was read from (build_split_model)
+        self.hf_device_map: dict[str, str] = {}  # every stage's modules → "rank:device" (build_split_model)
         # flash attention finds packed examples from the position ids of a one-row batch only (transformers'
         # `_is_packed_sequence`), so each micro-batch then runs as one row of its rows joined (exact: every row
         # starts a sequence at position 0, and the join never lets a row's last token learn the next row's first)
@@ -70,6 +81,11 @@ class SplitModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.ctx.device
+
+    @property
+    def hfsplit_plan(self) -> Plan:
+        """The Plan this split runs, as the single-process model's `hfsplit_plan`."""
+        return self.plan
 
     @property
     def num_stages(self) -> int:
@@ -133,32 +149,72 @@ class SplitModel(nn.Module):
         return self._broadcast_logits(logits, shape=(*shape, self.config.vocab_size))
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int) -> torch.Tensor:
-        """Greedy continuation of a batch of equal-length prompts (as `generate(do_sample=False)`), on every rank.
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+                 max_new_tokens: Optional[int] = None, do_sample: Optional[bool] = None,
+                 temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 num_return_sequences: Optional[int] = None, eos_token_id=None, pad_token_id: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
+                 micro_batches: Optional[int] = None, **generation_kwargs) -> torch.Tensor:
+        """Continue a batch of prompts as transformers' `generate` does, pipelined over the stages; on every rank.
 
-        Each stage keeps a KV cache of its own layers: the prompt goes through once, then one
-        token per step travels the pipeline. Finished rows continue with the pad token, as in
-        transformers; the loop ends when every row has produced an end-of-sequence token.
+        The batch is cut into micro-batches that flow through the stages together, each stage keeping its layers'
+        KV cache per micro-batch (`hfsplit.parallel.generation`). Tokens are chosen by transformers' own logits
+        processors for the model's `generation_config` updated with these arguments.
+
+        Args:
+            input_ids: `(batch, length)` prompts, left-padded to one length.
+            attention_mask: `(batch, length)`, 0 on the padding; None: no padding.
+            max_new_tokens, do_sample, temperature, top_k, top_p, num_return_sequences, eos_token_id, pad_token_id:
+                as transformers' `generate` takes them (None: the `generation_config`'s).
+            generator: the `torch.Generator` sampling draws from; seed: draw micro-batch i's tokens from a
+                generator seeded `seed + i`; neither: torch's global generator, as transformers.
+            micro_batches: how many micro-batches the batch is cut into (at most one a row); default: one a
+                pipeline rank, the fewest that keep every stage working (each more re-reads a stage's weights every
+                step: docs/benchmarks/generate.md); 1 relays the whole batch through the stages in turn, as
+                `device_map` does.
+            generation_kwargs: further `GenerationConfig` fields (repetition_penalty, min_new_tokens, ...).
+
+        Returns:
+            `(batch × num_return_sequences, length + generated)`: the prompts and their continuations; rows that
+            ended before the longest continue with the pad token.
         """
-        from transformers import DynamicCache
+        config = merged_generation_config(
+            self.generation_config, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, num_return_sequences=num_return_sequences, eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id, **generation_kwargs)
+        input_ids = input_ids.to(self.device)
+        mask = attention_mask.to(self.device) if attention_mask is not None else torch.ones_like(input_ids)
+        copies = config.num_return_sequences or 1
+        input_ids, mask = input_ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
+        groups = min(len(input_ids), micro_batches or self.plan.pp)
+        rollouts = rollouts_of(input_ids, mask, micro_batches=groups, config=self.config,
+                               stage_indices=self.stage_indices)
+        eos, pad = special_tokens(config)
+        if generator is None and seed is not None:
+            generators = [torch.Generator(self.device).manual_seed(seed + i) for i in range(groups)]
+        else:
+            generators = [generator] * groups
+        limit = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - input_ids.shape[1]
+        choice = Choice(processors=logits_processors(self.config, config, prompt=input_ids),
+                        sample=bool(config.do_sample), generators=generators, eos=eos.to(self.device), pad=pad,
+                        limit=limit)
+        run = PipelinedGeneration(stages=dict(zip(self.stage_indices, self.stages)), owner=stage_to_pp_rank(self.plan),
+                                  ctx=self.ctx, tokens=self._token_group(), hidden_size=self.config.hidden_size,
+                                  dtype=self._dtype(), choice=choice)
+        return joined_sequences(run.run(rollouts), pad=pad)
 
-        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
-        eos = eos_token_ids(self.config)
-        caches = [DynamicCache(config=self.config) for _ in self.stages]
-        out = input_ids.to(self.device)
-        step_ids = out
-        unfinished = torch.ones(out.shape[0], dtype=torch.bool, device=self.device)
-        for _ in range(max_new_tokens):
-            logits = self._relay_forward(step_ids, caches=caches)
-            logits = self._broadcast_logits(logits, shape=(*step_ids.shape, self.config.vocab_size))
-            token = logits[:, -1].argmax(-1)
-            token = torch.where(unfinished, token, torch.full_like(token, pad))
-            out = torch.cat([out, token[:, None]], dim=1)
-            unfinished &= ~torch.isin(token, eos)
-            if not unfinished.any():
-                break
-            step_ids = token[:, None]
-        return out
+    def save_pretrained(self, save_directory, *, tokenizer=None) -> Path:
+        """Write the whole model as a Hugging Face folder (sharded safetensors, index, config, generation config;
+        LoRA adapters, if any, folded in), as transformers' `save_pretrained` does on one process. Collective: every
+        rank calls it; each stage's rank writes its own shard (`hfsplit.parallel.save`)."""
+        return save_split_model(self, save_directory, method="full", tokenizer=tokenizer, base_model=self.source,
+                                merge_lora=True)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise missing_on_split(self, name) from None
 
     # --- training ----------------------------------------------------------------------------
 
@@ -330,6 +386,12 @@ class SplitModel(nn.Module):
                 dist.send(x.contiguous(), dst=self.ctx.global_rank(pp=owner[index + 1]), group=self.ctx.pp_group)
         return x if self.has_last else None
 
+    def _token_group(self):
+        """The second pipeline group generation sends its tokens on (made once, by every rank's first `generate`)."""
+        if self._tokens is None:
+            self._tokens = token_group(self.ctx) if self.plan.pp > 1 else self.ctx.pp_group
+        return self._tokens
+
     def _schedule(self, shape: tuple, *, loss_fn: Optional[Callable], name: Optional[str] = None,
                   reduce: Optional[tuple[Callable, int]] = None):
         """A schedule for inputs of `shape` (cached: pipeline buffers are sized per shape); `reduce`: (the
@@ -392,14 +454,6 @@ def micro_batches_for(*, batch: int, planned: int) -> int:
     return max(d for d in range(1, min(batch, planned) + 1) if batch % d == 0)
 
 
-def eos_token_ids(config) -> torch.Tensor:
-    """The config's end-of-sequence token ids as a tensor (it may hold one id or a list)."""
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return torch.tensor([], dtype=torch.long)
-    return torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos], dtype=torch.long)
-
-
 def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, config=None,
                       dtype: Optional[torch.dtype] = None, lora: Optional[LoraSetup] = None, lora_seed: int = 0,
                       quantization_config=None) -> SplitModel:
@@ -418,12 +472,59 @@ def build_split_model(plan: Plan, name_or_path: str, *, ctx: ParallelContext, co
     dtype = dtype or getattr(torch, plan.spec.dtype)
     indices = stage_indices_of_pp_rank(plan, pp_rank=ctx.coords.pp)
     by_index = {s.index: s for s in plan.stages}
-    modules = [StageModule(config=config, stage=by_index[index], tied=plan.tied_embeddings) for index in indices]
+    modules = [build_stage_module(config=config, stage=by_index[index], tied=plan.tied_embeddings) for index in indices]
 
     load = functools.partial(load_stages, source=name_or_path, config=config, device=ctx.device, dtype=dtype,
                              tp_rank=ctx.coords.tp, tp_size=plan.tp, quantization_config=quantization_config,
                              experts=plan.spec.quantize_experts)
     applied = apply_plan(modules, plan=plan, ctx=ctx, load=load, lora=lora, lora_seed=lora_seed)
-    return SplitModel(plan=replace(plan, applied=applied), config=config, ctx=ctx, stages=modules,
-                      stage_indices=indices)
+    model = SplitModel(plan=replace(plan, applied=applied), config=config, ctx=ctx, stages=modules,
+                       stage_indices=indices)
+    model.generation_config = generation_config_for(config, name_or_path)
+    model.source = name_or_path
+    model.hf_device_map = split_device_map(plan, body=modules[0].body_name, ctx=ctx)  # collective
+    return model
+
+
+def split_device_map(plan: Plan, *, body: str, ctx: ParallelContext) -> dict[str, str]:
+    """`hf_device_map` of the split: every stage's modules (checkpoint prefixes, as transformers names them) →
+    "rank:device" of the ranks holding them in this rank's replica (several, comma-joined, under TP). Collective:
+    the ranks' devices are gathered."""
+    devices = [None] * dist.get_world_size()
+    dist.all_gather_object(devices, str(ctx.device))
+    owner = stage_to_pp_rank(plan)
+    out = {}
+    for stage in plan.stages:
+        ranks = [(ctx.coords.dp * plan.pp + owner[stage.index]) * plan.tp + tp for tp in range(plan.tp)]
+        where = ",".join(f"{rank}:{devices[rank]}" for rank in ranks)
+        names = [f"{body}.embed_tokens"] * stage.has_embed + [f"{body}.layers.{i}" for i in range(*stage.layers)]
+        out.update({name: where for name in names + [f"{body}.norm", "lm_head"] * stage.has_head})
+    return out
+
+
+# transformers attributes of the whole model that a rank's part cannot stand for, and why
+WHOLE_MODEL = {
+    ("model", "lm_head", "base_model", "get_input_embeddings", "get_output_embeddings", "get_decoder",
+     "set_input_embeddings", "set_output_embeddings", "resize_token_embeddings", "tie_weights"):
+        "the model's modules are spread over the ranks (`hf_device_map`): this rank holds only its stages' "
+        "modules, as `.stages`",
+    ("gradient_checkpointing_enable", "gradient_checkpointing_disable", "is_gradient_checkpointing"):
+        "the plan decides activation checkpointing per stage: pass activation_checkpointing= to "
+        "hfsplit.from_pretrained (the recipe: --activation-checkpointing)",
+}
+
+
+def missing_on_split(model: SplitModel, name: str) -> AttributeError:
+    """The error for an attribute `model` lacks: a `SplitAttributeError` saying why where transformers' models
+    have it, else the plain AttributeError."""
+    why = next((reason for names, reason in WHOLE_MODEL.items() if name in names), None)
+    if why is None and not hasattr(PreTrainedModel, name):
+        return AttributeError(f"'{type(model).__name__}' object has no attribute '{name}'")
+    held = model.__dict__.get("stage_indices")
+    why = why or ("it acts on the whole model in one process, and under a launch each rank holds only its "
+                  "stages and runs them as a pipeline with the other ranks")
+    return SplitAttributeError(
+        f"{name}: not available on a model split over ranks (this rank holds stage(s) {held}): {why}. "
+        "The split model has config, generation_config, hf_device_map, hfsplit_plan, forward, generate and "
+        "save_pretrained")
 

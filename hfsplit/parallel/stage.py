@@ -18,11 +18,21 @@ from typing import Optional
 import torch
 from torch import nn
 
-from hfsplit.models.families import check_pp_plan, family_of
+from hfsplit.models.families import FAMILIES, check_pp_plan, family_of
 from hfsplit.models.layout import meta_model
 from hfsplit.models.masks import causal_masks, layer_attention_type
+from hfsplit.parallel.followed_stage import FollowedStage
 from hfsplit.parallel.router import router_stats_of
 from hfsplit.plan import Stage
+
+
+def build_stage_module(*, config, stage: Stage, tied: bool) -> nn.Module:
+    """This stage's module, on meta: a declared family's `StageModule` (its outside work redone as declared, packed
+    rows under sdpa example by example), any other causal LM's `FollowedStage` (its own forward, proven on the
+    user's config by `hfsplit.load.proof` before a run builds it)."""
+    if config.model_type in FAMILIES:
+        return StageModule(config=config, stage=stage, tied=tied)
+    return FollowedStage(config=config, stage=stage, tied=tied)
 
 
 class StageModule(nn.Module):
@@ -43,6 +53,7 @@ class StageModule(nn.Module):
         self.head_in_loss = False
         # A stage is built from the blocks alone: only declared families, whose outside work it redoes, split right.
         self.family = family_of(config)
+        self.layer_range = tuple(stage.layers)
         full = meta_model(config)
         self._init_weights = full._init_weights  # recomputes buffers no checkpoint holds (`materialize_buffers`)
         base = getattr(full, full.base_model_prefix)
@@ -68,13 +79,21 @@ class StageModule(nn.Module):
     def body(self) -> nn.Module:
         return getattr(self, self.body_name)
 
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits from the final hidden states, as the model's forward makes them (lm_head, the family's scaling)."""
+        return self.family.output_side(self.config, self.lm_head(hidden))
+
     def forward(self, x: torch.Tensor, router_sums: Optional[torch.Tensor] = None, cache=None,
-                position_ids: Optional[torch.Tensor] = None, router_mask: Optional[torch.Tensor] = None):
+                position_ids: Optional[torch.Tensor] = None, router_mask: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, logits_to_keep: int = 0):
         """`position_ids` `(batch, seq)`: each token's position within its example (a packed row restarts at 0
         for each); None: one sequence per row, from 0 or, with `cache` (a transformers Cache of this stage's
         layers, for generation), after the positions it holds. While `router.active` (a training step of an
         MoE model adding its router loss) it also takes and returns the router sums (the last stage: the
-        logits and the auxiliary loss); `router_mask` `(batch, seq)`: the tokens those sums count (None: all)."""
+        logits and the auxiliary loss); `router_mask` `(batch, seq)`: the tokens those sums count (None: all).
+        `attention_mask` `(batch, cached + seq)`: generation's 2-D padding mask (left-padded prompts), as
+        transformers' forward takes it; None: no padding. `logits_to_keep`: the last stage's head runs on the last
+        so many positions only (generation needs the last one's logits), as transformers' argument; 0: all."""
         carry = self.router is not None and self.router.active
         if carry:
             self.router.begin(router_mask)
@@ -83,7 +102,8 @@ class StageModule(nn.Module):
         layers = [int(name) for name in self.body.layers]
         positions = position_ids if position_ids is not None else \
             default_positions(x, past=cache.get_seq_length(layers[0]) if cache is not None and layers else 0)
-        masks = causal_masks(self.config, hidden=x, position_ids=positions, cache=cache, layers=layers)
+        masks = causal_masks(self.config, hidden=x, position_ids=positions, cache=cache, layers=layers,
+                             attention_mask=attention_mask)
         kinds = {index: layer_attention_type(self.config, index) for index in layers}
         rotary = self.family.position_embeddings(self.rotary_emb, x, positions, set(kinds.values()))
         for name, layer in self.body.layers.items():
@@ -91,7 +111,7 @@ class StageModule(nn.Module):
             x = layer(x, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=positions,
                       cache=cache, use_cache=cache is not None)
         if self.body.norm is not None:
-            x = self.body.norm(x)
+            x = self.body.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
             if not self.head_in_loss:  # a chunked loss runs lm_head itself (hfsplit/models/loss.py)
                 x = self.family.output_side(self.config, self.lm_head(x))
         if carry:

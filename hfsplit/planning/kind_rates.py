@@ -38,8 +38,8 @@ class KindRates:
 def calibration_key(config, spec, device_kind: str) -> str:
     """The calibration cache's key: device kind, dtype, method and the block's shape at the spec's micro-batch."""
     return (f"{device_kind}|{spec.dtype}|{spec.method}|r={spec.lora_r}|b={spec.micro_batch_size}"
-            f"|s={spec.seq_len}|{config.hidden_size}|{config.intermediate_size}|{config.num_attention_heads}"
-            f"|{getattr(config, 'num_key_value_heads', None)}|{config.model_type}" + ("|packed" if spec.packing else ""))
+            f"|s={spec.seq_len}|{config.hidden_size}|{getattr(config, 'intermediate_size', None)}"
+            f"|{config.num_attention_heads}|{getattr(config, 'num_key_value_heads', None)}|{config.model_type}" + ("|packed" if spec.packing else ""))
 
 
 def measured_record(config, spec, kind: GpuKind) -> Optional[dict]:

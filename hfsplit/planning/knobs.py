@@ -80,11 +80,12 @@ def _pays_nothing(plan: Plan, fastest: Choice) -> bool:
 
 
 def _chunked_values(spec: TrainingSpec, mode: str) -> list[bool]:
-    """The chunked-loss settings to try: the spec's own first, then on where auto may turn it on (a padded SFT or
-    DPO head; DPO's packed rows are summed by row, which the chunked head does not do)."""
+    """The chunked-loss settings to try: the spec's own first, then on where auto may turn it on (where the
+    objective's head allows it: `ObjectiveCounts.chunked_loss`)."""
     if mode != AUTO:
         return [mode == "on"]
-    can = spec.method != "inference" and not (spec.objective == "dpo" and spec.packing)
+    allowed = spec.counts.chunked_loss
+    can = spec.method != "inference" and (allowed == "yes" or (allowed == "padded" and not spec.packing))
     return [spec.chunked_loss] + ([True] if can and not spec.chunked_loss else [])
 
 

@@ -35,6 +35,7 @@ from hfsplit.planning.knobs import any_count_fits, frugal_loss, knob_fixes, turn
 from hfsplit.planning.max_seq import longest_fitting
 from hfsplit.planning.links import DEFAULT_LINK, Link
 from hfsplit.planning.reference import forward_fraction, per_step, reference_bytes
+from hfsplit.planning.rollout import rollout_bytes, rollout_seconds
 from hfsplit.planning.memory_choices import (
     AUTO as AUTO_CHOICE, Choice, frugal, host_budget, host_share, ladder, mlp_tiles, plan_spec,
 )
@@ -116,16 +117,17 @@ def make_plan(
     budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
     rates = kind_rates(budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
                        link_given=link is not None)
-    if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU), unless the caller gave one
-        spec = replace(spec, reserve_bytes=reserve_for(budgets, distributed=(world_size or len(budgets)) > 1, gpus=gpus))
+    if spec.reserve_bytes is None:  # measured for these devices (0 on the CPU; one process: no NCCL), unless given
+        spec = replace(spec, reserve_bytes=reserve_for(budgets, gpus=gpus, distributed=(world_size or len(budgets)) > 1
+                                                       and not single_process))
     _check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing, world_size, tp=tp, pp=pp, dp=dp)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
                    device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
                    world_size=world_size, host=host, headroom=_checked_headroom(headroom))
     choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim,
                      single_process=single_process, tiled_mlp=tiled_mlp, tiles=mlp_tiles(config, spec))
-    _check_degrees(config, budgets, tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule,
-                   world_size=world_size)
+    _check_degrees(config, len(budgets), tp=tp, pp=pp, dp=dp, micro_batches=_count(micro_batches), schedule=schedule)
+    _check_budget_count(world_size, budgets)
     found = _with_knobs(config, budgets, spec, name=name, choices=choices, options=options, chunked_loss=chunked_loss)
     if found is not None:
         return _with_host_note(replace(found, notes=found.notes + rates.notes), host, options["link"])
@@ -433,16 +435,31 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     workspace = stage_transient(_offload_workspace(costs, slot, layers), slot, layers) + \
         costs.stage_inputs.workspace_bytes
     kept = _kept_input(costs, slot, layers)  # offload: the first block's input of a later stage stays (see there)
-    acts = slot.in_flight * (sum(c.activation_bytes * k for c, k in parts) + kept +
-                             costs.stage_inputs.activation_bytes) + workspace
+    acts = held_micro_batches(costs, slot) * (sum(c.activation_bytes * k for c, k in parts) + kept +
+                                              costs.stage_inputs.activation_bytes) + workspace
     host = slot.in_flight * (sum(c.offload_bytes * k for c, k in parts) - kept)
-    # DPO's reference: what it keeps through the step, and its own pass's peak where the training pass's is lower
+    # the objective's reference: what it keeps through the step, and its own pass's peak where the training pass's is lower
     ref_kept, ref_peak = reference_bytes(costs, has_embed=slot.has_embed, has_head=slot.has_head,
                                          micro_batches=slot.micro_batches, relay=slot.relay)
+    # the objective's generation (a phase before the update): its peak where the training pass's is lower
+    ref_peak = max(ref_peak, rollout_bytes(costs, _count(layers), has_head=slot.has_head,
+                                           micro_batches=slot.micro_batches))
     workspace += max(0, ref_peak - acts)
     acts = ref_kept + _buffers(costs, slot) + max(acts, ref_peak)
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
-                       reserve=costs.spec.reserve_bytes, workspace=int(workspace), offload=int(host))
+                       reserve=_reserve(costs.spec, slot.devices), workspace=int(workspace), offload=int(host))
+
+
+def _reserve(spec: TrainingSpec, devices) -> int:
+    """The spec's reserve on a GPU; none on a stage of the CPU alone (a single process's "cpu" device)."""
+    return 0 if all(d == "cpu" for group in devices for d in group) else spec.reserve_bytes
+
+
+def held_micro_batches(costs: ModelCosts, slot: Slot) -> int:
+    """The micro-batches whose kept bytes a stage holds at once: those its schedule has in flight; for inference,
+    every one: generation keeps each micro-batch's KV cache on every stage until the whole rollout batch (micro-batches
+    × micro-batch size sequences of `seq_len` tokens, prompt and new tokens) is done (`hfsplit.parallel.generation`)."""
+    return slot.micro_batches if costs.spec.method == "inference" else slot.in_flight
 
 
 def _buffers(costs: ModelCosts, slot: Slot) -> int:
@@ -524,13 +541,13 @@ def _slot_time(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> floa
     flops = sum(c.flops * k for c, k in parts)
     compute = flops / (DEVICE_FLOPS * slot.speed) * _split_factor(costs, slot)
     seconds = compute + _comm_time(costs, slot, parts) + _offload_time(costs, slot, layers, parts, compute=compute)
-    if per_step(costs.spec) and not slot.relay:  # DPO: the reference's forward of the micro-batch, in the schedule
+    if per_step(costs.spec) and not slot.relay:  # the reference's forward of the micro-batch, in the schedule
         seconds += reference_forward_s(costs, slot, layers)
     return seconds
 
 
 def reference_forward_s(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float:
-    """Seconds of one no-grad forward of a micro-batch through `slot`'s stage (DPO's reference): the forward share
+    """Seconds of one no-grad forward of a micro-batch through `slot`'s stage (the reference's): the forward share
     of its training compute, and its sends one way."""
     parts = _parts(costs, slot, layers)
     compute = sum(c.flops * k for c, k in parts) / (DEVICE_FLOPS * slot.speed) * forward_fraction(costs)
@@ -606,20 +623,21 @@ def _plan(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequence[Slot],
     bubble = bubble_fraction(schedule, p, m, v)
     spec = plan_spec(variants[0].spec, [choices[level] for level in levels])
     reference = _reference_s(variants, slots, counts, levels, m=m, bubble=bubble)
-    step = max(times.values()) * m / (1 - bubble) + (reference if per_step(spec) and v > 1 else 0.0)
+    rollout = _rollout_s(variants, slots, counts, levels, m=m, bubble=bubble)
+    step = max(times.values()) * m / (1 - bubble) + (reference if per_step(spec) and v > 1 else 0.0) + rollout
     return Plan(
         model=name, model_type=config.model_type, num_layers=variants[0].num_layers, tp=t, pp=p, dp=d,
         virtual_stages=v, schedule=schedule, micro_batches=m, spec=spec, stages=tuple(stages),
         step_time_s=step, bubble_fraction=bubble, tied_embeddings=variants[0].tied,
-        fused_experts=bool(expert_parameters(config)), reference_s=reference,
+        fused_experts=bool(expert_parameters(config)), reference_s=reference, rollout_s=rollout,
     )
 
 
 def _reference_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels: Sequence[int], *, m: int,
                  bubble: float) -> float:
-    """Seconds of DPO's reference pass over one step's rows (0 for SFT): a forward-only pipeline of the `m`
+    """Seconds of the reference pass over one step's rows (0 without one): a forward-only pipeline of the `m`
     micro-batches where each rank runs one stage, else a relay of all rows through the stages in turn."""
-    if variants[0].spec.objective != "dpo":
+    if not variants[0].spec.reference_pass:
         return 0.0
     ranks: dict[int, float] = {}
     for slot, level in zip(slots, levels):
@@ -629,6 +647,28 @@ def _reference_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels:
     if slots[0].relay:
         return m * sum(ranks.values())
     return max(ranks.values()) * m / (1 - bubble)
+
+
+def _rollout_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels: Sequence[int], *, m: int,
+               bubble: float) -> float:
+    """Seconds of the step's generation (0 where the objective generates none, `hfsplit.planning.rollout`): its
+    prefill a forward-only pipeline of the `m` micro-batches, each decode step the rows' hidden states through every
+    link once."""
+    spec = variants[0].spec
+    if not spec.counts.generation:
+        return 0.0
+    ranks: dict[int, float] = {}
+    for slot, level in zip(slots, levels):
+        seconds = reference_forward_s(variants[level], slot, stage_layers(variants[level], counts, slot.index))
+        ranks[slot.pp_rank] = ranks.get(slot.pp_rank, 0.0) + seconds
+    prefill = max(ranks.values()) * m / (1 - bubble)
+    per_token = variants[0].boundary_bytes * m / spec.seq_len  # every row's hidden state of one position
+    messages = sum(slot.sends for slot in slots) / 2 * slots[0].link.send_s(per_token)
+    return rollout_seconds(prefill, spec=spec, step_message_s=messages)
+
+
+def _count(layers: Union[int, range]) -> int:
+    return layers if isinstance(layers, int) else len(layers)
 
 
 def _slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: dict, *, p: int, d: int, v: int,
@@ -756,9 +796,7 @@ def _check_world(world_size: Optional[int], *, tp, pp, dp) -> None:
                     f"(torchrun --nproc_per_node {needed}) or change {', '.join('--' + n for n in forced)}")
 
 
-def _check_degrees(config, budgets: dict[str, int], *, tp, pp, dp, micro_batches=None, schedule=AUTO,
-                   world_size: Optional[int] = None) -> None:
-    devices = len(budgets)
+def _check_degrees(config, devices: int, *, tp, pp, dp, micro_batches=None, schedule=AUTO) -> None:
     if tp is not None and (why := tp_degree_error(config, tp)):
         raise PlanError(why)
     needed = (tp or 1) * (pp or 1) * (dp or 1)
@@ -771,7 +809,6 @@ def _check_degrees(config, budgets: dict[str, int], *, tp, pp, dp, micro_batches
                         f"micro-batch per stage; raise --micro-batches to at least {need} or use --schedule GPipe")
     if pp is not None and pp > config.num_hidden_layers:
         raise PlanError(f"pp={pp} is more pipeline stages than the model's {config.num_hidden_layers} layers")
-    _check_budget_count(world_size, budgets)
 
 
 def _speed(speeds: dict, device: str, budgets: dict[str, int]) -> float:
@@ -811,6 +848,8 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
     unlimited = {k: 1 << 62 for k in budgets}
     best, best_over = None, math.inf
     for t in tp_degrees_for(config, spec, len(budgets)):
+        if options["tp"] not in (None, t):  # a split this path can run (one process: tp=1)
+            continue
         costs = model_costs(config, spec, tp=t)
         p = min(len(budgets) // t, costs.num_layers)
         m = _micro_batches(options["micro_batches"], options["global_batch"], spec, p, 1)
@@ -862,9 +901,10 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
                           multiple=128)
     if seq is not None:
         fixes.append(f"a shorter sequence (--seq-len {seq}, the longest that fits, to 128 tokens)")
-    least = 2 if spec.objective == "dpo" and not spec.packing else 1  # a padded DPO pair is two rows
+    least = spec.rows_per_example  # a padded example of several rows (DPO's pair) stays in one micro-batch
     if spec.micro_batch_size > least and fits(budgets, replace(spec, micro_batch_size=least)):
-        fixes.append(f"micro-batch size {least} (--micro-batch-size {least}{', one pair' if least == 2 else ''})")
+        one = f", one {spec.counts.example}" if least > 1 else ""
+        fixes.append(f"micro-batch size {least} (--micro-batch-size {least}{one})")
     count = _fewest_devices(lambda b: fits(b, spec), budgets)
     if count is not None:
         fixes.append(f"{count} devices (add {count - len(budgets)} × {format_bytes(min(budgets.values()))})")
@@ -907,7 +947,7 @@ def could_fit(config, budgets: dict[str, int], spec: TrainingSpec) -> bool:
     """False when the weights alone (held once) exceed what the devices hold beyond their reserves: no split of
     `spec` fits, which the diagnosis learns without tracing a block (each trace is one per TP degree and shape)."""
     reserve = spec.reserve_bytes or 0
-    return weight_bytes(config, spec) <= sum(max(b - reserve, 0) for b in budgets.values())
+    return weight_bytes(config, spec) <= sum(max(b - (reserve if d != "cpu" else 0), 0) for d, b in budgets.items())
 
 
 def tp_degrees_for(config, spec: TrainingSpec, devices: int) -> list[int]:

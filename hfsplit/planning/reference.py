@@ -5,7 +5,7 @@ traced activations, masks and logits are those of its rows, and the head is trac
 (`hfsplit.models.loss.dpo_head_loss`: each row's fp32 log-softmax, kept detached for the metrics; under
 `chunked_loss` chunk by chunk, `chunked_sequence_logps`).
 
-**adapters-off** (LoRA, QLoRA): before each step's training pass, the run (`hfsplit.training.trainer.dpo_targets`)
+**adapters-off** (LoRA, QLoRA): before each step's training pass, the run (`hfsplit.objectives.dpo.dpo_targets`)
 sends the step's rows through the same stages with no gradients and the adapters off, as the model's forward runs
 them (`hfsplit.parallel.split_model.SplitModel.forward`):
 
@@ -40,14 +40,14 @@ def reference_rows(spec, micro_batches: int) -> int:
 
 
 def reference_bytes(costs, *, has_embed: bool, has_head: bool, micro_batches: int, relay: bool) -> tuple[int, int]:
-    """(kept, transient): bytes the DPO reference keeps on one rank of a stage through the step, and the peak of its
-    own pass beyond them; (0, 0) for SFT."""
+    """(kept, transient): bytes the reference keeps on one rank of a stage through the step, and the peak of its
+    own pass beyond them; (0, 0) where the objective declares none (`TrainingSpec.reference_pass`)."""
     spec = costs.spec
-    if spec.objective != "dpo":
+    if not spec.reference_pass:
         return 0, 0
     rows = reference_rows(spec, micro_batches)
     if spec.reference == "precomputed":  # the data set's log-probs (one step's where their count is not known)
-        pairs = spec.reference_pairs if spec.reference_pairs is not None else rows // 2
+        pairs = spec.reference_pairs if spec.reference_pairs is not None else rows // spec.counts.rows_per_example
         return (2 * FP32 * pairs if has_head else 0), _pass_transient(costs, has_head, micro_batches, relay)
     if has_head:  # the log-probs the loss reads, and (GPipe) each micro-batch's in torch's fwd_cache beside them
         kept = FP32 * rows * (1 if relay else 2)
@@ -88,5 +88,5 @@ def forward_fraction(costs) -> float:
 
 
 def per_step(spec) -> bool:
-    """Whether the reference runs within every step (adapters-off DPO)."""
-    return spec.objective == "dpo" and spec.reference != "precomputed"
+    """Whether the reference runs within every step (adapters-off)."""
+    return spec.reference_pass and spec.reference != "precomputed"

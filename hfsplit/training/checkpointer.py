@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from hfsplit.training.resume import prune_checkpoints, read_trainer_state, write_trainer_state
-from hfsplit.training.save import save_split_model
+from hfsplit.parallel.save import save_split_model
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Checkpointer:
         save_every: save `checkpoint-N` every N steps (None: only the final save).
         keep: keep only the newest K checkpoints (0: all).
         merge: also write `merged/` with the adapters folded in.
+        max_shard_size: the largest safetensors shard of `model/` and `merged/` ("5GB").
         metrics: told of each save (a `Metrics`).
     """
 
@@ -49,6 +50,7 @@ class Checkpointer:
     keep: int = 0
     merge: bool = False
     metrics: object = None
+    max_shard_size: str = "5GB"
 
     def resume(self, folder: Optional[Path]) -> int:
         """Restore from checkpoint `folder` (None: a fresh start); the step to run next."""
@@ -86,4 +88,4 @@ class Checkpointer:
     def _save(self, folder: Path, *, method: str, **kwargs) -> Path:
         lora = self.lora_config if method == "lora" else None
         return save_split_model(self.model, folder, method=method, lora_config=lora, tokenizer=self.tokenizer,
-                                base_model=self.base_model, **kwargs)
+                                base_model=self.base_model, max_shard_size=self.max_shard_size, **kwargs)

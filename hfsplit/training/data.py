@@ -17,7 +17,7 @@ from __future__ import annotations
 import codecs
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -112,6 +112,8 @@ def load_examples(source: str, *, split: str = "train", **load_kwargs: Any):
         raise DatasetError(f"dataset file {source!r} is empty; add examples to it or pass another dataset")
     for path in local_text_files(source):  # pyarrow keeps invalid UTF-8 as it is, to fail later on the first row
         check_utf8(path)
+    for path in local_files(source, (".parquet",)):  # else `datasets` logs its own error line before failing
+        check_parquet(path)
     try:
         dataset = datasets.load_dataset(builder, split=split, **kwargs, **load_kwargs)
     except UnicodeDecodeError as err:
@@ -129,7 +131,11 @@ def load_examples(source: str, *, split: str = "train", **load_kwargs: Any):
         if "corresponds to no data" in str(err):
             raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples; add examples or pass "
                                "another dataset") from err
-        raise
+        if "data_files" not in kwargs and not Path(source).exists():
+            raise
+        # a local file its reader cannot parse (pyarrow: "Parquet magic bytes not found", ...)
+        raise DatasetError(f"could not read dataset {source!r}: {first_line(err)}; fix the file or pass "
+                           "another") from err
     if len(dataset) == 0:
         raise DatasetError(f"dataset {source!r} (split {split!r}) has no examples; add examples or pass "
                            "another dataset")
@@ -385,6 +391,7 @@ def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None, p
     columns = list(dataset.column_names)
     format = format or detect_format(columns)
     check_columns(columns, format)
+    check_text_values(dataset, format)
     packing = packs_by_default(format) if packing is None else packing
     if format == "text" and not packing:
         return concatenated_text_rows(dataset["text"], tokenizer, seq_len=seq_len)
@@ -401,11 +408,38 @@ def token_rows(dataset, tokenizer, *, seq_len: int, format: str | None = None, p
     return layout_rows(examples, tokenizer, format=format, seq_len=seq_len, packing=packing, seed=seed)
 
 
-def local_text_files(source: str) -> list[Path]:
-    """The local json/jsonl/csv/txt files `source` names (itself, or those in its folder); none for a hub name."""
+def check_text_values(dataset, format: str) -> None:
+    """A `DatasetError` naming the first example whose text column holds no string (a number, a list, null)."""
+    text = {"text": ("text",), "instruction": ("instruction", "output", "input")}.get(format, ())
+    for column in (c for c in text if c in dataset.column_names):
+        bad = next((i for i, v in enumerate(dataset[column]) if not isinstance(v, str)
+                    and not (column == "input" and v is None)), None)
+        if bad is not None:
+            raise DatasetError(f"example {bad}: {column!r} holds {dataset[bad][column]!r}, not text; make every "
+                               f"{column!r} a string")
+
+
+def local_files(source: str, suffixes: tuple[str, ...]) -> list[Path]:
+    """The local files with `suffixes` that `source` names (itself, or those in its folder); none for a hub name."""
     path = Path(os.path.expanduser(source))
     found = sorted(path.rglob("*")) if path.is_dir() else [path] if path.is_file() else []
-    return [p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
+    return [p for p in found if p.is_file() and p.suffix.lower() in suffixes]
+
+
+def check_parquet(path: Path) -> None:
+    """A `DatasetError` for a .parquet file that does not begin and end with parquet's magic bytes."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(path.stat().st_size - 4, 0))
+        tail = f.read(4)
+    if head != b"PAR1" or tail != b"PAR1":
+        raise DatasetError(f"{path} is not a parquet file (no PAR1 magic bytes: corrupt, cut short or another "
+                           "format); re-export it, or give it the suffix of its format (.jsonl, .csv)")
+
+
+def local_text_files(source: str) -> list[Path]:
+    """The local json/jsonl/csv/txt files `source` names (itself, or those in its folder); none for a hub name."""
+    return local_files(source, TEXT_SUFFIXES)
 
 
 def check_utf8(path: Path, *, chunk: int = 1 << 20) -> None:
@@ -457,113 +491,3 @@ def load_token_rows(
         return token_rows(dataset, tokenizer, seq_len=seq_len, format=format, packing=packing, seed=seed)
     except DatasetError as err:
         raise DatasetError(f"{source}: {err}") from err
-
-
-# ---------------------------------------------------------------------------------------------
-# batching
-
-
-def epoch_order(num_rows: int, *, seed: int, epoch: int) -> np.ndarray:
-    """The row order of one epoch: a permutation that depends only on (seed, epoch), same on every rank."""
-    return np.random.default_rng([seed, epoch]).permutation(num_rows)
-
-
-class MicroBatches:
-    """Endless, resumable batches: per optimizer step, `num_micro_batches * micro_batch_size` rows.
-
-    Every rank built with the same seed draws the same batches. Each epoch visits the rows in a fresh
-    order and drops the last rows that do not fill a step. `state_dict()` holds (seed, epoch, step), so
-    a resumed run continues with the very next batch.
-
-    Args:
-        rows: the training rows.
-        micro_batch_size: rows per micro-batch.
-        num_micro_batches: micro-batches per optimizer step.
-        seed: the shuffling seed.
-        epoch: the epoch to start in.
-        group: rows that travel together (DPO: 2, a chosen and a rejected row), shuffled as one unit.
-    """
-
-    def __init__(self, rows: TokenRows, *, micro_batch_size: int, num_micro_batches: int, seed: int, epoch: int = 0,
-                 group: int = 1):
-        self.rows, self.group = rows, group
-        self.batch_size = micro_batch_size * num_micro_batches
-        if micro_batch_size < 1 or num_micro_batches < 1:
-            raise DatasetError(
-                f"micro_batch_size and num_micro_batches must be ≥ 1, got {micro_batch_size}, {num_micro_batches}"
-            )
-        self.steps_per_epoch = len(rows) // self.batch_size
-        if self.steps_per_epoch == 0:
-            raise DatasetError(
-                f"the dataset has {len(rows)} rows, fewer than one step of {num_micro_batches} micro-batches × "
-                f"{micro_batch_size} rows = {self.batch_size}; lower micro_batch_size or num_micro_batches"
-            )
-        self.seed, self.epoch, self.step = seed, epoch, 0
-        self._order = self._epoch_rows(epoch)
-
-    def _epoch_rows(self, epoch: int) -> np.ndarray:
-        """This epoch's row order: the groups in `epoch_order`, each group's rows in place."""
-        units = epoch_order(len(self.rows) // self.group, seed=self.seed, epoch=epoch)
-        return (units[:, None] * self.group + np.arange(self.group)).reshape(-1)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches of `input_ids`, `labels`, `position_ids` (restarting at each packed example), `lengths`
-        (each row's real tokens), `index` (each row's index in `rows`) and, where the rows keep them,
-        `sequences` (each position's example: DPO's packed pairs, what a precomputed reference is keyed by;
-        padded pairs are keyed by `index`)."""
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        if self.step == self.steps_per_epoch:
-            self._start_epoch(self.epoch + 1)
-        index = torch.from_numpy(self._order[self.step * self.batch_size : (self.step + 1) * self.batch_size])
-        self.step += 1
-        rows = self.rows.select(index)
-        batch = {"input_ids": rows.input_ids, "labels": rows.labels, "position_ids": rows.positions(),
-                 "lengths": rows.real_tokens(), "index": index}
-        return batch if rows.sequences is None else {**batch, "sequences": rows.sequences}
-
-    def rows_of_steps(self, steps: int) -> np.ndarray:
-        """The row indices a run's first `steps` batches draw, `(steps, rows per step)`, from the first epoch's
-        start whatever this sampler's position (the same on every rank, and for a resumed run)."""
-        epochs = -(-steps // self.steps_per_epoch)
-        drawn = [self._epoch_rows(e)[:self.steps_per_epoch * self.batch_size] for e in range(epochs)]
-        return np.concatenate(drawn).reshape(-1, self.batch_size)[:steps]
-
-    def _start_epoch(self, epoch: int) -> None:
-        self.epoch, self.step = epoch, 0
-        self._order = self._epoch_rows(epoch)
-
-    def state_dict(self) -> dict[str, int]:
-        """Where the batches stand: seed, epoch, and steps already taken in that epoch."""
-        return {"seed": self.seed, "epoch": self.epoch, "step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a `state_dict()`: the next batch is the one that followed it."""
-        if not 0 <= state["step"] <= self.steps_per_epoch:
-            raise DatasetError(
-                f"saved data position step={state['step']} is outside an epoch of {self.steps_per_epoch} steps; "
-                "was the dataset, seq_len or batch size changed since the checkpoint?"
-            )
-        self.seed = state["seed"]
-        self._start_epoch(state["epoch"])
-        self.step = state["step"]
-
-
-def micro_batches(
-    rows: TokenRows, *, micro_batch_size: int, num_micro_batches: int, seed: int, epoch: int
-) -> Iterator[dict[str, torch.Tensor]]:
-    """The batches of one epoch, one per optimizer step; see `MicroBatches`.
-
-    Args:
-        rows: the training rows.
-        micro_batch_size: rows per micro-batch.
-        num_micro_batches: micro-batches per optimizer step.
-        seed: the shuffling seed.
-        epoch: which epoch's order to use.
-    """
-    batches = MicroBatches(
-        rows, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches, seed=seed, epoch=epoch
-    )
-    for _ in range(batches.steps_per_epoch):
-        yield next(batches)

@@ -87,6 +87,16 @@ def chat_examples(rng: random.Random, count: int) -> list[dict]:
     return conversations
 
 
+def prompt_examples(rng: random.Random, count: int) -> list[dict]:
+    """TRL's prompt-only rows with a verifiable `answer` column (GRPO's reward functions check it): "a+b=" sums of
+    two digits from 0 to 4."""
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(0, 4), rng.randint(0, 4)
+        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+    return rows
+
+
 def preference_examples(rng: random.Random, count: int) -> list[dict]:
     """TRL's standard preference rows (prompt, chosen, rejected): the right answer preferred to a near miss."""
     words = ["stone", "river", "cloud", "apple", "tiger", "lemon", "piano", "candle"]
@@ -130,11 +140,13 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def write_data(out: Path) -> None:
-    """Write tiny_alpaca.jsonl, tiny_chat.jsonl, tiny_preference.jsonl and tiny_text.txt into `out`."""
+    """Write tiny_alpaca.jsonl, tiny_chat.jsonl, tiny_preference.jsonl, tiny_prompts.jsonl and tiny_text.txt into
+    `out`."""
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "tiny_alpaca.jsonl", alpaca_examples(random.Random(0), 300))
     write_jsonl(out / "tiny_chat.jsonl", chat_examples(random.Random(1), 50))
     write_jsonl(out / "tiny_preference.jsonl", preference_examples(random.Random(0), 32))  # DPO (issue 23)
+    write_jsonl(out / "tiny_prompts.jsonl", prompt_examples(random.Random(0), 64))  # GRPO (issue 31)
     (out / "tiny_text.txt").write_text("\n".join(text_lines(random.Random(2), 50_000)) + "\n")
 
 

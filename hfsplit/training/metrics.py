@@ -47,20 +47,14 @@ class StepOutcome:
     trained_tokens: int = 0  # its label tokens
     positions: int = 0  # its positions (rows × seq_len)
     offload_bytes: int = 0  # peak host bytes this rank's activation offload held during the step
-    extra: dict = field(default_factory=dict)  # objective metrics (DPO: TRL's rewards/*, logps/*)
+    extra: dict = field(default_factory=dict)  # the objective's metrics (DPO: TRL's rewards/*, logps/*)
+    bar: dict = field(default_factory=dict)  # the objective's fields of the progress bar (`Objective.bar`)
 
     @property
     def finite(self) -> bool:
         import math
 
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
-
-
-def preference_postfix(extra: dict) -> dict:
-    """The bar's DPO fields (none for SFT): the reward margin and the pairs ranked right."""
-    if "rewards/margins" not in extra:
-        return {}
-    return {"margin": f"{extra['rewards/margins']:.3f}", "acc": f"{extra['rewards/accuracies']:.2f}"}
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -137,12 +131,12 @@ class Metrics:
                         "step_s": outcome.seconds, "peak_memory_bytes": peaks, **offloaded, **outcome.extra})
         self.bar.set_postfix(loss=f"{outcome.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", trained_s=f"{trained:.0f}",
                              pad=f"{100 * padding:.0f}%", peak_mib="/".join(str(p >> 20) for p in peaks),
-                             **preference_postfix(outcome.extra))
+                             **outcome.bar)
         self.bar.update(1)
         self.result.peak_memory_bytes = peaks
 
     def evaluated(self, step: int, loss: float, extra: Optional[dict] = None) -> None:
-        """An evaluation's loss, and its objective's figures (DPO: TRL's names, prefixed eval_ as TRL logs them)."""
+        """An evaluation's loss, and its objective's figures (TRL's names, prefixed eval_ as TRL logs them)."""
         self.note(f"step {step}: eval loss {loss:.4f}")
         self.log.write({"step": step, "eval_loss": loss, **{f"eval_{k}": v for k, v in (extra or {}).items()}})
         self.result.eval_losses.append(loss)

@@ -8,35 +8,37 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import typing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
 
 import torch
 import yaml
 
+from hfsplit.budget import parse_size
 from hfsplit.errors import HfsplitError
+from hfsplit.objectives import OBJECTIVES, objective_of, option_mixins
 from hfsplit.plan import TrainingSpec
 from hfsplit.training.data import DatasetError, bundled_dataset_path, detect_format, load_examples, packs_by_default
+from hfsplit.training.objective import reference_of
+from hfsplit.training.option_fields import GROUPS, option
 
-GROUPS = ("model", "data", "method", "parallelism", "optimisation", "checkpoints", "faults")
+__all__ = ["ACCELERATE_CPU_CONFIG", "GROUPS", "TINY_RECIPE", "FinetuneOptions", "option", "options_from",
+           "parse_options", "reference_of", "tiny_demo_options", "training_spec"]
 TINY_RECIPE = Path(__file__).parent / "bundled" / "tiny.yaml"
 # accelerate launch on CPU ranks needs its multi-process launcher (STACK.md): `hfsplit accelerate-config` prints it.
 ACCELERATE_CPU_CONFIG = Path(__file__).parent / "bundled" / "accelerate_cpu.yaml"
 
 
-def option(default, group: str, help: str, **metadata):
-    """A FinetuneOptions field: its default, the `--help` group it is listed under and its help text."""
-    assert group in GROUPS, group
-    return field(default=default, metadata={"group": group, "help": help, **metadata})
-
-
 @dataclass
-class FinetuneOptions:
+class FinetuneOptions(*option_mixins()):
     """Everything a fine-tuning run can be told. Each field is also a `--flag` and a key of a YAML recipe;
-    flags override the recipe. See each field's help (`recipes/finetune.py --help`)."""
+    flags override the recipe. See each field's help (`recipes/finetune.py --help`). The objectives' own options
+    are declared in their modules (`hfsplit.objectives`) and mixed in; where an option is left unset, the
+    objective's default applies (`Objective.defaults`)."""
 
     model: Optional[str] = option(
         None, "model", "hub name (org/name) or local folder; unset: the built-in tiny demo (a tiny Llama written "
@@ -60,22 +62,23 @@ class FinetuneOptions:
         "auto", "data", "auto: instruction and chat examples packed several to a row by best-fit decreasing, each "
         "isolated (position ids restart, attention stays inside it), text documents joined and cut into blocks; on: "
         "packed, text documents too (each its own example); off: one example a row, padded to --seq-len. "
-        "--objective dpo: auto is off (each pair two padded rows, TRL's layout); on packs several pairs a row, a "
-        "pair's chosen and rejected always in one row, each sequence isolated")
+        "Preference pairs (--objective dpo): auto is off (each pair two padded rows, TRL's layout); on packs several "
+        "pairs a row, a pair's chosen and rejected always in one row, each sequence isolated")
     seq_len: int = option(2048, "data", "tokens per sequence")
     eval_every: Optional[int] = option(None, "data", "evaluate on held-out rows (5%%) every N steps; unset: never")
     method: Literal["lora", "qlora", "full"] = option(
         "lora", "method", "lora (frozen base + adapters), qlora (LoRA on a bitsandbytes 4-bit or 8-bit base) or full")
-    objective: Literal["sft", "dpo"] = option(
-        "sft", "method", "sft (next-token loss on the responses) or dpo (direct preference optimisation on "
-        "prompt/chosen/rejected pairs, TRL's DPOTrainer loss)")
-    beta: float = option(0.1, "method", "DPO: the strength of the pull towards the reference model (TRL's beta)")
-    dpo_loss: Literal["sigmoid", "ipo"] = option(
-        "sigmoid", "method", "DPO: the loss on the log-ratio margin, by TRL's loss_type names")
+    objective: str = option(
+        "sft", "method", "sft (next-token loss on the responses), dpo (direct preference optimisation on "
+        "prompt/chosen/rejected pairs, TRL's DPOTrainer loss) or another registered objective "
+        "(hfsplit/objectives)", choices=tuple(OBJECTIVES))
+    beta: Optional[float] = option(
+        None, "objective", "the strength of the pull towards the reference model (TRL's beta); unset: the "
+        "objective's default (DPO: 0.1)")
     reference: Optional[Literal["adapters-off", "precomputed"]] = option(
-        None, "method", "DPO: where the reference log-probs come from: adapters-off (the same stages with the LoRA "
-        "adapters disabled, a no-grad pass per micro-batch) or precomputed (one no-grad pass before training, what "
-        "full fine-tuning uses); unset: adapters-off with LoRA/QLoRA, precomputed with full")
+        None, "objective", "where an objective's reference log-probs come from: adapters-off (the same stages with "
+        "the LoRA adapters disabled, a no-grad pass per micro-batch) or precomputed (one no-grad pass before "
+        "training, what full fine-tuning uses with DPO); unset: adapters-off with LoRA/QLoRA, precomputed with full")
     lora_r: int = option(16, "method", "LoRA rank")
     lora_alpha: int = option(32, "method", "LoRA alpha (the adapters' scale is alpha / r)")
     lora_dropout: float = option(0.05, "method", "dropout on the adapters' inputs")
@@ -96,9 +99,9 @@ class FinetuneOptions:
     schedule: Literal["auto", "1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV",
                       "InterleavedZeroBubble", "LoopedBFS"] = option(
         "auto", "parallelism", "pipeline schedule; auto: the fastest by the planner's calibrated time model")
-    micro_batch_size: int = option(
-        1, "parallelism", "rows per micro-batch (a packed row holds several examples; DPO's padded pairs take two "
-        "rows each, so it is even there)")
+    micro_batch_size: Optional[int] = option(
+        None, "parallelism", "rows per micro-batch (a packed row holds several examples; DPO's padded pairs take two "
+        "rows each, so it is even there); unset: the objective's default (1; DPO: 2, one pair)")
     micro_batches: Optional[int] = option(
         None, "parallelism", "micro-batches per optimizer step (gradient accumulation); unset: 4 x pipeline depth")
     global_batch: Optional[int] = option(
@@ -133,6 +136,8 @@ class FinetuneOptions:
         None, "checkpoints", "metrics, checkpoints and the final model go here; unset: runs/<model name>")
     save_every: Optional[int] = option(None, "checkpoints", "save a checkpoint every N steps; unset: only at the end")
     save_total_limit: int = option(0, "checkpoints", "keep only the newest K checkpoints; 0 keeps all")
+    max_shard_size: str = option("5GB", "checkpoints", "largest safetensors shard of model/ and merged/, as "
+                                 "save_pretrained (each stage streams its tensors into shards of at most this size)")
     resume: Optional[str] = option(
         None, "checkpoints", "a checkpoint folder, or latest (a bare --resume): weights, optimizer, scheduler, RNG and "
         "data position, resharded to this run's split; auto: the latest if there is one (what a torchrun restart "
@@ -150,9 +155,13 @@ class FinetuneOptions:
                 allowed = " or ".join(repr(c) for c in _choices_of(f))
                 raise HfsplitError(f"--{_flag(f.name)} is on or off (True or False in Python)"
                                    f"{' or ' + allowed if allowed else ''}; got {getattr(self, f.name)!r}")
+        if self.max_memory is not None and not str(self.max_memory).strip():
+            raise HfsplitError("--max-memory is empty; give sizes (2x24GiB) or GPU kinds (2xRTX4090), or leave it out "
+                               "for what each device has free")
         if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
-        check_dpo_options(self)
+        objective_of(self.objective).check_options(self)
+        parse_size(self.max_shard_size, what="--max-shard-size")  # refused before the run, not at its end
         if self.peer_timeout <= 0:
             raise HfsplitError(f"--peer-timeout must be a positive number of seconds (got {self.peer_timeout})")
         for name in ("seq_len", "micro_batch_size", "lora_r"):
@@ -169,32 +178,12 @@ class FinetuneOptions:
                 raise HfsplitError(f"--{_flag(name)} must be at least 1, or left out (got {getattr(self, name)})")
 
     def __post_init__(self):
+        if self.objective in OBJECTIVES:  # the objective's defaults where an option is left unset (parsed once)
+            for name, value in OBJECTIVES[self.objective].defaults(self).items():
+                if getattr(self, name) is None:
+                    setattr(self, name, value)
         if self.output_dir is None:  # runs/<the model's folder or hub name>
             self.output_dir = f"runs/{Path(self.model).name}" if self.model else "runs/tiny"
-
-
-def check_dpo_options(options) -> None:
-    """One line when the DPO options contradict each other or the method."""
-    _check_number(options, "beta", low=0, above=True)
-    if options.objective != "dpo":
-        return
-    if options.reference == "adapters-off" and options.method not in ("lora", "qlora"):
-        raise HfsplitError("--reference adapters-off disables LoRA adapters, and --method full has none; "
-                           "use --reference precomputed (or leave it unset)")
-    if options.micro_batch_size % 2 and options.packing != "on":  # a packed row holds whole pairs
-        raise HfsplitError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch: "
-                           f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size}), "
-                           "or pass --packing on (a packed row holds whole pairs)")
-    if options.chunked_loss is True and options.packing == "on":  # the chunked head sums log-probs by row
-        raise HfsplitError("--objective dpo --chunked-loss sums each row's log-probs, and a packed row holds several "
-                           "sequences: drop --chunked-loss or --packing on")
-
-
-def reference_of(options) -> str:
-    """The DPO reference a run uses: the option, else adapters-off with adapters and precomputed without."""
-    if options.reference is not None:
-        return options.reference
-    return "adapters-off" if options.method in ("lora", "qlora") else "precomputed"
 
 
 def _flag(name: str) -> str:
@@ -213,7 +202,9 @@ def _types_of(f) -> tuple:
 
 
 def _choices_of(f) -> tuple:
-    """The values a field's Literal allows (empty when it has none)."""
+    """The values a field allows: its `choices`, else its Literal's (empty when it has neither)."""
+    if "choices" in f.metadata:
+        return tuple(f.metadata["choices"])
     hint = _field_types()[f.name]
     args = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
     return tuple(v for a in args if typing.get_origin(a) is Literal for v in typing.get_args(a))
@@ -244,16 +235,16 @@ def _check_number(options, name: str, *, low: float, high: float = math.inf, abo
 
 
 def dataset_of(options: FinetuneOptions) -> str:
-    """The run's dataset: --dataset, else the bundled tiny alpaca set (preference pairs with --objective dpo)."""
-    default = "tiny_preference.jsonl" if options.objective == "dpo" else "tiny_alpaca.jsonl"
-    return options.dataset or str(bundled_dataset_path(default))
+    """The run's dataset: --dataset, else the objective's bundled tiny set (alpaca; preference pairs for DPO)."""
+    return options.dataset or str(bundled_dataset_path(objective_of(options.objective).default_dataset))
 
 
 def packing_of(options: FinetuneOptions) -> bool:
     """Whether the run packs its rows: --packing on / off, or under auto whether its format packs by default
     (instruction and chat do; the format is --dataset-format, else read from the dataset's columns)."""
-    if options.objective == "dpo":  # auto: a pair is two padded rows, as TRL lays them out; on: packed pairs
-        return options.packing == "on"
+    packs = objective_of(options.objective).packs(options)  # the objective's rows may decide (DPO's pairs)
+    if packs is not None:
+        return packs
     if options.packing != "auto":
         return options.packing == "on"
     if options.dataset_format:
@@ -283,14 +274,14 @@ def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
                         chunked_loss=options.chunked_loss is True, packing=packing_of(options),
                         quantize_experts=options.quantize_experts, objective=options.objective,
-                        reference=reference_of(options) if options.objective == "dpo" else None)
+                        **objective_of(options.objective).spec_fields(options))
 
 
 def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[bool] = None,
                    reference_pairs: Optional[int] = None) -> dict:
     """Keyword arguments of `make_plan` (besides model and budget) for the run `options` describe on
     `world_size` ranks (on GPUs or CPU ranks: `training_spec`): the trainer and `hfsplit plan` both plan with
-    exactly these. `reference_pairs`: the pairs whose log-probs a precomputed DPO reference caches (the run knows
+    exactly these. `reference_pairs`: the examples whose log-probs a precomputed reference caches (the run knows
     them from its data; `TrainingSpec.reference_pairs`), else None."""
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world_size if options.model is None and options.tp is None else None)
@@ -336,17 +327,72 @@ def _shown(value) -> str:
     return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
 
 
+# The options a plan depends on (what `plan_arguments` reads, the dataset for its packing): `hfsplit plan --help` lists
+# these. It takes the others too, so that a recipe's command line plans as it runs, and names them in one line.
+PLANNED = ("model", "config", "dtype", "dataset", "dataset_format", "packing", "seq_len", "method", "objective",
+           "reference", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "bnb_4bit_quant_type",
+           "bnb_4bit_use_double_quant", "load_in_8bit", "quantize_experts", "max_memory", "tp", "pp", "schedule",
+           "micro_batch_size", "micro_batches", "global_batch", "activation_checkpointing", "headroom", "chunked_loss",
+           "optim", "num_generations", "max_completion_length")
+
+
+def training_only_flags() -> list[str]:
+    """The flags of the options no plan depends on (`PLANNED`'s complement), in field order."""
+    return ["--" + _flag(f.name) for f in dataclasses.fields(FinetuneOptions) if f.name not in PLANNED]
+
+
 def add_option_arguments(parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None) -> None:
-    """Add a `--flag` per FinetuneOptions field (those in `names`, default all) to `parser`, listed by group,
-    each with its help, choices and default. Defaults stay None in the namespace, so only given flags override
-    a recipe (`options_from`)."""
-    wanted = [f for f in dataclasses.fields(FinetuneOptions) if names is None or f.name in names]
+    """Add a `--flag` per FinetuneOptions field to `parser`, listed by group, each with its help, choices and
+    default; the fields outside `names` (default: none) are taken but left out of `--help`. Defaults stay None in
+    the namespace, so only given flags override a recipe (`options_from`)."""
     for group in GROUPS:
-        fields_ = [f for f in wanted if f.metadata["group"] == group]
-        if fields_:
-            section = parser.add_argument_group(f"{group} options")
-            for f in fields_:
-                section.add_argument("--" + _flag(f.name), dest=f.name, default=None, **_argument_of(f))
+        fields_ = [f for f in dataclasses.fields(FinetuneOptions) if f.metadata["group"] == group]
+        shown = [f for f in fields_ if names is None or f.name in names]
+        section = parser.add_argument_group(f"{group} options") if shown else parser
+        for f in fields_:
+            argument = _argument_of(f)
+            if f not in shown:
+                argument["help"] = argparse.SUPPRESS
+            section.add_argument("--" + _flag(f.name), dest=f.name, default=None, **argument)
+
+
+class OptionParser(argparse.ArgumentParser):
+    """argparse, answering a mistyped flag with the flags closest to it (its own, or its chosen command's)."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = self.chosen(parsed)
+            chosen.error(unknown_arguments(extras, [s for a in chosen._actions for s in a.option_strings]))
+        return parsed
+
+    def chosen(self, parsed) -> argparse.ArgumentParser:
+        """The subcommand's parser `parsed` went through (`hfsplit plan`), else this one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+                return action.choices[getattr(parsed, action.dest)]
+        return self
+
+    def error(self, message: str):
+        """One line, as every refusal of the recipe is (argparse would print the whole usage first)."""
+        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
+
+
+def unknown_arguments(extras: Sequence[str], flags: Sequence[str]) -> str:
+    """What argparse could not place: each unknown flag with the known ones closest to it (difflib), else the
+    arguments left over."""
+    typos = [extra.split("=", 1)[0] for extra in extras if extra.startswith("--")]
+    if not typos:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    return "; ".join(f"unknown flag {typo}" + (f": did you mean {' or '.join(close)}?" if close else "")
+                     for typo, close in ((t, closest_flags(t, flags)) for t in typos))
+
+
+def closest_flags(typed: str, flags: Sequence[str]) -> list[str]:
+    """Up to three of `flags` closest to `typed` (`_` read as `-`), as close as the closest give or take 0.05."""
+    scored = sorted(((difflib.SequenceMatcher(None, typed.replace("_", "-"), flag).ratio(), flag) for flag in flags),
+                    reverse=True)
+    return [flag for score, flag in scored[:3] if score >= max(0.6, scored[0][0] - 0.05)] if scored else []
 
 
 def _argument_of(f) -> dict:
@@ -378,7 +424,7 @@ def _switch(choices: tuple):
     return convert
 
 
-def _from_yaml(name: str, value):
+def _from_yaml(name: str, value, *, path: Path):
     """A recipe value as its field's type: YAML 1.1 reads `1e-4` (no dot) as a string."""
     field_ = next(f for f in dataclasses.fields(FinetuneOptions) if f.name == name)
     types = _types_of(field_)
@@ -386,20 +432,41 @@ def _from_yaml(name: str, value):
         try:
             return (int if int in types else float)(value)
         except ValueError:
-            raise HfsplitError(f"{name}: {value!r} is not a number") from None
+            raise HfsplitError(f"{path}: {name}: {value!r} is not a number; fix it in the recipe") from None
     return value
+
+
+def read_recipe(path: Path) -> dict:
+    """The mapping a YAML recipe holds, or one line naming the file and what is wrong (empty, not YAML, no mapping)."""
+    if not path.is_file():
+        raise HfsplitError(f"--config {path}: file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+        loaded = yaml.safe_load(text)
+    except UnicodeDecodeError as err:
+        raise HfsplitError(f"{path}: not UTF-8 text (byte {err.start}); save the recipe as UTF-8 YAML") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise HfsplitError(f"{path}: not valid YAML{where} ({getattr(err, 'problem', None) or err}); fix the recipe "
+                           "(one `option: value` a line, as recipes/tiny/lora.yaml)") from None
+    if loaded is None:
+        raise HfsplitError(f"{path}: the recipe is empty; write `option: value` lines (as recipes/tiny/lora.yaml) or "
+                           "drop --config")
+    if not isinstance(loaded, dict):
+        raise HfsplitError(f"{path}: a recipe is a mapping of `option: value` lines (as recipes/tiny/lora.yaml), "
+                           f"not a {type(loaded).__name__}")
+    return loaded
 
 
 def recipe_values(path: Path) -> dict:
     """A YAML recipe's options by field name, each unknown key refused by name."""
-    if not path.is_file():
-        raise HfsplitError(f"--config {path}: file not found")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    loaded = read_recipe(path)
     known = {f.name for f in dataclasses.fields(FinetuneOptions)}
     unknown = sorted(set(k.replace("-", "_") for k in loaded) - known)
     if unknown:
         raise HfsplitError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return {k.replace("-", "_"): _from_yaml(k.replace("-", "_"), v) for k, v in loaded.items()}
+    return {k.replace("-", "_"): _from_yaml(k.replace("-", "_"), v, path=path) for k, v in loaded.items()}
 
 
 def options_from(given: dict) -> FinetuneOptions:
@@ -422,7 +489,7 @@ def tiny_demo_options(**overrides) -> FinetuneOptions:
 
 
 def options_parser(**kwargs) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(**kwargs)
+    parser = OptionParser(**kwargs)
     add_option_arguments(parser)
     return parser
 

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from hfsplit.training.packing import TokenRows
 from hfsplit.training.preference import (adapters_disabled, local_keys, present_keys, reference_reduce,
                                          sequence_values)
-from hfsplit.training.trainer import Run, compute_precision
+from hfsplit.training.precision import compute_precision
 
 REFERENCE_FILE = "reference_logps.safetensors"  # safetensors: reading it back runs no code
 HELD_OUT = "held_out_logps"  # the held-out rows' table (--eval-every), beside the training rows' "logps"
@@ -43,7 +43,7 @@ __all__ = ["HELD_OUT", "IN_MEMORY_ROWS", "REFERENCE_FILE", "precompute_reference
            "visited_rows"]
 
 
-def precompute_reference(run: Run, *, progress: bool = False,
+def precompute_reference(run, *, progress: bool = False,
                          in_memory_rows: int = IN_MEMORY_ROWS) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(the reference log-prob of every training sequence the run visits (NaN for the rest), `(sequences,)` fp32
     (`sequence_count`); with --eval-every that of every held-out sequence, else None), on every rank (collective):
@@ -83,7 +83,7 @@ def precompute_reference(run: Run, *, progress: bool = False,
     return table, held_table
 
 
-def reference_tables(run: Run, visited: torch.Tensor, *, progress: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def reference_tables(run, visited: torch.Tensor, *, progress: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`reference_pass` over the training rows `visited`, then over every held-out row (None without them)."""
     passes = [(run.batches.rows, visited)]
     if run.held_out is not None:  # the evaluation's pairs: TRL precomputes its eval dataset's too

@@ -113,13 +113,7 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
     names = checkpoint_names(model, params)
     reader = SafeFileSystemReader(str(folder / STATE / "tensors"))  # DCP's .metadata pickle, DCP's classes only
     saved = reader.read_metadata().state_dict_metadata
-    wanted = {f"param/{names[p]}" for p in params}
-    missing = sorted(wanted - set(saved))
-    if missing:
-        raise HfsplitError(
-            f"{folder}: holds no trainer state for {len(missing)} of this run's trainable tensors (first: "
-            f"{missing[0].split('/', 1)[1]}); was it written with another --method or --lora-targets? "
-            "Resume with the options of the run that wrote it")
+    check_trainer_state(folder, model=model, params=params)
     # DCP reads in place: straight into the parameters, and into fresh moments that become the optimizer state.
     targets, moments = {}, {}
     for p in params:
@@ -127,6 +121,7 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
         if f"step/{names[p]}" in saved:
             moments[p] = _blank_moments(model, optimizer, p, names[p], saved)
             targets.update(moments[p]["targets"])
+    check_saved_shapes(folder, targets, saved)
     dcp.load(targets, storage_reader=reader)
     for p, blank in moments.items():
         load_moments(optimizer, p, exp_avg=blank["exp_avg"], exp_avg_sq=blank["exp_avg_sq"],
@@ -137,6 +132,33 @@ def read_trainer_state(folder: Path, *, model, params, optimizer, scheduler, bat
     batches.load_state_dict(data_position_for(small, batches, folder=folder))
     torch.set_rng_state(small["rng"].cpu())
     return int(small["step"])
+
+
+def check_trainer_state(folder: Path, *, model, params) -> None:
+    """One line, before the run writes anything, when checkpoint `folder` was written by another run: a trainable
+    tensor of this run it lacks (another --method, --lora-targets) or holds in another shape (another model, LoRA
+    rank)."""
+    names = checkpoint_names(model, params)
+    saved = SafeFileSystemReader(str(folder / STATE / "tensors")).read_metadata().state_dict_metadata
+    missing = sorted({f"param/{names[p]}" for p in params} - set(saved))
+    if missing:
+        raise HfsplitError(
+            f"{folder}: holds no trainer state for {len(missing)} of this run's trainable tensors (first: "
+            f"{missing[0].split('/', 1)[1]}); was it written with another --method or --lora-targets? "
+            "Resume with the options of the run that wrote it")
+    check_saved_shapes(folder, {f"param/{names[p]}": _global(model, p.detach(), param=p, name=names[p])
+                                for p in params}, saved)
+
+
+def check_saved_shapes(folder: Path, targets: dict, saved: dict) -> None:
+    """One line when a tensor of the checkpoint has another shape than this run's (another model, LoRA rank)."""
+    differ = [(key, list(saved[key].size), list(tensor.shape)) for key, tensor in targets.items()
+              if hasattr(saved.get(key), "size") and tuple(saved[key].size) != tuple(tensor.shape)]
+    if differ:
+        key, there, here = differ[0]
+        raise HfsplitError(f"{folder}: was written for another model or LoRA rank: {key.split('/', 1)[1]} is {there} "
+                           f"there and {here} in this run ({len(differ)} tensors differ); resume with the --model and "
+                           "--lora-r of the run that wrote it, or start afresh without --resume")
 
 
 def _moment_tensors(model, optimizer, p, name: str) -> dict[str, torch.Tensor]:

@@ -4,6 +4,8 @@ weight is read.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 from pathlib import Path
@@ -18,23 +20,20 @@ from hfsplit.checkpoint.resolve import load_config
 from hfsplit.checkpoint.synthetic import TINY_MODEL, tiny_tokenizer, write_tiny_checkpoint
 from hfsplit.errors import HfsplitError
 from hfsplit.load.launch import shared_plan, split_from_pretrained
+from hfsplit.load.proof import Verdict, proven_split
 from hfsplit.load.probes import run_link, run_speeds
-from hfsplit.models.families import check_supported
-from hfsplit.models.loss import causal_lm_loss
 from hfsplit.parallel.mesh import World, init_distributed
 from hfsplit.training import elastic
 from hfsplit.training.checkpointer import Checkpointer, TrainState
-from hfsplit.training.data import MicroBatches, load_token_rows
 from hfsplit.training.elastic import LaunchState, settle_growth
 from hfsplit.training.lr_schedule import cosine_schedule_with_warmup  # transformers' own, without its 7 s of imports
 from hfsplit.training.metrics import Metrics, TrainResult
 from hfsplit.training.optimizers import build_optimizer, optim_of_rank
-from hfsplit.training.options import (FinetuneOptions, dataset_of, packing_of, plan_arguments, reference_of,
-                                     training_spec, with_plan_batch)
-from hfsplit.training.preference import DpoLoss, load_paired_rows
-from hfsplit.training.reference import precompute_reference
-from hfsplit.training.resume import trusted_checkpoint
-from hfsplit.training.save import writable_dir
+from hfsplit.objectives import objective_of
+from hfsplit.objectives.dpo import check_dpo_router_eval  # noqa: F401  (its tests import it from here)
+from hfsplit.training.options import FinetuneOptions, dataset_of, packing_of, plan_arguments, training_spec, with_plan_batch
+from hfsplit.training.resume import check_trainer_state, trusted_checkpoint
+from hfsplit.parallel.save import writable_dir
 from hfsplit.training.trainer import Run, fit
 
 
@@ -86,8 +85,9 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     launch = launch_state(options)
     model_path = options.model or default_model_path(options.output_dir)
     check_sequence_length(model_path, options.seq_len)  # both before the data is read
-    check_supported(load_config(model_path))  # refused by name before a probe runs one of its blocks
-    check_dpo_router_eval(options, load_config(model_path))
+    options = packing_proven(options, proven_split(load_config(model_path)))  # refused by name before a probe runs
+    objective = objective_of(options.objective)
+    objective.check_model(options, load_config(model_path))
     tokenizer, rows = load_rows(options, model_path=model_path)  # before the plan: it counts a cached reference's pairs
     # A resumed elastic run keeps its global batch: the planner sets micro-batches for the dp it finds now.
     planned = dict(model_path=model_path, global_batch=launch.rows_per_step,
@@ -108,9 +108,11 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
     optimizer = build_optimizer(params, optim=optim_of_rank(plan, model.stage_indices), lr=options.learning_rate,
                                 weight_decay=options.weight_decay)  # the plan's: fp32 or 8-bit moments
     run = Run(options=options, model=model, model_path=model_path, tokenizer=tokenizer, params=params,
-              optimizer=optimizer, lora_config=config, loss_fn=loss_of_run(options, model),
+              optimizer=optimizer, lora_config=config, loss_fn=loss_of_run(options, model), objective=objective,
               calibration_spec=calibrated, **data_of_run(options, rows, plan=plan, optimizer=optimizer))
     holds_loss = model.has_last and model.ctx.coords.tp == 0 and model.ctx.coords.dp == 0
+    if launch.resume_from is not None:  # another run's checkpoint is refused before the metrics files open
+        check_trainer_state(launch.resume_from, model=model, params=params)
     run.metrics = Metrics(options.output_dir, total_steps=run.total_steps, bubble_theory=plan.bubble_fraction,
                           padded_padding=rows.padded_padding if rows.packed else None,
                           holds_loss=holds_loss, progress=progress, append=launch.append,
@@ -120,9 +122,8 @@ def build_run(options: FinetuneOptions, *, progress: bool = True) -> Run:
                                       batches=run.batches),
         output_dir=options.output_dir, method=saved_method(options.method), base_model=model_path, lora_config=config,
         tokenizer=tokenizer, save_every=options.save_every, keep=options.save_total_limit, merge=options.merge,
-        metrics=run.metrics)
-    if options.objective == "dpo" and reference_of(options) == "precomputed":  # the starting weights', not a resume's
-        run.loss_fn.precomputed, run.held_out_reference = precompute_reference(run, progress=progress and holds_loss)
+        metrics=run.metrics, max_shard_size=options.max_shard_size)
+    objective.prepare(run, progress=progress and holds_loss)  # before a resume loads trained weights
     run.first_step = run.checkpointer.resume(launch.resume_from)
     log_launch(run, launch, started=started)
     run.metrics.begin(run.first_step)
@@ -157,26 +158,30 @@ def launch_state(options: FinetuneOptions) -> LaunchState:
     return launch
 
 
-def padded_pairs(options: FinetuneOptions) -> bool:
-    """Whether the run's rows are DPO pairs two padded rows each (which travel together), not packed."""
-    return options.objective == "dpo" and not packing_of(options)
-
-
 def loss_of_run(options: FinetuneOptions, model):
-    """The last stage's loss: transformers' causal-LM loss, or with --objective dpo TRL's DPO loss."""
-    if options.objective == "dpo":
-        return DpoLoss(beta=options.beta, loss_type=options.dpo_loss)
-    return causal_lm_loss(model.config.vocab_size)
+    """The last stage's loss: the objective's (transformers' causal-LM loss for SFT)."""
+    return objective_of(options.objective).loss(options, model)
 
 
 def load_rows(options: FinetuneOptions, *, model_path: str):
-    """(tokenizer, token rows) of the run's dataset (the bundled tiny alpaca set by default)."""
+    """(tokenizer, token rows) of the run's dataset (the objective's bundled tiny set by default), as its objective
+    reads them, every token one the model has an embedding for."""
     tokenizer = tokenizer_for(options, model_path=model_path)
-    if options.objective == "dpo":
-        return tokenizer, load_paired_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
-                                           packing=packing_of(options), seed=options.seed)
-    return tokenizer, load_token_rows(dataset_of(options), tokenizer, seq_len=options.seq_len,
-                                      format=options.dataset_format, packing=packing_of(options), seed=options.seed)
+    rows = objective_of(options.objective).load_rows(options, tokenizer, source=dataset_of(options),
+                                                     packing=packing_of(options))
+    if torch.is_tensor(getattr(rows, "input_ids", None)):
+        check_token_ids(rows, vocab_size=load_config(model_path).get_text_config().vocab_size,
+                        tokenizer=options.tokenizer or model_path, model=model_path)
+    return tokenizer, rows
+
+
+def check_token_ids(rows, *, vocab_size: int, tokenizer: Optional[str], model: str) -> None:
+    """One line when the tokenizer gives ids past the model's embeddings (it belongs to another model)."""
+    largest = int(rows.input_ids.max()) if rows.input_ids.numel() else -1
+    if largest >= vocab_size:
+        raise HfsplitError(f"{tokenizer or 'the tokenizer'}: gives token id {largest}, beyond {model}'s vocab_size "
+                           f"{vocab_size} (its embedding rows): it is another model's tokenizer; pass the model's own "
+                           "(leave --tokenizer unset)")
 
 
 def lora_of_run(plan, *, model_path: str, merge: bool):
@@ -195,19 +200,30 @@ def data_of_run(options: FinetuneOptions, rows, *, plan, optimizer) -> dict:
     """The run's batches, held-out rows, step count and LR schedule (Run fields)."""
     rows, held_out = split_eval_rows(rows, options)
     per_step = plan.micro_batches * plan.dp
-    batches = MicroBatches(rows, micro_batch_size=options.micro_batch_size, num_micro_batches=per_step,
-                           seed=options.seed, group=2 if padded_pairs(options) else 1)
-    total_steps = total_steps_of(options, rows=len(rows), rows_per_step=per_step * options.micro_batch_size)
+    batches = objective_of(options.objective).batches(options, rows, micro_batches=per_step)
+    total_steps = total_steps_of(options, rows=len(rows), rows_per_step=batches.batch_size)
     scheduler = cosine_schedule_with_warmup(optimizer, options.warmup_steps, total_steps)
     return dict(batches=batches, held_out=held_out, total_steps=total_steps, scheduler=scheduler,
                 metrics=None, checkpointer=None)
+
+
+def packing_proven(options: FinetuneOptions, verdict: Verdict) -> FinetuneOptions:
+    """`options` with packing turned off where the proof found a packed row's examples not isolated in this model
+    (a recurrent layer that cannot restart at an example boundary): one line under --packing auto, refused under
+    --packing on."""
+    if verdict.packing or not packing_of(options):
+        return options
+    if options.packing == "on":
+        raise HfsplitError(f"--packing on: {verdict.model_type} cannot pack: {verdict.reason}; pass --packing off")
+    print(f"packing off for {verdict.model_type}: {verdict.reason}", flush=True)
+    return dataclasses.replace(options, packing="off")
 
 
 def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, global_batch: Optional[int] = None,
                 reference_pairs: Optional[int] = None):
     """The run's Plan for `world`'s ranks, made on rank 0 and shared with every rank, before any weight is read;
     `global_batch` (rows per step) replaces --micro-batches when a resumed run must keep its batch;
-    `reference_pairs`: the pairs a precomputed DPO reference caches (`cached_pairs`)."""
+    `reference_pairs`: the examples a precomputed reference caches (`cached_pairs`)."""
     budget = options.max_memory or default_max_memory(world)
     arguments = plan_arguments(options, world_size=world.world_size, reference_pairs=reference_pairs)
     if global_batch:
@@ -217,15 +233,6 @@ def plan_of_run(options: FinetuneOptions, *, model_path: str, world: World, glob
     # One p2p probe between neighbours (pipeline sends, TP all-reduces), with the block's split-backward cost.
     arguments["link"] = run_link(model_path, arguments["spec"])
     return shared_plan(model_path, budget, **arguments)
-
-
-def check_dpo_router_eval(options: FinetuneOptions, config) -> None:
-    """One line for --eval-every under DPO on an MoE adding its router loss: TRL's eval_loss adds the router term
-    of each held-out pair's forward, which the forward-only pipeline evaluation does not compute."""
-    if options.objective == "dpo" and options.eval_every and getattr(config, "output_router_logits", False):
-        raise HfsplitError("--eval-every under --objective dpo on an MoE with output_router_logits: the evaluation "
-                           "runs forward only and has no router auxiliary loss for eval_loss (TRL's includes it); "
-                           "drop --eval-every, or set output_router_logits false in the model's config")
 
 
 def saved_method(method: str) -> str:
@@ -266,12 +273,9 @@ def total_steps_of(options: FinetuneOptions, *, rows: int, rows_per_step: int) -
 
 
 def cached_pairs(options: FinetuneOptions, rows) -> Optional[int]:
-    """The pairs whose log-probs a precomputed DPO reference caches, for the plan (`TrainingSpec.reference_pairs`):
-    every sequence's, training and held-out (`precompute_reference` keeps one fp32 log-prob of each: packed rows
-    hold several pairs); None otherwise."""
-    if options.objective != "dpo" or reference_of(options) != "precomputed":
-        return None
-    return (rows.examples if rows.sequences is not None else len(rows)) // 2
+    """The examples whose log-probs a precomputed reference caches, for the plan (`TrainingSpec.reference_pairs`):
+    the objective's count (DPO: every pair, training and held-out), else None."""
+    return objective_of(options.objective).cached_examples(options, rows)
 
 
 def split_eval_rows(rows, options: FinetuneOptions):
@@ -279,7 +283,8 @@ def split_eval_rows(rows, options: FinetuneOptions):
     if not options.eval_every:
         return rows, None
     count = max(options.global_batch or options.micro_batch_size * options.micro_batches, len(rows) // 20)
-    count += count % 2 if padded_pairs(options) else 0  # whole pairs (a packed row holds whole pairs)
+    group = 1 if packing_of(options) else objective_of(options.objective).counts.rows_per_example
+    count += -count % group  # whole examples (DPO's pairs; a packed row holds whole ones)
     if count >= len(rows):
         raise HfsplitError(f"the dataset has {len(rows)} rows: too few to hold out {count} for --eval-every")
     return rows.select(slice(count, None)), rows.select(slice(None, count))

@@ -125,15 +125,15 @@ def test_forced_degrees_the_launch_cannot_hold_are_refused_naming_the_launch(deg
         make_plan("meta-llama/Llama-3.1-8B", "80GiB", world_size=2)
 
 
-def test_unsupported_architecture_is_refused_before_planning(tmp_path):
-    from transformers import GPT2Config
+def test_an_architecture_the_proof_refuses_is_refused_before_planning(tmp_path, capsys):
+    """Zaya hands its next block state beside the hidden state: the proof on its config refuses it by name, with the
+    block that differs, and nothing is planned."""
+    from transformers import AutoConfig
 
-    from hfsplit import UnsupportedModelError
-
-    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2'.*not verified against transformers"):
-        make_plan(str(tmp_path), "1GiB")
+    AutoConfig.for_model("zaya").save_pretrained(tmp_path)
     assert main(["plan", str(tmp_path), "--max-memory", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "model_type 'zaya': its split is refused: the split differs from transformers: block" in err
 
 
 def test_plan_config_plans_what_the_recipe_runs_and_flags_override_it(tiny_checkpoint, tmp_path, capsys):

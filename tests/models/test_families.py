@@ -71,15 +71,19 @@ def test_layout_of_a_model_without_pp_plan():
         after=("transformer.ln_f",), outside=("lm_head",))
 
 
-@pytest.mark.parametrize("arch", ["gpt2"])
-def test_distributed_split_refuses_undeclared_families_by_name(arch):
-    config = AutoConfig.for_model(arch, **FAMILIES[arch])
-    with pytest.raises(UnsupportedModelError, match=rf"model_type '{arch}'.*not verified against transformers"):
-        check_supported(config)
+def test_an_undeclared_family_splits_by_its_own_forward():
+    """GPT-2 declares no family: the split runs its own forward (FollowedStage), proven on its config
+    (tests/models/test_any_model.py); the declared-family stage refuses it by name."""
+    from hfsplit.parallel.followed_stage import FollowedStage
+    from hfsplit.parallel.stage import build_stage_module
+
+    config = AutoConfig.for_model("gpt2", **FAMILIES["gpt2"])
+    check_supported(config)
     stage = Stage(index=0, pp_rank=0, devices=(("cpu",),), layers=(0, 3), has_embed=True, has_head=True,
                   memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)
-    with pytest.raises(UnsupportedModelError, match=rf"model_type '{arch}'"):
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2'.*not declared"):
         StageModule(config=config, stage=stage, tied=False)
+    assert isinstance(build_stage_module(config=config, stage=stage, tied=False), FollowedStage)
 
 
 def test_distributed_split_refuses_a_bidirectional_gemma3_by_name():

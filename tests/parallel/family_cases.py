@@ -74,7 +74,7 @@ def train_split(checkpoint: str, split: dict, *, method: str, options: dict, pro
 
 def _save(run, *, method: str, out_dir: Path) -> dict[str, str]:
     """The run's output as the trainer writes it: `model/`, or `adapter/` and `merged/` for LoRA."""
-    from hfsplit.training.save import save_split_model
+    from hfsplit.parallel.save import save_split_model
 
     base = run.model_path
     if method == "full":

@@ -39,6 +39,17 @@ CASES = {
     # looped schedule: two stages per rank, each with one layer type's rope and mask
     "gemma3_text-pp2-interleaved1f1b": ("gemma3_text", {}, dict(tp=1, pp=2, layers=[(0, 1), (1, 2), (2, 3), (3, 4)],
                                                                 schedule="Interleaved1F1B")),
+    # families no one declared: each stage runs the model's own forward (parallel/followed_stage.py), one per
+    # layer kind: latent attention, shared experts and a dense first layer (DeepSeek-V3); gated DeltaNet linear
+    # attention beside full attention and experts (Qwen3-Next); Mamba2 mixers beside attention (Granite 4); a
+    # layout without the standard pipeline plan, partial rotary and parallel blocks (Phi)
+    "deepseek_v3-pp2-1f1b": ("deepseek_v3", {}, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="1F1B")),
+    "qwen3_next-pp2-gpipe": ("qwen3_next", {}, dict(tp=1, pp=2, layers=[(0, 3), (3, 4)], schedule="GPipe")),
+    # (a finite time-step limit: transformers writes its default's infinity to config.json as it cannot read back)
+    "granitemoehybrid-pp2-1f1b": ("granitemoehybrid", dict(time_step_limit=[0.0, 1e4], layer_types=[
+        "linear_attention", "full_attention", "linear_attention", "full_attention"]), dict(tp=1, pp=2, layers=[(0, 2), (2, 4)],
+                                                              schedule="1F1B")),
+    "phi-pp2-gpipe": ("phi", {}, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
     # embedding scale on the first stage only (its module's buffer), head on the last
     "gemma-pp2-gpipe": ("gemma", {}, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="GPipe")),
     # soft-capping with heads sharded over TP ranks
@@ -66,6 +77,7 @@ CASES = {
     "cohere2-tied-pp2xtp2-1f1b": ("cohere2", dict(TP_ONLY, tied=True), dict(tp=2, pp=2, layers=[(0, 1), (1, 2)],
                                                                            schedule="1F1B")),
 }
+DECLARED = ("gemma", "gemma2", "gemma3_text", "granite", "cohere", "cohere2")  # the others: pp=2 only
 SHAPES = {"pp2": (1, 2), "tp2": (2, 1), "pp2xtp2": (2, 2)}  # name: (tp, pp)
 STEPS = 20
 # FinetuneOptions by method, as tests/training/test_trainer.py trains but with four rows a step in two
@@ -114,7 +126,8 @@ def test_families_split_equal_transformers_and_train_as_one_process(shape, launc
     cases = [dict(name=name, checkpoint=str(tiny_checkpoint(family, **options)), tied=options.get("tied", False),
                   save=tp > 1 and pp > 1, **split)
              for name, (family, options, split) in CASES.items() if (split["tp"], split["pp"]) == (tp, pp)]
-    assert {c["name"].split("-")[0] for c in cases} == {family for family, _, _ in CASES.values()}
+    assert {c["name"].split("-")[0] for c in cases} == {family for family, _, _ in CASES.values()
+                                                        if family in DECLARED or shape == "pp2"}
     training = training_of(tp, pp)
     results = launch("tests.parallel.family_cases:families_on_split", world_size=tp * pp, timeout_s=900,
                      kwargs=dict(cases=cases, training=training, probe=PROBE.tolist(), out_dir=str(tmp_path)))
@@ -129,7 +142,13 @@ def test_families_split_equal_transformers_and_train_as_one_process(shape, launc
 
 def check_case(case: dict, results: list, reference, *, training: dict) -> None:
     """One family's split: equal to transformers, and trained as one process would train it."""
-    assert_split_matches(results, checkpoint=case["checkpoint"], tp=case["tp"], tied=case["tied"])
+    from hfsplit.checkpoint import load_config
+    from hfsplit.load.proof import verdict_of
+    from hfsplit.models.families import FAMILIES
+
+    assert_split_matches(results, checkpoint=case["checkpoint"], tp=case["tp"], tied=case["tied"],
+                         declared=case["name"].split("-")[0] in FAMILIES,
+                         packs=verdict_of(load_config(case["checkpoint"])).packing)
     for method, options in training.items():
         runs = [r["training"][method] for r in results]
         losses, logits = reference(case["checkpoint"], method, options)

@@ -16,7 +16,7 @@ def crash_mid_save(*, checkpoint: str, out: str) -> dict:
 
     from hfsplit.plan import TrainingSpec
     from hfsplit.load.launch import split_from_pretrained
-    from hfsplit.training.save import save_split_model
+    from hfsplit.parallel.save import save_split_model
 
     model = split_from_pretrained(checkpoint, "2x2GiB", spec=TrainingSpec(method="full", seq_len=8, dtype="float32"),
                                   micro_batches=2, pp=2, tp=1)

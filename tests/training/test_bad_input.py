@@ -74,11 +74,11 @@ def config_deeper_than_weights(tiny_checkpoint, tmp_path):
 
 
 def unsupported_architecture(tiny_checkpoint, tmp_path):
-    from transformers import GPT2Config
+    from transformers import AutoConfig
 
-    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256).save_pretrained(tmp_path / "gpt2")  # no weights
-    return ["--model", str(tmp_path / "gpt2")], [str(tmp_path / "gpt2"), "'gpt2'", "not verified against transformers",
-                                                  "llama"]
+    AutoConfig.for_model("zaya").save_pretrained(tmp_path / "zaya")  # no weights: refused by the proof before any read
+    return ["--model", str(tmp_path / "zaya")], [str(tmp_path / "zaya"), "'zaya'", "its split is refused",
+                                                  "single process"]
 
 
 def model_folder_missing(tiny_checkpoint, tmp_path):
@@ -181,7 +181,113 @@ def resume_a_model_folder(tiny_checkpoint, tmp_path):
                                                                                 "trainer_state"]
 
 
-IN_PROCESS = [
+# ---------------------------------------------------------------- the probe of issue 33: each input kind a user hands
+# hfsplit, malformed, empty and written by another run
+
+
+def written(tmp_path: Path, name: str, text) -> str:
+    path = tmp_path / name
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    return str(path)
+
+
+def recipe_malformed(tiny_checkpoint, tmp_path):
+    path = written(tmp_path, "bad.yaml", "seq_len: [1,\n")
+    return [*model(tiny_checkpoint), "--config", path], [path, "not valid YAML at line 2", "fix the recipe"]
+
+
+def recipe_empty(tiny_checkpoint, tmp_path):
+    path = written(tmp_path, "empty.yaml", "")
+    return [*model(tiny_checkpoint), "--config", path], [path, "the recipe is empty", "drop --config"]
+
+
+def recipe_not_a_mapping(tiny_checkpoint, tmp_path):
+    path = written(tmp_path, "list.yaml", "- seq_len\n- 64\n")
+    return [*model(tiny_checkpoint), "--config", path], [path, "mapping of `option: value` lines", "not a list"]
+
+
+def recipe_not_utf8(tiny_checkpoint, tmp_path):
+    path = written(tmp_path, "latin1.yaml", "output_dir: caf\xe9\n".encode("latin-1"))
+    return [*model(tiny_checkpoint), "--config", path], [path, "not UTF-8"]
+
+
+def recipe_value_of_another_type(tiny_checkpoint, tmp_path):
+    path = written(tmp_path, "typed.yaml", "seq_len: long\n")
+    return [*model(tiny_checkpoint), "--config", path], [path, "seq_len: 'long' is not a number"]
+
+
+def dataset_parquet_not_parquet(tiny_checkpoint, tmp_path):
+    path = written(tmp_path, "rows.parquet", "not a parquet file")
+    return [*model(tiny_checkpoint), "--dataset", path], ["rows.parquet", "is not a parquet file", "re-export it"]
+
+
+def dataset_text_not_strings(tiny_checkpoint, tmp_path):
+    path = written(tmp_path, "numbers.json", '[{"text": 1}, {"text": 2}]')
+    return [*model(tiny_checkpoint), "--dataset", path], ["numbers.json", "example 0", "'text' holds 1, not text"]
+
+
+def dataset_of_preference_pairs_for_sft(tiny_checkpoint, tmp_path):
+    path = written(tmp_path, "pairs.jsonl", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n' * 20)
+    return [*model(tiny_checkpoint), "--dataset", path], ["pairs.jsonl", "cannot tell the dataset format"]
+
+
+def dataset_of_instructions_for_dpo(tiny_checkpoint, tmp_path):
+    path = written(tmp_path, "alpaca.jsonl", '{"instruction": "a", "output": "b"}\n' * 20)
+    return ([*model(tiny_checkpoint), "--dataset", path, "--objective", "dpo", "--micro-batch-size", "2"],
+            ["alpaca.jsonl", "--objective dpo needs columns prompt, chosen and rejected"])
+
+
+def model_config_malformed(tiny_checkpoint, tmp_path):
+    folder = checkpoint_copy(tiny_checkpoint, tmp_path)
+    (folder / "config.json").write_text("{")
+    return ["--model", str(folder)], [str(folder / "config.json"), "not a readable config.json"]
+
+
+def model_index_malformed(tiny_checkpoint, tmp_path):
+    folder = checkpoint_copy(tiny_checkpoint, tmp_path)
+    (folder / "model.safetensors.index.json").write_text("garbage")
+    return ["--model", str(folder)], ["model.safetensors.index.json", "not a readable safetensors index"]
+
+
+def model_folder_empty(tiny_checkpoint, tmp_path):
+    (tmp_path / "empty-model").mkdir()
+    return ["--model", str(tmp_path / "empty-model")], ["empty-model", "config.json", "file not found"]
+
+
+def tokenizer_malformed(tiny_checkpoint, tmp_path):
+    folder = checkpoint_copy(tiny_checkpoint, tmp_path)
+    (folder / "tokenizer.json").write_text("{bad")
+    return [*model(tiny_checkpoint), "--tokenizer", str(folder)], [str(folder), "no tokenizer found", "--tokenizer"]
+
+
+def tokenizer_folder_empty(tiny_checkpoint, tmp_path):
+    (tmp_path / "empty-tokenizer").mkdir()
+    return [*model(tiny_checkpoint), "--tokenizer", str(tmp_path / "empty-tokenizer")], ["empty-tokenizer",
+                                                                                        "no tokenizer found"]
+
+
+def tokenizer_of_another_model(tiny_checkpoint, tmp_path):
+    """More tokens than the model has embeddings for: the run would index past them mid-step."""
+    from hfsplit.checkpoint.synthetic import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens([f"extra{i}" for i in range(400)])
+    tokenizer.save_pretrained(tmp_path / "larger-tokenizer")
+    path = written(tmp_path, "extra.jsonl", "".join('{"text": "%s"}\n' % " ".join(f"extra{j}" for j in range(i, i + 90))
+                                                   for i in range(0, 300, 30)))
+    return ([*model(tiny_checkpoint), "--tokenizer", str(tmp_path / "larger-tokenizer"), "--dataset", path],
+            ["larger-tokenizer", "beyond", "vocab_size 256", "another model's tokenizer"])
+
+
+IN_PROCESS_PROBE = [
+    recipe_malformed, recipe_empty, recipe_not_a_mapping, recipe_not_utf8, recipe_value_of_another_type,
+    dataset_parquet_not_parquet, dataset_text_not_strings, dataset_of_preference_pairs_for_sft,
+    dataset_of_instructions_for_dpo, model_config_malformed, model_index_malformed, model_folder_empty,
+    tokenizer_malformed, tokenizer_folder_empty, tokenizer_of_another_model,
+]
+
+
+IN_PROCESS = [*IN_PROCESS_PROBE, flags("--max-memory", "", words=("--max-memory is empty", "leave it out"))] + [
     missing_shard, truncated_shard, config_wider_than_weights, config_deeper_than_weights, unsupported_architecture,
     model_folder_missing, model_folder_without_config,
     dataset_missing, dataset_without_columns, empty_dataset, dataset_not_utf8, dataset_folder_without_data,
@@ -298,3 +404,62 @@ def test_an_older_checkpoints_plain_pickle_still_resumes(saved_checkpoint, tmp_p
     again = read_small_state(small_state_file(folder, 0))
     assert again["step"] == state["step"] and torch.equal(again["rng"], state["rng"])
     assert again["scheduler"] == state["scheduler"] and again["batches"] == state["batches"]
+
+
+# ---------------------------------------------------------------- resume folders and adapters: malformed, empty, and
+# written by another run (another model, method or LoRA rank); the checkpoint itself is left as it was
+
+
+def damaged(saved_checkpoint: Path, tmp_path: Path, text: str) -> Path:
+    folder = Path(shutil.copytree(saved_checkpoint, tmp_path / "ckpt" / "checkpoint-2"))
+    (folder / "trainer_state" / "rank00000.json").write_text(text)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The output folder of a two-step LoRA run (r=8) with a checkpoint each step."""
+    from hfsplit.finetune import main
+
+    out = tmp_path_factory.mktemp("lora") / "run"
+    os.environ["HFSPLIT_NO_CALIBRATION"] = "1"
+    try:
+        code = main(["--config", str(TINY_RECIPE), *model(tiny_checkpoint), "--method", "lora", "--lora-r", "8",
+                     "--max-memory", "1GiB", "--max-steps", "2", "--save-every", "1", "--seq-len", "64",
+                     "--output-dir", str(out)])
+    finally:
+        os.environ.pop("HFSPLIT_NO_CALIBRATION", None)
+    assert code == 0
+    return out
+
+
+def test_resume_from_a_malformed_or_empty_trainer_state_is_one_line(saved_checkpoint, tiny_checkpoint, tmp_path):
+    for text in ("{garbage", ""):
+        folder = damaged(saved_checkpoint, tmp_path / str(len(text)), text)
+        before = (folder / "trainer_state" / "rank00000.json").read_text()
+        assert_recipe_refuses(tmp_path / str(len(text)), [*model(tiny_checkpoint), "--seq-len", "64", "--resume",
+                                                          str(folder)], ["rank00000.json", "unreadable trainer state"])
+        assert (folder / "trainer_state" / "rank00000.json").read_text() == before  # left as it was
+
+
+def test_resume_from_another_models_checkpoint_is_one_line(saved_checkpoint, tiny_checkpoint, tmp_path):
+    other = tiny_checkpoint("llama", hidden=32)
+    assert_recipe_refuses(tmp_path, ["--model", str(other), "--seq-len", "64", "--resume", str(saved_checkpoint)],
+                          [str(saved_checkpoint), "another model or LoRA rank", "[256, 64] there and [256, 32]"])
+
+
+def test_resume_with_another_method_or_lora_rank_is_one_line(saved_checkpoint, lora_run, tiny_checkpoint, tmp_path):
+    flags_ = [*model(tiny_checkpoint), "--seq-len", "64"]
+    assert_recipe_refuses(tmp_path, [*flags_, "--method", "lora", "--resume", str(saved_checkpoint)],
+                          ["holds no trainer state", "another --method"])  # a full run's checkpoint under LoRA
+    assert_recipe_refuses(tmp_path, [*flags_, "--method", "full", "--resume", str(lora_run / "checkpoint-1")],
+                          ["holds no trainer state", "another --method"])  # and the other way round
+    assert_recipe_refuses(tmp_path, [*flags_, "--method", "lora", "--lora-r", "4", "--resume",
+                                     str(lora_run / "checkpoint-1")], ["another model or LoRA rank", "[8, 64] there"])
+
+
+def test_an_adapter_folder_handed_as_model_or_checkpoint_is_one_line(lora_run, tiny_checkpoint, tmp_path):
+    adapter = lora_run / "adapter"
+    assert (adapter / "adapter_config.json").is_file()
+    assert_recipe_refuses(tmp_path, ["--model", str(adapter)], [str(adapter), "config.json"])
+    assert_recipe_refuses(tmp_path, [*model(tiny_checkpoint), "--resume", str(adapter)], ["no complete checkpoint"])

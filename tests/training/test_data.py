@@ -7,10 +7,10 @@ import torch
 
 from hfsplit.errors import HfsplitError
 from hfsplit.checkpoint.synthetic import tiny_tokenizer
-from hfsplit.training.data import (
-    ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, BUNDLED_DIR, IGNORE_INDEX, DatasetError, MicroBatches, TokenRows,
-    bundled_dataset_path, detect_format, load_token_rows, micro_batches, concatenated_text_rows, token_rows,
-)
+from hfsplit.training.data import (ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, BUNDLED_DIR, IGNORE_INDEX, DatasetError, TokenRows,
+                                   bundled_dataset_path, detect_format, load_token_rows, concatenated_text_rows,
+                                   token_rows)
+from hfsplit.training.batches import MicroBatches, micro_batches
 
 PAD, UNK, BOS, EOS, IM_START, IM_END = range(6)
 CHATML = (

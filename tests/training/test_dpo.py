@@ -209,7 +209,7 @@ def training_calls(calls: list[float], *, steps: int, pairs_per_step: int, every
 def hfsplit_pair_order(options: FinetuneOptions, rows: list[dict], *, steps: int, pairs_per_step: int) -> list[dict]:
     """The preference rows in the order hfsplit's batches visit them (pairs shuffled as units, per epoch): the
     batches drawn over rows whose one token is their own index."""
-    from hfsplit.training.data import MicroBatches
+    from hfsplit.training.batches import MicroBatches
     from hfsplit.training.packing import TokenRows
 
     index = torch.arange(2 * len(rows))[:, None]

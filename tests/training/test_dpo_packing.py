@@ -7,7 +7,8 @@ import torch
 
 from hfsplit.checkpoint.synthetic import tiny_tokenizer
 from hfsplit.errors import HfsplitError
-from hfsplit.training.data import DatasetError, MicroBatches
+from hfsplit.training.data import DatasetError
+from hfsplit.training.batches import MicroBatches
 from hfsplit.training.options import FinetuneOptions, packing_of
 from hfsplit.training.packing import IGNORE_INDEX
 from hfsplit.training.preference import (LN2, DpoLoss, dpo_loss, indexed_labels, local_keys, paired_rows,

@@ -22,7 +22,7 @@ def dpo_step_against_plan(options: dict) -> dict:
     from hfsplit.planning.costs.model import model_costs
     from hfsplit.planning.planner import make_plan
     from hfsplit.planning.reference import forward_fraction, reference_bytes
-    from hfsplit.training import trainer
+    from hfsplit.objectives import dpo
     from hfsplit.training.options import tiny_demo_options
     from hfsplit.training.run import build_run
     from hfsplit.training.trainer import fit, train_step
@@ -38,9 +38,9 @@ def dpo_step_against_plan(options: dict) -> dict:
         reference_busy.append(run.model.busy_seconds() - before)
         return targets
 
-    original, trainer.dpo_targets = trainer.dpo_targets, timed  # timed, not replaced: it runs as it does
+    original, dpo.dpo_targets = dpo.dpo_targets, timed  # timed, not replaced: it runs as it does
     result = fit(run)
-    trainer.dpo_targets = original
+    dpo.dpo_targets = original
     model, plan = run.model, run.model.plan
     costs = model_costs(load_config(options["model"]), plan.spec)
     held = held_bytes_of(model) + sum(t.nbytes for state in run.optimizer.state.values() for t in state.values()
@@ -78,14 +78,14 @@ def reference_peaks(run, batch: dict) -> dict:
     ("joined": the step's logits, then `sequence_logps` of them all), each shape's schedule built beforehand; and
     the log-probs of both ways."""
     from hfsplit.models.loss import sequence_logps
-    from hfsplit.training import trainer
+    from hfsplit.objectives import dpo
     from hfsplit.training.preference import adapters_disabled, batch_sequences
     from tests.parallel.apply_cases import LiveStorages
 
     model = run.model
     ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
     with LiveStorages() as live:
-        trainer.dpo_targets(run, ids, labels, positions, sequences=batch_sequences(batch))
+        dpo.dpo_targets(run, ids, labels, positions, sequences=batch_sequences(batch))
     step_peak = live.peak
 
     def reduced(n):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from hfsplit.checkpoint.synthetic import tiny_tokenizer
 from hfsplit.plan import TrainingSpec
-from hfsplit.training.data import MicroBatches
+from hfsplit.training.batches import MicroBatches
 from hfsplit.training.options import tiny_demo_options
 from hfsplit.training.preference import LN2, paired_rows, sequence_logps
 from hfsplit.training.reference import (HELD_OUT, REFERENCE_FILE, read_table, reference_fingerprint, visited_rows,

@@ -6,7 +6,8 @@ import torch
 from transformers.masking_utils import find_packed_sequence_indices
 
 from hfsplit.checkpoint.synthetic import tiny_tokenizer
-from hfsplit.training.data import MicroBatches, bundled_dataset_path, load_token_rows, token_rows
+from hfsplit.training.data import bundled_dataset_path, load_token_rows, token_rows
+from hfsplit.training.batches import MicroBatches
 from hfsplit.training.packing import (
     IGNORE_INDEX, best_fit_decreasing, pack_row, packed_rows, padded_rows,
 )

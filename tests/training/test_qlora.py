@@ -306,6 +306,10 @@ def load_peaks(checkpoint: str, warmup: str, split: bool) -> dict:
     dist.init_process_group("gloo")
     plan = make_plan(checkpoint, "2GiB", spec=TrainingSpec(method="qlora", seq_len=8, dtype="float32"),
                      micro_batches=1, pp=1, world_size=1)  # planning and its probe belong to the baseline
+    from hfsplit.checkpoint import load_config
+    from hfsplit.load.proof import proven_split
+
+    proven_split(load_config(checkpoint))  # so does the proof of the split (a tiny model on the CPU, then cached)
     rank = measured_load(lambda: split_from_pretrained(checkpoint, plan=plan, quantization_config=qconfig),
                          layers=lambda m: list(m.stages[0].body.layers.values()))
     dist.destroy_process_group()

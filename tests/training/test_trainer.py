@@ -9,7 +9,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 import torch
 
-from hfsplit.training.data import MicroBatches, bundled_dataset_path, load_token_rows
+from hfsplit.training.data import bundled_dataset_path, load_token_rows
+
+from hfsplit.training.batches import MicroBatches
 from hfsplit.apply.lora import lora_config, seed_lora_weights
 from hfsplit.training.options import ACCELERATE_CPU_CONFIG, TINY_RECIPE, FinetuneOptions, packing_of, tiny_demo_options
 from hfsplit.training.packing import label_tokens

@@ -30,6 +30,14 @@ class TraceLora(nn.Module):
         self.lora_B = nn.Linear(r, base_layer.out_features, bias=False, device=device, dtype=adapter_dtype)
         self.scaling = alpha / r  # peft's default scaling (use_rslora=False)
 
+    @property
+    def weight(self) -> torch.Tensor:  # read by forwards that check the layer's dtype (Granite 4's mixers), as peft's
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
         result_dtype = result.dtype

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hfsplit.models.masks import causal_masks, layer_attention_type
+from hfsplit.models.families import FAMILIES
 from hfsplit.models.varlen import IMPLEMENTATION, PackedRows, enabled, packed_rows
 
 
@@ -31,8 +32,9 @@ def traced_positions(batch: int, seq: int, *, packed: bool) -> torch.Tensor:
 
 
 def runs_examples_apart(config, *, packed: bool) -> bool:
-    """Whether packed rows of `config`'s model run example by example (`hfsplit.models.varlen`: sdpa)."""
-    return packed and config._attn_implementation == IMPLEMENTATION and enabled()
+    """Whether packed rows of `config`'s model run example by example (`hfsplit.models.varlen`: sdpa, a declared
+    family's stage; a followed model's own forward builds transformers' block-diagonal mask)."""
+    return packed and config._attn_implementation == IMPLEMENTATION and enabled() and config.model_type in FAMILIES
 
 
 def attended_positions(config, *, seq: int, packed: bool) -> int:
@@ -57,7 +59,10 @@ def mask_as_run(config, kwargs: dict, *, batch: int, seq: int, packed: bool = Fa
         return kwargs
 
     masks = stage_masks(config, batch=batch, seq=seq, packed=packed)
-    return {**kwargs, "attention_mask": None} if masks[layer_attention_type(config, 0)] is None else kwargs
+    kind = layer_attention_type(config, 0)
+    if kind not in masks:  # a type of its own (linear, chunked, indexed attention): traced with the model's own mask
+        return kwargs
+    return {**kwargs, "attention_mask": None} if masks[kind] is None else kwargs
 
 
 def traced_rows(config, *, batch: int, seq: int, packed: bool):

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 
 from hfsplit.checkpoint.quantized import quantized_experts_bytes, quantized_linear_bytes
 from hfsplit.errors import PlanError
-from hfsplit.models.expert_lora import expert_lora_numel, expert_parameters
+from hfsplit.models.expert_lora import default_lora_targets, expert_lora_numel, expert_parameters
 from hfsplit.models.families import tp_degree_error
-from hfsplit.models.layer_kinds import kind_config, layer_kinds
+from hfsplit.models.layer_kinds import DENSE, SPARSE, kind_config, layer_kinds
 from hfsplit.models.layout import block_linear_names, meta_model, one_layer_config, routed_expert_numel
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.cache import read_cache, write_cache
@@ -107,7 +107,8 @@ class ModelCosts:
     boundary_bytes: int = 0
     layer_blocks: tuple[PartCost, ...] = ()
     stage_inputs: PartCost = PartCost(0, 0, 0, 0, 0, 0.0)
-    logits_bytes: int = 0  # one micro-batch's logits on one TP rank, in the compute dtype (DPO's reference counts them)
+    logits_bytes: int = 0  # one micro-batch's logits on one TP rank, in the compute dtype (a reference pass counts them)
+    kv_bytes: int = 0  # one micro-batch's KV cache of one block on one TP rank, where the objective generates
 
 
 _MASTER_WEIGHT_BYTES = 4  # fp32 master copy under mixed precision
@@ -130,7 +131,9 @@ def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
         raise PlanError(f"tp={tp} with QLoRA: a bitsandbytes 4-bit weight cannot be sharded by tensor parallelism "
                         "here; use tp=1 (the planner splits QLoRA runs over pipeline stages × data parallelism)")
     dtype_of(spec.dtype)  # fail early on an unknown dtype
-    return _with_layer_kinds(config, _model_costs(keyed(config), spec, tp), spec, tp)
+    kinds = layer_kinds(config)
+    first = _spec_of_kind(config, kinds[0], spec) if kinds else spec  # layer 0's kind holds what it holds
+    return _with_layer_kinds(config, replace(_model_costs(keyed(config), first, tp), spec=spec), spec, tp)
 
 
 def _with_layer_kinds(config, costs: ModelCosts, spec: TrainingSpec, tp: int) -> ModelCosts:
@@ -139,12 +142,32 @@ def _with_layer_kinds(config, costs: ModelCosts, spec: TrainingSpec, tp: int) ->
     if kinds is None:
         return costs
     if spec.method in ("lora", "qlora") and spec.lora_targets is None:  # the default every kind shares
-        spec = replace(spec, lora_targets=tuple(block_linear_names(config)))
-        costs = replace(_model_costs(keyed(config), spec, tp), spec=costs.spec)
-    blocks = {}
-    for kind in set(kinds):
-        blocks[kind] = _model_costs(keyed(kind_config(config, kind)), spec, tp).block
+        spec = replace(spec, lora_targets=tuple(default_lora_targets(config)))
+        costs = replace(_model_costs(keyed(config), _spec_of_kind(config, kinds[0], spec), tp), spec=costs.spec)
+    blocks = {kind: _model_costs(keyed(kind_config(config, kind)), _spec_of_kind(config, kind, spec), tp).block
+              for kind in set(kinds)}
     return replace(costs, layer_blocks=tuple(blocks[kind] for kind in kinds))
+
+
+def _spec_of_kind(config, kind: str, spec: TrainingSpec) -> TrainingSpec:
+    """`spec` for a block of `kind`: a kind holds the LoRA targets of its own layers only (the full attention's
+    `q_proj`, not the linear attention's `in_proj_qkvz`; a dense first layer no expert parameter); each target must
+    be held by some kind of the model (PlanError naming those none holds)."""
+    if not spec.lora_targets:
+        return spec
+    kinds = sorted(set(layer_kinds(config) or ()))
+    held = {k: _held_targets(config, k) for k in kinds}
+    nowhere = [t for t in spec.lora_targets if not any(t in names for names in held.values())]
+    if nowhere:
+        raise PlanError(f"LoRA target(s) {', '.join(nowhere)} name no module of the model; linear layers here: "
+                        f"{', '.join(sorted(set().union(*held.values())))}")
+    return replace(spec, lora_targets=tuple(t for t in spec.lora_targets if t in held[kind]))
+
+
+def _held_targets(config, kind: str) -> set[str]:
+    """The LoRA target names a block of `kind` holds: its linears' names and its fused expert parameters'."""
+    one = kind_config(config, kind)
+    return set(block_linear_names(one)) | set(expert_parameters(one))
 
 
 def estimate_peak_bytes(costs: ModelCosts) -> int:
@@ -303,7 +326,8 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
                     flops=head_flops)
     return _with_deferred_grads(ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec,
                                            boundary_bytes=hidden_bytes, stage_inputs=_stage_inputs(key, spec, ckpt),
-                                           logits_bytes=tokens * (config.vocab_size // tp) * size),
+                                           logits_bytes=tokens * (config.vocab_size // tp) * size,
+                                           kv_bytes=kv_cache_bytes(config, spec, tp) if spec.counts.generation else 0),
                                 layout, config)
 
 

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.models.families import FAMILIES, Family
-from hfsplit.models.layout import meta_model
+from hfsplit.models.layout import decoder_layout, meta_model
 from hfsplit.models.tiled_mlp import tile_mlps
 from hfsplit.models.loss import chunked_causal_lm_loss, chunked_sequence_logps, dpo_head_loss
 from hfsplit.plan import TrainingSpec
@@ -125,7 +125,7 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     forward passes to the block (rotary embeddings, mask), captured by running it once."""
     config = CONFIGS[key]
     model = meta_model(rank_layer_config(config, tp=tp), dtype=dtype_of(spec.dtype))
-    base = getattr(model, model.base_model_prefix)
+    base = model.get_submodule(decoder_layout(model).base)
     block = parts(model)[1]
     if spec.method == "lora":
         _add_lora(block, key, spec)
@@ -317,14 +317,14 @@ def trace_ends(key: str, spec: TrainingSpec) -> EndsTrace:
                 head = lambda h: FAMILIES.get(config.model_type, Family()).output_side(config, lm_head(h))  # noqa: E731
                 if train and spec.chunked_loss:  # the stage outputs the normed states; the loss runs lm_head per chunk
                     logits = norm(x)
-                    if spec.objective == "dpo":  # each row's response log-prob chunk by chunk, then the pairs' loss
+                    if spec.counts.head == "sequences":  # each row's response log-prob chunk by chunk, then its loss
                         loss = dpo_head_loss(logits, ids, logps=functools.partial(chunked_sequence_logps, head=head,
                                                                                   vocab_size=config.vocab_size))
                     else:
                         loss = chunked_causal_lm_loss(logits, ids, head=head, vocab_size=config.vocab_size)
                 else:
                     logits = head(norm(x))
-                    if train and spec.objective == "dpo":  # each row's response log-prob, then the pairs' loss
+                    if train and spec.counts.head == "sequences":  # each row's response log-prob, then its loss
                         loss = dpo_head_loss(logits, ids)
                     elif train:
                         loss = model.loss_function(logits=logits, labels=ids, vocab_size=config.vocab_size)

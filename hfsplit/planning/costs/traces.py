@@ -25,10 +25,11 @@ from hfsplit.planning.costs.trace import BlockTrace, EndsTrace, trace_ends
 def trace_spec(spec):
     """The spec with the fields that do not change a trace set to fixed values."""
     lora = spec.method == "lora"
-    # DPO's reference is counted beside the traces (`hfsplit.planning.reference`); its objective changes the head only
+    # a reference and rollouts are counted beside the traces (`hfsplit.planning.reference`, `.rollout`); the
+    # objective changes the head only
     return replace(spec, activation_checkpointing=False, reserve_bytes=None, optim="adamw_torch",
                    lora_r=spec.lora_r if lora else 0, lora_targets=spec.lora_targets if lora else None,
-                   reference=None, reference_pairs=None)
+                   reference=None, reference_pairs=None, rollout_rows=0, rollout_tokens=0)
 
 
 def block_trace(key: str, spec, tp: int):
@@ -47,7 +48,8 @@ def ends_trace(key: str, spec):
 
 _MEMO: dict[str, object] = {}
 _UNTRACED = ("optim", "lora_alpha", "lora_dropout")
-_NEWER = {"objective": "sft", "reference": None, "reference_pairs": None, "tiled_mlp": 0}  # keyed only where they differ from these
+_NEWER = {"objective": "sft", "reference": None, "reference_pairs": None, "rollout_rows": 0,
+          "rollout_tokens": 0, "tiled_mlp": 0}  # keyed only where they differ from these
 
 
 def _cached(kind: str, key: str, spec, tp: Optional[int], trace, cls):

@@ -1,39 +1,49 @@
-"""MkDocs hook: the option and Plan JSON references are generated from the code at build time, so they cannot
-drift from it. A page asks for a table with a marker line: `<!-- hfsplit:options -->`,
-`<!-- hfsplit:dataclass hfsplit.plan.Plan -->` or `<!-- hfsplit:gpu_kinds -->`."""
+"""The reference tables of the site, generated from the code when the site builds so that they cannot drift from it:
+the options (`options_table`), a dataclass's fields (`dataclass_table`) and the GPU kinds (`gpu_kinds_table`)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import re
 import typing
 
-MARKER = re.compile(r"^<!-- hfsplit:(\w+)\s*([\w.]*)\s*-->$", re.M)
-
-
-def on_page_markdown(markdown: str, page, config, files) -> str:
-    return MARKER.sub(lambda m: TABLES[m.group(1)](m.group(2)), markdown)
-
 
 def options_table(_: str = "") -> str:
-    """Every fine-tuning option by group: flag, choices or type, default, help."""
-    from hfsplit.training import options as o
+    """Every fine-tuning option by group: flag, the values its flag takes (as `--help` shows them: `on|off` for a
+    switch), default, help."""
+    from hfsplit.training.options import GROUPS, FinetuneOptions, add_option_arguments
 
+    parser = argparse.ArgumentParser()
+    add_option_arguments(parser)
+    actions = {a.dest: a for a in parser._actions}
     out = []
-    for group in o.GROUPS:
+    for group in GROUPS:
         out += [f"### {group.capitalize()}", "", "| flag | values | default | what it does |", "|---|---|---|---|"]
-        for f in dataclasses.fields(o.FinetuneOptions):
-            if f.metadata.get("group") != group:
-                continue
-            choices = o._choices_of(f)
-            types = "/".join(t.__name__ for t in o._types_of(f))
-            values = " \\| ".join(f"`{c}`" for c in ((True, False) if bool in o._types_of(f) else ()) + choices) \
-                or types
-            default = "unset" if f.default is None else f"`{f.default}`"
-            text = f.metadata["help"].replace("%%", "%").replace("|", "\\|")
-            out.append(f"| `--{f.name.replace('_', '-')}` | {values} | {default} | {text} |")
+        for f in dataclasses.fields(FinetuneOptions):
+            if f.metadata.get("group") == group:
+                out.append(_option_row(f, actions[f.name]))
         out.append("")
     return "\n".join(out)
+
+
+def _option_row(f, action: argparse.Action) -> str:
+    """One option's row: its values from the flag's metavar (or the type it converts to), its default as a flag
+    takes it."""
+    if action.metavar:
+        values = " \\| ".join(f"`{v}`" for v in action.metavar.split("|"))
+    else:
+        values = {int: "int", float: "float", str: "str"}.get(action.type, "str")
+    default = "unset" if f.default is None else f"`{_as_flag(f.default)}`"
+    text = f.metadata["help"].replace("%%", "%").replace("|", "\\|")
+    return f"| `--{f.name.replace('_', '-')}` | {values} | {default} | {text} |"
+
+
+def _as_flag(value) -> str:
+    """A default as its flag takes it: on / off for a switch, a list as A,B."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def dataclass_table(path: str) -> str:
@@ -93,5 +103,3 @@ def gpu_kinds_table(_: str = "") -> str:
                    f"{'; ' + k.notes if k.notes else ''} |")
     return "\n".join(out)
 
-
-TABLES = {"options": options_table, "dataclass": dataclass_table, "gpu_kinds": gpu_kinds_table}

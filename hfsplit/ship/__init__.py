@@ -1,0 +1,1 @@
+"""Shipping a trained model: a LoRA adapter merged into its base, streamed (`merge`), and GGUF export."""
