@@ -12,7 +12,7 @@ Each rank's checkpointing, offload, optimizer moments and tiled MLP are chosen r
   micro-batch (one row) holds a row's activations instead of several. Tried when the default count fits nothing,
   or fits only by paying for memory, the most micro-batches first.
 
-Of every plan that fits, the one with the most tokens a second is kept, as `planner.best_plan` keeps among splits.
+Of every plan that fits, the one with the most tokens a second is kept, as `search.best_plan` keeps among splits.
 """
 from __future__ import annotations
 

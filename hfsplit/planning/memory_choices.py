@@ -2,7 +2,7 @@
 
 Each pipeline rank of a plan runs one `Choice`: activation checkpointing off, on, or offloaded to host memory,
 its optimizer's moments in fp32 or bitsandbytes' 8 bits, and its blocks' MLP whole or tiled over the sequence
-(`hfsplit.models.tiled_mlp`: one more MLP forward a micro-batch, so tried after every untiled choice). The planner (`planner.split_layers`) gives each rank
+(`hfsplit.models.tiled_mlp`: one more MLP forward a micro-batch, so tried after every untiled choice). The planner (`search.split_layers`) gives each rank
 the first choice of `ladder` under which its layers fit, so a rank pays for recompute, host copies or quantized
 moments only when it needs them, and another rank of the same plan need not. The ladder is ordered by the
 time model: 8-bit moments cost no modelled time (bitsandbytes' fused step), recompute costs a forward, offload

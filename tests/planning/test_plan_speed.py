@@ -4,7 +4,7 @@ import re
 import pytest
 from transformers import LlamaConfig
 
-from hfsplit.planning import planner
+from hfsplit.planning import diagnosis, planner
 from hfsplit.plan import TrainingSpec
 from hfsplit.errors import PlanError
 
@@ -15,8 +15,8 @@ def _config():
 
 
 def _diagnose(budget: str, spec: TrainingSpec, monkeypatch) -> tuple[str, set]:
-    tried, real = set(), planner.best_plan
-    monkeypatch.setattr(planner, "best_plan",
+    tried, real = set(), diagnosis.best_plan
+    monkeypatch.setattr(diagnosis, "best_plan",
                         lambda config, b, s, **kw: tried.add(s.seq_len) or real(config, b, s, **kw))
     with pytest.raises(PlanError) as err:
         # the knobs the planner turns itself held off: this asks what the diagnosis says, not whether they fit it

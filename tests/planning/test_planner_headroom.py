@@ -9,7 +9,8 @@ from hfsplit.planning.costs.model import ModelCosts, PartCost
 from hfsplit.errors import PlanError
 from hfsplit.planning.links import HOST_COPY_LATENCY_S, Link
 from hfsplit.plan import Plan, TrainingSpec, rank_total
-from hfsplit.planning.planner import _slots, make_plan, split_with_choices
+from hfsplit.planning.search import stage_slots, split_with_choices
+from hfsplit.planning.planner import make_plan
 
 GiB = 1 << 30
 LLAMA_70B, QWEN_32B = "meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-32B"
@@ -96,7 +97,7 @@ def toy(state: int, act: int, offload: int = 0, flops: float = 10e12) -> ModelCo
 
 def test_each_rank_runs_the_first_choice_its_layers_fit_under():
     fast, frugal = toy(10, 5), toy(10, 0, offload=5, flops=11e12)  # frugal: a tenth slower (recompute, copies)
-    slots = _slots([("0",), ("1",)], {"0": 60, "1": 1000}, {}, p=2, d=1, v=1, m=2, schedule="1F1B")
+    slots = stage_slots([("0",), ("1",)], {"0": 60, "1": 1000}, {}, p=2, d=1, v=1, m=2, schedule="1F1B")
     counts, levels = split_with_choices([fast, frugal], slots)
     assert levels == [1, 0]  # the small card offloads (its 2 in-flight inputs per block), the large one need not
     assert counts == [4, 4]  # balanced, where without the choice the small card takes 3 (20 bytes a layer there)
