@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Sequence
 
 from hfsplit.budget import format_bytes
 from hfsplit.models.expert_lora import expert_parameters
@@ -21,7 +21,11 @@ from hfsplit.planning.search import (
 )
 
 
-def explain_no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, options: dict) -> str:
+def explain_no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, options: dict,
+                   choices: Optional[list] = None, losses: Sequence[bool] = ()) -> str:
+    """The no-fit message: the closest split's stages against their budgets, and the changes that fit. `choices`:
+    each rank's memory choices and `losses`: the chunked-loss settings make_plan searched (what a change of size alone
+    is planned with)."""
     closest = _closest_plan(config, budgets, spec, options)
     lines = [f"{name}: no split fits the budget ({len(budgets)} device(s): "
              + ", ".join(f"{k}={format_bytes(v)}" for k, v in budgets.items())
@@ -33,7 +37,7 @@ def explain_no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name:
             lines.append(f"  stage {s.index} on {','.join(s.devices[0])}: layers {s.layers[0]}-{s.layers[1] - 1}, "
                          f"needs {format_bytes(s.memory.total)} of {format_bytes(s.budget)}"
                          + (f" ({format_bytes(over)} over)" if over > 0 else ""))
-    fixes = _fixes_that_fit(config, budgets, spec, options)
+    fixes = _fixes_that_fit(config, budgets, spec, options, choices=choices, losses=losses)
     if fixes:
         lines.append("changes that fit: " + "; ".join(fixes))
     else:
@@ -68,14 +72,20 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
     return best
 
 
-def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> list[str]:
-    def fits(b, s) -> bool:
+def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict, *,
+                    choices: Optional[list] = None, losses: Sequence[bool] = ()) -> list[str]:
+    def fits(b, s, each=None) -> bool:
         # More devices means launching more processes: that fix is searched without the launch's world size.
         # Fewer micro-batches where the caller fixed no count: as make_plan would try them (`knobs.turn_knobs`).
         launch = {"world_size": None} if len(b) > len(budgets) else {}
         return could_fit(config, b, s) and any_count_fits(
-            lambda extra: best_plan(config, b, s, name="", **{**options, **launch, **extra}) is not None, options,
-            devices=len(b))
+            lambda extra: best_plan(config, b, s, name="", choices=each, **{**options, **launch, **extra})
+            is not None, options, devices=len(b))
+
+    def fits_as_planned(b, s) -> bool:
+        """A change of size alone (devices, sequence, micro-batch) with each rank's memory choice searched, as
+        make_plan searches it: what is listed fits, and a step less does not."""
+        return any(fits(b, replace(s, chunked_loss=chunked), choices) for chunked in losses or [s.chunked_loss])
 
     fixes = []
     if spec.method == "full" and fits(budgets, replace(spec, method="lora")):
@@ -96,18 +106,18 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
                         if could_fit(config, budgets, s) else None, spec, tiles=mlp_tiles(config, spec),
                         micro_batches=options["micro_batches"])
     # A shorter sequence only shrinks activations: the longest that fits, by binary search on the planner
-    seq = longest_fitting(lambda n: fits(budgets, replace(spec, seq_len=n)), low=128, high=spec.seq_len - 1,
+    seq = longest_fitting(lambda n: fits_as_planned(budgets, replace(spec, seq_len=n)), low=128, high=spec.seq_len - 1,
                           multiple=128)
     if seq is not None:
         fixes.append(f"a shorter sequence (--seq-len {seq}, the longest that fits, to 128 tokens)")
     least = spec.rows_per_example  # a padded example of several rows (DPO's pair) stays in one micro-batch
-    if spec.micro_batch_size > least and fits(budgets, replace(spec, micro_batch_size=least)):
+    if spec.micro_batch_size > least and fits_as_planned(budgets, replace(spec, micro_batch_size=least)):
         one = f", one {spec.counts.example}" if least > 1 else ""
         fixes.append(f"micro-batch size {least} (--micro-batch-size {least}{one})")
-    count = _fewest_devices(lambda b: fits(b, spec), budgets)
+    count = _fewest_devices(lambda b: fits_as_planned(b, spec), budgets)
     if count is not None:
         fixes.append(f"{count} devices (add {count - len(budgets)} × {format_bytes(min(budgets.values()))})")
-    larger = _smallest_uniform_budget(lambda b: fits(b, spec), budgets)
+    larger = _smallest_uniform_budget(lambda b: fits_as_planned(b, spec), budgets)
     if larger is not None:
         fixes.append(f"{len(budgets)} devices of {format_bytes(larger)} each")
     return fixes

@@ -64,6 +64,19 @@ def turn_knobs(search: Search, spec: TrainingSpec, *, first: Optional[Plan], fas
     return max(found, key=tokens_per_second, default=None)
 
 
+def with_fixed_loss(spec: TrainingSpec, chunked_loss: Union[bool, str] = AUTO) -> TrainingSpec:
+    """`spec` with the chunked loss the caller fixed (on / off); under auto, the spec's own."""
+    mode = chunked_loss_setting(chunked_loss)
+    return spec if mode == AUTO else replace(spec, chunked_loss=mode == "on")
+
+
+def loss_settings(spec: TrainingSpec, chunked_loss: Union[bool, str] = AUTO) -> list[bool]:
+    """The chunked-loss settings a plan of `spec` may run: the fixed one, or under auto the spec's own and on where
+    the objective allows it (the chunked loss is not always the smaller: at a short sequence its chunks' buffers can
+    outweigh the logits it never holds)."""
+    return _chunked_values(spec, chunked_loss_setting(chunked_loss))
+
+
 def frugal_loss(spec: TrainingSpec, chunked_loss: Union[bool, str] = AUTO) -> TrainingSpec:
     """`spec` with the loss that holds least among those `chunked_loss` allows (what a no-fit diagnosis plans)."""
     return replace(spec, chunked_loss=_chunked_values(spec, chunked_loss_setting(chunked_loss))[-1])

@@ -107,6 +107,13 @@ def frugal(choices: list[Choice]) -> Choice:
     return Choice(untiled[-1].checkpointing, untiled[-1].optim, untiled[-1].tiled_mlp)
 
 
+def frugal_choices(choices: list[Choice]) -> list[Choice]:
+    """The choices the no-fit diagnosis lets each rank run: `frugal`'s optimizer and tiling with every checkpointing
+    setting the ladder has (offload is not always the least: at one stage its pinned copies outweigh what it frees)."""
+    least = frugal(choices)
+    return [c for c in choices if (c.optim, c.tiled_mlp) == (least.optim, least.tiled_mlp)] or [least]
+
+
 def plan_spec(spec: TrainingSpec, used: list[Choice]) -> TrainingSpec:
     """A plan's spec: the most frugal checkpointing any rank runs, and 8-bit moments when any rank keeps them
     (each stage's own are in `Stage.checkpointing` / `Stage.optim`)."""

@@ -18,9 +18,9 @@ from hfsplit.errors import PlanError
 from hfsplit.models.families import check_causal_lm, check_supported
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.kind_rates import kind_rates
-from hfsplit.planning.knobs import frugal_loss, turn_knobs
+from hfsplit.planning.knobs import frugal_loss, loss_settings, turn_knobs, with_fixed_loss
 from hfsplit.planning.links import Link
-from hfsplit.planning.memory_choices import frugal, host_budget, host_share, ladder, mlp_tiles
+from hfsplit.planning.memory_choices import frugal, frugal_choices, host_budget, host_share, ladder, mlp_tiles
 from hfsplit.planning.reserve import reserve_for
 from hfsplit.planning.timing import DEVICE_FLOPS
 from hfsplit.schedules import AUTO
@@ -87,7 +87,9 @@ def make_plan(
         return _with_host_note(replace(found, notes=found.notes + rates.notes), host, options["link"])
     options["schedule"] = diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
     raise PlanError(explain_no_fit(config, budgets, frugal_loss(frugal(choices).spec(spec), chunked_loss), name=name,
-                                    options=options) if explain else f"{name}: no split fits (not explained)")
+                                   options=options, choices=frugal_choices(choices),
+                                   losses=loss_settings(with_fixed_loss(spec, chunked_loss), chunked_loss))
+                    if explain else f"{name}: no split fits (not explained)")
 
 
 def _with_knobs(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, choices: list, options: dict,
@@ -99,6 +101,7 @@ def _with_knobs(config, budgets: dict[str, int], spec: TrainingSpec, *, name: st
                          **{**options, **({"micro_batches": count} if count else {})})
 
     free = options["micro_batches"] is None and not options["global_batch"]
+    spec = with_fixed_loss(spec, chunked_loss)
     first = search(spec, None)
     if first is None and not could_fit(config, budgets, spec):  # the weights alone exceed the devices: no knob helps
         return None

@@ -333,6 +333,7 @@ PLANNED = ("model", "config", "dtype", "dataset", "dataset_format", "packing", "
            "reference", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "bnb_4bit_quant_type",
            "bnb_4bit_use_double_quant", "load_in_8bit", "quantize_experts", "max_memory", "tp", "pp", "schedule",
            "micro_batch_size", "micro_batches", "global_batch", "activation_checkpointing", "headroom", "chunked_loss",
+           "tiled_mlp",
            "optim", "num_generations", "max_completion_length")
 
 
