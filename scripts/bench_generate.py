@@ -8,6 +8,9 @@ lengths, alternating:
 Both produce the same tokens (checked); it prints tokens/s of each (median of the repeats) and their ratio.
 
     python scripts/bench_generate.py --sequences 16 --new-tokens 32 --micro-batches 2 4
+
+It also prints each rank's share of the wall time computing in its stages ("busy") and blocked receiving hidden
+states or tokens ("waiting"), and the median time of a decode step's forward by rows: what cutting costs.
 """
 from __future__ import annotations
 
@@ -51,23 +54,42 @@ def timed(run) -> tuple[float, object]:
 
 
 class Busy:
-    """Seconds this rank spends inside its stages' forwards (forward hooks): busy over wall is the share of the
-    run it computes, about half in the relay at pp=2 and near all when the stages work at once."""
+    """Seconds this rank spends inside its stages' forwards (forward hooks) and blocked receiving hidden states or
+    tokens (`PipelinedGeneration`'s receives, wrapped): busy over wall is the share of the run it computes, about
+    half in the relay at pp=2 and near all when the stages work at once; and each decode forward's seconds by its
+    rows, which show what cutting the batch costs (a forward of 8 rows against one of 16)."""
 
     def __init__(self, stages) -> None:
-        self.seconds, self.started = 0.0, 0.0
+        from hfsplit.parallel.generation import PipelinedGeneration
+
+        self.seconds, self.waiting, self.started = 0.0, 0.0, 0.0
+        self.decode: dict[int, list[float]] = {}
         for stage in stages:
             stage.register_forward_pre_hook(self.start)
             stage.register_forward_hook(self.stop)
+        for name in ("receive_hidden", "chosen"):
+            setattr(PipelinedGeneration, name, self.timed(getattr(PipelinedGeneration, name)))
 
     def start(self, *_) -> None:
         self.started = time.perf_counter()
 
-    def stop(self, *_) -> None:
-        self.seconds += time.perf_counter() - self.started
+    def stop(self, _module, inputs, _output) -> None:
+        seconds = time.perf_counter() - self.started
+        self.seconds += seconds
+        if inputs[0].shape[1] == 1:  # one new token a row: a decode step
+            self.decode.setdefault(inputs[0].shape[0], []).append(seconds)
+
+    def timed(self, receive):
+        def wrapped(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return receive(*args, **kwargs)
+            finally:
+                self.waiting += time.perf_counter() - started
+        return wrapped
 
 
-def worker(checkpoint: str, *, sequences: int, new_tokens: int, cuts: list[int], repeats: int) -> None:
+def worker(checkpoint: str, *, sequences: int, new_tokens: int, prompt: int, cuts: list[int], repeats: int) -> None:
     """One rank: load the split, time the relay and each cut alternately, print the medians and each rank's busy
     share (rank 0)."""
     import torch
@@ -77,25 +99,30 @@ def worker(checkpoint: str, *, sequences: int, new_tokens: int, cuts: list[int],
 
     torch.set_num_threads(1)
     model = split_from_pretrained(checkpoint, "2x8GiB", pp=2, tp=1, dp=1, schedule="GPipe", dtype=torch.float32)
-    ids, mask = prompts(sequences=sequences, vocab=model.config.vocab_size)
+    ids, mask = prompts(sequences=sequences, vocab=model.config.vocab_size, longest=prompt)
     greedy = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     times: dict[int, list[float]] = {cut: [] for cut in [1, *cuts]}
     busy = {cut: 0.0 for cut in times}
+    waiting = {cut: 0.0 for cut in times}
     outputs, watch = {}, Busy(model.stages)
     for repeat in range(repeats + 1):  # the first round warms up
         for cut in times:
-            before = watch.seconds
+            before, blocked = watch.seconds, watch.waiting
             seconds, outputs[cut] = timed(lambda: model.generate(ids, mask, micro_batches=cut, **greedy))
             if repeat:
                 times[cut].append(seconds)
                 busy[cut] += watch.seconds - before
+                waiting[cut] += watch.waiting - blocked
     same = all(torch.equal(outputs[cut], outputs[1]) for cut in cuts)
     shares = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, {cut: busy[cut] / sum(times[cut]) for cut in times})
+    dist.all_gather_object(shares, {cut: (busy[cut] / sum(times[cut]), waiting[cut] / sum(times[cut]))
+                                    for cut in times})
+    forwards = [None] * dist.get_world_size()
+    dist.all_gather_object(forwards, {rows: 1e3 * statistics.median(s) for rows, s in watch.decode.items()})
     tokens = sequences * new_tokens
     if dist.get_rank() == 0:
         rates = {cut: tokens / statistics.median(t) for cut, t in times.items()}
-        print("RESULT " + json.dumps({"rates": rates, "same_tokens": same, "busy": shares,
+        print("RESULT " + json.dumps({"rates": rates, "same_tokens": same, "shares": shares, "forwards": forwards,
                                       "layers": [s.layers for s in model.plan.stages]}), flush=True)
     dist.destroy_process_group()
 
@@ -105,6 +132,7 @@ def run_ranks(checkpoint: str, args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            __file__, "--worker", checkpoint, "--sequences", str(args.sequences), "--new-tokens", str(args.new_tokens),
+           "--prompt-length", str(args.prompt_length),
            "--repeats", str(args.repeats), "--micro-batches", *map(str, args.micro_batches)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     for line in out.stdout.splitlines():
@@ -126,14 +154,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-length", type=int, default=32,
+                        help="the longest prompt; prompts are half that to all of it, left-padded")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4], help="the pipelined cuts to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a tiny model: a smoke run in seconds, not a figure")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, sequences=args.sequences, new_tokens=args.new_tokens, cuts=args.micro_batches,
-                      repeats=args.repeats)
+        return worker(args.worker, sequences=args.sequences, new_tokens=args.new_tokens, prompt=args.prompt_length,
+                      cuts=args.micro_batches, repeats=args.repeats)
 
     from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
 
@@ -145,11 +175,18 @@ def main() -> None:
     relay = result["rates"]["1"]
     print(f"load average (1 min) before / after the run: {load:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"Llama {model}, fp32, stages {result['layers']}; {args.sequences} sequences × {args.new_tokens} new "
-          f"tokens, greedy; same tokens in every cut: {result['same_tokens']}")
-    print(f"{'micro-batches':>13}  {'tokens/s':>9}  {'× relay':>8}  {'busy rank 0 / 1':>16}")
+          f"tokens after prompts of {args.prompt_length // 2}-{args.prompt_length} tokens, greedy; same tokens in "
+          f"every cut: {result['same_tokens']}")
+    print(f"{'micro-batches':>13}  {'tokens/s':>9}  {'× relay':>8}  {'busy rank 0 / 1':>16}  {'waiting 0 / 1':>14}")
     for cut, rate in result["rates"].items():
-        busy = " / ".join(f"{100 * share[cut]:.0f}%" for share in result["busy"])
-        print(f"{cut:>13}  {rate:9.1f}  {rate / relay:8.2f}  {busy:>16}" + ("  (the relay)" if cut == "1" else ""))
+        busy = " / ".join(f"{100 * share[cut][0]:.0f}%" for share in result["shares"])
+        waiting = " / ".join(f"{100 * share[cut][1]:.0f}%" for share in result["shares"])
+        print(f"{cut:>13}  {rate:9.1f}  {rate / relay:8.2f}  {busy:>16}  {waiting:>14}"
+              + ("  (the relay)" if cut == "1" else ""))
+    for rank, forwards in enumerate(result["forwards"]):
+        print(f"rank {rank}: a decode step's forward, median: "
+              + ", ".join(f"{rows} rows {ms:.1f} ms"
+                          for rows, ms in sorted(forwards.items(), key=lambda item: -int(item[0]))))
 
 
 if __name__ == "__main__":

@@ -14,25 +14,26 @@ instead of the mmap's 2× (mapped pages + copy).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
 import torch
 
 from hfsplit.budget import torch_device
-from hfsplit.checkpoint.merged import MergedTensor, split_checkpoint_names
+from hfsplit.checkpoint.index import (
+    TensorEntry, meta_state, optional_file, parameter_to_checkpoint_names, persistent_state_names, read_header,
+    text_checkpoint_names, weight_map_of,
+)
+from hfsplit.checkpoint.merged import MergedTensor
+from hfsplit.checkpoint.multimodal import wrapper_of
 from hfsplit.checkpoint.mxfp4 import (
     DEQUANTIZED_DTYPE, PackedExperts, dequantize_expert, dequantized_shape, packed_experts,
 )
 from hfsplit.checkpoint.resolve import resolve_file
 from hfsplit.errors import CheckpointError
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # Bytes of file read per pread when a tensor is cast, sliced by columns, or sent to a
 # device: bounds the host RAM a read needs beyond its result.
 CHUNK_BYTES = 8 * 2**20
@@ -40,28 +41,7 @@ CHUNK_BYTES = 8 * 2**20
 # the result) rather than by whole rows: an expert's rows of a fused [E, 2I, H] tensor.
 RUN_BYTES = 4096
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
-                     ("U32", "uint32"), ("U64", "uint64")):
-    if hasattr(torch, _attr):
-        _DTYPES[_name] = getattr(torch, _attr)
-
 Device = Union[str, int, torch.device]
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one checkpoint tensor lives: file, dtype, shape, absolute byte range."""
-
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    stop: int
 
 
 class CheckpointReader:
@@ -108,15 +88,19 @@ class CheckpointReader:
                 whose shape or kind of dtype disagrees with the model.
         """
         source = str(name_or_path)
-        layout_file, weight_map = _weight_map(source, revision)
-        names, merged = parameter_to_checkpoint_names(weight_map, model)
+        layout_file, weight_map = weight_map_of(source, revision)
+        wrapper = wrapper_of(optional_file(source, "config.json", revision)) if model is not None else None
+        if wrapper is not None:  # a multimodal checkpoint: its language model's tensors only, towers never opened
+            names, merged, weight_map = text_checkpoint_names(wrapper, weight_map, model)
+        else:
+            names, merged = parameter_to_checkpoint_names(weight_map, model)
         try:
-            mxfp4 = packed_experts(weight_map, _persistent_state_names(model)) if model is not None else {}
+            mxfp4 = packed_experts(weight_map, persistent_state_names(model)) if model is not None else {}
         except CheckpointError as exc:
             raise CheckpointError(f"{layout_file}: {exc}") from None
         reader = cls(source, weight_map, names, revision, layout_file, merged, mxfp4)
         wanted = set(needed) if needed is not None else (
-            set(names) | set(merged) | set(mxfp4) | set(_persistent_state_names(model)) if model is not None
+            set(names) | set(merged) | set(mxfp4) | set(persistent_state_names(model)) if model is not None
             else set(names))
         reader._validate(wanted, model)
         return reader
@@ -342,7 +326,7 @@ class CheckpointReader:
                 held = sorted(n for n in wanted if self.shard_of(n) == shard)
                 more = f" and {len(held) - 3} more" if len(held) > 3 else ""
                 raise CheckpointError(f"{exc}; it holds needed tensor(s) {', '.join(map(repr, held[:3]))}{more}") from exc
-        params = _meta_state(model) if model is not None else {}
+        params = meta_state(model) if model is not None else {}
         for name in sorted(wanted):
             shape, dtype = self.shape(name), self.dtype(name)
             ref = params.get(name)
@@ -373,7 +357,7 @@ class CheckpointReader:
 
     def _header(self, shard: str) -> dict[str, TensorEntry]:
         if shard not in self._headers:
-            self._headers[shard] = _read_header(self._path(shard))
+            self._headers[shard] = read_header(self._path(shard))
         return self._headers[shard]
 
     def _entry(self, name: str) -> TensorEntry:
@@ -552,112 +536,6 @@ class CheckpointReader:
             for first, n in ranges:
                 out[row:row + count, local:local + n].copy_(rows[:, first:first + n])
                 local += n
-
-
-# ---- checkpoint layout ------------------------------------------------------------------
-
-
-def _weight_map(source: str, revision: Optional[str]) -> tuple[Path, dict[str, str]]:
-    """(index or single file, checkpoint tensor name → shard file name)."""
-    index_path = _optional_file(source, INDEX_FILE, revision)
-    if index_path is not None:
-        try:
-            data = json.loads(index_path.read_text())
-            weight_map = data["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index_path}: not a readable safetensors index ({exc})") from exc
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index_path}: 'weight_map' is empty or not a mapping")
-        return index_path, dict(weight_map)
-    single = _optional_file(source, SINGLE_FILE, revision)
-    if single is None:
-        raise CheckpointError(
-            f"{source}: neither {INDEX_FILE} nor {SINGLE_FILE} found; hfsplit reads safetensors checkpoints "
-            "(convert .bin weights with `save_pretrained(..., safe_serialization=True)`)")
-    return single, {key: SINGLE_FILE for key in _read_header(single)}
-
-
-def _optional_file(source: str, filename: str, revision: Optional[str]) -> Optional[Path]:
-    path = Path(source)
-    if path.is_dir():
-        candidate = path / filename
-        return candidate if candidate.is_file() else None
-    try:
-        return resolve_file(source, filename, revision=revision)
-    except CheckpointError:
-        return None
-
-
-def _read_header(path: Path) -> dict[str, TensorEntry]:
-    """Tensor entries of one safetensors file; CheckpointError names the file when it is corrupt."""
-    from safetensors import SafetensorError, safe_open
-
-    if not path.is_file():
-        raise CheckpointError(f"{path}: shard file not found; the index names it but it is missing "
-                              "(incomplete download or copy?)")
-    try:
-        # safe_open checks the header against the file (offsets, sizes, dtypes); we keep
-        # no handle, so no memory map stays open.
-        with safe_open(str(path), framework="pt") as handle:
-            names = list(handle.keys())
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({exc}); re-download or re-save this shard") from exc
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    base = 8 + length
-    out = {}
-    for name in names:
-        info = header[name]
-        if info["dtype"] not in _DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which hfsplit cannot read")
-        start, stop = info["data_offsets"]
-        out[name] = TensorEntry(path, _DTYPES[info["dtype"]], tuple(info["shape"]), base + start, base + stop)
-    return out
-
-
-# ---- names ------------------------------------------------------------------------------
-
-
-def parameter_to_checkpoint_names(weight_map: dict[str, str], model: Optional[torch.nn.Module] = None
-                                  ) -> tuple[dict[str, str], dict[str, MergedTensor]]:
-    """(model parameter name → checkpoint name, model name → MergedTensor).
-
-    Applies the renames transformers applies on load for the model's class (none for
-    dense Llama/Qwen2/Mistral), groups the tensors it merges on load (MoE experts stored one by
-    one), and maps tied weights absent from the checkpoint (`lm_head.weight`) to their source
-    (`model.embed_tokens.weight`).
-
-    Raises:
-        ConvertedOnLoadError: a tensor is split into several on load (only merges are read).
-    """
-    names, merged = ({key: key for key in weight_map}, {}) if model is None else split_checkpoint_names(weight_map, model)
-    for target, source in _tied_pairs(model).items():
-        if target not in names and source in names:
-            names[target] = names[source]
-    return names, merged
-
-
-def _tied_pairs(model: Optional[torch.nn.Module]) -> dict[str, str]:
-    """Tied weights {target: source}; without a model, the usual lm_head ← embed_tokens."""
-    if model is None:
-        return {"lm_head.weight": "model.embed_tokens.weight"}
-    pairs = getattr(model, "all_tied_weights_keys", None)
-    if isinstance(pairs, dict):
-        return dict(pairs)
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False):
-        return {"lm_head.weight": "model.embed_tokens.weight"}
-    return {}
-
-
-def _meta_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by name (tied duplicates included)."""
-    return dict(model.state_dict(keep_vars=True))
-
-
-def _persistent_state_names(model: torch.nn.Module) -> list[str]:
-    return list(_meta_state(model))
 
 
 # ---- bytes ------------------------------------------------------------------------------

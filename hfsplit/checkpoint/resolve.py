@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 from typing import Optional
 
 from hfsplit.errors import CheckpointError
+from hfsplit.checkpoint.multimodal import text_config_of
 from hfsplit.checkpoint.mxfp4 import without_mxfp4
 
 _BUNDLED = Path(__file__).resolve().parent.parent / "configs"
@@ -86,7 +87,8 @@ def load_config(model: str | os.PathLike, *, revision: Optional[str] = None):
     """The transformers config of a local folder, a config.json file, or a hub name.
 
     Well-known hub names whose config.json hfsplit bundles (hfsplit/configs) need no
-    network, so planning works offline for them.
+    network, so planning works offline for them. A multimodal checkpoint's config is its language model's
+    (`hfsplit.checkpoint.multimodal`).
     """
 
     path = Path(model)
@@ -101,6 +103,7 @@ def load_config(model: str | os.PathLike, *, revision: Optional[str] = None):
         config = _config_from_json(bundled)
     else:
         config = _config_from_json(resolve_file(str(model), "config.json", revision=revision))
+    config = text_config_of(config)  # a multimodal checkpoint is fine-tuned as its language model
     config._name_or_path = str(model)
     return config
 

@@ -6,12 +6,16 @@ This is the one place the objectives generate: `SplitModel.generate` (issue 31 i
 keeping its layers' KV cache per micro-batch, transformers' logits processors). `recompute_generate` below is the
 stand-in the objectives used before it, kept as a second implementation for the models without `generate`: each
 new token one forward of the whole sequences through the pipeline, no KV cache. Every rank draws the same tokens.
+With data-parallel replicas each generates its share of the prompts and the replicas gather the whole batch.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
+
+from hfsplit.parallel.generation import merged_generation_config, special_tokens
 
 
 def generate(model, input_ids: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
@@ -26,7 +30,47 @@ def generate(model, input_ids: torch.Tensor, *, attention_mask: Optional[torch.T
                      eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
     if not hasattr(model, "generate"):
         return recompute_generate(model, input_ids, **arguments)
-    return model.generate(input_ids, **arguments).cpu()
+    replicas = replica_count(model)
+    if replicas == 1 or len(input_ids) < replicas:
+        return model.generate(input_ids, **arguments).cpu()
+    return replicas_generate(model, input_ids, replicas=replicas, **arguments)
+
+
+def replica_count(model) -> int:
+    """How many data-parallel replicas `model` has (1 outside a split model)."""
+    ctx = getattr(model, "ctx", None)
+    return ctx.plan.dp if ctx is not None else 1
+
+
+def replicas_generate(model, input_ids: torch.Tensor, *, replicas: int, attention_mask: Optional[torch.Tensor],
+                      seed: int, pad_token_id: Optional[int], eos_token_id, **arguments) -> torch.Tensor:
+    """The whole batch's generations, each data-parallel replica generating one consecutive share of the prompts
+    (a prompt's sequences stay together) and the replicas gathering them: each replica's pipeline does 1/dp of the
+    work instead of all of it. Greedy rows equal the whole batch's (each row's tokens depend on that row alone); a
+    seeded draw is the same on every rank and run to run, each replica drawing from its own seeds."""
+    ctx = model.ctx
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    shares = [len(part) for part in torch.arange(len(input_ids)).tensor_split(replicas)]
+    start = sum(shares[:ctx.coords.dp])
+    mine = slice(start, start + shares[ctx.coords.dp])
+    out = model.generate(input_ids[mine], attention_mask=mask[mine], seed=seed + ctx.coords.dp * len(input_ids),
+                         pad_token_id=pad_token_id, eos_token_id=eos_token_id, **arguments)
+    pad = model_pad(model, pad_token_id, eos_token_id)
+    copies = out.shape[0] // shares[ctx.coords.dp]
+    # the replicas' rows and lengths differ: gather them padded to the most of each, then cut each share to its rows
+    width = torch.tensor([out.shape[1]], device=out.device)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=ctx.dp_group)
+    held = torch.full((max(shares) * copies, int(width)), pad, dtype=out.dtype, device=out.device)
+    held[:out.shape[0], :out.shape[1]] = out
+    gathered = [torch.empty_like(held) for _ in range(replicas)]
+    dist.all_gather(gathered, held, group=ctx.dp_group)
+    return torch.cat([rows[:share * copies] for rows, share in zip(gathered, shares)]).cpu()
+
+
+def model_pad(model, pad_token_id: Optional[int], eos_token_id) -> int:
+    """The pad id `model.generate` continues finished rows with (its generation config with these arguments)."""
+    config = merged_generation_config(model.generation_config, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    return special_tokens(config)[1]
 
 
 def recompute_generate(model, input_ids: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,

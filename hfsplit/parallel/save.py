@@ -28,6 +28,7 @@ from hfsplit.checkpoint.writer import (DEFAULT_MAX_SHARD_SIZE, StreamingWriter, 
                                        write_index_file)
 from hfsplit.errors import HfsplitError
 from hfsplit.ship.base import StoredLayout
+from hfsplit.ship.multimodal import Towers, WrappedLayout, adapter_in_wrapper, save_config, wrapper_of_source
 
 _ADAPTER_NAME = re.compile(r"\.default(?=\.)")
 
@@ -169,11 +170,15 @@ def _write_full(model, tmp: Path, *, merge_lora: bool, base_model: Optional[str]
                 max_shard_size: Union[str, int] = DEFAULT_MAX_SHARD_SIZE) -> None:
     """A Hugging Face model folder in `tmp` (collective): each stage's tensors streamed one at a time into shards of at
     most `max_shard_size` (a shard never spans stages; one writing rank per stage), the index, the configs."""
-    layout = StoredLayout(model.config)
+    wrapper = wrapper_of_source(base_model or getattr(model, "source", None))
+    layout = StoredLayout(model.config) if wrapper is None else WrappedLayout(model.config, wrapper)
     stages = list(zip(model.stage_indices, model.stages))
     groups = [group for _, module in stages
               for group in shard_layout(stage_tensor_specs(model, module, layout), max_shard_size)]
     writes = _writes(model)
+    # a multimodal checkpoint's towers, as stored, in the first stage's shards after its own tensors
+    towers = Towers(base_model or model.source, wrapper) if wrapper and writes and 0 in model.stage_indices else None
+    groups += shard_layout(towers.specs(), max_shard_size) if towers is not None else []
     first, total = _shard_numbering(min(model.stage_indices), len(groups) if writes else 0)
     writer = StreamingWriter(tmp, [], layout=groups, first_shard=first, total_shards=total) if writes else None
     for _, module in stages:
@@ -183,13 +188,18 @@ def _write_full(model, tmp: Path, *, merge_lora: bool, base_model: Optional[str]
                 if writer is not None:
                     writer.write(key, piece)
             del value
+    if writer is not None and towers is not None:
+        towers.write(writer)
     mine = (writer.close(write_index=False), writer.total_size) if writer is not None else ({}, 0)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:
         write_index_file(tmp, {k: v for part, _ in gathered for k, v in part.items()},
                          total_size=sum(size for _, size in gathered))
-        model.config.save_pretrained(tmp)
+        if wrapper is None:
+            model.config.save_pretrained(tmp)
+        else:
+            save_config(wrapper, tmp)
         _write_generation_config(tmp, base_model, config=model.config)
 
 
@@ -213,6 +223,9 @@ def _write_adapter(model, tmp: Path, *, lora_config, base_model: Optional[str]) 
     dist.all_gather_object(gathered, adapters if _writes(model) else {})
     if dist.get_rank() == 0:
         merged = {k: v for part in gathered for k, v in part.items()}
+        wrapper = wrapper_of_source(base_model or getattr(model, "source", None))
+        if wrapper is not None:  # under the original multimodal model's names, its towers untouched
+            merged, lora_config = adapter_in_wrapper(merged, lora_config, wrapper)
         save_file(merged, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         lora_config.base_model_name_or_path = base_model
         lora_config.save_pretrained(tmp)

@@ -17,11 +17,13 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from hfsplit.checkpoint.multimodal import Wrapper
 from hfsplit.checkpoint.resolve import resolve_file
 from hfsplit.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, StreamingWriter, TensorSpec
 from hfsplit.errors import CheckpointError
 from hfsplit.ship.adapter import LoraDelta, adapter_deltas, read_adapter
 from hfsplit.ship.base import BaseCheckpoint, StoredLayout, open_base
+from hfsplit.ship.multimodal import Towers, WrappedLayout, wrapper_of_source
 
 # Bytes of float32 delta computed at once: bounds the merge's working memory beyond the tensor itself.
 ROW_BLOCK_BYTES = 64 * 2**20
@@ -48,24 +50,31 @@ def merge_adapter(base: Union[str, os.PathLike], adapter: Union[str, os.PathLike
     source = open_base(str(base))
     lora = read_adapter(adapter)
     shapes = _parameter_shapes(source)
-    deltas = adapter_deltas(lora, shapes, _transposed_experts(source.model))
+    wrapper = wrapper_of_source(str(base))  # a multimodal base: the adapter names its modules as the original class
+    ours = {wrapper.name(name) if wrapper else name: name for name in shapes}  # the adapter's names → the base's
+    theirs = {ours_name: shapes[name] for ours_name, name in ours.items()}
+    transposed = {n for n in ours if ours[n] in _transposed_experts(source.model)}
+    deltas = {ours[n]: delta for n, delta in adapter_deltas(lora, theirs, transposed).items()}
+    replacements = {ours[n]: tensor for n, tensor in lora.replacements(theirs).items()}
     with atomic_folder(out) as tmp:
-        write_merged(source, deltas, tmp, max_shard_size=max_shard_size, replacements=lora.replacements(shapes))
+        write_merged(source, deltas, tmp, max_shard_size=max_shard_size, replacements=replacements, wrapper=wrapper)
         write_config(source, tmp)
         copy_side_files(str(base), tmp)
     return Path(out)
 
 
 def write_merged(source: BaseCheckpoint, deltas: dict[str, LoraDelta], folder: Path, *,
-                 max_shard_size: Union[str, int], replacements: Optional[dict[str, torch.Tensor]] = None
-                 ) -> dict[str, str]:
+                 max_shard_size: Union[str, int], replacements: Optional[dict[str, torch.Tensor]] = None,
+                 wrapper: Optional[Wrapper] = None) -> dict[str, str]:
     """Every tensor of `source` (or of `replacements`, the whole tensors an adapter saved), its delta added where
-    `deltas` has one, into sharded safetensors in `folder`."""
+    `deltas` has one, into sharded safetensors in `folder`; for a multimodal base (`wrapper`), under the original
+    class's names and followed by its towers as stored."""
     replacements = replacements or {}
-    layout = StoredLayout(source.config)
+    layout = StoredLayout(source.config) if wrapper is None else WrappedLayout(source.config, wrapper)
+    towers = Towers(source.source, wrapper) if wrapper is not None else None
     names = source.names()
     specs_by_name = {name: source.spec(name) for name in names}
-    specs = [spec for name in names for spec in layout.specs(specs_by_name[name])]
+    specs = [spec for name in names for spec in layout.specs(specs_by_name[name])] + (towers.specs() if towers else [])
     writer = StreamingWriter(folder, specs, max_shard_size=max_shard_size)
     for name in names:
         tensor = replacements[name].to(specs_by_name[name].dtype) if name in replacements else source.read(name)
@@ -74,6 +83,8 @@ def write_merged(source: BaseCheckpoint, deltas: dict[str, LoraDelta], folder: P
         for key, piece in layout.pieces(name, tensor).items():
             writer.write(key, piece)
         del tensor
+    if towers is not None:
+        towers.write(writer)
     return writer.close()
 
 

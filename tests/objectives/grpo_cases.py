@@ -65,22 +65,32 @@ def grpo_losses(options: dict) -> dict:
     return dict(losses=result.losses, records=records)
 
 
-def rollout_generations(checkpoint: str, ids, mask, *, new: int) -> dict:
-    """On every rank: the objectives' `generate` on `checkpoint` split over the ranks' pipeline stages: greedy (and by
-    the recomputing stand-in), and sampled twice with one seed (temperature, top-k, top-p, 3 sequences a prompt)."""
+def rollout_generations(checkpoint: str, ids, mask, *, new: int, dp: int = 1) -> dict:
+    """On every rank: the objectives' `generate` on `checkpoint` split over the ranks' pipeline stages (× `dp`
+    replicas, each generating its share): greedy (and by the recomputing stand-in), and sampled twice with one seed
+    (temperature, top-k, top-p, 3 sequences a prompt); with `dp` > 1 also how many rows this replica's pipeline
+    generated (its `generate`'s batch)."""
     from hfsplit.load.launch import split_from_pretrained
     from hfsplit.objectives.rollout import generate, recompute_generate
     from hfsplit.plan import TrainingSpec
 
-    model = split_from_pretrained(checkpoint, "2x1GiB", spec=TrainingSpec(method="full", seq_len=32, dtype="float32"),
-                                  micro_batches=2, pp=2, tp=1)
+    model = split_from_pretrained(checkpoint, f"{2 * dp}x1GiB",
+                                  spec=TrainingSpec(method="full", seq_len=32, dtype="float32"),
+                                  micro_batches=2, pp=2, tp=1, dp=dp)
+    batches, split_generate = [], model.generate
+
+    def counted(input_ids, **kwargs):  # the prompts this replica's pipeline generates
+        batches.append(len(input_ids))
+        return split_generate(input_ids, **kwargs)
+
+    model.generate = counted
     common = dict(attention_mask=mask, max_new_tokens=new, eos_token_id=3, pad_token_id=0)
     with torch.no_grad():
         greedy = generate(model, ids, **common)
         recomputed = recompute_generate(model, ids, **common)
         sampled = [generate(model, ids, do_sample=True, temperature=0.7, top_k=20, top_p=0.9, num_return_sequences=3,
                             seed=7, **common) for _ in range(2)]
-    return dict(greedy=greedy, recomputed=recomputed, sampled=sampled)
+    return dict(greedy=greedy, recomputed=recomputed, sampled=sampled, batches=batches)
 
 
 def default_options_losses(options: dict) -> list[float]:

@@ -210,10 +210,13 @@ def test_the_tiny_grpo_recipe_raises_the_mean_reward_over_30_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_rollouts_on_two_stages_equal_transformers_generate_with_left_padding(tiny_checkpoint):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_rollouts_on_two_stages_equal_transformers_generate_with_left_padding(tiny_checkpoint, dp):
     """The objectives' generation (`hfsplit.objectives.rollout.generate`: `SplitModel.generate`, and the recomputing
     stand-in) on two pipeline stages: greedy output of left-padded prompts of different lengths equals transformers'
-    `generate` with the attention mask on the whole model; a seeded draw is the same on every rank and run to run, each prompt's sequences next to each other."""
+    `generate` with the attention mask on the whole model; a seeded draw is the same on every rank and run to run, each
+    prompt's sequences next to each other. With two data-parallel replicas each generates its share of the prompts
+    (2 and 1 of the 3) and every rank returns the whole batch."""
     from transformers import AutoModelForCausalLM
 
     from tests.parallel.launcher import launch
@@ -223,8 +226,8 @@ def test_rollouts_on_two_stages_equal_transformers_generate_with_left_padding(ti
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    results = launch("tests.objectives.grpo_cases:rollout_generations", world_size=2,
-                     kwargs={"checkpoint": checkpoint, "ids": ids, "mask": mask, "new": 8}, timeout_s=600)
+    results = launch("tests.objectives.grpo_cases:rollout_generations", world_size=2 * dp,
+                     kwargs={"checkpoint": checkpoint, "ids": ids, "mask": mask, "new": 8, "dp": dp}, timeout_s=600)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=3,
                               pad_token_id=0)
@@ -233,6 +236,8 @@ def test_rollouts_on_two_stages_equal_transformers_generate_with_left_padding(ti
         first, second = result["sampled"]
         assert torch.equal(first, second) and torch.equal(first, results[0]["sampled"][0])
         assert first.shape[0] == 9 and torch.equal(first[:, :width], ids.repeat_interleave(3, dim=0))
+    # each replica's pipeline generated its prompts only (greedy, then two draws): replica 0 prompts 0-1, 1 prompt 2
+    assert [r["batches"] for r in results] == ([[3] * 3] * 2 if dp == 1 else [[2] * 3] * 2 + [[1] * 3] * 2)
 
 
 def test_prompts_are_read_as_trl_reads_them_standard_or_conversational(tmp_path):

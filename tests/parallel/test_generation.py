@@ -104,7 +104,8 @@ def test_distributed_from_pretrained_has_the_transformers_surface(launch, tiny_c
 
 @pytest.mark.slow
 def test_the_generation_benchmark_runs_and_both_paths_agree():
-    """scripts/bench_generate.py on a tiny model: the relay and the pipelined cuts generate the same tokens."""
+    """scripts/bench_generate.py on a tiny model: the relay and the pipelined cuts generate the same tokens; it
+    reports each rank's time blocked in receives and a decode forward's time at each micro-batch's rows."""
     import os
     import sys
     from pathlib import Path
@@ -113,7 +114,11 @@ def test_the_generation_benchmark_runs_and_both_paths_agree():
 
     root = Path(__file__).resolve().parents[2]
     out = run_command([sys.executable, "scripts/bench_generate.py", "--small", "--sequences", "4", "--new-tokens", "4",
-                       "--micro-batches", "2", "--repeats", "1"], cwd=root, env=dict(os.environ), timeout_s=300)
+                       "--micro-batches", "2", "--repeats", "1", "--prompt-length", "8"], cwd=root,
+                      env=dict(os.environ), timeout_s=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "same tokens in every cut: True" in out.stdout, out.stdout
-    assert "(the relay)" in out.stdout
+    assert "(the relay)" in out.stdout and "waiting 0 / 1" in out.stdout
+    assert "prompts of 4-8 tokens" in out.stdout
+    for rank in (0, 1):  # the relay's forwards on the 4 rows, the cut's on 2
+        assert f"rank {rank}: a decode step's forward, median: 4 rows " in out.stdout and ", 2 rows " in out.stdout
