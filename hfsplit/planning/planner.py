@@ -85,11 +85,19 @@ def make_plan(
     found = _with_knobs(config, budgets, spec, name=name, choices=choices, options=options, chunked_loss=chunked_loss)
     if found is not None:
         return _with_host_note(replace(found, notes=found.notes + rates.notes), host, options["link"])
-    options["schedule"] = diagnosis_schedule(schedule, micro_batches, len(budgets))  # the diagnosis needs no schedule search
-    raise PlanError(explain_no_fit(config, budgets, frugal_loss(frugal(choices).spec(spec), chunked_loss), name=name,
-                                   options=options, choices=frugal_choices(choices),
-                                   losses=loss_settings(with_fixed_loss(spec, chunked_loss), chunked_loss))
-                    if explain else f"{name}: no split fits (not explained)")
+    raise _no_fit(config, budgets, spec, name=name, choices=choices, chunked_loss=chunked_loss, explain=explain,
+                  options={**options, "schedule": diagnosis_schedule(schedule, micro_batches, len(budgets))})
+
+
+def _no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, choices: list, chunked_loss,
+            explain: bool, options: dict) -> PlanError:
+    """The no-fit error: the diagnosis plans the most frugal choice and loss, and its changes of size alone with every
+    memory choice and loss make_plan searched (`diagnosis.explain_no_fit`); the diagnosis needs no schedule search."""
+    if not explain:
+        return PlanError(f"{name}: no split fits (not explained)")
+    return PlanError(explain_no_fit(config, budgets, frugal_loss(frugal(choices).spec(spec), chunked_loss), name=name,
+                                    options=options, choices=frugal_choices(choices),
+                                    losses=loss_settings(with_fixed_loss(spec, chunked_loss), chunked_loss)))
 
 
 def _with_knobs(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, choices: list, options: dict,
