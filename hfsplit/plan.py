@@ -38,6 +38,8 @@ class ObjectiveCounts:
             (`TrainingSpec.rollout_rows` sequences of `rollout_tokens` new tokens) and its decode passes.
         example: what one example is called in the plan's table ("pair").
         parts: what an example's rows are, for the table ("chosen + rejected rows").
+        chunked_loss: where the planner may turn the chunked loss on: "yes", "padded" (on padded rows only: its
+            head sums each row, and a packed row holds several examples) or "no" (the loss needs whole logits).
     """
 
     rows_per_example: int = 1
@@ -46,14 +48,15 @@ class ObjectiveCounts:
     generation: bool = False
     example: str = "example"
     parts: str = ""
+    chunked_loss: str = "yes"
 
 
 # The registered objectives' declarations, by name (their modules: `hfsplit.objectives`; a test checks they agree).
 OBJECTIVE_COUNTS = {
     "sft": ObjectiveCounts(),
     "dpo": ObjectiveCounts(rows_per_example=2, head="sequences", reference=True, example="pair",
-                           parts="chosen + rejected rows"),
-    "grpo": ObjectiveCounts(reference=True, generation=True, example="completion"),
+                           parts="chosen + rejected rows", chunked_loss="padded"),
+    "grpo": ObjectiveCounts(reference=True, generation=True, example="completion", chunked_loss="no"),
 }
 
 @dataclass(frozen=True)
@@ -106,6 +109,9 @@ class TrainingSpec:
             keeps (None: not known where the plan was made, counted as one step's pairs).
         rollout_rows, rollout_tokens: an objective that generates (GRPO): the sequences one replica generates per
             step (prompts × generations) and the new tokens of each; 0 otherwise.
+        tiled_mlp: the slices of the sequence each block's MLP runs in, forward and recompute-backward, so its
+            intermediates never exist for the whole sequence (`hfsplit.apply.tiled_mlp`); 0: untiled. In a Plan, the
+            most any stage runs; each stage's own is `Stage.tiled_mlp`.
     """
 
     method: Method = "lora"
@@ -131,6 +137,7 @@ class TrainingSpec:
     reference_pairs: Optional[int] = None
     rollout_rows: int = 0
     rollout_tokens: int = 0
+    tiled_mlp: int = 0
 
     def __post_init__(self):
         mode = checkpointing_mode(self.activation_checkpointing)
@@ -251,6 +258,7 @@ class Stage:
         time_s: estimated forward + backward time per micro-batch.
         checkpointing: this stage's activation checkpointing, "off" / "on" / "offload" (None: the spec's).
         optim: the optimizer of this stage's trainable parameters, an `OPTIMS` name (None: the spec's).
+        tiled_mlp: the slices each of this stage's blocks runs its MLP in (0: untiled; None: the spec's).
     """
 
     index: int
@@ -264,6 +272,7 @@ class Stage:
     time_s: float
     checkpointing: Optional[str] = None
     optim: Optional[str] = None
+    tiled_mlp: Optional[int] = None
 
     @property
     def num_layers(self) -> int:
@@ -327,6 +336,8 @@ class Plan:
             out.append(tp_step(self.tp))
         if any(self.checkpointing_of(s) != "off" for s in self.stages):
             out.append(checkpointing_step(self))
+        if any(self.tiled_mlp_of(s) > 1 for s in self.stages):
+            out.append(tiled_mlp_step(self))
         out.append(load_step())
         if self.spec.method == "qlora":
             out.append(quantize_step(self.spec, experts=self.fused_experts))
@@ -341,6 +352,12 @@ class Plan:
         if self.spec.method == "inference":
             return "off"
         return stage.checkpointing or self.spec.checkpointing
+
+    def tiled_mlp_of(self, stage: Stage) -> int:
+        """The slices stage `stage`'s blocks run their MLP in (0: untiled)."""
+        if self.spec.method == "inference":
+            return 0
+        return self.spec.tiled_mlp if stage.tiled_mlp is None else stage.tiled_mlp
 
     def optim_of(self, stage: Stage) -> str:
         """The optimizer (an `OPTIMS` name) of stage `stage`'s trainable parameters."""
@@ -374,7 +391,8 @@ class Plan:
             for s in data["stages"]
         )
         spec = data["spec"]  # a plan written before stages carried their own decisions: the spec's
-        data["stages"] = tuple(replace(s, checkpointing=s.checkpointing or spec.checkpointing, optim=s.optim or spec.optim)
+        data["stages"] = tuple(replace(s, checkpointing=s.checkpointing or spec.checkpointing, optim=s.optim or spec.optim,
+                                       tiled_mlp=spec.tiled_mlp if s.tiled_mlp is None else s.tiled_mlp)
                                for s in data["stages"])
         data["notes"] = tuple(data.get("notes", ()))
         data["applied"] = tuple(Step(*step) for step in data.get("applied", ()))
@@ -421,7 +439,7 @@ class Plan:
             + f", schedule {self.schedule}\n"
         )
         cols = ("stage", "device", "layers", "weights", "grads", "optim", "activ", "reserve", "total", "budget", "use",
-                "ckpt", "moments", "host")
+                "ckpt", "moments", "host") + (("mlp",) if self._tiles() else ())
         rows = [row for stage in self.stages for row in self._rows(stage)]
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
@@ -475,6 +493,9 @@ class Plan:
         how = "each micro-batch" if self.virtual_stages == 1 else "the step's rows at once, stage after stage"
         return pairs + f"reference adapters-off: a no-grad forward of {how}, {self.reference_s * 1e3:.1f} ms of the step"
 
+    def _tiles(self) -> bool:
+        return any(self.tiled_mlp_of(s) > 1 for s in self.stages)
+
     def _uniform(self, of, mixed: str) -> str:
         values = {of(s) for s in self.stages}
         return values.pop() if len(values) == 1 else mixed
@@ -487,6 +508,8 @@ class Plan:
         moments = ("8-bit" if is_8bit(self.optim_of(stage)) else "fp32") if training else "-"
         decisions = (self.checkpointing_of(stage) if training else "-", moments,
                      format_bytes(m.offload) if m.offload else "-")
+        if self._tiles():
+            decisions += (f"{self.tiled_mlp_of(stage)} tiles" if self.tiled_mlp_of(stage) > 1 else "whole",)
         return [(str(stage.index), device, layers, format_bytes(m.weights), format_bytes(m.gradients),
                  format_bytes(m.optimizer), format_bytes(m.activations), format_bytes(m.reserve), format_bytes(m.total),
                  format_bytes(stage.budget), f"{100 * m.total / stage.budget:.0f}%") + decisions
@@ -516,7 +539,8 @@ def coordinates_of_rank(plan: Plan, *, rank: int) -> Coordinates:
 class Step(NamedTuple):
     """One thing `apply_plan` does to every stage: its kind (the key of apply's table) and its value.
 
-    Kinds, in the order they run: "tp" (the degree), "checkpointing" ("per block"), "load" (every plan reads
+    Kinds, in the order they run: "tp" (the degree), "checkpointing" ("per block"), "tiled_mlp" (the slices, and
+    where), "load" (every plan reads
     its rank's bytes), "quantize" (the base's format), "lora" (the rank), "autocast" (the dtype).
     """
 
@@ -531,6 +555,7 @@ _LABELS = {
     "tp": lambda tp: f"tensor parallel tp={tp}",
     "checkpointing": lambda how: "activation checkpointing per block (non-reentrant)" + (
         "" if how == "per block" else how[len("per block"):]),
+    "tiled_mlp": lambda what: f"MLP tiled over the sequence ({what})",
     "load": lambda what: f"weights read ({what})",
     "quantize": lambda kind: _quantize_label(*kind.partition("; ")[::2]),
     "lora": lambda r: f"LoRA r={r}",
@@ -557,6 +582,16 @@ def checkpointing_step(plan: Optional["Plan"] = None) -> Step:
     where = "every stage" if len(offloaded) == len(plan.stages) else f"stage {', '.join(map(str, offloaded))}"
     return Step("checkpointing", f"per block, block inputs offloaded to host on {where}"
                 + (f" (stage {', '.join(map(str, on))}: on device)" if on else ""))
+
+
+def tiled_mlp_step(plan: "Plan") -> Step:
+    """The tiled-MLP step: the slices of each stage that tiles its blocks' MLP (`plan.tiled_mlp_of` says it per
+    stage; `apply.tiled_mlp` reads it there)."""
+    tiled = [s for s in plan.stages if plan.tiled_mlp_of(s) > 1]
+    counts = {plan.tiled_mlp_of(s) for s in tiled}
+    where = "every stage" if len(tiled) == len(plan.stages) else f"stage {', '.join(str(s.index) for s in tiled)}"
+    slices = f"{counts.pop()} slices" if len(counts) == 1 else "slices per stage"
+    return Step("tiled_mlp", f"{slices} on {where}")
 
 
 def load_step() -> Step:

@@ -7,7 +7,9 @@ For a synthetic Llama of about 1B parameters in bf16 it prints
   - seconds to load onto the GPU: `hfsplit.from_pretrained` vs `transformers.from_pretrained(device_map="cuda")`,
   - headroom (issue 21): the CUDA peak of LoRA with offloaded checkpointing vs the plan (and the host bytes the
     offload held vs the plan's), its step time vs checkpointing on the device (target ≤1.10×), and the peak of full
-    fine-tuning with bitsandbytes' 8-bit AdamW vs the plan.
+    fine-tuning with bitsandbytes' 8-bit AdamW vs the plan,
+  - long context (issue 30): the CUDA peak of LoRA at seq 16384 (micro-batch 1, checkpointed blocks, the MLP tiled
+    over the sequence, the chunked loss) vs the plan (target ±15%), and its tokens/s.
 Without a GPU it prints one line and exits 0. `--device cpu --tiny` runs every part on CPU with a tiny
 model (the test suite does), where "peak" is the process's peak RSS above its own baseline after imports.
 
@@ -31,6 +33,8 @@ LLAMA_1B = dict(num_layers=22, hidden=2048, heads=32, kv_heads=4, intermediate=5
 TINY = dict(num_layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256, max_positions=512)
 SHAPES = {False: dict(seq_len=1024, micro_batch_size=2, micro_batches=2, steps=6),
           True: dict(seq_len=32, micro_batch_size=2, micro_batches=2, steps=3)}
+LONG = {False: dict(seq_len=16384, micro_batch_size=1, micro_batches=1, steps=3),  # issue 30's long-context row
+        True: dict(seq_len=256, micro_batch_size=1, micro_batches=1, steps=3)}
 
 
 def main(argv=None) -> int:
@@ -53,8 +57,11 @@ def main(argv=None) -> int:
         loads = {kind: _run_child(dict(job, kind=kind)) for kind in ("load_hfsplit", "load_transformers")}
         headroom = [_run_child(dict(job, kind="hfsplit", method=m, ckpt=c, optim=o))
                     for m, c, o in (("lora", "offload", "adamw_torch"), ("full", True, "adamw_8bit"))]
+        long = _run_child(dict(job, **LONG[args.tiny], kind="hfsplit", method="lora", ckpt=True, tiled=True,
+                               chunked=True))
     print(report(rows, plain=plain, loads=loads, tiny=args.tiny, device=args.device))
     print(headroom_report(headroom, on=next(r for r in rows if r["method"] == "lora" and r["ckpt"]), device=args.device))
+    print(long_context_report(long, device=args.device))
     return 0
 
 
@@ -131,7 +138,8 @@ def _hfsplit_run(job: dict, *, dtype: str) -> dict:
     from hfsplit.training.trainer import train_step
 
     options = tiny_demo_options(model=job["checkpoint"], method=job["method"], activation_checkpointing=job["ckpt"],
-                                optim=job.get("optim", "adamw_torch"),
+                                optim=job.get("optim", "adamw_torch"), tiled_mlp=job.get("tiled", False),
+                                chunked_loss=job.get("chunked", False),
                               seq_len=job["seq_len"], micro_batch_size=job["micro_batch_size"],
                               micro_batches=job["micro_batches"], max_steps=job["steps"], dtype=dtype, pp=1, tp=1,
                               warmup_steps=0, tokenizer=str(TINY_TOKENIZER_DIR),  # the rows are replaced below
@@ -150,7 +158,8 @@ def _hfsplit_run(job: dict, *, dtype: str) -> dict:
     stage = run.model.plan.stages[0]
     return {"method": job["method"], "ckpt": job["ckpt"], "peak": peak, "plan": stage.memory.total,
             "tokens_per_s": tokens * len(timed) / sum(timed), "optim": stage.optim,
-            "offload_plan": stage.memory.offload, "offload": outcomes[-1].offload_bytes}
+            "offload_plan": stage.memory.offload, "offload": outcomes[-1].offload_bytes, "seq_len": job["seq_len"],
+            "tiles": run.model.plan.tiled_mlp_of(stage)}
 
 
 def _plain_run(job: dict, *, dtype: str) -> dict:
@@ -251,6 +260,15 @@ def headroom_report(rows: list[dict], *, on: dict, device: str) -> str:
     lines.append(f"offload step time vs checkpointing on the device: {on['tokens_per_s'] / offload['tokens_per_s']:.2f}× "
                  f"(target ≤1.10×; {offload['tokens_per_s']:.0f} vs {on['tokens_per_s']:.0f} tokens/s)")
     return "\n".join(lines)
+
+
+def long_context_report(row: dict, *, device: str) -> str:
+    """Issue 30's row: LoRA at a long sequence with the MLP tiled and the chunked loss, its peak against the plan."""
+    gib = 2 ** 30
+    what = "peak RSS above baseline" if device == "cpu" else "CUDA allocator peak"
+    return (f"long context (issue 30): LoRA seq {row['seq_len']}, MLP in {row['tiles']} tiles, chunked loss: plan "
+            f"{row['plan'] / gib:.3f} GiB, {what} {row['peak'] / gib:.3f} GiB, ratio {row['peak'] / row['plan']:.2f} "
+            f"(target 0.85-1.15), {row['tokens_per_s']:.0f} tokens/s")
 
 
 if __name__ == "__main__":

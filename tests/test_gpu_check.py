@@ -47,3 +47,5 @@ def test_cpu_tiny_run_prints_every_row_of_the_table():
     (_, _, _, plan, peak, _, host_plan, host), _ = headroom
     assert float(plan) > 0 and float(peak) > 0 and float(host_plan) > 0 and float(host) == float(host_plan), out
     assert re.search(r"offload step time vs checkpointing on the device: [\d.]+×", out), out
+    long = re.search(r"long context \(issue 30\): LoRA seq 256, MLP in (\d+) tiles, chunked loss: plan ([\d.]+) GiB", out)
+    assert long and int(long.group(1)) >= 2 and float(long.group(2)) > 0, out

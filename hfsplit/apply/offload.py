@@ -17,7 +17,7 @@ On CUDA the host buffer is pinned and both copies run on a side stream: out in f
 and back in backward one block early (when block i's input is brought back for its recompute, block i-1's is
 fetched too), so that the copy hides behind block i's recompute. On a CPU rank the same code runs with plain host
 copies. A stage after the first keeps its first block's input on the device: the pipeline holds that tensor
-for the stage's backward anyway (`planning.planner._kept_input` counts it there).
+for the stage's backward anyway (`planning.stage_costs.kept_input` counts it there).
 
 `HostBytes` counts what a rank holds in host memory (`activation_offload_bytes` in metrics.jsonl); a live-tensor
 counter on a CPU rank asks `allocating_host_copy()` to leave the host buffers out of the device's figure.

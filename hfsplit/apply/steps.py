@@ -1,7 +1,8 @@
 """Apply a Plan to this rank's stages: `plan.steps()` in order, each looked up in one table (as torchtitan's
 `parallelize_llama` applies what its config names):
 
-    tensor parallelism → activation checkpointing (block inputs offloaded where a stage says) → load weights →
+    tensor parallelism → activation checkpointing (block inputs offloaded where a stage says) → tiled MLPs →
+    load weights →
     quantization → LoRA → autocast (16-bit QLoRA)
 
 TP and checkpointing act on the stage while it is still on the meta device (TP so each rank
@@ -24,6 +25,7 @@ from hfsplit.apply.checkpointing import checkpoint_blocks
 from hfsplit.apply.load import read_weights
 from hfsplit.apply.lora import LoraSetup, add_adapters
 from hfsplit.apply.quantize import check_quantized
+from hfsplit.apply.tiled_mlp import tile_stage_mlps
 from hfsplit.apply.tp import shard_stages
 from hfsplit.errors import PlanError
 from hfsplit.plan import Plan, Step
@@ -32,6 +34,7 @@ from hfsplit.plan import Plan, Step
 STEPS: dict[str, Callable[[Sequence[nn.Module], Step, "StepInputs"], Step]] = {
     "tp": shard_stages,
     "checkpointing": checkpoint_blocks,
+    "tiled_mlp": tile_stage_mlps,
     "load": read_weights,
     "quantize": check_quantized,
     "lora": add_adapters,

@@ -13,7 +13,7 @@ from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_ma
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli.charts import plan_memory_chart
 from hfsplit.cli.ship import COMMANDS as SHIP_COMMANDS, add_ship_parsers, run_ship
-from hfsplit.errors import HfsplitError
+from hfsplit.errors import HfsplitError, PlanError
 from hfsplit.planning.memory_choices import host_budget
 from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, PLANNED, FinetuneOptions, OptionParser,
                                       add_option_arguments, options_from, plan_arguments, training_only_flags)
@@ -50,6 +50,9 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     only.add_argument("--nproc", type=int, default=None, help="ranks the launch would start, for a --config recipe "
                       "without max_memory (default: one per local GPU, else 2 CPU ranks as the bundled accelerate "
                       "config launches)")
+    only.add_argument("--max-seq-len", action="store_true",
+                      help="plan the longest sequence this job fits at instead of --seq-len: a binary search on the "
+                           "planner, to multiples of 256 tokens, up to the model's max_position_embeddings")
     only.add_argument("--json", action="store_true", help="print the Plan as JSON instead of the table")
     only.add_argument("--png", default=None, help="also draw per-device memory bars into this PNG file (default: no chart)")
     add_option_arguments(p, names=PLANNED)
@@ -130,13 +133,28 @@ def run_plan(args) -> int:
     verdict = proven_split(config)  # refused by name, with the first block that differs, before anything is planned
     if not verdict.packing and kwargs["spec"].packing:  # as the run turns it off
         kwargs["spec"] = dataclasses.replace(kwargs["spec"], packing=False)
-    plan = make_plan(config, budget, **kwargs)
+    plan = (longest_plan(make_plan, config, budget, kwargs) if args.max_seq_len
+            else make_plan(config, budget, **kwargs))
     notes = notes + (() if verdict.packing else (f"packing off for {verdict.model_type}: {verdict.reason}"[:200],))
     plan = dataclasses.replace(plan, notes=notes + plan.notes)
     print(plan.to_json() if args.json else plan.table())
     if args.png:
         print(f"memory chart: {plan_memory_chart(plan, args.png)}", file=sys.stderr)
     return 0
+
+
+def longest_plan(make_plan, model, budget, kwargs: dict):
+    """`--max-seq-len`: the plan at the longest sequence that fits, its length in a note; refused (exit 2) when not
+    even 256 tokens fit."""
+    from hfsplit.planning.max_seq import MULTIPLE, max_seq_len  # lazy: as make_plan
+
+    plan = max_seq_len(make_plan, model, budget, **kwargs)
+    if plan is None:
+        raise PlanError(f"{model}: not even {MULTIPLE} tokens fit this budget; plan --seq-len {MULTIPLE} for the "
+                        "diagnosis and the changes that fit")
+    note = (f"longest sequence that fits: {plan.spec.seq_len} tokens (binary search on the planner, multiples of "
+            f"{MULTIPLE}; {MULTIPLE} more do not fit)")
+    return dataclasses.replace(plan, notes=(note,) + plan.notes)
 
 
 def run_check(args) -> int:

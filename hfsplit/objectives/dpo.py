@@ -111,7 +111,7 @@ def check_dpo_options(options) -> None:
         raise HfsplitError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch: "
                            f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size}), "
                            "or pass --packing on (a packed row holds whole pairs)")
-    if options.chunked_loss and options.packing == "on":  # the chunked head sums log-probs by row, not by sequence
+    if options.chunked_loss is True and options.packing == "on":  # the chunked head sums log-probs by row
         raise HfsplitError("--objective dpo --chunked-loss sums each row's log-probs, and a packed row holds several "
                            "sequences: drop --chunked-loss or --packing on")
 

@@ -174,7 +174,7 @@ def check_grpo_options(options) -> None:
         raise HfsplitError("--epsilon and --epsilon-high must be above 0")
     if options.temperature <= 0:
         raise HfsplitError(f"--temperature must be above 0 (got {options.temperature}): GRPO samples")
-    if options.packing == "on" or options.chunked_loss:
+    if options.packing == "on" or options.chunked_loss is True:
         raise HfsplitError("--objective grpo trains one completion a row on full logits: drop --packing on and "
                            "--chunked-loss")
     if options.eval_every:

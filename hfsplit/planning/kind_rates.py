@@ -53,7 +53,7 @@ def kind_rates(kinds: Mapping[str, GpuKind], *, unit: float, config=None, spec=N
 
     Args:
         kinds: device key → its GPU kind.
-        unit: FLOP/s of speed 1 (`planner.DEVICE_FLOPS`).
+        unit: FLOP/s of speed 1 (`timing.DEVICE_FLOPS`).
         config, spec: the model and step, to find a run's measurement of this block shape (None: table only).
         given: speeds the caller gave (a launched run's calibration): kept, and said so.
         link_given: the caller gave the link (a launched run's probe): no link from the table.

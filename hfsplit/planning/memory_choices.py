@@ -1,7 +1,8 @@
 """What a stage may trade time for memory with, in the order the planner tries them.
 
 Each pipeline rank of a plan runs one `Choice`: activation checkpointing off, on, or offloaded to host memory,
-and its optimizer's moments in fp32 or bitsandbytes' 8 bits. The planner (`planner.split_layers`) gives each rank
+its optimizer's moments in fp32 or bitsandbytes' 8 bits, and its blocks' MLP whole or tiled over the sequence
+(`hfsplit.models.tiled_mlp`: one more MLP forward a micro-batch, so tried after every untiled choice). The planner (`search.split_layers`) gives each rank
 the first choice of `ladder` under which its layers fit, so a rank pays for recompute, host copies or quantized
 moments only when it needs them, and another rank of the same plan need not. The ladder is ordered by the
 time model: 8-bit moments cost no modelled time (bitsandbytes' fused step), recompute costs a forward, offload
@@ -12,36 +13,44 @@ of it (`host_share`), since the ranks of one machine share its memory.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from hfsplit.errors import PlanError
+from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.plan import CHECKPOINTING, OPTIMS, TrainingSpec, checkpointing_mode
 
 AUTO = "auto"
+MIN_SLICE = 1024  # tokens: the shortest slice a tiled MLP runs
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One rank's memory decisions: `checkpointing` ("off" / "on" / "offload") and `optim` (an `OPTIMS` name)."""
+    """One rank's memory decisions: `checkpointing` ("off" / "on" / "offload"), `optim` (an `OPTIMS` name) and
+    `tiled_mlp` (the slices its blocks' MLP runs in; 0: whole)."""
 
     checkpointing: str
     optim: str
+    tiled_mlp: int = 0
 
     def spec(self, spec: TrainingSpec) -> TrainingSpec:
         """`spec` as a rank running this choice runs it (the cost model's key)."""
-        return replace(spec, activation_checkpointing=self.checkpointing, optim=self.optim)
+        return replace(spec, activation_checkpointing=self.checkpointing, optim=self.optim, tiled_mlp=self.tiled_mlp)
 
 
 def ladder(spec: TrainingSpec, *, activation_checkpointing: Union[bool, str] = AUTO, optim: str = AUTO,
-           single_process: bool = False) -> list[Choice]:
+           single_process: bool = False, tiled_mlp: Union[bool, str] = AUTO, tiles: int = 0) -> list[Choice]:
     """The choices a rank may run, fastest first: what the user fixed stays fixed, "auto" opens the rest.
 
     Args:
         spec: what a step does (inference has nothing to checkpoint or optimize).
         activation_checkpointing: "auto", or a fixed setting (False / True / "off" / "on" / "offload").
         optim: "auto" (fp32 moments, 8-bit only where they must fit) or an `OPTIMS` name.
-        single_process: the model's own forward in one process, which hfsplit does not offload.
+        single_process: the model's own forward in one process, which hfsplit does not offload nor tile.
+        tiled_mlp: "auto" (whole, tiled only on the ranks that fit no other way), "on" / True (every rank tiles) or
+            "off" / False.
+        tiles: the slices a tiled MLP runs in (`mlp_tiles`; 0: the model has no MLP to tile).
     """
     if spec.method == "inference":
         return [Choice("off", spec.optim)]
@@ -52,7 +61,35 @@ def ladder(spec: TrainingSpec, *, activation_checkpointing: Union[bool, str] = A
                         "model checkpoints on its device: use activation_checkpointing=True")
     # the single-process model trains with the user's own optimizer: the plan counts the spec's
     optims = ([spec.optim] if single_process else ["adamw_torch", "adamw_8bit"]) if optim == AUTO else [check_optim(optim)]
-    return [Choice(m, o) for m in modes for o in optims]
+    tiling = _tiling(tiled_mlp, tiles=tiles, single_process=single_process)
+    whole = [Choice(m, o) for m in modes for o in optims] if tiling != "on" else []
+    tiled = [Choice(m, o, tiles) for m in modes for o in optims if m != "off" or tiling == "on"] if tiling != "off" else []
+    return whole + tiled
+
+
+def _tiling(tiled_mlp, *, tiles: int, single_process: bool) -> str:
+    """"auto", "on" or "off" for a `tiled_mlp` setting, refused where there is nothing to tile."""
+    mode = {True: "on", False: "off"}.get(tiled_mlp, str(tiled_mlp).lower())
+    if mode not in (AUTO, "on", "off"):
+        raise PlanError(f"tiled MLP {tiled_mlp!r}: use auto, on or off")
+    if mode == "on" and (tiles <= 1 or single_process):
+        raise PlanError("a tiled MLP runs on split stages of a model whose blocks have a dense MLP; use "
+                        "--tiled-mlp auto or off" + (" (the single-process model runs its own forward)"
+                                                     if single_process else ""))
+    return "off" if tiles <= 1 or single_process else mode
+
+
+def mlp_tiles(config, spec: TrainingSpec) -> int:
+    """The slices a tiled MLP of `config` runs a micro-batch in: enough that one slice's four intermediate-wide
+    tensors (gate, up, the activation, their product) hold no more than one hidden state of the whole micro-batch,
+    but no slice under `MIN_SLICE` tokens (each slice runs the MLP's weights again: QLoRA dequantizes them a slice);
+    0 where the blocks have no dense MLP (MoE experts are routed, not tiled)."""
+    width, hidden = getattr(config, "intermediate_size", None), getattr(config, "hidden_size", None)
+    if not width or not hidden or expert_parameters(config) or getattr(config, "num_experts", 0) or \
+            getattr(config, "num_local_experts", 0):
+        return 0
+    tokens = spec.seq_len * spec.micro_batch_size
+    return max(2, min(math.ceil(4 * width / hidden), math.ceil(tokens / MIN_SLICE)))
 
 
 def check_optim(optim: str) -> str:
@@ -63,8 +100,18 @@ def check_optim(optim: str) -> str:
 
 
 def frugal(choices: list[Choice]) -> Choice:
-    """The choice that holds least: the last checkpointing setting with the last optimizer."""
-    return Choice(choices[-1].checkpointing, choices[-1].optim)
+    """The choice the no-fit diagnosis plans: the last checkpointing setting with the last optimizer, untiled where
+    the ladder has untiled choices (at a short sequence slices hold more than they save: the concatenated outputs and
+    gradients; the diagnosis lists a tiled MLP among the changes where it fits, `knobs.knob_fixes`)."""
+    untiled = [c for c in choices if not c.tiled_mlp] or choices
+    return Choice(untiled[-1].checkpointing, untiled[-1].optim, untiled[-1].tiled_mlp)
+
+
+def frugal_choices(choices: list[Choice]) -> list[Choice]:
+    """The choices the no-fit diagnosis lets each rank run: `frugal`'s optimizer and tiling with every checkpointing
+    setting the ladder has (offload is not always the least: at one stage its pinned copies outweigh what it frees)."""
+    least = frugal(choices)
+    return [c for c in choices if (c.optim, c.tiled_mlp) == (least.optim, least.tiled_mlp)] or [least]
 
 
 def plan_spec(spec: TrainingSpec, used: list[Choice]) -> TrainingSpec:
@@ -72,7 +119,7 @@ def plan_spec(spec: TrainingSpec, used: list[Choice]) -> TrainingSpec:
     (each stage's own are in `Stage.checkpointing` / `Stage.optim`)."""
     mode = max((c.checkpointing for c in used), key=CHECKPOINTING.index)
     optim = next((c.optim for c in used if c.optim != "adamw_torch"), "adamw_torch")
-    return Choice(mode, optim).spec(spec)
+    return Choice(mode, optim, max(c.tiled_mlp for c in used)).spec(spec)
 
 
 def host_budget(budgets: dict[str, int], *, single_process: bool) -> tuple[dict[str, int], Optional[int]]:

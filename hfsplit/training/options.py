@@ -114,9 +114,14 @@ class FinetuneOptions(*option_mixins()):
     headroom: float = option(
         0.0, "parallelism", "fraction of each device's budget the plan leaves free, a margin for what the estimate "
         "misses (0.03: every device at most 97%% full)")
-    chunked_loss: bool = option(
-        False, "parallelism", "the last stage runs lm_head and the loss a chunk of tokens at a time (never a whole "
-        "micro-batch's logits): the same loss and gradients in less memory")
+    chunked_loss: Union[bool, Literal["auto"]] = option(
+        "auto", "parallelism", "the last stage runs lm_head and the loss a chunk of tokens at a time (never a whole "
+        "micro-batch's logits): the same loss and gradients in less memory, for one more lm_head forward; auto: on "
+        "where the plan fits only with it, or faster")
+    tiled_mlp: Union[bool, Literal["auto"]] = option(
+        "auto", "parallelism", "each block's MLP runs the sequence a slice at a time, forward and recompute-backward "
+        "(its intermediates never whole): the same loss and gradients for one more MLP forward a micro-batch; auto: "
+        "on a stage only where nothing else fits it")
     optim: Literal["auto", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = option(
         "auto", "optimisation", "the optimizer, by transformers' names: auto (fp32 AdamW, bitsandbytes' 8-bit moments "
         "on a stage only where fp32 ones would not fit), adamw_torch, adamw_8bit or paged_adamw_8bit")
@@ -267,7 +272,7 @@ def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
                         optim=options.optim if options.optim != "auto" else "adamw_torch",
                         bnb_4bit_quant_type=options.bnb_4bit_quant_type,
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
-                        chunked_loss=options.chunked_loss, packing=packing_of(options),
+                        chunked_loss=options.chunked_loss is True, packing=packing_of(options),
                         quantize_experts=options.quantize_experts, objective=options.objective,
                         **objective_of(options.objective).spec_fields(options))
 
@@ -284,7 +289,8 @@ def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[b
     spec = replace(training_spec(options, gpu=gpu), reference_pairs=reference_pairs)
     return dict(spec=spec, **batch_arguments(options), schedule=options.schedule, gpus=gpu,
                 tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing,
-                optim=options.optim, headroom=options.headroom)
+                optim=options.optim, headroom=options.headroom, chunked_loss=options.chunked_loss,
+                tiled_mlp=options.tiled_mlp)
 
 
 def batch_arguments(options: FinetuneOptions) -> dict:
@@ -327,6 +333,7 @@ PLANNED = ("model", "config", "dtype", "dataset", "dataset_format", "packing", "
            "reference", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "bnb_4bit_quant_type",
            "bnb_4bit_use_double_quant", "load_in_8bit", "quantize_experts", "max_memory", "tp", "pp", "schedule",
            "micro_batch_size", "micro_batches", "global_batch", "activation_checkpointing", "headroom", "chunked_loss",
+           "tiled_mlp",
            "optim", "num_generations", "max_completion_length")
 
 

@@ -174,10 +174,10 @@ def test_link_probe_on_two_ranks_agrees_and_reaches_the_plan():
     ("ZBVZeroBubble", [1, 1, 1, 1], 3),  # V: the turn (stages 1 → 2) stays on rank 1; backward split in two
 ])
 def test_slots_count_cross_rank_sends_and_schedule_actions(schedule, sends, actions):
-    from hfsplit.planning.planner import _slots
+    from hfsplit.planning.search import stage_slots
     from hfsplit.schedules import virtual_stages
 
-    slots = _slots([("0",), ("1",)], {"0": 1, "1": 1}, {}, p=2, d=1, v=virtual_stages(schedule, 2), m=4,
+    slots = stage_slots([("0",), ("1",)], {"0": 1, "1": 1}, {}, p=2, d=1, v=virtual_stages(schedule, 2), m=4,
                    schedule=schedule)
     assert [s.sends for s in slots] == sends and {s.actions for s in slots} == {actions}
 

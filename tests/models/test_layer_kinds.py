@@ -9,7 +9,9 @@ from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.model import estimate_peak_bytes, model_costs, weight_bytes
 from hfsplit.models.layer_kinds import DENSE, SPARSE, layer_kinds
 from hfsplit.models.layout import decoder_layout, meta_model
-from hfsplit.planning.planner import _slots, make_plan, stage_memory
+from hfsplit.planning.search import stage_slots
+from hfsplit.planning.planner import make_plan
+from hfsplit.planning.stage_costs import stage_memory
 from tests.planning.test_costs import measured_peak
 
 
@@ -59,7 +61,7 @@ def test_a_stage_of_dense_layers_takes_more_layers_than_one_of_expert_layers():
     costs = model_costs(config, spec)
     dense, sparse = costs.layer_blocks[0], costs.layer_blocks[-1]
     assert sparse.state_bytes > 4 * dense.state_bytes
-    slots = _slots([("0",), ("1",)], {"0": 1 << 40, "1": 1 << 40}, {}, p=2, d=1, v=1, m=2, schedule="1F1B")
+    slots = stage_slots([("0",), ("1",)], {"0": 1 << 40, "1": 1 << 40}, {}, p=2, d=1, v=1, m=2, schedule="1F1B")
     budget = max(stage_memory(costs, slots[0], range(0, 5)).total, stage_memory(costs, slots[1], range(5, 8)).total)
     assert stage_memory(costs, slots[1], range(4, 8)).total > budget  # the even split does not fit
     plan = make_plan(config, f"2x{budget}B", spec=spec, pp=2, tp=1, dp=1, micro_batches=2, schedule="1F1B",

@@ -10,7 +10,8 @@ from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli.plan import main
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.costs.model import model_costs
-from hfsplit.planning.planner import Slot, make_plan, stage_memory
+from hfsplit.planning.stage_costs import Slot, stage_memory
+from hfsplit.planning.planner import make_plan
 from hfsplit.planning.rollout import rollout_bytes
 
 MODEL = "Qwen/Qwen2.5-0.5B"  # bundled config: 24 layers, 2 KV heads of 64

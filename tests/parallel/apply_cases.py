@@ -92,19 +92,43 @@ def qlora_autocast_memory(*, checkpoint: str, seq_len: int, micro_batch_size: in
     return out
 
 
+def tiled_mlp_memory(*, checkpoint: str, seq_len: int, micro_batches: int, steps: int) -> dict:
+    """A long sequence on pp=2 LoRA with the chunked loss, 1F1B: checkpointing on with the MLP whole, then tiled,
+    then offloaded and tiled. Per setting: the plan's figure for this rank's stage, the measured peak (as
+    `step_memory_and_losses`), the offload's host bytes beside the plan's, the losses and what ran."""
+    from hfsplit.plan import rank_total
+
+    out = {}
+    for name, ac, tiled in (("whole", True, "off"), ("tiled", True, "on"), ("offload", "offload", "on")):
+        model, optimizer = _built(checkpoint, method="lora", tp=1, pp=2, seq_len=seq_len, ac=ac, micro_batch_size=1,
+                                  micro_batches=micro_batches, schedule="1F1B", tiled_mlp=tiled, chunked_loss=True)
+        ids = torch.randint(3, model.config.vocab_size, (micro_batches, seq_len),
+                            generator=torch.Generator().manual_seed(0))
+        losses, peak, growth, offloaded = _train(model, optimizer, ids, steps=steps)
+        mine = [model.plan.stages[i].memory for i in model.stage_indices]
+        out[name] = {"planned": rank_total(mine), "planned_offload": sum(m.offload for m in mine),
+                     "offloaded": offloaded, "measured": peak, "growth": growth, "losses": losses,
+                     "applied": model.plan.applied, "steps": model.plan.steps(),
+                     "tiles": [getattr(b.mlp, "tiled_mlp_chunks", 0) for s in model.stages
+                               for b in s.body.layers.values()]}
+        del model, optimizer
+    return out
+
+
 def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_batches, dtype="float32",
-           autocast=None, schedule="auto", packing=False):
+           autocast=None, schedule="auto", packing=False, tiled_mlp="off", chunked_loss=False):
     from hfsplit.plan import TrainingSpec
     from hfsplit.load.launch import split_from_pretrained
     from hfsplit.apply.quantize import quantization_config
 
     spec = TrainingSpec(method=method, seq_len=seq_len, micro_batch_size=micro_batch_size, dtype=dtype,
-                        lora_r=8, activation_checkpointing=ac, autocast=autocast, packing=packing)
+                        lora_r=8, activation_checkpointing=ac, autocast=autocast, packing=packing,
+                        chunked_loss=chunked_loss)
     qconfig = quantization_config(compute_dtype=dtype) if method == "qlora" else None
     torch.manual_seed(0)
     model = split_from_pretrained(checkpoint, "2x4GiB", spec=spec, micro_batches=micro_batches, tp=tp, pp=pp,
                                   dp=1, world_size=2, activation_checkpointing=ac, quantization_config=qconfig,
-                                  dtype=getattr(torch, dtype), schedule=schedule)
+                                  dtype=getattr(torch, dtype), schedule=schedule, tiled_mlp=tiled_mlp)
     # As the trainer builds it (foreach off on CPU: TP mixes DTensor and plain parameters).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     return model, optimizer

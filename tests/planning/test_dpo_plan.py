@@ -11,7 +11,8 @@ from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli.plan import main
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.costs.model import model_costs
-from hfsplit.planning.planner import Slot, make_plan, stage_memory
+from hfsplit.planning.stage_costs import Slot, stage_memory
+from hfsplit.planning.planner import make_plan
 from hfsplit.planning.reference import reference_bytes
 
 MODEL = "Qwen/Qwen2.5-0.5B"  # bundled config (hfsplit/configs): vocab 151936, hidden 896, 24 layers

@@ -105,14 +105,14 @@ def test_a_bad_kind_or_keyed_budget_is_named(spec, names):
         parse_max_memory(spec)
 
 
-def _plan(capsys, *flags) -> Plan:
+def plan_of_split(capsys, *flags) -> Plan:
     assert main(["plan", MODEL, "--seq-len", "1024", "--json", *flags]) == 0
     return Plan.from_json(capsys.readouterr().out)
 
 
 def test_plans_for_two_kinds_take_steps_in_the_ratio_of_their_rates(capsys):
-    fast = _plan(capsys, "--max-memory", "8xRTX4090", "--tp", "1")
-    slow = _plan(capsys, "--max-memory", "8xRTX3090", "--tp", "1")
+    fast = plan_of_split(capsys, "--max-memory", "8xRTX4090", "--tp", "1")
+    slow = plan_of_split(capsys, "--max-memory", "8xRTX3090", "--tp", "1")
     assert (fast.pp, fast.dp, fast.schedule, fast.micro_batches) == (slow.pp, slow.dp, slow.schedule,
                                                                     slow.micro_batches)
     rates = gpu_kind("RTX4090").expected_flops / gpu_kind("RTX3090").expected_flops
@@ -120,18 +120,18 @@ def test_plans_for_two_kinds_take_steps_in_the_ratio_of_their_rates(capsys):
     assert any("devices 0-7: RTX4090" in n and "table: NVIDIA Ada" in n for n in fast.notes), fast.notes
     assert any("link between devices: 32 GB/s" in n for n in fast.notes)
     # by size alone the plan knows no kind, and is timed at the planner's unit, as before
-    sized = _plan(capsys, "--max-memory", "8x24GiB", "--tp", "1")
+    sized = plan_of_split(capsys, "--max-memory", "8x24GiB", "--tp", "1")
     assert sized.step_time_s != pytest.approx(fast.step_time_s, rel=0.05) and not any("table" in n for n in sized.notes)
 
 
 def test_mixed_kinds_split_the_work_by_speed(capsys):
     """RTX4090,RTX3090: the faster card takes about its rate's share of the work (the stage times balance), where two
     alike 24 GiB cards split it evenly."""
-    plan = _plan(capsys, "--max-memory", "RTX4090,RTX3090", "--tp", "1", "--pp", "2", "--schedule", "1F1B")
+    plan = plan_of_split(capsys, "--max-memory", "RTX4090,RTX3090", "--tp", "1", "--pp", "2", "--schedule", "1F1B")
     rates = {"0": gpu_kind("RTX4090").expected_flops, "1": gpu_kind("RTX3090").expected_flops}
     work = {s.devices[0][0]: s.time_s * rates[s.devices[0][0]] for s in plan.stages}  # FLOPs of each card's stage
     assert 1.6 < work["0"] / work["1"] < 3.2, work  # 2.3x the rate, within one block's granularity
-    uniform = _plan(capsys, "--max-memory", "2x24GiB", "--tp", "1", "--pp", "2", "--schedule", "1F1B")
+    uniform = plan_of_split(capsys, "--max-memory", "2x24GiB", "--tp", "1", "--pp", "2", "--schedule", "1F1B")
     times = [s.time_s for s in uniform.stages]
     assert max(times) / min(times) < 1.25, times  # alike cards: alike work
     faster = next(s for s in plan.stages if s.devices[0][0] == "0")
@@ -141,12 +141,12 @@ def test_mixed_kinds_split_the_work_by_speed(capsys):
 
 def test_a_runs_measurement_of_the_kind_replaces_the_table(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HFSPLIT_CACHE", str(tmp_path))
-    table = _plan(capsys, "--max-memory", "2xRTX4090", "--tp", "1", "--pp", "2")
+    table = plan_of_split(capsys, "--max-memory", "2xRTX4090", "--tp", "1", "--pp", "2")
     # a run on an RTX 4090 measured twice the table's expected rate for this block shape
     key = calibration_key(load_config(MODEL), table.spec, "RTX4090")
     write_cache("speed", key, {"seconds": 1.0, "split_seconds": 1.0, "flops": 2 * gpu_kind("RTX4090").expected_flops,
                                "measured_at": time.time(), "source": "run"})
-    measured = _plan(capsys, "--max-memory", "2xRTX4090", "--tp", "1", "--pp", "2")
+    measured = plan_of_split(capsys, "--max-memory", "2xRTX4090", "--tp", "1", "--pp", "2")
     assert measured.step_time_s == pytest.approx(table.step_time_s / 2, rel=0.02)
     note = next(n for n in measured.notes if n.startswith("devices 0, 1: RTX4090"))
     assert "132.2 TFLOP/s measured for this block shape" in note and "calibration cache" in note, note

@@ -106,7 +106,8 @@ def test_planning_imports_none_of_the_training_stack(tmp_path):
 def test_no_fit_diagnosis_traces_two_degrees_and_no_fix_the_weights_rule_out(tmp_path, monkeypatch):
     """4 devices too small for the weights: the search traces tp 1 and 2 (tp=4 is derived), the shorter
     sequence (128) and micro-batch (1) fixes trace nothing, and more devices add only tp=8 (one key-value head each)."""
-    from hfsplit.planning import planner
+    from hfsplit.budget import parse_max_memory
+    from hfsplit.planning import diagnosis, planner
     from hfsplit.planning.costs import traces as trace_cache
     from hfsplit.errors import PlanError
 
@@ -119,7 +120,7 @@ def test_no_fit_diagnosis_traces_two_degrees_and_no_fix_the_weights_rule_out(tmp
     monkeypatch.setattr(costs_trace, "block_events",
                         lambda key, s, tp: traced.append((tp, s.seq_len, s.micro_batch_size)) or real(key, s, tp))
     budget = f"4x{weights // 5}B"
-    assert not planner.could_fit(config, planner.parse_max_memory(budget), spec)
+    assert not diagnosis.could_fit(config, parse_max_memory(budget), spec)
     with pytest.raises(PlanError, match="devices"):
         planner.make_plan(config, budget, spec=spec)
     assert sorted(set(traced)) == [(1, 256, 2), (2, 256, 2), (8, 256, 2)]

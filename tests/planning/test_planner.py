@@ -6,9 +6,10 @@ import pytest
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.model import ModelCosts, PartCost
 from hfsplit.errors import PlanError
-from hfsplit.planning.planner import (
-    _rank_fits, _rank_times, _slots, bubble_fraction, in_flight, make_plan, split_layers,
-)
+from hfsplit.planning.stage_costs import rank_fits
+from hfsplit.planning.stage_costs import rank_times, bubble_fraction, in_flight
+from hfsplit.planning.search import stage_slots, split_layers
+from hfsplit.planning.planner import make_plan
 
 
 def toy_costs(layers=8, *, block_state=10, block_act=2, embed_state=20, head_state=30, head_act=5, tied=False,
@@ -24,7 +25,7 @@ def toy_costs(layers=8, *, block_state=10, block_act=2, embed_state=20, head_sta
 
 def make_slots(budgets, *, m=4, schedule="1F1B", speeds=None):
     groups = [(str(i),) for i in range(len(budgets))]
-    return _slots(groups, {str(i): b for i, b in enumerate(budgets)}, speeds or {}, p=len(budgets), d=1, v=1,
+    return stage_slots(groups, {str(i): b for i, b in enumerate(budgets)}, speeds or {}, p=len(budgets), d=1, v=1,
                   m=m, schedule=schedule)
 
 
@@ -34,8 +35,8 @@ def brute_force(costs, slots):
     L, P = costs.num_layers, len(slots)
     for cuts in itertools.combinations(range(1, L), P - 1):
         counts = [b - a for a, b in zip((0,) + cuts, cuts + (L,))]
-        if all(_rank_fits(costs, slots, counts, s.pp_rank) for s in slots):
-            slowest = max(_rank_times(costs, slots, counts).values())
+        if all(rank_fits(costs, slots, counts, s.pp_rank) for s in slots):
+            slowest = max(rank_times(costs, slots, counts).values())
             best = slowest if best is None else min(best, slowest)
     return best
 
@@ -93,8 +94,8 @@ def test_greedy_split_equals_brute_force_optimum(layers, budgets, act, m, schedu
         assert counts is None
     else:
         assert counts is not None and sum(counts) == layers
-        assert all(_rank_fits(costs, slots, counts, s.pp_rank) for s in slots)
-        assert max(_rank_times(costs, slots, counts).values()) == pytest.approx(expected)
+        assert all(rank_fits(costs, slots, counts, s.pp_rank) for s in slots)
+        assert max(rank_times(costs, slots, counts).values()) == pytest.approx(expected)
 
 
 def test_bubble_fraction():
@@ -106,7 +107,7 @@ def test_bubble_fraction():
 
 
 def test_tied_matrix_counted_once_on_a_single_stage():
-    from hfsplit.planning.planner import stage_memory
+    from hfsplit.planning.stage_costs import stage_memory
 
     costs = toy_costs(2, tied=True, embed_state=20, head_state=25, block_act=0)
     (slot,) = make_slots([10_000])

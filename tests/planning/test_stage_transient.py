@@ -1,4 +1,4 @@
-"""The transient a stage's peak adds to its kept activations (planner.stage_transient), and the opt-in glibc fix."""
+"""The transient a stage's peak adds to its kept activations (stage_costs.stage_transient), and the opt-in glibc fix."""
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.model import ModelCosts, PartCost
-from hfsplit.planning.planner import Slot, stage_transient
+from hfsplit.planning.stage_costs import Slot, stage_transient
 
 MIB = 1 << 20
 

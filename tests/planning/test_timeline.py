@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hfsplit.planning.planner import bubble_fraction
+from hfsplit.planning.stage_costs import bubble_fraction
 from hfsplit.planning.reference import forward_fraction
 from hfsplit.planning.timeline import action_order, action_seconds, plan_timeline, simulate
 from hfsplit.schedules import virtual_stages

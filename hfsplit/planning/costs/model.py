@@ -302,7 +302,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     # where packed rows run example by example (sdpa: hfsplit.models.varlen)
     pairs = attended_positions(_attention_config(key), seq=spec.seq_len, packed=spec.packing)
     block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * pairs * heads_dim
-    block_flops = block_fwd * (passes + (1 if ckpt else 0))
+    block_flops = block_fwd * (passes + (1 if ckpt else 0)) + _tiled_mlp_flops(layout, spec, tp, tokens)
     head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * (passes + spec.chunked_loss)  # + recompute
     # Two all-reduces (after attention and after the MLP) each way; recompute repeats the forward ones.
     all_reduces = 2 if spec.method == "inference" else 4 + (2 if ckpt else 0)
@@ -315,6 +315,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
         experts = _experts_4bit(config, spec)  # their dequantized matrices: in the trace (costs.moe)
         block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size,
                                                 experts=[shape for _, shape in experts.values()])
+        block_flops += _tiled_dequantize_flops(layout, spec)
         split = split_lora_activation_bytes(config, spec, itemsize=size)  # kept per micro-batch, recomputed if ckpt
         block_acts, block_ws = (block_acts, block_ws + split) if ckpt else (block_acts + split, block_ws)
     embed = PartCost(**state("embed"), activation_bytes=ends.embed_activations,
@@ -328,6 +329,30 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
                                            logits_bytes=tokens * (config.vocab_size // tp) * size,
                                            kv_bytes=kv_cache_bytes(config, spec, tp) if spec.counts.generation else 0),
                                 layout, config)
+
+
+def _mlp_linears(layout: Layout) -> list[Linear]:
+    return [lin for lin in layout.linears if lin.name.startswith("mlp.")]
+
+
+def _tiled_mlp_flops(layout: Layout, spec: TrainingSpec, tp: int, tokens: int) -> float:
+    """What a tiled MLP (`hfsplit.models.tiled_mlp`) adds a micro-batch: each slice recomputes its MLP forward in its
+    own backward, once more than the block's checkpoint does (0 untiled, or for inference)."""
+    if spec.tiled_mlp <= 1 or spec.method == "inference":
+        return 0.0
+    return 2.0 * tokens * sum(lin.in_features * lin.out_features // (tp if lin.shard else 1)
+                              for lin in _mlp_linears(layout))
+
+
+def _tiled_dequantize_flops(layout: Layout, spec: TrainingSpec) -> float:
+    """QLoRA under a tiled MLP: bitsandbytes dequantizes the MLP's weights for each slice, in forward, in the block's
+    recompute, in the slice's own recompute and in its backward, where an untiled MLP dequantizes them once per pass
+    (`with_dequantize` counts those)."""
+    if spec.tiled_mlp <= 1 or spec.load_in_8bit:
+        return 0.0
+    passes = 3 if spec.activation_checkpointing else 2
+    values = sum(lin.in_features * lin.out_features for lin in _mlp_linears(layout))
+    return DEQUANTIZE_FLOPS_PER_VALUE * values * (spec.tiled_mlp * (passes + 1) - passes)
 
 
 def kv_cache_bytes(config, spec: TrainingSpec, tp: int) -> int:

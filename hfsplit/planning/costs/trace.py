@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.models.families import FAMILIES, Family
 from hfsplit.models.layout import decoder_layout, meta_model
+from hfsplit.models.tiled_mlp import tile_mlps
 from hfsplit.models.loss import chunked_causal_lm_loss, chunked_sequence_logps, dpo_head_loss
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.layout import (
@@ -128,6 +129,8 @@ def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     block = parts(model)[1]
     if spec.method == "lora":
         _add_lora(block, key, spec)
+    if spec.tiled_mlp > 1 and spec.method != "inference":  # traced as it runs: a slice of the sequence at a time
+        tile_mlps([block], chunks=spec.tiled_mlp)
     with mode:
         _to_fake(model)
         kwargs, ids = _block_kwargs(base, block, spec)

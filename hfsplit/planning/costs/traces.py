@@ -43,13 +43,13 @@ def block_trace(key: str, spec, tp: int):
 def ends_trace(key: str, spec):
     """`trace.trace_ends` for `spec`, from memory, disk, or a new trace."""
     # packing changes the blocks' masks only, 4-bit experts only the blocks: an ends trace serves them all
-    return _cached("ends", key, replace(trace_spec(spec), packing=False, quantize_experts=False), None,
+    return _cached("ends", key, replace(trace_spec(spec), packing=False, quantize_experts=False, tiled_mlp=0), None,
                    lambda k, s, _: trace_ends(k, s), EndsTrace)
 
 _MEMO: dict[str, object] = {}
 _UNTRACED = ("optim", "lora_alpha", "lora_dropout")
 _NEWER = {"objective": "sft", "reference": None, "reference_pairs": None, "rollout_rows": 0,
-          "rollout_tokens": 0}  # keyed only where they differ from these
+          "rollout_tokens": 0, "tiled_mlp": 0}  # keyed only where they differ from these
 
 
 def _cached(kind: str, key: str, spec, tp: Optional[int], trace, cls):

@@ -1,0 +1,70 @@
+"""The tiled MLP: a decoder block's MLP runs the sequence a slice at a time, forward and backward.
+
+A dense block's MLP makes the biggest tensors of a long sequence: Llama-3.1-70B at seq 16384 holds its gate and up
+projections, their activation and their product, 896 MiB each, while the block's input is 256 MiB. Unsloth's tiled
+MLP (and DeepSpeed's `TiledMLP`) run it over slices of the sequence. hfsplit does it with torch's own pieces: each
+slice of the MLP's input goes through the MLP under non-reentrant `torch.utils.checkpoint`, so a slice keeps only its
+input for backward (a view of the MLP's input, nothing new) and its intermediates exist one slice at a time, in
+forward and in the recompute of backward. Gradients flow by plain autograd (peft's adapters, bitsandbytes' 4-bit
+weights and DTensor shards alike), and the slices' outputs are concatenated: the values are the MLP's own, token
+by token (an MLP is per token), so losses and gradients are those of the untiled run to float rounding.
+
+Inside a checkpointed block (`hfsplit.apply.checkpointing`; the plan's step: `hfsplit.apply.tiled_mlp`) the slices' checkpoints nest in the block's: the block's
+recompute runs the MLP slice by slice without keeping anything, and each slice recomputes once more in its own
+backward. That is the time the plan charges (`hfsplit.planning.costs.model`): one more forward of the MLP a micro-batch.
+
+The module is not replaced (its parameter names, and so loading, LoRA targets and saving, stay the model's): its
+`forward` is wrapped on the instance, and `module.tiled_mlp_chunks` says into how many slices.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from hfsplit.errors import UnsupportedModelError
+
+
+def tile_mlps(blocks: Iterable[nn.Module], *, chunks: int) -> int:
+    """Wrap the `mlp` of each block so that it runs its input in `chunks` slices of the sequence; the count wrapped.
+
+    Raises:
+        UnsupportedModelError: a block has no `mlp`, or its MLP routes tokens to experts (their load-balancing
+            statistics would differ slice by slice).
+    """
+    count = 0
+    for block in blocks:
+        mlp = getattr(block, "mlp", None)
+        if not isinstance(mlp, nn.Module) or hasattr(mlp, "experts"):
+            raise UnsupportedModelError(f"{type(block).__name__} has no dense `mlp` to tile; plan with tiled_mlp off")
+        if getattr(mlp, "tiled_mlp_chunks", 0) != chunks:
+            mlp.forward = functools.partial(tiled_forward, type(mlp).forward.__get__(mlp), chunks=chunks)
+            mlp.tiled_mlp_chunks = chunks
+        count += 1
+    return count
+
+
+def tiled_forward(forward, hidden_states: torch.Tensor, *args, chunks: int, **kwargs) -> torch.Tensor:
+    """`forward(hidden_states)` computed over `chunks` slices of the sequence (dim -2), each checkpointed. Without
+    gradients (generation, evaluation, the outer checkpoint's first pass under no_grad) the slices run plainly."""
+    # split (one backward node that concatenates the slices' gradients), not tensor_split (a slice each, whose
+    # backward makes a whole-sequence gradient per slice)
+    pieces = hidden_states.split(chunk_sizes(hidden_states.shape[-2], chunks), dim=-2)
+    if not torch.is_grad_enabled():
+        return torch.cat([forward(piece, *args, **kwargs) for piece in pieces], dim=-2)
+    run = functools.partial(forward, *(), **kwargs) if not args else functools.partial(_with_args, forward, args, kwargs)
+    # early_stop=False: a TP all-reduce in the slice is always waited (as apply.checkpointing's blocks)
+    return torch.cat([torch.utils.checkpoint.checkpoint(run, piece, use_reentrant=False, early_stop=False)
+                      for piece in pieces], dim=-2)
+
+
+def chunk_sizes(length: int, chunks: int) -> list[int]:
+    """`length` tokens cut into `chunks` slices (at most one a token) whose sizes differ by at most one."""
+    count = max(1, min(chunks, length))
+    return [length // count + (1 if i < length % count else 0) for i in range(count)]
+
+
+def _with_args(forward, args, kwargs, piece):
+    return forward(piece, *args, **kwargs)

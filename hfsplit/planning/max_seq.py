@@ -1,0 +1,79 @@
+"""The longest sequence a job fits at: a binary search on the planner itself.
+
+Every cost the planner counts grows with the sequence (kept activations, workspaces, the pipeline's buffers, the
+offload's host bytes), so whether a job fits is monotone in its length, and a binary search over lengths finds the
+longest that fits exactly, to the `multiple` asked for (the planner traces each length it tries: one trace a probe).
+Each probe asks `make_plan` with the optimizer and loss the caller left to it ("auto") at their most frugal
+(checkpointing stays auto: offload may lack host RAM where checkpointing on the device fits), and no diagnosis;
+the answer is then planned as the caller asked, so its plan is the fastest at that length.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Optional
+
+from hfsplit.checkpoint.resolve import load_config
+from hfsplit.errors import PlanError
+from hfsplit.plan import Plan, TrainingSpec
+
+MULTIPLE = 256  # lengths are searched in steps of this many tokens (sequence lengths are usually such multiples)
+
+
+def longest_fitting(fits: Callable[[int], bool], *, low: int, high: int, multiple: int = 1) -> Optional[int]:
+    """The largest multiple of `multiple` in `[low, high]` at which `fits` holds, for a `fits` that holds up to
+    some length and never beyond it; None when it does not hold at `low`. `fits` is called O(log((high-low)/multiple))
+    times."""
+    low, high = -(-low // multiple), high // multiple  # in units of `multiple`
+    if high < low or not fits(low * multiple):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid * multiple):
+            low = mid
+        else:
+            high = mid - 1
+    return low * multiple
+
+
+def max_seq_len(make_plan: Callable[..., Plan], model, max_memory, *, spec: TrainingSpec, limit: Optional[int] = None,
+                multiple: int = MULTIPLE, **options) -> Optional[Plan]:
+    """The plan of the longest sequence (a multiple of `multiple`, up to `limit`: default the model's
+    `max_position_embeddings`) at which `model` fits `max_memory` with `spec` and `options` (`make_plan`'s), or None
+    when not even `multiple` tokens fit.
+
+    Args:
+        make_plan: `hfsplit.planning.planner.make_plan` (passed in: the planner sits above this search).
+        model: what `make_plan` takes (a hub name, folder or config).
+        max_memory: the budget.
+        spec: what a step does; its `seq_len` is replaced.
+        limit: the longest length to consider.
+        multiple: lengths are multiples of this.
+        **options: further `make_plan` options, kept as given in the answer's plan.
+    """
+    probe = {**options, **_frugal(options), "explain": False}
+
+    def fits(seq: int) -> bool:
+        try:
+            make_plan(model, max_memory, spec=replace(spec, seq_len=seq), **probe)
+        except PlanError:
+            return False
+        return True
+
+    top = limit or _position_limit(model) or 1 << 20
+    found = longest_fitting(fits, low=multiple, high=top, multiple=multiple)
+    return None if found is None else make_plan(model, max_memory, spec=replace(spec, seq_len=found), **options)
+
+
+def _frugal(options: dict) -> dict:
+    """The knobs the caller left to the planner, at the setting that holds least: a probe asks whether anything fits."""
+    out = {}  # checkpointing stays auto: offload may be short of host RAM where checkpointing on the device fits
+    if options.get("optim", "auto") == "auto":
+        out["optim"] = "adamw_8bit"
+    if options.get("chunked_loss", "auto") == "auto":
+        out["chunked_loss"] = True
+    return out
+
+
+def _position_limit(model) -> Optional[int]:
+    config = load_config(model) if isinstance(model, str) else model
+    return getattr(config, "max_position_embeddings", None)

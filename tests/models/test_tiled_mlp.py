@@ -1,0 +1,100 @@
+"""The tiled MLP (hfsplit/apply/tiled_mlp.py): the same losses and gradients as the untiled run, in fp32, with LoRA and
+QLoRA adapters, on checkpointed blocks and plain ones; and the MLP's intermediates never exist for the whole sequence."""
+import pytest
+import torch
+
+from hfsplit.models.tiled_mlp import chunk_sizes, tile_mlps
+
+SEQ = 96
+
+
+@pytest.mark.parametrize("length, chunks, sizes", [(10, 3, [4, 3, 3]), (4, 8, [1, 1, 1, 1]), (7, 1, [7]),
+                                                   (16384, 14, [1171] * 4 + [1170] * 10)])
+def test_chunk_sizes_cover_the_sequence_evenly(length, chunks, sizes):
+    assert chunk_sizes(length, chunks) == sizes
+    assert sum(chunk_sizes(length, chunks)) == length
+
+
+def _model(tiny_checkpoint, method: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hfsplit.apply.quantize import quantization_config
+
+    qconfig = quantization_config(compute_dtype="float32") if method == "qlora" else None
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32, device_map="cpu",
+                                                 quantization_config=qconfig)
+    torch.manual_seed(0)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+                      init_lora_weights=False)  # B ≠ 0: the adapters change the output, so their gradients are real
+    return get_peft_model(model, lora)
+
+
+def _loss_and_grads(model, ids, *, chunks: int, checkpointing: bool):
+    blocks = model.base_model.model.model.layers
+    if chunks:
+        assert tile_mlps(blocks, chunks=chunks) == len(blocks)
+    if checkpointing:
+        model.base_model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "plain"])
+def test_tiled_mlp_keeps_losses_and_gradients(method, checkpointing, tiny_checkpoint):
+    ids = torch.randint(3, 256, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    whole = _loss_and_grads(_model(tiny_checkpoint, method), ids, chunks=0, checkpointing=checkpointing)
+    tiled_model = _model(tiny_checkpoint, method)
+    tiled = _loss_and_grads(tiled_model, ids, chunks=5, checkpointing=checkpointing)
+    assert torch.allclose(tiled[0], whole[0], rtol=1e-5, atol=0), (tiled[0], whole[0])
+    assert whole[1].keys() == tiled[1].keys() and len(whole[1]) == 2 * 5 * len(tiled_model.base_model.model.model.layers)  # A, B of 5 targets
+    # relative to each gradient's norm: a slice's sum over its tokens rounds otherwise than the whole sequence's
+    errors = {name: ((tiled[1][name] - grad).norm() / grad.norm()).item() for name, grad in whole[1].items()}
+    print(f"largest relative gradient error: {max(errors.values()):.2e}")
+    assert all(grad.abs().max() > 0 for grad in whole[1].values())
+    assert max(errors.values()) <= 1e-5, max(errors.items(), key=lambda kv: kv[1])
+    # generation and evaluation (no gradients) run the slices plainly, with the same values
+    with torch.no_grad():
+        probe = ids[:, :17]
+        assert torch.allclose(tiled_model(input_ids=probe).logits, tiled_model.base_model.model(input_ids=probe).logits)
+
+
+def test_tiled_mlp_never_holds_the_whole_sequences_intermediate():
+    """One Llama MLP at seq 4096: untiled, its backward's peak holds the gate, up, activation and product for the
+    whole sequence; tiled in 8, one slice's at a time, so the peak drops by at least half of that."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from hfsplit.planning.costs.trace import LiveBytes
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=512, hidden_act="silu")
+
+    def peak(chunks: int) -> int:
+        torch.manual_seed(0)
+        mlp = LlamaMLP(config)
+        holder = torch.nn.Module()
+        holder.mlp = mlp
+        if chunks:
+            tile_mlps([holder], chunks=chunks)
+        x = torch.randn(1, 4096, 64, requires_grad=True)
+        with LiveBytes() as live:
+            mlp(x).sum().backward()
+        return live.peak
+
+    whole, tiled = peak(0), peak(8)
+    intermediate = 4 * 4096 * 512 * 4  # gate, up, act(gate), product: fp32
+    assert whole - tiled >= intermediate // 2, (whole, tiled)
+
+
+def test_an_mlp_of_experts_is_refused():
+    from hfsplit.errors import UnsupportedModelError
+
+    block = torch.nn.Module()
+    block.mlp = torch.nn.Module()
+    block.mlp.experts = torch.nn.ModuleList()
+    with pytest.raises(UnsupportedModelError, match="tiled_mlp off"):
+        tile_mlps([block], chunks=4)
