@@ -33,7 +33,8 @@ def test_hfsplit_help_loads_no_torch_and_answers_within_a_second():
 @pytest.mark.parametrize("argv, code", [
     (["plan", "--help"], 0),
     (["plan", "Qwen/Qwen2.5-0.5B", "--max-memry", "2GiB"], 2),  # parsed, refused: nothing runs
-    (["plan", "Qwen/Qwen2.5-0.5B", "--max-memory", "2GiB", "--objective", "ppo"], 2),  # the objectives' names are known without them
+    # the objectives' names are known without their modules
+    (["plan", "Qwen/Qwen2.5-0.5B", "--max-memory", "2GiB", "--objective", "ppo"], 2),
     (["merge", "--help"], 0),
 ])
 def test_plan_help_and_its_flags_load_no_torch_nor_transformers(argv, code):
