@@ -36,7 +36,7 @@ ACCELERATE_CPU_CONFIG = Path(__file__).parent / "bundled" / "accelerate_cpu.yaml
 class FinetuneOptions(*option_mixins()):
     """Everything a fine-tuning run can be told. Each field is also a `--flag` and a key of a YAML recipe;
     flags override the recipe. See each field's help (`recipes/finetune.py --help`). The objectives' own options
-    are declared in their modules (`hfsplit.objectives`) and mixed in; where an option is left unset, the
+    are declared without torch (`hfsplit.objectives.options`) and mixed in; where an option is left unset, the
     objective's default applies (`Objective.defaults`)."""
 
     model: Optional[str] = option(
