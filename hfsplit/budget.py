@@ -8,6 +8,9 @@ from typing import Mapping, NamedTuple, Optional, Union
 from hfsplit.errors import BudgetError
 from hfsplit.gpu_kinds import KIND_NAMES, GpuKind, gpu_kind, is_gpu_kind
 
+# The largest safetensors shard a save writes unless told (save_pretrained's): here, where the command line reads it
+# without the writer (torch).
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 BudgetSpec = Union[str, int, Mapping[Union[int, str], Union[int, str]], None]
 
 

@@ -46,6 +46,14 @@ LAZY = {
     ("cli/plan.py", "hfsplit.planning.max_seq"): "the same (it loads configs through the checkpoint package)",
     ("cli/plan.py", "hfsplit.load.proof"): "the proof builds models: `hfsplit --help` loads none of it",
     ("finetune.py", "hfsplit.training.run"): "the recipe parses its flags before the training stack loads",
+    # `hfsplit plan --help` and the parsing of its flags load no torch nor transformers (issue 33): what runs loads them
+    ("cli/plan.py", "hfsplit.checkpoint.resolve"): "the checkpoint package loads torch",
+    ("cli/plan.py", "hfsplit.planning.memory_choices"): "it reads models' layouts (torch)",
+    ("cli/ship.py", "hfsplit.ship.merge"): "the merge streams tensors (torch)",
+    ("cli/ship.py", "hfsplit.ship.gguf_export"): "the export reads tensors (torch)",
+    ("objectives/registry.py", "hfsplit.objectives.sft"): "an objective trains (torch); its options are read without",
+    ("objectives/registry.py", "hfsplit.objectives.dpo"): "the same",
+    ("objectives/registry.py", "hfsplit.objectives.grpo"): "the same (it generates through transformers)",
 }
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import sys
 
-import torch.distributed as dist
-
 BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 MISSING_KERNELS = "Failed to load CPU gemm_4bit_forward from kernels-community"
 MISSING_KERNELS_MEANING = (
@@ -63,4 +61,6 @@ def explain_missing_kernels() -> None:
 
 def rank_of_group() -> int:
     """This process's rank in the joined process group (0 before any: a single process, or before the join)."""
+    import torch.distributed as dist  # here: the `hfsplit` command installs the filters before it loads torch
+
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

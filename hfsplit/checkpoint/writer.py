@@ -17,10 +17,9 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from hfsplit.budget import parse_size
+from hfsplit.budget import DEFAULT_MAX_SHARD_SIZE, parse_size
 from hfsplit.errors import CheckpointError
 
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 

@@ -10,11 +10,9 @@ from typing import Optional, Sequence
 
 from hfsplit.apply import third_party_logs
 from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_max_memory, parse_size, torch_gpus
-from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli.charts import plan_memory_chart
 from hfsplit.cli.ship import COMMANDS as SHIP_COMMANDS, add_ship_parsers, run_ship
 from hfsplit.errors import HfsplitError, PlanError
-from hfsplit.planning.memory_choices import host_budget
 from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, PLANNED, FinetuneOptions, OptionParser,
                                       add_option_arguments, options_from, plan_arguments, training_only_flags)
 
@@ -74,11 +72,13 @@ def plan_request(args) -> tuple[str, object, dict, tuple[str, ...]]:
         raise HfsplitError("--inference plans forward only; drop --method")
     if args.config is None and (given["model"] is None or args.max_memory is None):
         raise HfsplitError("hfsplit plan needs MODEL and --max-memory, or --config RECIPE.yaml")
-    options = options_from(given)
+    options = options_from(given)  # refused in one line before anything loads torch
     budget, notes = options.max_memory, ()
     if budget is None:  # what the recipe does without one: an equal share of what this machine has free
         budget, notes = local_budget(args.nproc)
     devices = parse_max_memory(budget)
+    from hfsplit.planning.memory_choices import host_budget  # lazy: it reads models' layouts (torch)
+
     # A recipe plans as it runs here; a model on numbered devices is planned for GPUs (16-bit, a reserve).
     gpu = None if args.config else any(device != "cpu" for device in devices)
     devices, _ = host_budget(devices, single_process=False)  # a "cpu" entry beside GPUs is their host's RAM
@@ -117,6 +117,8 @@ def tiny_model():
 
 def run_plan(args) -> int:
     model, budget, kwargs, notes = plan_request(args)
+    from hfsplit.checkpoint.resolve import load_config  # lazy: the checkpoint package loads torch
+
     # the config first: an unknown name fails at once, before the planner (transformers' models) loads
     model = load_config(model) if isinstance(model, str) else model
     from hfsplit.planning.planner import make_plan  # lazy: transformers and the cost model; `plan --help` stays quick
@@ -159,6 +161,7 @@ def longest_plan(make_plan, model, budget, kwargs: dict):
 
 def run_check(args) -> int:
     """`hfsplit check MODEL`: the proof's verdict for MODEL's config, one line; 0 when it splits, 2 when refused."""
+    from hfsplit.checkpoint.resolve import load_config  # lazy: the checkpoint package loads torch
     from hfsplit.load.proof import all_verdicts, families_markdown, verdict_of  # lazy: transformers and torch
 
     if args.all:

@@ -5,9 +5,7 @@ import argparse
 import signal
 import sys
 
-from hfsplit.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE
-from hfsplit.ship.gguf_export import export_gguf
-from hfsplit.ship.merge import merge_adapter
+from hfsplit.budget import DEFAULT_MAX_SHARD_SIZE
 
 COMMANDS = ("merge", "export-gguf")
 
@@ -38,8 +36,12 @@ def run_ship(args: argparse.Namespace) -> int:
     Ctrl-C, so the half-written output is removed."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.command == "merge":
+        from hfsplit.ship.merge import merge_adapter  # lazy: `hfsplit plan --help` builds this parser without torch
+
         out = merge_adapter(args.base, args.adapter, args.out, max_shard_size=args.max_shard_size)
     else:
+        from hfsplit.ship.gguf_export import export_gguf  # lazy: the same
+
         out = export_gguf(args.model, args.out, tensor_type=args.gguf_type)
     print(out, file=sys.stdout)
     return 0

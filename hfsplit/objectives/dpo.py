@@ -6,16 +6,15 @@ The data and the loss are `hfsplit.training.preference`'s; this module is what t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 
 from hfsplit.errors import HfsplitError
 from hfsplit.parallel.router import stats_of
 from hfsplit.training.data import TokenRows
-from hfsplit.training.objective import Objective, StepRows, reference_of, replica_rows
-from hfsplit.training.option_fields import option
+from hfsplit.objectives.options import reference_of
+from hfsplit.training.objective import Objective, StepRows, replica_rows
 from hfsplit.training.packing import label_tokens
 from hfsplit.training.precision import compute_precision
 from hfsplit.training.preference import (DPO_METRICS, DpoLoss, adapters_disabled, batch_sequences, indexed_labels,
@@ -24,19 +23,10 @@ from hfsplit.training.preference import (DPO_METRICS, DpoLoss, adapters_disabled
 from hfsplit.training.reference import precompute_reference
 
 
-@dataclass
-class DpoOptions:
-    """DPO's own options (beside the shared --beta and --reference)."""
-
-    dpo_loss: Literal["sigmoid", "ipo"] = option(
-        "sigmoid", "objective", "DPO: the loss on the log-ratio margin, by TRL's loss_type names")
-
-
 class Dpo(Objective):
     """`--objective dpo`."""
 
     name = "dpo"
-    options = DpoOptions
     default_dataset = "tiny_preference.jsonl"
     metric_names = DPO_METRICS
 

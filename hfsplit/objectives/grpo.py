@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,40 +27,12 @@ from hfsplit.objectives.rollout import generate
 from hfsplit.training.data import DatasetError, load_examples, pad_id, rendered_chat
 from hfsplit.training.batches import MicroBatches
 from hfsplit.training.objective import Objective, StepRows, replica_rows
-from hfsplit.training.option_fields import option
 from hfsplit.training.packing import IGNORE_INDEX, TokenRows, padded_rows
 from hfsplit.training.preference import adapters_disabled
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 TARGETS = ("labels", "old", "reference", "advantage", "weight")  # the channels of a GRPO target, in order
 FIGURES = ("clip_ratio/high_mean", "clip_ratio/low_mean", "clip_ratio/region_mean", "entropy", "kl", "tokens")
-
-
-@dataclass
-class GrpoOptions:
-    """GRPO's own options, by TRL's GRPOConfig names and defaults (beside the shared --beta and --reference)."""
-
-    num_generations: int = option(8, "objective", "GRPO: completions generated per prompt; a step's rows are its "
-                                  "prompts × this (rows per step must be a multiple of it)")
-    reward_funcs: Optional[list[str]] = option(
-        None, "objective", "GRPO: reward functions as module:function or path/to/file.py:function, with TRL's "
-        "signature (prompts, completions, completion_ids, the dataset's other columns as keywords; one float a "
-        "completion); unset: the bundled tiny task's")
-    reward_weights: Optional[list[float]] = option(
-        None, "objective", "GRPO: the reward functions' weights in the summed reward; unset: 1 each")
-    max_completion_length: int = option(512, "objective", "GRPO: new tokens per completion at most")
-    temperature: float = option(1.0, "objective", "GRPO: the sampling temperature (and the log-probs' logits / it)")
-    top_p: float = option(1.0, "objective", "GRPO: nucleus sampling's probability mass (1: off)")
-    top_k: int = option(0, "objective", "GRPO: sample among the k likeliest tokens (0: off)")
-    epsilon: float = option(0.2, "objective", "GRPO: the clipping range of the probability ratio (its lower side)")
-    epsilon_high: Optional[float] = option(None, "objective", "GRPO: the upper clipping range; unset: --epsilon")
-    num_iterations: int = option(1, "objective", "GRPO: optimizer steps on each rollout (TRL's μ)")
-    loss_type: Literal["dapo", "grpo", "bnpo", "dr_grpo"] = option(
-        "dapo", "objective", "GRPO: how the token losses are averaged, by TRL's names: dapo (over all completion "
-        "tokens of the step), grpo (each completion's mean, then their mean), bnpo (as dapo over one step's batch), "
-        "dr_grpo (the token sum over completions × --max-completion-length)")
-    scale_rewards: Literal["group", "batch", "none"] = option(
-        "group", "objective", "GRPO: divide advantages by the group's reward std (group), the batch's (batch), or not")
 
 
 @dataclass
@@ -79,7 +51,6 @@ class Grpo(Objective):
     """`--objective grpo`."""
 
     name = "grpo"
-    options = GrpoOptions
     default_dataset = "tiny_prompts.jsonl"
 
     def defaults(self, options) -> dict:

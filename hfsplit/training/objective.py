@@ -42,13 +42,11 @@ class Objective:
 
     Class attributes:
         name: the `--objective` name it is registered under (`hfsplit.objectives.OBJECTIVES`).
-        options: a dataclass of its own option fields (mixed into `FinetuneOptions`), or None.
         default_dataset: the bundled file its runs read when no --dataset is given.
         metric_names: the names of its per-step metrics (in the bar, `metrics.jsonl` and TensorBoard).
     """
 
     name: str = "sft"
-    options: Optional[type] = None
     default_dataset: str = "tiny_alpaca.jsonl"
     metric_names: tuple[str, ...] = ()
 
@@ -125,11 +123,3 @@ def replica_rows(run) -> slice:
     dp = run.model.ctx.coords.dp
     return slice(dp * run.rows_per_replica, (dp + 1) * run.rows_per_replica)
 
-
-
-def reference_of(options) -> str:
-    """The reference policy a run uses, where its objective has one: --reference, else adapters-off with adapters
-    (the same stages, adapters disabled) and precomputed without (full fine-tuning)."""
-    if options.reference is not None:
-        return options.reference
-    return "adapters-off" if options.method in ("lora", "qlora") else "precomputed"

@@ -15,16 +15,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
 
-import torch
 import yaml
 
-from hfsplit.budget import parse_size
+from hfsplit.budget import DEFAULT_MAX_SHARD_SIZE, parse_size, torch_gpus
 from hfsplit.errors import HfsplitError
 from hfsplit.objectives import OBJECTIVES, objective_of, option_mixins
+from hfsplit.objectives.options import reference_of
 from hfsplit.plan import TrainingSpec
-from hfsplit.training.data import DatasetError, bundled_dataset_path, detect_format, load_examples, packs_by_default
-from hfsplit.training.objective import reference_of
 from hfsplit.training.option_fields import GROUPS, option
+from hfsplit.training.sources import DatasetError, bundled_dataset_path, detect_format, load_examples, packs_by_default
 
 __all__ = ["ACCELERATE_CPU_CONFIG", "GROUPS", "TINY_RECIPE", "FinetuneOptions", "option", "options_from",
            "parse_options", "reference_of", "tiny_demo_options", "training_spec"]
@@ -37,7 +36,7 @@ ACCELERATE_CPU_CONFIG = Path(__file__).parent / "bundled" / "accelerate_cpu.yaml
 class FinetuneOptions(*option_mixins()):
     """Everything a fine-tuning run can be told. Each field is also a `--flag` and a key of a YAML recipe;
     flags override the recipe. See each field's help (`recipes/finetune.py --help`). The objectives' own options
-    are declared in their modules (`hfsplit.objectives`) and mixed in; where an option is left unset, the
+    are declared without torch (`hfsplit.objectives.options`) and mixed in; where an option is left unset, the
     objective's default applies (`Objective.defaults`)."""
 
     model: Optional[str] = option(
@@ -136,8 +135,9 @@ class FinetuneOptions(*option_mixins()):
         None, "checkpoints", "metrics, checkpoints and the final model go here; unset: runs/<model name>")
     save_every: Optional[int] = option(None, "checkpoints", "save a checkpoint every N steps; unset: only at the end")
     save_total_limit: int = option(0, "checkpoints", "keep only the newest K checkpoints; 0 keeps all")
-    max_shard_size: str = option("5GB", "checkpoints", "largest safetensors shard of model/ and merged/, as "
-                                 "save_pretrained (each stage streams its tensors into shards of at most this size)")
+    max_shard_size: str = option(
+        DEFAULT_MAX_SHARD_SIZE, "checkpoints", "largest safetensors shard of model/ and merged/, as save_pretrained "
+        "(each stage streams its tensors into shards of at most this size)")
     resume: Optional[str] = option(
         None, "checkpoints", "a checkpoint folder, or latest (a bare --resume): weights, optimizer, scheduler, RNG and "
         "data position, resharded to this run's split; auto: the latest if there is one (what a torchrun restart "
@@ -179,7 +179,7 @@ class FinetuneOptions(*option_mixins()):
 
     def __post_init__(self):
         if self.objective in OBJECTIVES:  # the objective's defaults where an option is left unset (parsed once)
-            for name, value in OBJECTIVES[self.objective].defaults(self).items():
+            for name, value in objective_of(self.objective).defaults(self).items():
                 if getattr(self, name) is None:
                     setattr(self, name, value)
         if self.output_dir is None:  # runs/<the model's folder or hub name>
@@ -260,7 +260,7 @@ def packing_of(options: FinetuneOptions) -> bool:
 def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
     """The one options → TrainingSpec function: what a step of this recipe does, for the planner, on GPUs or
     on CPU ranks (`gpu`; None: whatever this machine has)."""
-    gpu = torch.cuda.is_available() if gpu is None else gpu
+    gpu = bool(torch_gpus()) if gpu is None else gpu
     dtype = options.dtype or ("bfloat16" if gpu else "float32")
     return TrainingSpec(method=options.method, seq_len=options.seq_len, micro_batch_size=options.micro_batch_size,
                         dtype=dtype, lora_r=options.lora_r, lora_alpha=options.lora_alpha,
@@ -285,7 +285,7 @@ def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[b
     them from its data; `TrainingSpec.reference_pairs`), else None."""
     # The built-in default demonstrates the pipeline: one stage per rank unless told otherwise.
     pp = options.pp or (world_size if options.model is None and options.tp is None else None)
-    gpu = torch.cuda.is_available() if gpu is None else gpu  # CPU ranks: no reserve (hfsplit/planning/reserve.py)
+    gpu = bool(torch_gpus()) if gpu is None else gpu  # CPU ranks: no reserve (hfsplit/planning/reserve.py)
     spec = replace(training_spec(options, gpu=gpu), reference_pairs=reference_pairs)
     return dict(spec=spec, **batch_arguments(options), schedule=options.schedule, gpus=gpu,
                 tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing,

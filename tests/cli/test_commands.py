@@ -30,6 +30,24 @@ def test_hfsplit_help_loads_no_torch_and_answers_within_a_second():
     assert min(seconds) < 1.0, seconds
 
 
+@pytest.mark.parametrize("argv, code", [
+    (["plan", "--help"], 0),
+    (["plan", "Qwen/Qwen2.5-0.5B", "--max-memry", "2GiB"], 2),  # parsed, refused: nothing runs
+    # the objectives' names are known without their modules
+    (["plan", "Qwen/Qwen2.5-0.5B", "--max-memory", "2GiB", "--objective", "ppo"], 2),
+    (["merge", "--help"], 0),
+])
+def test_plan_help_and_its_flags_load_no_torch_nor_transformers(argv, code):
+    """Issue 33: `hfsplit plan` parses every fine-tuning option (the objectives' own too) before torch loads; the
+    objectives' modules, the checkpoint package and the planner load when a plan runs."""
+    script = (f"import sys\nfrom hfsplit.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
+              f"    assert e.code == {code}, e.code\n"
+              "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["plan", "Qwen/Qwen2.5-0.5B", "--max-memry", "2GiB"], ["hfsplit plan: unknown flag --max-memry",
                                                            "did you mean --max-memory?"]),
