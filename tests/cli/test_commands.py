@@ -4,7 +4,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def test_hfsplit_help_loads_no_torch_and_answers_within_a_second():
+def test_hfsplit_help_loads_no_torch():
+    """What made `hfsplit --help` take 3.5 s was importing torch; no time is asserted (a benchmark's job)."""
     code = ("import sys\nfrom hfsplit.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
             "    assert e.code == 0\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
     assert out.stdout.splitlines()[-1] == "False" and "plan" in out.stdout
-    seconds = []
-    for _ in range(3):  # the best of three: the machine's other load is not the command's
-        start = time.perf_counter()
-        run = subprocess.run([sys.executable, "-m", "hfsplit.cli", "--help"], capture_output=True, text=True, env=ENV)
-        seconds.append(time.perf_counter() - start)
-        assert run.returncode == 0 and "accelerate-config" in run.stdout
-    assert min(seconds) < 1.0, seconds
+    run = subprocess.run([sys.executable, "-m", "hfsplit.cli", "--help"], capture_output=True, text=True, env=ENV)
+    assert run.returncode == 0 and "accelerate-config" in run.stdout
 
 
 @pytest.mark.parametrize("argv, code", [
@@ -122,7 +117,7 @@ def test_the_readme_quick_start_plan_prints_the_headline_figures(capsys):
     assert main(shlex.split(command)[1:]) == 0
     table = capsys.readouterr().out
     assert re.search(rf"^0 .* {first} GiB ", table, re.M) and re.search(rf"^1 .* {second} GiB ", table, re.M), table
-    assert "85704.5 ms" in table and "85.7 s" in row
+    assert "83664.4 ms" in table and "83.7 s" in row
 
 
 def test_plan_of_a_tiny_recipe_writes_nothing(tmp_path):
@@ -143,19 +138,12 @@ def test_plan_of_a_tiny_recipe_writes_nothing(tmp_path):
 
 
 def test_an_unknown_hub_name_without_a_hub_fails_at_once_naming_what_answers_offline(tmp_path):
-    """No retries: HF_HUB_OFFLINE, or an endpoint that refuses (a machine without network), answer from the cache."""
-    import resource
-
+    """No retries: HF_HUB_OFFLINE, or an endpoint that refuses (a machine without network), answer from the cache
+    (huggingface_hub logs each retry: none may show; no time is asserted, the benchmark-not-timed-test rule)."""
     for offline in ({"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}):
         env = {**ENV, **offline, "HF_HOME": str(tmp_path / "hf")}
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        start = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "hfsplit.cli", "plan", "no-such-org/no-such-model",
                                "--max-memory", "24GiB"], env=env, capture_output=True, text=True, timeout=120)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
         assert "no-such-org/no-such-model/config.json: not in the local hub cache" in done.stderr
         assert "meta-llama/Llama-3.1-70B" in done.stderr and "Retrying" not in done.stderr
-        # the work is the imports: within 5 s of CPU time (wall time on a loaded machine measures the load)
-        assert cpu < 5.0, (cpu, time.perf_counter() - start)
