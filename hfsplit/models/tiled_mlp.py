@@ -13,7 +13,9 @@ Inside a checkpointed block (`hfsplit.apply.checkpointing`; the plan's step: `hf
 recompute runs the MLP slice by slice without keeping anything, and each slice recomputes once more in its own
 backward. That is the time the plan charges (`hfsplit.planning.costs.model`): one more forward of the MLP a micro-batch.
 
-The module is not replaced (its parameter names, and so loading, LoRA targets and saving, stay the model's): its
+The block's own norms run the same way (`block_norms`): per token too, and in eager transformers each keeps an fp32 copy
+of the whole sequence and makes more in its backward, the largest rest of a long block's recompute once its MLP is
+tiled. The module is not replaced (its parameter names, and so loading, LoRA targets and saving, stay the model's): its
 `forward` is wrapped on the instance, and `module.tiled_mlp_chunks` says into how many slices.
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ from hfsplit.errors import UnsupportedModelError
 
 
 def tile_mlps(blocks: Iterable[nn.Module], *, chunks: int) -> int:
-    """Wrap the `mlp` of each block so that it runs its input in `chunks` slices of the sequence; the count wrapped.
+    """Wrap the `mlp` of each block, and the block's own norms (`block_norms`), so that each runs its input in `chunks`
+    slices of the sequence; the count of blocks wrapped.
 
     Raises:
         UnsupportedModelError: a block has no `mlp`, or its MLP routes tokens to experts (their load-balancing
@@ -56,7 +59,11 @@ def block_norms(block: nn.Module) -> list[nn.Module]:
 
 
 def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+    """A norm over the last dimension alone: a weight of at most one dimension (a LayerNorm over two would not be
+    per token). Gated norms (Mamba's, with a second input) live inside their mixers, never a block's children."""
+    named = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+    weight = getattr(module, "weight", None)
+    return named and (not isinstance(weight, torch.Tensor) or weight.dim() <= 1)
 
 
 def _tile(module: nn.Module, chunks: int) -> None:
