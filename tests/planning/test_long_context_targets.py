@@ -26,7 +26,8 @@ def device_use(plan: Plan) -> list[float]:
 def test_70b_qlora_at_seq_4096_fits_two_rtx4090s_with_the_default_options():
     """`hfsplit plan meta-llama/Llama-3.1-70B --max-memory 2xRTX4090 --qlora --lora-r 16 --seq-len 4096 --headroom
     0.03`: before issue 30 it fitted only with `--chunked-loss on --micro-batches 2`; the planner now turns the chunked
-    loss on and runs 4 micro-batches itself (170 tokens/s: faster than 8 with the MLP and norms tiled in 4 slices, 151)."""
+    loss on and runs 4 micro-batches itself (170 tokens/s: faster than 8 with the MLP and norms tiled in 4 slices,
+    151)."""
     plan = make_plan(LLAMA_70B, "2xRTX4090", spec=replace(QLORA, seq_len=4096), headroom=0.03)
     assert max(device_use(plan)) <= 0.97 and plan.pp == 2, device_use(plan)
     assert plan.spec.chunked_loss and plan.micro_batches == 4
