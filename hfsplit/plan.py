@@ -109,8 +109,9 @@ class TrainingSpec:
             keeps (None: not known where the plan was made, counted as one step's pairs).
         rollout_rows, rollout_tokens: an objective that generates (GRPO): the sequences one replica generates per
             step (prompts × generations) and the new tokens of each; 0 otherwise.
-        tiled_mlp: the slices of the sequence each block's MLP runs in, forward and recompute-backward, so its
-            intermediates never exist for the whole sequence (`hfsplit.apply.tiled_mlp`); 0: untiled. In a Plan, the
+        tiled_mlp: the slices of the sequence each block's MLP and its own norms run in, forward and
+            recompute-backward, so the MLP's intermediates and the norms' fp32 copies never exist for the whole
+            sequence (`hfsplit.apply.tiled_mlp`); 0: untiled. In a Plan, the
             most any stage runs; each stage's own is `Stage.tiled_mlp`.
     """
 

@@ -1,5 +1,6 @@
-"""The tiled-MLP step: each block's MLP on the stages the plan tiles runs the sequence a slice at a time, forward and
-recompute-backward (`hfsplit.models.tiled_mlp`), so its intermediates never exist for the whole sequence."""
+"""The tiled-MLP step: each block's MLP and its own norms on the stages the plan tiles run the sequence a slice at a
+time, forward and recompute-backward (`hfsplit.models.tiled_mlp`), so the MLP's intermediates and the norms' fp32
+copies never exist for the whole sequence."""
 from __future__ import annotations
 
 from typing import Sequence

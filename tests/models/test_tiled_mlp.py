@@ -1,5 +1,6 @@
-"""The tiled MLP (hfsplit/apply/tiled_mlp.py): the same losses and gradients as the untiled run, in fp32, with LoRA and
-QLoRA adapters, on checkpointed blocks and plain ones; and the MLP's intermediates never exist for the whole sequence."""
+"""The tiled MLP (hfsplit/apply/tiled_mlp.py), which tiles the block's norms with it: the same losses and gradients as
+the untiled run, in fp32, with LoRA and QLoRA adapters, on checkpointed blocks and plain ones; and the MLP's
+intermediates and the norms' fp32 copies never exist for the whole sequence."""
 import pytest
 import torch
 
@@ -50,6 +51,9 @@ def test_tiled_mlp_keeps_losses_and_gradients(method, checkpointing, tiny_checkp
     whole = _loss_and_grads(_model(tiny_checkpoint, method), ids, chunks=0, checkpointing=checkpointing)
     tiled_model = _model(tiny_checkpoint, method)
     tiled = _loss_and_grads(tiled_model, ids, chunks=5, checkpointing=checkpointing)
+    for block in tiled_model.base_model.model.model.layers:  # the MLP and both norms run in slices
+        assert [block.mlp.tiled_mlp_chunks, block.input_layernorm.tiled_mlp_chunks,
+                block.post_attention_layernorm.tiled_mlp_chunks] == [5, 5, 5]
     assert torch.allclose(tiled[0], whole[0], rtol=1e-5, atol=0), (tiled[0], whole[0])
     assert whole[1].keys() == tiled[1].keys() and len(whole[1]) == 2 * 5 * len(tiled_model.base_model.model.model.layers)  # A, B of 5 targets
     # relative to each gradient's norm: a slice's sum over its tokens rounds otherwise than the whole sequence's
@@ -88,6 +92,36 @@ def test_tiled_mlp_never_holds_the_whole_sequences_intermediate():
     whole, tiled = peak(0), peak(8)
     intermediate = 4 * 4096 * 512 * 4  # gate, up, act(gate), product: fp32
     assert whole - tiled >= intermediate // 2, (whole, tiled)
+
+
+def test_tiled_norms_never_hold_the_whole_sequences_fp32_copies():
+    """Llama's RMSNorm on bf16 states at seq 4096: untiled, it keeps the fp32 upcast of the whole sequence for
+    backward and its backward makes several more fp32 tensors of it (the peak the planner's trace found in a
+    Llama-3.1-70B block); tiled in 8, one slice's at a time: the peak falls by at least three fp32 copies, and the
+    output and input gradient are the untiled ones."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hfsplit.models.tiled_mlp import block_norms
+    from hfsplit.planning.costs.trace import LiveBytes
+
+    x = torch.randn(1, 4096, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    grad = torch.randn(1, 4096, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def run(chunks: int):
+        holder = torch.nn.Module()
+        holder.mlp, holder.input_layernorm = torch.nn.Identity(), LlamaRMSNorm(64).to(torch.bfloat16)
+        if chunks:
+            tile_mlps([holder], chunks=chunks)
+            assert block_norms(holder) == [holder.input_layernorm]
+        given = x.clone().requires_grad_()
+        with LiveBytes() as live:
+            out = holder.input_layernorm(given)
+            out.backward(grad)
+        return live.peak, out.detach(), given.grad
+
+    (whole, out, dx), (tiled, tiled_out, tiled_dx) = run(0), run(8)
+    assert torch.equal(tiled_out, out) and torch.equal(tiled_dx, dx)
+    assert whole - tiled >= 3 * 4096 * 64 * 4, (whole, tiled)
 
 
 def test_an_mlp_of_experts_is_refused():

@@ -62,7 +62,9 @@ def test_the_ladder_tries_tiles_after_every_untiled_choice_and_the_flags_stay_ov
 
 def test_a_tiled_mlp_costs_less_memory_and_one_more_mlp_forward():
     """Llama-3.1-70B at seq 16384, QLoRA with checkpointing: tiling in 14 slices takes the MLP's intermediates out of a
-    block's recompute (gate, up, their activation and product: 4 × 896 MiB whole), for one more MLP forward."""
+    block's recompute (gate, up, their activation and product: 4 × 896 MiB whole) and the norms' fp32 upcasts (512 MiB
+    each, kept) and their backward's fp32 temporaries (2.5 GiB at the peak), for one more MLP forward (measured: 5.4
+    GiB less)."""
     spec = TrainingSpec(method="qlora", lora_r=16, seq_len=16384, activation_checkpointing=True, reserve_bytes=0)
     from hfsplit.checkpoint.resolve import load_config
 
@@ -71,7 +73,7 @@ def test_a_tiled_mlp_costs_less_memory_and_one_more_mlp_forward():
     tiled = model_costs(config, replace(spec, tiled_mlp=14))
     assert whole.block.activation_bytes == tiled.block.activation_bytes == 16384 * 8192 * 2  # the block's input
     saved = whole.block.workspace_bytes - tiled.block.workspace_bytes
-    assert 3 * 896 * MiB <= saved <= 5 * 896 * MiB, saved / MiB
+    assert 3 * 896 * MiB + 2 * 512 * MiB <= saved <= 4 * 896 * MiB + 2 * 512 * MiB + 2560 * MiB, saved / MiB
     mlp_forward = 2.0 * 16384 * 3 * 8192 * 28672
     assert tiled.block.flops - whole.block.flops >= mlp_forward
 

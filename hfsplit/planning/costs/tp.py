@@ -117,6 +117,12 @@ def block_profile(key: str, spec) -> Optional[TpProfile]:
     return fit_profile(trace.block_events(key, spec, 1), trace.block_events(key, spec, t2), t2)
 
 
+def tiling_key(spec) -> str:
+    """What a tiled trace tiles, in its cache key: traces from before the block's norms were tiled with its MLP
+    (`hfsplit.models.tiled_mlp.block_norms`) are not read back; untiled keys stay as they were."""
+    return "|tiled=mlp,norms" if spec.tiled_mlp > 1 else ""
+
+
 def block_trace_at(key: str, spec, tp: int):
     """`trace.trace_block(key, spec, tp)`, derived from the block's TP profile (on disk, or two traces) for a
     degree above the profile's second one, else traced."""
@@ -124,7 +130,7 @@ def block_trace_at(key: str, spec, tp: int):
     t2 = second_degree(config) if tp > 1 else None
     if t2 is None or tp <= t2 or not _heads_stay_plural(config, tp):
         return trace.trace_block(key, spec, tp)  # degree 1 and the second degree are the profile's own traces
-    name = f"{key}|{sorted(vars(spec).items())}"
+    name = f"{key}|{sorted(vars(spec).items())}" + tiling_key(spec)
     record = read_cache("tp-profile", name)
     profile = TpProfile.from_record(record) if record else block_profile(key, spec)
     if profile is not None and record is None:

@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from typing import Optional
 
 from hfsplit.planning.costs.cache import read_cache, write_cache
-from hfsplit.planning.costs.tp import block_trace_at
+from hfsplit.planning.costs.tp import block_trace_at, tiling_key
 from hfsplit.planning.costs.trace import BlockTrace, EndsTrace, trace_ends
 
 
@@ -57,7 +57,7 @@ def _cached(kind: str, key: str, spec, tp: Optional[int], trace, cls):
     # its own): left out of the key, caches from before they were fields stay valid
     # and fields added since (DPO's) only where they differ from their defaults, so SFT keys stay as they were
     items = ((k, v) for k, v in asdict(spec).items() if k not in _UNTRACED and (k not in _NEWER or v != _NEWER[k]))
-    full = f"{key}|{sorted(items)}|tp={tp}"
+    full = f"{key}|{sorted(items)}|tp={tp}" + tiling_key(spec)
     if full in _MEMO:
         return _MEMO[full]
     record = read_cache(kind, full)
