@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from hfsplit.errors import UnsupportedModelError
+from hfsplit.models.boundary import text_hidden_size
 from hfsplit.models.layout import decoder_layout, meta_model
 from hfsplit.plan import Stage
 
@@ -253,7 +254,7 @@ class FollowedStage(nn.Module):
         if self.has_embed:
             kwargs["input_ids"] = x
         else:
-            kwargs["inputs_embeds"] = x.new_zeros(*x.shape[-3:-1], _hidden_size(self.config))
+            kwargs["inputs_embeds"] = x.new_zeros(*x.shape[-3:-1], text_hidden_size(self.config))
             self._relay.received, self._relay.carried = unpacked_boundary(x, self.config, carries=self.carries)
         self._relay.running = True
         try:
@@ -364,19 +365,12 @@ def packed_boundary(hidden: torch.Tensor, carried: Optional[torch.Tensor]) -> to
 
 def unpacked_boundary(x: torch.Tensor, config, *, carries: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(hidden state as the model's loop holds it, per-layer inputs or None) from what `packed_boundary` sent."""
-    size, layers = _hidden_size(config), config.num_hidden_layers
+    size, layers = text_hidden_size(config), config.num_hidden_layers
     per_layer = config.hidden_size_per_layer_input if carries else 0
     hidden, carried = x.split([x.shape[-1] - layers * per_layer, layers * per_layer], dim=-1)
     if hidden.shape[-1] > size:
         hidden = hidden.unflatten(-1, (hidden.shape[-1] // size, size)).permute(2, 0, 1, 3)
     return hidden, carried.unflatten(-1, (layers, per_layer)) if carries else None
-
-
-def boundary_width(config) -> int:
-    """The last dimension of what a stage sends on (`packed_boundary`)."""
-    streams = getattr(config, "altup_num_inputs", None) or 1
-    per_layer = getattr(config, "hidden_size_per_layer_input", None) or 0
-    return streams * _hidden_size(config) + (config.num_hidden_layers * per_layer if per_layer else 0)
 
 
 def refuse_split_kv_sharing(config, layers: range) -> None:
@@ -394,10 +388,6 @@ def refuse_split_kv_sharing(config, layers: range) -> None:
 
 def _last_hidden(output) -> torch.Tensor:
     return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-
-
-def _hidden_size(config) -> int:
-    return config.hidden_size if hasattr(config, "hidden_size") else config.get_text_config().hidden_size
 
 
 def _replace(root: nn.Module, path: str, module: nn.Module) -> None:

@@ -34,7 +34,7 @@ from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import PlanError, SplitAttributeError
 from hfsplit.models.loss import IGNORE_INDEX
 from hfsplit.models.families import tp_degree_error
-from hfsplit.parallel.followed_stage import boundary_width
+from hfsplit.models.boundary import boundary_width
 from hfsplit.parallel.generation import (
     Choice, PipelinedGeneration, generation_config_for, joined_sequences, logits_processors, merged_generation_config,
     rollouts_of, special_tokens, token_group,

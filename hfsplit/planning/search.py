@@ -280,7 +280,7 @@ def _rollout_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels: S
         seconds = reference_forward_s(variants[level], slot, stage_layers(variants[level], counts, slot.index))
         ranks[slot.pp_rank] = ranks.get(slot.pp_rank, 0.0) + seconds
     prefill = max(ranks.values()) * m / (1 - bubble)
-    per_token = variants[0].boundary_bytes * m / spec.seq_len  # every row's hidden state of one position
+    per_token = variants[0].boundary_bytes * m / spec.seq_len  # every row's boundary (hidden state) of one position
     messages = sum(slot.sends for slot in slots) / 2 * slots[0].link.send_s(per_token)
     return rollout_seconds(prefill, spec=spec, step_message_s=messages)
 

@@ -196,8 +196,8 @@ def _comm_time(costs: ModelCosts, slot: Slot, parts: list[tuple[PartCost, int]])
     from each pipeline neighbour on another rank (forward, and the gradient back when training), and the fixed
     cost of each schedule action (ZBV and Interleaved run more, smaller actions)."""
     comm = sum(c.comm_bytes * k for c, k in parts)
-    size = costs.boundary_bytes
-    count = round(comm / size) if size else 1  # all-reduces are of hidden states: latency per message
+    size, message = costs.boundary_bytes, costs.hidden_bytes or costs.boundary_bytes
+    count = round(comm / message) if message else 1  # all-reduces are of hidden states: latency per message
     tp_time = slot.link.all_reduce_s(comm / max(count, 1), costs.tp, count) if comm else 0.0
     inference = costs.spec.method == "inference"
     sends = slot.sends * (1 if inference else 2) * slot.link.send_s(size) if size else 0.0

@@ -128,7 +128,7 @@ def test_per_layer_inputs_cross_the_stage_boundary_with_the_hidden_state():
     streams (AltUp): the first stage sends both in one tensor, the second stage unpacks them and equals the whole
     model's tail; the modules that compute them, registered after the blocks, belong to the first stage."""
     from hfsplit.models.shrink import shrunk_config
-    from hfsplit.parallel.followed_stage import boundary_width
+    from hfsplit.models.boundary import boundary_width
 
     whole = proof.tiny_model(shrunk_config(AutoConfig.for_model("gemma3n_text")))
     first, last = proof.split_stages(whole, pp=2)

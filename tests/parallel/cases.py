@@ -44,8 +44,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
 
 
 def split_matches_transformers(*, checkpoint: str, tp: int, pp: int, layers: list, schedule: str,
-                               micro_batches: int = 2, new_tokens: int = 8) -> dict:
-    """Logits, one step's gradients and greedy generation of the split model against transformers."""
+                               micro_batches: int = 2, new_tokens: int = 8, dtype: torch.dtype = torch.float32) -> dict:
+    """Logits, one step's gradients and greedy generation of the split model against transformers, both in
+    `dtype`."""
     from transformers import AutoModelForCausalLM
 
     from hfsplit.checkpoint import load_config
@@ -56,8 +57,8 @@ def split_matches_transformers(*, checkpoint: str, tp: int, pp: int, layers: lis
     config = load_config(checkpoint)
     plan = hand_plan(config, tp=tp, pp=pp, layers=layers, schedule=schedule, micro_batches=micro_batches)
     ctx = init_parallel(plan)
-    model = build_split_model(plan, checkpoint, ctx=ctx, dtype=torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = build_split_model(plan, checkpoint, ctx=ctx, dtype=dtype)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
     torch.manual_seed(0)
     ids = torch.randint(3, config.vocab_size, (4, 8))
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from hfsplit.errors import PlanError
 from hfsplit.models.families import tp_style_of
@@ -59,8 +60,13 @@ def rank_layer_config(config, *, tp: int = 1):
 
 
 def head_dim(config) -> int:
-    """The width of one attention head: the config's own, else hidden size / heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """The width of one attention head: the config's own, else hidden size / heads; where it varies by layer (Gemma
+    4's full-attention layers' `global_head_dim`), the widest, as the attention FLOPs of a block are counted."""
+    try:
+        own = getattr(config, "head_dim", None)
+    except AmbiguousGlobalPerLayerAttributeError:
+        return max(layer.head_dim for layer in config.per_layer_config)
+    return own or config.hidden_size // config.num_attention_heads
 
 
 @dataclass(frozen=True)

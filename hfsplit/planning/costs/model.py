@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from hfsplit.checkpoint.quantized import quantized_experts_bytes, quantized_linear_bytes
 from hfsplit.errors import PlanError
+from hfsplit.models.boundary import boundary_width
 from hfsplit.models.expert_lora import default_lora_targets, expert_lora_numel, expert_parameters
 from hfsplit.models.families import tp_degree_error
 from hfsplit.models.layer_kinds import DENSE, SPARSE, kind_config, layer_kinds
@@ -87,7 +88,8 @@ class ModelCosts:
         head: final norm + lm_head (+ loss) on the last stage. With tied embeddings the
             head's param_bytes include the shared matrix again, since the last stage holds a copy.
         tied: whether lm_head shares the embedding matrix.
-        boundary_bytes: one micro-batch's hidden states, what a stage sends its pipeline neighbour.
+        boundary_bytes: what a stage sends its pipeline neighbour for one micro-batch: its hidden states, with
+            the hidden streams and per-layer inputs some models carry (`hfsplit.models.boundary.boundary_width`).
         layer_blocks: each layer's own block cost where the layers are of several kinds (Qwen3-MoE's
             `mlp_only_layers`, `hfsplit.models.layer_kinds`); empty when every layer costs `block` (layer 0's kind).
         stage_inputs: what every stage holds per micro-batch besides its parts: the position ids (the pipeline
@@ -109,6 +111,7 @@ class ModelCosts:
     stage_inputs: PartCost = PartCost(0, 0, 0, 0, 0, 0.0)
     logits_bytes: int = 0  # one micro-batch's logits on one TP rank, in the compute dtype (a reference pass counts them)
     kv_bytes: int = 0  # one micro-batch's KV cache of one block on one TP rank, where the objective generates
+    hidden_bytes: int = 0  # one micro-batch's hidden state, a TP all-reduce's message (0: boundary_bytes, the same)
 
 
 _MASTER_WEIGHT_BYTES = 4  # fp32 master copy under mixed precision
@@ -286,6 +289,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     ends = ends_trace(key, traced)
     tokens = spec.micro_batch_size * spec.seq_len
     hidden_bytes = tokens * config.hidden_size * size
+    boundary_bytes = tokens * boundary_width(config) * size  # Gemma 3n/4 send more than the hidden state
 
     def state(part: str) -> dict:
         return _part_state(layout, spec, tp, config, part, numels[part])
@@ -325,7 +329,8 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     head = PartCost(**state("head"), activation_bytes=ends.head_activations, workspace_bytes=ends.head_workspace,
                     flops=head_flops)
     return _with_deferred_grads(ModelCosts(config.num_hidden_layers, tp, embed, block, head, layout.tied, spec,
-                                           boundary_bytes=hidden_bytes, stage_inputs=_stage_inputs(key, spec, ckpt),
+                                           boundary_bytes=boundary_bytes, hidden_bytes=hidden_bytes,
+                                           stage_inputs=_stage_inputs(key, spec, ckpt),
                                            logits_bytes=tokens * (config.vocab_size // tp) * size,
                                            kv_bytes=kv_cache_bytes(config, spec, tp) if spec.counts.generation else 0),
                                 layout, config)

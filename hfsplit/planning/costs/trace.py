@@ -8,6 +8,7 @@ derived from two traces (`hfsplit.planning.costs.tp`).
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hfsplit.models.boundary import hidden_streams
 from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.models.families import FAMILIES, Family
 from hfsplit.models.layout import decoder_layout, meta_model
@@ -173,7 +175,16 @@ def _block_kwargs(base, block, spec: TrainingSpec):
     captured = {}
 
     def capture(module, args, kwargs):
-        captured.update(kwargs)
+        # by name, what the decoder passes by position too (Gemma 3n's and Gemma 4's per-layer input)
+        signature = inspect.signature(module.forward)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        bound.pop(next(iter(signature.parameters)), None)  # the hidden state, whatever the block names it
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                bound.update(bound.pop(name, {}))
+            elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+                bound.pop(name, None)
+        captured.update(bound)
         raise _Captured
 
     handle = block.register_forward_pre_hook(capture, with_kwargs=True)
@@ -248,7 +259,9 @@ def trace_block(key: str, spec: TrainingSpec, tp: int) -> BlockTrace:
 def block_events(key: str, spec: TrainingSpec, tp: int) -> BlockEvents:
     config = CONFIGS[key]
     dtype = dtype_of(spec.dtype)
-    shape = (spec.micro_batch_size, spec.seq_len, config.hidden_size)
+    # Gemma 3n's blocks take its AltUp streams stacked: (streams, batch, seq, hidden)
+    streams = (hidden_streams(config),) if hidden_streams(config) > 1 else ()
+    shape = (*streams, spec.micro_batch_size, spec.seq_len, config.hidden_size)
     mode = FakeTensorMode()
     model, block, kwargs, _ = _fake_model(key, spec, tp, mode)
     with mode, _grouped_experts_on_fake_tensors(dequantized=_traces_4bit_experts(spec)):
@@ -289,7 +302,10 @@ def trace_ends(key: str, spec: TrainingSpec) -> EndsTrace:
     model, _, _, ids = _fake_model(key, spec, 1, mode)
     with mode:
         _, _, after, lm_head = parts(model)
-        embed, norm = model.get_input_embeddings(), torch.nn.Sequential(*[m for m in after if numel([m])])
+        # the final norm; Gemma 3n's AltUp unembedding projections (a ModuleList over its extra streams, ahead of the
+        # norm) are not traced: their parameters are the head's, their activations (3 hidden states) go uncounted
+        kept = [m for m in after if numel([m]) and not isinstance(m, torch.nn.ModuleList)]
+        embed, norm = model.get_input_embeddings(), torch.nn.Sequential(*kept)
         set_trainable(model, spec)
         train = spec.method != "inference"
 

@@ -1,0 +1,27 @@
+"""What crosses a pipeline stage boundary, per token: the width of the one tensor a stage sends its neighbour.
+
+The split (`hfsplit.parallel.followed_stage.packed_boundary`) sends it and sizes its receive buffers by it, and the
+planner counts its send, receive and kept buffers and its link time by it: one definition, here, where both may
+import it (models ← planning, models ← parallel).
+"""
+from __future__ import annotations
+
+
+def boundary_width(config) -> int:
+    """The last dimension of what a stage sends on: the hidden state, times the hidden streams the model's loop
+    keeps (Gemma 3n's AltUp `altup_num_inputs`), plus the per-layer inputs carried to later stages (Gemma 3n's and
+    Gemma 4's `hidden_size_per_layer_input` per block); `hidden_size` for every other model."""
+    streams = hidden_streams(config)
+    per_layer = getattr(config, "hidden_size_per_layer_input", None) or 0
+    return streams * text_hidden_size(config) + config.num_hidden_layers * per_layer
+
+
+def text_hidden_size(config) -> int:
+    """The hidden size of the config's language model (a multimodal config keeps it in its text config)."""
+    return config.hidden_size if hasattr(config, "hidden_size") else config.get_text_config().hidden_size
+
+
+def hidden_streams(config) -> int:
+    """How many hidden states the model's loop carries from block to block, stacked on a first dimension: Gemma
+    3n's AltUp streams (`altup_num_inputs`), else 1."""
+    return getattr(config, "altup_num_inputs", None) or 1
