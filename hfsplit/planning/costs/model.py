@@ -278,8 +278,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     layout = layout_of(key)
     size = dtype_of(spec.dtype).itemsize
     block_numel = layout.block_numel_replicated + layout.block_numel_sharded // tp
-    # hfsplit.apply.tp shards the embedding and lm_head over the vocabulary (the
-    # final norm stays whole), so each TP rank holds 1/tp of both matrices.
+    # hfsplit.apply.tp shards the embedding and lm_head over the vocabulary (the final norm stays whole)
     head_numel = layout.norm_numel + (layout.head_numel - layout.norm_numel) // tp
     numels = {"embed": layout.embed_numel // tp, "block": block_numel, "head": head_numel}
     lora_numel = _lora_numel(layout, spec, tp, config) if spec.method in ("lora", "qlora") else 0

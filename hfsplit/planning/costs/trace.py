@@ -313,8 +313,7 @@ def trace_ends(key: str, spec: TrainingSpec) -> EndsTrace:
         saved = SavedBytes(exclude=list(embed.parameters()))
         with LiveBytes() as live, torch.set_grad_enabled(train), saved.hooks():
             h = embed(ids)
-        embed_fwd = live.peak
-        embed_bwd = 0
+        embed_fwd, embed_bwd = live.peak, 0
         if spec.method == "full":
             with LiveBytes() as live:
                 h.backward(torch.empty_like(h))
