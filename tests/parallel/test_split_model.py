@@ -125,7 +125,7 @@ def test_distributed_from_pretrained_plans_inference_by_default(launch, tiny_che
     and generates what transformers generates."""
     checkpoint = str(tiny_checkpoint("llama"))
     results = launch("tests.parallel.cases:default_intent_runs", world_size=2,
-                     kwargs=dict(checkpoint=checkpoint, max_memory="2x8MiB"))
+                     kwargs=dict(checkpoint=checkpoint, max_memory="2x6MiB"))  # full fits at 8 MiB since the planner turns the knobs
     for r in results:
         assert r["method"] == "inference"
         assert all("no split fits the budget" in why for why in r["refused"].values()), r["refused"]
