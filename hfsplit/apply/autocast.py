@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hfsplit.plan import Step
+from hfsplit.plan.steps import Step
 
 
 def autocast_stages(modules: Sequence[nn.Module], step: Step, inputs) -> Step:

@@ -11,7 +11,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hfsplit.apply.offload import HostBytes, StageOffload
 from hfsplit.errors import UnsupportedModelError
-from hfsplit.plan import Step
+from hfsplit.plan.steps import Step
 
 
 def checkpoint_blocks(modules: Sequence[nn.Module], step: Step, inputs) -> Step:

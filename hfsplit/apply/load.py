@@ -17,7 +17,7 @@ from hfsplit.apply.quantize import Staging, quantize_module
 from hfsplit.apply.tp import shard_layout
 from hfsplit.checkpoint.reader import CheckpointReader
 from hfsplit.models.layout import holds_experts, meta_model, recompute_buffers
-from hfsplit.plan import Step
+from hfsplit.plan.steps import Step
 
 _LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
 

@@ -31,7 +31,8 @@ from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.apply.tp import mark_tp_sharded, tp_shard_dim
 from hfsplit.errors import HfsplitError
 from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
-from hfsplit.plan import Plan, Step, lora_step
+from hfsplit.plan import Plan
+from hfsplit.plan.steps import Step, lora_step
 
 _LAYER_NAME = re.compile(r"(model\.layers\.\d+\..*)$")
 _IN_PLAN = re.compile(r"layers\.\d+\.(.*)$")

@@ -29,7 +29,7 @@ from hfsplit.apply.quantized_experts import (
 )
 from hfsplit.checkpoint.quantized import BLOCKSIZE
 from hfsplit.errors import PlanError, QuantizationError
-from hfsplit.plan import Step
+from hfsplit.plan.steps import Step
 
 
 def quantization_config(*, load_in_8bit: bool = False, quant_type: str = "nf4", double_quant: bool = True,

@@ -28,7 +28,8 @@ from hfsplit.apply.quantize import check_quantized
 from hfsplit.apply.tiled_mlp import tile_stage_mlps
 from hfsplit.apply.tp import shard_stages
 from hfsplit.errors import PlanError
-from hfsplit.plan import Plan, Step
+from hfsplit.plan import Plan
+from hfsplit.plan.steps import Step
 
 # Step kind → the function applying it: `(modules, step, inputs) -> the Step applied`.
 STEPS: dict[str, Callable[[Sequence[nn.Module], Step, "StepInputs"], Step]] = {

@@ -8,7 +8,7 @@ from typing import Sequence
 from torch import nn
 
 from hfsplit.models.tiled_mlp import tile_mlps
-from hfsplit.plan import Step
+from hfsplit.plan.steps import Step
 
 
 def tile_stage_mlps(modules: Sequence[nn.Module], step: Step, inputs) -> Step:

@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from hfsplit.apply.tp_experts import ExpertsParallel
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.models.families import MOE_EXPERTS, REPLICATED_SUMMED, expert_tp_params
-from hfsplit.plan import Step
+from hfsplit.plan.steps import Step
 
 
 def block_styles(config) -> dict[str, object]:

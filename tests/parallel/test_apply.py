@@ -83,7 +83,7 @@ def _check_bf16_qlora_autocast(results: list[dict]) -> None:
     the losses stay those of the run without it (same values: autocast casts peft's fp32 copy straight back to
     bf16). The QLoRA cell of the offload matrix runs here too: under autocast with the blocks' inputs offloaded,
     the device peak and the host bytes are the plan's within ±15% and the losses those of checkpointing on device."""
-    from hfsplit.plan import autocast_step as autocast_label
+    from hfsplit.plan.steps import autocast_step as autocast_label
 
     for rank, by_autocast in enumerate(results):  # every figure printed before any is asserted
         for autocast, r in by_autocast.items():

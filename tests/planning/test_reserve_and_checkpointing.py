@@ -6,7 +6,8 @@ from hfsplit.cli.plan import main
 from hfsplit.plan import TrainingSpec
 from hfsplit.load.materialize import from_pretrained
 from hfsplit.planning.planner import make_plan
-from hfsplit.plan import Plan, checkpointing_step as activation_checkpointing_label
+from hfsplit.plan import Plan
+from hfsplit.plan.steps import checkpointing_step as activation_checkpointing_label
 from hfsplit.planning.reserve import (
     CUDA_CONTEXT_BYTES, FRAGMENTATION_BYTES, NCCL_BUFFER_BYTES, device_reserve_bytes, reserve_for,
 )
