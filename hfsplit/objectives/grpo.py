@@ -196,8 +196,8 @@ def prompt_batches(rows: PromptRows, *, prompts: int, seed: int):
 
 def make_rollout(run, batch: dict) -> Rollout:
     """Generate the step's completions (each data-parallel replica its share of the prompts, `rollout.generate`, every
-    rank then holding all of them), score them on rank 0
-    (broadcast), and lay out the update's rows and targets; with beta > 0 the reference's log-probs of them."""
+    rank then holding all of them), score them on rank 0 (broadcast), and lay out the update's rows and targets; with
+    beta > 0 the reference's log-probs of them."""
     options, rows, loss = run.options, run.batches.rows, run.loss_fn
     index = batch["index"].tolist()
     prompts = [list(rows.prompt_ids[i]) for i in index]
