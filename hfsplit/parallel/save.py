@@ -144,8 +144,10 @@ def save_split_model(model, folder: str | os.PathLike, *, method: str, lora_conf
     try:
         return _save_through(model, folder, tmp, method=method, lora_config=lora_config, tokenizer=tokenizer,
                              base_model=base_model, extra=extra, merge_lora=merge_lora, max_shard_size=max_shard_size)
-    except BaseException:  # Ctrl-C, SIGTERM, a lost peer: nothing half-written stays (each rank clears what is left)
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:  # Ctrl-C, SIGTERM, a lost peer: nothing half-written stays
+        # rank 0 alone clears it (as it alone made it): a peer still clearing could delete the folder a retry made
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
