@@ -84,13 +84,14 @@ NOT_READ_BACK = {
 # Config entries never compared with what the reader rebuilds: those that describe the file, not the model; those only
 # training reads (dropout, initialisation, router losses); model_type, since the table above chooses the layout
 # (Mistral reads back as the Llama it equals without a sliding window); max_window_layers and sliding_window_pattern,
-# whose effect is compared through layer_types.
+# whose effect is compared through layer_types; apply_residual_connection_post_layernorm, a Bloom switch that Falcon's
+# published configs (Falcon-7B's) still carry and transformers' Falcon does not read.
 _NOT_COMPARED = {"model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
                  "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "use_cache", "output_hidden_states",
                  "output_attentions", "return_dict", "id2label", "label2id", "full_attn_idxs", "initializer_range",
                  "attention_dropout", "hidden_dropout", "embedding_dropout", "resid_pdrop", "embd_pdrop",
                  "router_aux_loss_coef", "output_router_logits", "router_jitter_noise", "max_window_layers",
-                 "sliding_window_pattern"}
+                 "sliding_window_pattern", "apply_residual_connection_post_layernorm"}
 
 
 def gguf_arch(config) -> GgufArch:

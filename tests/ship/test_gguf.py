@@ -221,7 +221,13 @@ def test_falcon_is_written_as_llama_cpp_runs_multi_query_attention(tmp_path):
     import gguf
     from safetensors import safe_open
 
-    folder, _ = fp16_model(tmp_path / "falcon", "falcon")
+    import inspect
+
+    from transformers.models.falcon import modeling_falcon
+
+    # Falcon-7B's published config still carries a Bloom switch that transformers' Falcon does not read
+    assert "apply_residual_connection_post_layernorm" not in inspect.getsource(modeling_falcon)
+    folder, _ = fp16_model(tmp_path / "falcon", "falcon", apply_residual_connection_post_layernorm=False)
     export_gguf(folder, folder / "model.gguf")
     reader = gguf.GGUFReader(folder / "model.gguf")
     assert reader.fields["falcon.attention.head_count_kv"].contents() == 1
