@@ -75,8 +75,8 @@ NOT_READ_BACK = {
                "'gpt_oss' while the file's architecture is llama.cpp's 'gpt-oss', and it writes per-expert "
                "block_sparse_moe.experts.N names that transformers' GPT-OSS does not have",
     "gemma4_text": "its gemma4 config mapping reads no head_dim (always 256), final_logit_softcapping, "
-                   "hidden_size_per_layer_input, vocab_size_per_layer_input, num_kv_shared_layers, use_double_wide_mlp, "
-                   "enable_moe_block, attention_k_eq_v nor rope parameters: it rebuilds Gemma4TextConfig's defaults "
+                   "hidden_size_per_layer_input, vocab_size_per_layer_input, num_kv_shared_layers, "
+                   "use_double_wide_mlp, enable_moe_block, attention_k_eq_v nor rope parameters: it rebuilds Gemma4TextConfig's defaults "
                    "for them, so it reads back only a model that has exactly those",
     "gemma3n_text": "it has no gemma3n architecture",
     "falcon_h1": "it has no falcon-h1 architecture",

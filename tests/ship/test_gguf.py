@@ -15,8 +15,8 @@ from tests.ship.conftest import write_adapter
 
 TEXT = "Hello world! <|im_start|>user\n Numbers 12345 and ünïcödé, spaces   here.<|im_end|>"
 # max |logit difference| / max |logit| measured on these tiny random models: Llama bf16 0.3%, q8_0 0.9%, q4_0 15%;
-# Phi-3 q4_0 17%, LFM2 q8_0 1.2%, Falcon q8_0 0.9%; Qwen2-MoE q8_0 2.0% (a quantized router may pick another expert for a near tie,
-# hence its wider bound)
+# Phi-3 q4_0 17%, LFM2 q8_0 1.2%, Falcon q8_0 0.9%; Qwen2-MoE q8_0 2.0% (a quantized router may pick another expert
+# for a near tie, hence its wider bound)
 BOUNDS = {"bf16": 0.01, "q8_0": 0.02, "q4_0": 0.25}
 MOE_BOUNDS = {"q8_0": 0.04}
 
