@@ -159,10 +159,10 @@ def _path_of_type(root: nn.Module, kind: type) -> Optional[str]:
 
 def raw_config(path: Optional[Path]):
     """The config as a checkpoint's config.json at `path` states it (multimodal or not); None without one."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PreTrainedConfig
 
-    try:
-        data = json.loads(Path(path).read_text())
+    try:  # transformers' own reading: it decodes the floats JSON cannot hold (Falcon-H1's infinite time_step_limit)
+        data = PreTrainedConfig._dict_from_json_file(path)
         return AutoConfig.for_model(data.pop("model_type"), **data)
     except (TypeError, OSError, ValueError, KeyError):
         return None

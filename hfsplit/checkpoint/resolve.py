@@ -109,10 +109,10 @@ def load_config(model: str | os.PathLike, *, revision: Optional[str] = None):
 
 
 def _config_from_json(path: Path):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PreTrainedConfig
 
-    try:
-        data = json.loads(path.read_text())
+    try:  # transformers' own reading: it decodes the floats JSON cannot hold (Falcon-H1's infinite time_step_limit)
+        data = PreTrainedConfig._dict_from_json_file(path)
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: not a readable config.json ({exc})") from exc
     if "model_type" not in data:

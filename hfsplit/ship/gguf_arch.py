@@ -62,20 +62,36 @@ ARCHITECTURES = {
                            renames=(("e_score_correction_bias", "e_score_correction.bias"),)),
     "nemotron": GgufArch("nemotron", norm_offset=1.0, extra_keys=("layer_norm",)),
     "stablelm": GgufArch("stablelm", extra_keys=("layer_norm",)),
+    # Falcon with multi-query attention (Falcon-7B's): its fused query_key_value [q heads; k; v] is already llama.cpp's
+    # attn_qkv layout, which the reader reads unchanged. Grouped-query Falcon (new_decoder_architecture: 40B, 180B)
+    # interleaves q, k, v per group, which llama.cpp's converter regroups; the reader neither regroups nor rebuilds
+    # new_decoder_architecture, so reader_mismatch refuses it.
+    "falcon": GgufArch("falcon", extra_keys=("layer_norm",)),
 }
-# Architectures transformers' reader names but cannot read back, and why (the test checks the why).
-NOT_READ_BACK = {"gpt_oss": "it maps no GGUF tensor to GPT-OSS's fused experts (gate_up_proj and its bias) or to the "
-                            "experts' down_proj bias, so they would load uninitialised"}
+# Architectures transformers' reader cannot read back, and why (the test checks each why against transformers).
+NOT_READ_BACK = {
+    "gpt_oss": "it maps no GGUF tensor to GPT-OSS's fused experts (gate_up_proj and its bias) or to the experts' "
+               "down_proj bias, so they would load uninitialised: its GPT-OSS tensor processor is registered as "
+               "'gpt_oss' while the file's architecture is llama.cpp's 'gpt-oss', and it writes per-expert "
+               "block_sparse_moe.experts.N names that transformers' GPT-OSS does not have",
+    "gemma4_text": "its gemma4 config mapping reads no head_dim (always 256), final_logit_softcapping, "
+                   "hidden_size_per_layer_input, vocab_size_per_layer_input, num_kv_shared_layers, "
+                   "use_double_wide_mlp, enable_moe_block, attention_k_eq_v nor rope parameters: it rebuilds Gemma4TextConfig's defaults "
+                   "for them, so it reads back only a model that has exactly those",
+    "gemma3n_text": "it has no gemma3n architecture",
+    "falcon_h1": "it has no falcon-h1 architecture",
+}
 # Config entries never compared with what the reader rebuilds: those that describe the file, not the model; those only
 # training reads (dropout, initialisation, router losses); model_type, since the table above chooses the layout
 # (Mistral reads back as the Llama it equals without a sliding window); max_window_layers and sliding_window_pattern,
-# whose effect is compared through layer_types.
+# whose effect is compared through layer_types; apply_residual_connection_post_layernorm, a Bloom switch that Falcon's
+# published configs (Falcon-7B's) still carry and transformers' Falcon does not read.
 _NOT_COMPARED = {"model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
                  "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "use_cache", "output_hidden_states",
                  "output_attentions", "return_dict", "id2label", "label2id", "full_attn_idxs", "initializer_range",
                  "attention_dropout", "hidden_dropout", "embedding_dropout", "resid_pdrop", "embd_pdrop",
                  "router_aux_loss_coef", "output_router_logits", "router_jitter_noise", "max_window_layers",
-                 "sliding_window_pattern"}
+                 "sliding_window_pattern", "apply_residual_connection_post_layernorm"}
 
 
 def gguf_arch(config) -> GgufArch:
@@ -122,7 +138,7 @@ def add_hyperparameters(writer, config, arch: GgufArch, ffn_width: int) -> None:
         writer.add_head_count_kv([config.num_key_value_heads if kind == "full_attention" else 0
                                   for kind in config.layer_types])
     else:
-        writer.add_head_count_kv(config.num_key_value_heads or config.num_attention_heads)
+        writer.add_head_count_kv(_kv_heads(config))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -155,12 +171,20 @@ def add_hyperparameters(writer, config, arch: GgufArch, ffn_width: int) -> None:
         writer.add_shortconv_l_cache(config.conv_L_cache)
 
 
+def _kv_heads(config) -> int:
+    """The key/value heads attention runs with: Falcon's multi-query attention has one, whatever `num_kv_heads`
+    says (transformers' FalconAttention)."""
+    if config.model_type == "falcon":
+        return config.num_kv_heads if config.new_decoder_architecture or not config.multi_query else 1
+    return config.num_key_value_heads or config.num_attention_heads
+
+
 def ffn_width(config, arch: GgufArch, shapes: dict) -> int:
     """The FFN width: the config's, or the rows of `arch.ffn_tensor` in `shapes` ({name: shape}) where the config
     derives it (LFM2's `block_auto_adjust_ff_dim`)."""
     if arch.ffn_tensor and getattr(config, "block_auto_adjust_ff_dim", False):
         return next(shape[0] for name, shape in shapes.items() if name.endswith(arch.ffn_tensor))
-    return config.intermediate_size
+    return getattr(config, "intermediate_size", None) or config.ffn_hidden_size  # Falcon's is ffn_hidden_size
 
 
 def reader_mismatch(config, add_keys, tensor_names: list[str], width: int) -> dict:

@@ -372,3 +372,18 @@ def test_a_missing_expert_is_named(tiny_checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' is merged on load from "
                                               r"3 × experts\.\*\.w1\.weight, 4 × experts\.\*\.w3\.weight.*is the checkpoint complete"):
         CheckpointReader.open(folder, model=meta_model(folder))
+
+
+def test_a_saved_config_with_an_infinite_value_loads_as_transformers_loads_it(tmp_path):
+    """transformers writes floats JSON cannot hold as {"__float__": "Infinity"} (Falcon-H1's time_step_limit): hfsplit
+    reads the config.json to what AutoConfig.from_pretrained reads, the multimodal check included."""
+    from transformers import AutoConfig
+
+    from hfsplit.checkpoint.multimodal import raw_config
+    from hfsplit.checkpoint.resolve import load_config
+
+    tiny_config("falcon_h1").save_pretrained(tmp_path)
+    assert "Infinity" in (tmp_path / "config.json").read_text()
+    expected = AutoConfig.from_pretrained(tmp_path).time_step_limit
+    assert expected[1] == float("inf")
+    assert load_config(tmp_path).time_step_limit == expected == raw_config(tmp_path / "config.json").time_step_limit

@@ -15,8 +15,8 @@ from tests.ship.conftest import write_adapter
 
 TEXT = "Hello world! <|im_start|>user\n Numbers 12345 and ünïcödé, spaces   here.<|im_end|>"
 # max |logit difference| / max |logit| measured on these tiny random models: Llama bf16 0.3%, q8_0 0.9%, q4_0 15%;
-# Phi-3 q4_0 17%, LFM2 q8_0 1.2%; Qwen2-MoE q8_0 2.0% (a quantized router may pick another expert for a near tie,
-# hence its wider bound)
+# Phi-3 q4_0 17%, LFM2 q8_0 1.2%, Falcon q8_0 0.9%; Qwen2-MoE q8_0 2.0% (a quantized router may pick another expert
+# for a near tie, hence its wider bound)
 BOUNDS = {"bf16": 0.01, "q8_0": 0.02, "q4_0": 0.25}
 MOE_BOUNDS = {"q8_0": 0.04}
 
@@ -32,12 +32,13 @@ READER_DEFAULTS = {
     "qwen2_moe": dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=4),
     "lfm2": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], intermediate_size=96),
     "nemotron": dict(num_key_value_heads=4),
+    "falcon": dict(ffn_hidden_size=256, tied=True),  # the reader ties Falcon's head always; 4 x hidden
 }
 # (transformers model_type, the byte-level pre-tokenizer its family's tokenizers use)
 ROUND_TRIPS = [("llama", "llama-bpe"), ("qwen2", "qwen2"), ("qwen3", "qwen2"), ("mistral", "gpt-2"),
                ("gemma2", "llama-bpe"), ("qwen3_moe", "qwen2"), ("qwen2_moe", "qwen2"), ("phi3", "gpt-2"),
                ("gemma3_text", "llama-bpe"), ("starcoder2", "gpt-2"), ("lfm2", "llama-bpe"),
-               ("minimax_m2", "gpt-2"), ("nemotron", "gpt-2"), ("stablelm", "gpt-2")]
+               ("minimax_m2", "gpt-2"), ("nemotron", "gpt-2"), ("stablelm", "gpt-2"), ("falcon", "gpt-2")]
 
 
 def fp16_model(folder, arch, split="llama-bpe", **overrides):
@@ -87,7 +88,7 @@ def test_f16_export_loads_in_transformers_to_equal_logits_and_tokens(tmp_path, a
 
 
 @pytest.mark.parametrize("arch, kind", [("llama", "bf16"), ("llama", "q8_0"), ("llama", "q4_0"), ("qwen2_moe", "q8_0"),
-                                        ("lfm2", "q8_0"), ("phi3", "q4_0")])
+                                        ("lfm2", "q8_0"), ("phi3", "q4_0"), ("falcon", "q8_0")])
 def test_quantized_exports_stay_within_their_bound(tmp_path, arch, kind):
     folder, tokenizer = fp16_model(tmp_path / arch, arch)
     export_gguf(folder, folder / f"model-{kind}.gguf", tensor_type=kind)
@@ -116,16 +117,29 @@ def test_a_merged_folder_exports_to_the_merged_models_logits(tmp_path):
 
 
 def test_architectures_without_a_proof_are_refused_by_name(tiny_checkpoint, tmp_path):
+    import gguf
     from transformers import AutoModelForCausalLM
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     # why GPT-OSS is refused: transformers' reader maps no GGUF tensor to its fused experts
     gpt_oss = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("gpt_oss"))
     mapped = set(get_gguf_hf_weights_map(gpt_oss, TENSOR_PROCESSORS.get("gpt-oss", TensorProcessor)()).values())
     assert "model.layers.0.mlp.experts.gate_up_proj" not in mapped
+    assert "gpt-oss" not in TENSOR_PROCESSORS and gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS] == "gpt-oss"
     with pytest.raises(UnsupportedModelError, match="'gpt_oss' is not exported: transformers' GGUF reader, the proof "
                                                     "of the export, cannot read it back"):
         export_gguf(tiny_checkpoint("gpt_oss"), tmp_path / "x.gguf")
+    # why Gemma 4, Gemma 3n and Falcon-H1 are refused: what the reader's config mapping reads of them
+    read = {key: set(keys.values()) for key, keys in GGUF_CONFIG_MAPPING.items()}
+    assert read["gemma4"].isdisjoint({"head_dim", "final_logit_softcapping", "hidden_size_per_layer_input",
+                                      "vocab_size_per_layer_input", "num_kv_shared_layers", "use_double_wide_mlp",
+                                      "enable_moe_block", "attention_k_eq_v", "rope_parameters"})
+    assert "gemma3n" not in read and "falcon-h1" not in read and "falcon_h1" not in read
+    for model_type, gguf_name in [("gemma4_text", "gemma4"), ("gemma3n_text", "gemma3n"), ("falcon_h1", "falcon-h1")]:
+        assert gguf_name in gguf.MODEL_ARCH_NAMES.values()  # gguf-py declares it: llama.cpp has the layout
+        with pytest.raises(UnsupportedModelError, match=f"'{model_type}' is not exported: transformers' GGUF reader"):
+            export_gguf(tiny_checkpoint(model_type), tmp_path / "x.gguf")
     done = subprocess.run([sys.executable, "-m", "hfsplit.cli", "export-gguf", tiny_checkpoint("olmo2"),
                            tmp_path / "x.gguf"], capture_output=True, text=True)
     assert done.returncode == 2 and "hfsplit export-gguf: export-gguf: model type 'olmo2'" in done.stderr
@@ -198,3 +212,31 @@ def test_a_sentencepiece_tokenizer_without_tokenizer_json_is_refused_naming_the_
     assert "is a SentencePiece tokenizer without tokenizer.json" in done.stderr
     assert "convert_hf_to_gguf.py" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not list(folder.glob("*.gguf"))
+
+
+def test_falcon_is_written_as_llama_cpp_runs_multi_query_attention(tmp_path):
+    """Falcon-7B's multi-query layout: one key/value head in the file's keys (llama.cpp splits attn_qkv into
+    n_head + 2 x n_head_kv heads by them), attn_qkv the checkpoint's query_key_value unchanged ([q heads; k; v] is
+    llama.cpp's order when there is one group); grouped-query Falcon is refused naming what the reader would rebuild."""
+    import gguf
+    from safetensors import safe_open
+
+    import inspect
+
+    from transformers.models.falcon import modeling_falcon
+
+    # Falcon-7B's published config still carries a Bloom switch that transformers' Falcon does not read
+    assert "apply_residual_connection_post_layernorm" not in inspect.getsource(modeling_falcon)
+    folder, _ = fp16_model(tmp_path / "falcon", "falcon", apply_residual_connection_post_layernorm=False)
+    export_gguf(folder, folder / "model.gguf")
+    reader = gguf.GGUFReader(folder / "model.gguf")
+    assert reader.fields["falcon.attention.head_count_kv"].contents() == 1
+    assert reader.fields["falcon.attention.layer_norm_epsilon"].contents() == pytest.approx(1e-5)
+    qkv = next(t for t in reader.tensors if t.name == "blk.0.attn_qkv.weight")
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        source = f.get_tensor("transformer.h.0.self_attention.query_key_value.weight")
+    assert torch.equal(torch.from_numpy(qkv.data.copy()), source)
+
+    folder, _ = fp16_model(tmp_path / "falcon40b", "falcon", new_decoder_architecture=True, num_kv_heads=2)
+    with pytest.raises(UnsupportedModelError, match=r"'new_decoder_architecture': \(True, False\)"):
+        export_gguf(folder, folder / "x.gguf")
