@@ -16,14 +16,14 @@ def test_chunk_sizes_cover_the_sequence_evenly(length, chunks, sizes):
     assert sum(chunk_sizes(length, chunks)) == length
 
 
-def _model(tiny_checkpoint, method: str):
+def _model(tiny_checkpoint, method: str, arch: str = "llama"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from hfsplit.apply.quantize import quantization_config
 
     qconfig = quantization_config(compute_dtype="float32") if method == "qlora" else None
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32, device_map="cpu",
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=torch.float32, device_map="cpu",
                                                  quantization_config=qconfig)
     torch.manual_seed(0)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
@@ -44,16 +44,31 @@ def _loss_and_grads(model, ids, *, chunks: int, checkpointing: bool):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
+# the norms the MLP's slices run, from each family's block source (`mlp_neighbours`): Llama's second norm before the
+# MLP; Gemma 3's pre- and post-feedforward norms around it; OLMo 2's norm after it. The other norms tile alone.
+IN_MLP_SLICES = {"llama": ["post_attention_layernorm"],
+                 "gemma3_text": ["pre_feedforward_layernorm", "post_feedforward_layernorm"],
+                 "olmo2": ["post_feedforward_layernorm"]}
+
+
+@pytest.mark.parametrize("method, arch", [("lora", "llama"), ("qlora", "llama"), ("lora", "gemma3_text"),
+                                          ("lora", "olmo2")])
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "plain"])
-def test_tiled_mlp_keeps_losses_and_gradients(method, checkpointing, tiny_checkpoint):
+def test_tiled_mlp_keeps_losses_and_gradients(method, arch, checkpointing, tiny_checkpoint):
+    from hfsplit.models.tiled_mlp import block_norms, mlp_neighbours
+
     ids = torch.randint(3, 256, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    whole = _loss_and_grads(_model(tiny_checkpoint, method), ids, chunks=0, checkpointing=checkpointing)
-    tiled_model = _model(tiny_checkpoint, method)
+    whole_model = _model(tiny_checkpoint, method, arch)
+    fused = [[name for name, child in block.named_children() if child in mlp_neighbours(block)]
+             for block in whole_model.base_model.model.model.layers]
+    assert fused == [IN_MLP_SLICES[arch]] * len(fused)
+    whole = _loss_and_grads(whole_model, ids, chunks=0, checkpointing=checkpointing)
+    tiled_model = _model(tiny_checkpoint, method, arch)
     tiled = _loss_and_grads(tiled_model, ids, chunks=5, checkpointing=checkpointing)
-    for block in tiled_model.base_model.model.model.layers:  # the MLP and both norms run in slices
-        assert [block.mlp.tiled_mlp_chunks, block.input_layernorm.tiled_mlp_chunks,
-                block.post_attention_layernorm.tiled_mlp_chunks] == [5, 5, 5]
+    for block in tiled_model.base_model.model.model.layers:  # the MLP and every norm run in slices
+        assert [n.tiled_mlp_chunks for n in [block.mlp, *block_norms(block)]] == [5] * (1 + len(block_norms(block)))
+        assert sorted(name for name, child in block.named_children()
+                      if getattr(child, "runs_in_mlp_slices", False)) == sorted(IN_MLP_SLICES[arch])
     assert torch.allclose(tiled[0], whole[0], rtol=1e-5, atol=0), (tiled[0], whole[0])
     assert whole[1].keys() == tiled[1].keys() and len(whole[1]) == 2 * 5 * len(tiled_model.base_model.model.model.layers)  # A, B of 5 targets
     # relative to each gradient's norm: a slice's sum over its tokens rounds otherwise than the whole sequence's
