@@ -74,7 +74,9 @@ def mlp_neighbours(block: nn.Module) -> tuple[Optional[nn.Module], Optional[nn.M
     def named(pattern: str) -> Optional[nn.Module]:
         found = re.search(pattern, source)
         module = getattr(block, found.group(1), None) if found else None
-        return module if id(module) in norms else None
+        # called once, as the MLP: a norm the block calls elsewhere too must keep its own forward
+        once = found is not None and all(source.count(f"self.{name}(") == 1 for name in (found.group(1), "mlp"))
+        return module if once and id(module) in norms else None
 
     call = r"hidden_states = self\.{}\(hidden_states\)\s*\n\s*"
     return (named(call.format(r"(\w+)") + r"hidden_states = self\.mlp\(hidden_states\)\s*\n"),

@@ -147,3 +147,51 @@ def test_an_mlp_of_experts_is_refused():
     block.mlp.experts = torch.nn.ModuleList()
     with pytest.raises(UnsupportedModelError, match="tiled_mlp off"):
         tile_mlps([block], chunks=4)
+
+
+class _Block(torch.nn.Module):
+    """A block whose norm feeds the MLP."""
+
+    def __init__(self):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        super().__init__()
+        self.post_attention_layernorm = LlamaRMSNorm(8)
+        self.mlp = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+class _NormReadTwice(_Block):
+    """The same, its norm's output the residual too."""
+
+    def forward(self, hidden_states):
+        residual = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["norm-feeds-the-mlp", "norm-read-twice"])
+def test_only_a_norm_the_block_calls_once_for_the_mlp_runs_in_its_slices(twice):
+    """Read from the block's source: the norm goes inside the MLP's slices only where the MLP alone reads its output;
+    a norm the block calls elsewhere too keeps its own forward (tiled alone). Either way the values are the block's."""
+    from hfsplit.models.tiled_mlp import mlp_neighbours
+
+    torch.manual_seed(0)
+    block = _NormReadTwice() if twice else _Block()
+    with torch.no_grad():
+        block.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 40, 8, requires_grad=True)
+    whole = block(x)
+    (dx,) = torch.autograd.grad(whole.square().sum(), x)
+    assert mlp_neighbours(block) == ((None if twice else block.post_attention_layernorm), None)
+    tile_mlps([block], chunks=3)
+    assert getattr(block.post_attention_layernorm, "runs_in_mlp_slices", False) == (not twice)
+    tiled = block(x)
+    (tiled_dx,) = torch.autograd.grad(tiled.square().sum(), x)
+    assert torch.allclose(tiled, whole, rtol=1e-6, atol=1e-6) and torch.allclose(tiled_dx, dx, rtol=1e-5, atol=1e-6)
