@@ -15,10 +15,10 @@ backward. That is the time the plan charges (`hfsplit.planning.costs.model`): on
 
 The block's own norms run the same way (`block_norms`): per token too, and in eager transformers each keeps an fp32 copy
 of the whole sequence and makes more in its backward, the largest rest of a long block's recompute once its MLP is
-tiled. The norm that feeds the MLP (and Gemma's that reads its output: `mlp_neighbours`) runs inside
-the MLP's own slices, so its output never exists for the whole sequence either: a slice keeps a view of the residual
-sum, which the block holds anyway. The module is not replaced (its parameter names, and so loading, LoRA targets and saving, stay the model's): its
-`forward` is wrapped on the instance, and `module.tiled_mlp_chunks` says into how many slices.
+tiled. The norm that feeds the MLP (and Gemma's that reads its output: `mlp_neighbours`) runs inside the MLP's own
+slices, so its output never exists for the whole sequence either: a slice keeps a view of the residual sum, which the
+block holds anyway. The module is not replaced (its parameter names, and so loading, LoRA targets and saving, stay the
+model's): its `forward` is wrapped on the instance, and `module.tiled_mlp_chunks` says into how many slices.
 """
 from __future__ import annotations
 
