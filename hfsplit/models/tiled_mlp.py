@@ -15,13 +15,17 @@ backward. That is the time the plan charges (`hfsplit.planning.costs.model`): on
 
 The block's own norms run the same way (`block_norms`): per token too, and in eager transformers each keeps an fp32 copy
 of the whole sequence and makes more in its backward, the largest rest of a long block's recompute once its MLP is
-tiled. The module is not replaced (its parameter names, and so loading, LoRA targets and saving, stay the model's): its
-`forward` is wrapped on the instance, and `module.tiled_mlp_chunks` says into how many slices.
+tiled. The norm that feeds the MLP (and Gemma's that reads its output: `mlp_neighbours`) runs inside the MLP's own
+slices, so its output never exists for the whole sequence either: a slice keeps a view of the residual sum, which the
+block holds anyway. The module is not replaced (its parameter names, and so loading, LoRA targets and saving, stay the
+model's): its `forward` is wrapped on the instance, and `module.tiled_mlp_chunks` says into how many slices.
 """
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+import inspect
+import re
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -42,10 +46,41 @@ def tile_mlps(blocks: Iterable[nn.Module], *, chunks: int) -> int:
         mlp = getattr(block, "mlp", None)
         if not isinstance(mlp, nn.Module) or hasattr(mlp, "experts"):
             raise UnsupportedModelError(f"{type(block).__name__} has no dense `mlp` to tile; plan with tiled_mlp off")
-        for module in (mlp, *block_norms(block)):
-            _tile(module, chunks)
+        before, after = mlp_neighbours(block)
+        _tile(mlp, chunks, before=before, after=after)
+        for norm in block_norms(block):
+            if norm is before or norm is after:
+                _run_in_mlp(norm, chunks)
+            else:
+                _tile(norm, chunks)
         count += 1
     return count
+
+
+def mlp_neighbours(block: nn.Module) -> tuple[Optional[nn.Module], Optional[nn.Module]]:
+    """The block's norm whose output only the MLP reads, and the one that only reads the MLP's output (None where
+    there is none), read from the block's forward source: `hidden_states = self.<norm>(hidden_states)` on the line
+    before `hidden_states = self.mlp(hidden_states)` (Llama's `post_attention_layernorm`, Gemma 2/3's
+    `pre_feedforward_layernorm`), and on the line after it (Gemma 2/3's and OLMo 2's `post_feedforward_layernorm`).
+    Each line overwrites the one variable, so nothing else reads the value passed between them, and the MLP's slices
+    can run them: a slice keeps a view of the residual sum (which the block holds anyway), not the norm's output of
+    the whole sequence."""
+    try:
+        source = inspect.getsource(type(block).forward)
+    except (OSError, TypeError):
+        return None, None
+    norms = {id(n) for n in block_norms(block)}
+
+    def named(pattern: str) -> Optional[nn.Module]:
+        found = re.search(pattern, source)
+        module = getattr(block, found.group(1), None) if found else None
+        # called once, as the MLP: a norm the block calls elsewhere too must keep its own forward
+        once = found is not None and all(source.count(f"self.{name}(") == 1 for name in (found.group(1), "mlp"))
+        return module if once and id(module) in norms else None
+
+    call = r"hidden_states = self\.{}\(hidden_states\)\s*\n\s*"
+    return (named(call.format(r"(\w+)") + r"hidden_states = self\.mlp\(hidden_states\)\s*\n"),
+            named(call.format("mlp") + r"hidden_states = self\.(\w+)\(hidden_states\)\s*\n"))
 
 
 def block_norms(block: nn.Module) -> list[nn.Module]:
@@ -66,10 +101,38 @@ def _is_norm(module: nn.Module) -> bool:
     return named and (not isinstance(weight, torch.Tensor) or weight.dim() <= 1)
 
 
-def _tile(module: nn.Module, chunks: int) -> None:
+def _tile(module: nn.Module, chunks: int, *, before: Optional[nn.Module] = None,
+          after: Optional[nn.Module] = None) -> None:
+    """`module`'s forward run in `chunks` slices, with `before`'s forward ahead of it and `after`'s behind it in each
+    slice (their class's forwards: the instances' own pass their input through, `_run_in_mlp`)."""
     if getattr(module, "tiled_mlp_chunks", 0) != chunks:
-        module.forward = functools.partial(tiled_forward, type(module).forward.__get__(module), chunks=chunks)
+        forward = _own_forward(module)
+        if before is not None or after is not None:
+            forward = functools.partial(_between, forward, _own_forward(before), _own_forward(after))
+        module.forward = functools.partial(tiled_forward, forward, chunks=chunks)
         module.tiled_mlp_chunks = chunks
+
+
+def _own_forward(module: Optional[nn.Module]):
+    return type(module).forward.__get__(module) if module is not None else None
+
+
+def _between(forward, before, after, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """`after(forward(before(hidden_states)))`, each of `before` and `after` skipped where None."""
+    hidden_states = before(hidden_states) if before is not None else hidden_states
+    hidden_states = forward(hidden_states, *args, **kwargs)
+    return after(hidden_states) if after is not None else hidden_states
+
+
+def _run_in_mlp(norm: nn.Module, chunks: int) -> None:
+    """A norm the MLP's slices run (`mlp_neighbours`): its own call in the block passes its input through."""
+    norm.forward = _passthrough
+    norm.tiled_mlp_chunks = chunks
+    norm.runs_in_mlp_slices = True
+
+
+def _passthrough(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return hidden_states
 
 
 def tiled_forward(forward, hidden_states: torch.Tensor, *args, chunks: int, **kwargs) -> torch.Tensor:

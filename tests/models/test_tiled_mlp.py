@@ -16,14 +16,14 @@ def test_chunk_sizes_cover_the_sequence_evenly(length, chunks, sizes):
     assert sum(chunk_sizes(length, chunks)) == length
 
 
-def _model(tiny_checkpoint, method: str):
+def _model(tiny_checkpoint, method: str, arch: str = "llama"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from hfsplit.apply.quantize import quantization_config
 
     qconfig = quantization_config(compute_dtype="float32") if method == "qlora" else None
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32, device_map="cpu",
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=torch.float32, device_map="cpu",
                                                  quantization_config=qconfig)
     torch.manual_seed(0)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
@@ -44,16 +44,31 @@ def _loss_and_grads(model, ids, *, chunks: int, checkpointing: bool):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
+# the norms the MLP's slices run, from each family's block source (`mlp_neighbours`): Llama's second norm before the
+# MLP; Gemma 3's pre- and post-feedforward norms around it; OLMo 2's norm after it. The other norms tile alone.
+IN_MLP_SLICES = {"llama": ["post_attention_layernorm"],
+                 "gemma3_text": ["pre_feedforward_layernorm", "post_feedforward_layernorm"],
+                 "olmo2": ["post_feedforward_layernorm"]}
+
+
+@pytest.mark.parametrize("method, arch", [("lora", "llama"), ("qlora", "llama"), ("lora", "gemma3_text"),
+                                          ("lora", "olmo2")])
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "plain"])
-def test_tiled_mlp_keeps_losses_and_gradients(method, checkpointing, tiny_checkpoint):
+def test_tiled_mlp_keeps_losses_and_gradients(method, arch, checkpointing, tiny_checkpoint):
+    from hfsplit.models.tiled_mlp import block_norms, mlp_neighbours
+
     ids = torch.randint(3, 256, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    whole = _loss_and_grads(_model(tiny_checkpoint, method), ids, chunks=0, checkpointing=checkpointing)
-    tiled_model = _model(tiny_checkpoint, method)
+    whole_model = _model(tiny_checkpoint, method, arch)
+    fused = [[name for name, child in block.named_children() if child in mlp_neighbours(block)]
+             for block in whole_model.base_model.model.model.layers]
+    assert fused == [IN_MLP_SLICES[arch]] * len(fused)
+    whole = _loss_and_grads(whole_model, ids, chunks=0, checkpointing=checkpointing)
+    tiled_model = _model(tiny_checkpoint, method, arch)
     tiled = _loss_and_grads(tiled_model, ids, chunks=5, checkpointing=checkpointing)
-    for block in tiled_model.base_model.model.model.layers:  # the MLP and both norms run in slices
-        assert [block.mlp.tiled_mlp_chunks, block.input_layernorm.tiled_mlp_chunks,
-                block.post_attention_layernorm.tiled_mlp_chunks] == [5, 5, 5]
+    for block in tiled_model.base_model.model.model.layers:  # the MLP and every norm run in slices
+        assert [n.tiled_mlp_chunks for n in [block.mlp, *block_norms(block)]] == [5] * (1 + len(block_norms(block)))
+        assert sorted(name for name, child in block.named_children()
+                      if getattr(child, "runs_in_mlp_slices", False)) == sorted(IN_MLP_SLICES[arch])
     assert torch.allclose(tiled[0], whole[0], rtol=1e-5, atol=0), (tiled[0], whole[0])
     assert whole[1].keys() == tiled[1].keys() and len(whole[1]) == 2 * 5 * len(tiled_model.base_model.model.model.layers)  # A, B of 5 targets
     # relative to each gradient's norm: a slice's sum over its tokens rounds otherwise than the whole sequence's
@@ -132,3 +147,51 @@ def test_an_mlp_of_experts_is_refused():
     block.mlp.experts = torch.nn.ModuleList()
     with pytest.raises(UnsupportedModelError, match="tiled_mlp off"):
         tile_mlps([block], chunks=4)
+
+
+class _Block(torch.nn.Module):
+    """A block whose norm feeds the MLP."""
+
+    def __init__(self):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        super().__init__()
+        self.post_attention_layernorm = LlamaRMSNorm(8)
+        self.mlp = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+class _NormReadTwice(_Block):
+    """The same, its norm's output the residual too."""
+
+    def forward(self, hidden_states):
+        residual = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["norm-feeds-the-mlp", "norm-read-twice"])
+def test_only_a_norm_the_block_calls_once_for_the_mlp_runs_in_its_slices(twice):
+    """Read from the block's source: the norm goes inside the MLP's slices only where the MLP alone reads its output;
+    a norm the block calls elsewhere too keeps its own forward (tiled alone). Either way the values are the block's."""
+    from hfsplit.models.tiled_mlp import mlp_neighbours
+
+    torch.manual_seed(0)
+    block = _NormReadTwice() if twice else _Block()
+    with torch.no_grad():
+        block.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 40, 8, requires_grad=True)
+    whole = block(x)
+    (dx,) = torch.autograd.grad(whole.square().sum(), x)
+    assert mlp_neighbours(block) == ((None if twice else block.post_attention_layernorm), None)
+    tile_mlps([block], chunks=3)
+    assert getattr(block.post_attention_layernorm, "runs_in_mlp_slices", False) == (not twice)
+    tiled = block(x)
+    (tiled_dx,) = torch.autograd.grad(tiled.square().sum(), x)
+    assert torch.allclose(tiled, whole, rtol=1e-6, atol=1e-6) and torch.allclose(tiled_dx, dx, rtol=1e-5, atol=1e-6)

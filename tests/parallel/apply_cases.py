@@ -93,15 +93,20 @@ def qlora_autocast_memory(*, checkpoint: str, seq_len: int, micro_batch_size: in
 
 
 def tiled_mlp_memory(*, checkpoint: str, seq_len: int, micro_batches: int, steps: int) -> dict:
-    """A long sequence on pp=2 LoRA with the chunked loss, 1F1B: checkpointing on with the MLP whole, then tiled,
-    then offloaded and tiled. Per setting: the plan's figure for this rank's stage, the measured peak (as
-    `step_memory_and_losses`), the offload's host bytes beside the plan's, the losses and what ran."""
+    """A long sequence on pp=2 LoRA with the chunked loss, 1F1B: checkpointing on with the MLP whole, then tiled
+    with the norm feeding the MLP tiled apart from it (as before `mlp_neighbours`: planned and run so), then tiled
+    as it runs now (that norm inside the MLP's slices), then offloaded and tiled. Per setting: the plan's figure for
+    this rank's stage, the measured peak (as `step_memory_and_losses`), the offload's host bytes beside the plan's,
+    the losses and what ran."""
     from hfsplit.plan import rank_total
 
     out = {}
-    for name, ac, tiled in (("whole", True, "off"), ("tiled", True, "on"), ("offload", "offload", "on")):
-        model, optimizer = _built(checkpoint, method="lora", tp=1, pp=2, seq_len=seq_len, ac=ac, micro_batch_size=1,
-                                  micro_batches=micro_batches, schedule="1F1B", tiled_mlp=tiled, chunked_loss=True)
+    for name, ac, tiled in (("whole", True, "off"), ("norm apart", True, "on"), ("tiled", True, "on"),
+                            ("offload", "offload", "on")):
+        with _norms_tiled_apart() if name == "norm apart" else contextlib.nullcontext():
+            model, optimizer = _built(checkpoint, method="lora", tp=1, pp=2, seq_len=seq_len, ac=ac,
+                                      micro_batch_size=1, micro_batches=micro_batches, schedule="1F1B",
+                                      tiled_mlp=tiled, chunked_loss=True)
         ids = torch.randint(3, model.config.vocab_size, (micro_batches, seq_len),
                             generator=torch.Generator().manual_seed(0))
         losses, peak, growth, offloaded = _train(model, optimizer, ids, steps=steps)
@@ -113,6 +118,35 @@ def tiled_mlp_memory(*, checkpoint: str, seq_len: int, micro_batches: int, steps
                                for b in s.body.layers.values()]}
         del model, optimizer
     return out
+
+
+@contextlib.contextmanager
+def _norms_tiled_apart():
+    """The tiled MLP as it was before the norm feeding the MLP ran in the MLP's slices (each norm in slices of its
+    own), in the run and in the planner's trace alike (both wrap with `tile_mlps`), with the planner's figures
+    traced afresh (a cache of its own, the in-memory traces cleared) on the way in and out."""
+    import os
+    import tempfile
+
+    import hfsplit.models.tiled_mlp as tiled_mlp
+
+    def clear():
+        from hfsplit.planning.costs import model as costs_model, tp as costs_tp, trace, traces
+
+        traces._MEMO.clear()
+        for cached in (trace.trace_block, trace.block_events, costs_tp.block_profile, costs_model._model_costs):
+            cached.cache_clear()
+
+    own, cache = tiled_mlp.mlp_neighbours, os.environ.get("HFSPLIT_CACHE")
+    with tempfile.TemporaryDirectory() as folder:
+        tiled_mlp.mlp_neighbours, os.environ["HFSPLIT_CACHE"] = (lambda block: (None, None)), folder
+        clear()
+        try:
+            yield
+        finally:
+            tiled_mlp.mlp_neighbours = own
+            os.environ.pop("HFSPLIT_CACHE") if cache is None else os.environ.update(HFSPLIT_CACHE=cache)
+            clear()
 
 
 def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_batches, dtype="float32",

@@ -119,8 +119,9 @@ def block_profile(key: str, spec) -> Optional[TpProfile]:
 
 def tiling_key(spec) -> str:
     """What a tiled trace tiles, in its cache key: traces from before the block's norms were tiled with its MLP
-    (`hfsplit.models.tiled_mlp.block_norms`) are not read back; untiled keys stay as they were."""
-    return "|tiled=mlp,norms" if spec.tiled_mlp > 1 else ""
+    (`hfsplit.models.tiled_mlp.block_norms`), or before the norm feeding the MLP ran inside the MLP's slices
+    (`mlp_neighbours`), are not read back; untiled keys stay as they were."""
+    return "|tiled=mlp,norms,norm-in-mlp" if spec.tiled_mlp > 1 else ""
 
 
 def block_trace_at(key: str, spec, tp: int):
