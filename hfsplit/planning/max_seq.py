@@ -1,8 +1,11 @@
 """The longest sequence a job fits at: a binary search on the planner itself.
 
 Every cost the planner counts grows with the sequence (kept activations, workspaces, the pipeline's buffers, the
-offload's host bytes), so whether a job fits is monotone in its length, and a binary search over lengths finds the
-longest that fits exactly, to the `multiple` asked for (the planner traces each length it tries: one trace a probe).
+offload's host bytes) but one: a tiled MLP's slice, which shrinks each time the sequence takes one more slice
+(`memory_choices.mlp_tiles`), so "fits" is a saw: monotone between the lengths where the slice count steps, and a
+length just past a step can fit where the one before it did not. A binary search finds the end of a tooth; the
+length just past the next step is probed, and where it fits the search goes on from there (the planner traces each
+length it tries: one trace a probe).
 Each probe asks `make_plan` with the optimizer and loss the caller left to it ("auto") at their most frugal
 (checkpointing stays auto: offload may lack host RAM where checkpointing on the device fits), and no diagnosis;
 the answer is then planned as the caller asked, so its plan is the fastest at that length.
@@ -10,11 +13,14 @@ the answer is then planned as the caller asked, so its plan is the fastest at th
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
 from typing import Callable, Optional
 
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.errors import PlanError
 from hfsplit.plan import Plan, TrainingSpec
+from hfsplit.planning.memory_choices import MIN_SLICE, mlp_tiles
 
 MULTIPLE = 256  # lengths are searched in steps of this many tokens (sequence lengths are usually such multiples)
 
@@ -52,6 +58,7 @@ def max_seq_len(make_plan: Callable[..., Plan], model, max_memory, *, spec: Trai
     """
     probe = {**options, **_frugal(options), "explain": False}
 
+    @lru_cache(maxsize=None)
     def fits(seq: int) -> bool:
         try:
             make_plan(model, max_memory, spec=replace(spec, seq_len=seq), **probe)
@@ -59,9 +66,21 @@ def max_seq_len(make_plan: Callable[..., Plan], model, max_memory, *, spec: Trai
             return False
         return True
 
-    top = limit or _position_limit(model) or 1 << 20
+    config = _config(model)
+    top = limit or getattr(config, "max_position_embeddings", None) or 1 << 20
     found = longest_fitting(fits, low=multiple, high=top, multiple=multiple)
+    while found is not None and (step := past_next_tile_step(config, spec, found, multiple, top)) and fits(step):
+        found = longest_fitting(fits, low=step, high=top, multiple=multiple)
     return None if found is None else make_plan(model, max_memory, spec=replace(spec, seq_len=found), **options)
+
+
+def past_next_tile_step(config, spec: TrainingSpec, seq: int, multiple: int, high: int) -> Optional[int]:
+    """The first multiple of `multiple` after `seq` (up to `high`) at which a tiled MLP of `config` runs one more
+    slice than at `seq`; None where the count does not step within a slice's length (capped, or nothing tiled)."""
+    tiles = mlp_tiles(config, replace(spec, seq_len=seq))
+    stop = min(high, seq + MIN_SLICE + multiple)
+    return next((n for n in range(seq + multiple, stop + 1, multiple)
+                 if mlp_tiles(config, replace(spec, seq_len=n)) > tiles), None)
 
 
 def _frugal(options: dict) -> dict:
@@ -74,6 +93,5 @@ def _frugal(options: dict) -> dict:
     return out
 
 
-def _position_limit(model) -> Optional[int]:
-    config = load_config(model) if isinstance(model, str) else model
-    return getattr(config, "max_position_embeddings", None)
+def _config(model):
+    return load_config(model) if isinstance(model, (str, Path)) else model

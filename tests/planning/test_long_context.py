@@ -127,6 +127,32 @@ def test_max_seq_len_is_the_longest_multiple_that_fits():
         make_plan(config, "2x24MiB", spec=replace(spec, seq_len=plan.spec.seq_len + 256), **fixed)
 
 
+@pytest.mark.parametrize("weight", [16, 64])
+def test_max_seq_len_finds_a_fit_past_a_slice_step_where_the_length_before_did_not_fit(weight):
+    """A tiled MLP's slice shrinks where the sequence takes one more slice, so "fits" is a saw in the length: a plan
+    whose bytes are the sequence plus `weight` slices (the planner's own slice count) fits past a step where the
+    length before did not. The search answers what a scan of every length does; a plain binary search does not."""
+    from types import SimpleNamespace
+
+    config, spec, high = _tiny_config(), TrainingSpec(method="lora", dtype="float32"), 40000
+
+    def bytes_at(seq):
+        return seq + weight * seq / mlp_tiles(config, replace(spec, seq_len=seq))
+
+    missed = 0
+    for budget in range(1000, 80000, 211):
+        def plan(model, max_memory, *, spec, **options):
+            if bytes_at(spec.seq_len) > budget:
+                raise PlanError(f"{spec.seq_len} does not fit")
+            return SimpleNamespace(spec=spec)
+
+        scan = max((n for n in range(256, high + 1, 256) if bytes_at(n) <= budget), default=None)
+        found = max_seq_len(plan, config, "1GiB", spec=spec, limit=high, multiple=256)
+        assert (found and found.spec.seq_len) == scan, budget
+        missed += longest_fitting(lambda n: bytes_at(n) <= budget, low=256, high=high, multiple=256) != scan
+    assert missed  # the saw is real: a binary search alone stops at the end of a tooth
+
+
 @pytest.mark.parametrize("packing", [False, True], ids=["rows", "packed"])
 def test_attention_memory_is_linear_in_the_sequence_and_no_seq2_mask_is_built(packing):
     """Llama-3.1-8B under sdpa (the CPU flash kernel on fake tensors, the GPU's flash / memory-efficient kernels when
