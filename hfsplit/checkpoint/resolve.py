@@ -90,7 +90,6 @@ def load_config(model: str | os.PathLike, *, revision: Optional[str] = None):
     network, so planning works offline for them. A multimodal checkpoint's config is its language model's
     (`hfsplit.checkpoint.multimodal`).
     """
-
     config = text_config_of(_config_from_json(_config_file(model, revision)))  # a multimodal one: as its text
     config._name_or_path = str(model)
     return config
