@@ -111,6 +111,17 @@ class Wrapper:
         tied = getattr(self.model, "all_tied_weights_keys", None) or {}
         return [n for n in self.model.state_dict() if n not in inside and n not in tied]
 
+    def left_out(self) -> dict:
+        """{"checkpoint": the multimodal model_type, "modules": the outermost modules holding none of the language
+        model's tensors (`model.vision_tower`, `model.multi_modal_projector`), "parameters": their parameters in all}:
+        what fine-tuning the language model neither plans, loads nor trains, and a full save copies unchanged."""
+        around = {".".join(parts[:i]) for parts in (n.split(".") for n in self.text_names().values())
+                  for i in range(1, len(parts))}
+        modules = list(dict.fromkeys(_outermost(name, around) for name in self.tower_names()))
+        count = sum(p.numel() for name, p in self.model.named_parameters()
+                    if any(name == m or name.startswith(m + ".") for m in modules))
+        return {"checkpoint": self.config.model_type, "modules": modules, "parameters": count}
+
 
 @functools.lru_cache(maxsize=8)
 def _wrapper_of_json(text: str) -> Wrapper:
@@ -144,6 +155,12 @@ def _prefixes(model: nn.Module, text: nn.Module) -> list[tuple[str, str]]:
     head = _path_of(text, text.get_output_embeddings())
     pairs = [(head + ".", _path_of(model, model.get_output_embeddings()) + "."), (decoder + ".", inside + ".")]
     return sorted(pairs, key=lambda pair: -len(pair[0]))
+
+
+def _outermost(name: str, around: set[str]) -> str:
+    """The shortest prefix of the state name `name` that is no module around the language model's tensors."""
+    parts = name.split(".")
+    return next(".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) not in around)
 
 
 def _path_of(root: nn.Module, module: nn.Module) -> str:

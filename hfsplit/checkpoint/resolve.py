@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 from typing import Optional
 
 from hfsplit.errors import CheckpointError
-from hfsplit.checkpoint.multimodal import text_config_of
+from hfsplit.checkpoint.multimodal import Wrapper, is_multimodal, text_config_of
 from hfsplit.checkpoint.mxfp4 import without_mxfp4
 
 _BUNDLED = Path(__file__).resolve().parent.parent / "configs"
@@ -90,22 +90,49 @@ def load_config(model: str | os.PathLike, *, revision: Optional[str] = None):
     network, so planning works offline for them. A multimodal checkpoint's config is its language model's
     (`hfsplit.checkpoint.multimodal`).
     """
+    config = text_config_of(_config_from_json(_config_file(model, revision)))  # a multimodal one: as its text
+    config._name_or_path = str(model)
+    return config
 
+
+def left_out_of(config) -> Optional[dict]:
+    """What the checkpoint `config` was read from (its `_name_or_path`, as `load_config` names it) holds beside the
+    language model `config` is: a multimodal checkpoint's towers (`Wrapper.left_out`). None for a causal LM's
+    checkpoint, or a config read from nowhere (built in code, or its hub file not in the local cache: no network)."""
+    name = getattr(config, "_name_or_path", "")
+    try:
+        stated = _config_from_json(_config_file(name, None, cached=True)) if name else None
+    except CheckpointError:
+        return None
+    if stated is None or not is_multimodal(stated) or text_config_of(stated).model_type != config.model_type:
+        return None
+    return Wrapper.of(stated).left_out()
+
+
+def _config_file(model, revision: Optional[str], *, cached: bool = False) -> Path:
+    """The config.json of a local folder, a config.json file, or a hub name (bundled: no network; `cached`: the hub's
+    local cache only)."""
     path = Path(model)
     bundled = bundled_config_path(str(model))
     if path.is_file():
-        config = _config_from_json(path)
-    elif path.is_dir():
-        config = _config_from_json(resolve_file(str(path), "config.json"))
-    elif bundled is not None and revision is None:
+        return path
+    if path.is_dir():
+        return resolve_file(str(path), "config.json")
+    if bundled is not None and revision is None:
         # The bundled file is the public config.json itself; asking the hub again
         # would only add a network round trip (or retries, when offline).
-        config = _config_from_json(bundled)
-    else:
-        config = _config_from_json(resolve_file(str(model), "config.json", revision=revision))
-    config = text_config_of(config)  # a multimodal checkpoint is fine-tuned as its language model
-    config._name_or_path = str(model)
-    return config
+        return bundled
+    if cached:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            found = try_to_load_from_cache(str(model), "config.json", revision=revision)
+        except ValueError:  # no hub name at all (huggingface_hub's validation)
+            found = None
+        if not isinstance(found, str):
+            raise CheckpointError(f"{model}/config.json: not in the local hub cache")
+        return Path(found)
+    return resolve_file(str(model), "config.json", revision=revision)
 
 
 def _config_from_json(path: Path):

@@ -69,12 +69,15 @@ def shrunk_config(config):
     return shrunk
 
 
+_KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num")
+
+
 def _heads(data: dict) -> dict:
     out = {}
     for key in ("num_attention_heads", "n_head", "num_heads"):
         if isinstance(data.get(key), int):
             out[key] = HEADS
-    for key in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"):
+    for key in _KV_HEADS:
         value, heads = data.get(key), next((data[k] for k in ("num_attention_heads", "n_head", "num_heads")
                                             if isinstance(data.get(k), int)), None)
         if isinstance(value, int) and heads:
@@ -151,6 +154,22 @@ def _layer_count(data: dict) -> int:
     return min(total, needed + (needed % 2))
 
 
+def _override(data: dict, override: dict) -> dict:
+    """One layer's overrides (Gemma 4's full-attention `global_head_dim`) shrunk as the fields they override: a size
+    keeps its ratio to the model-wide one (512 over 256 stays twice the shrunk head: 32, its layers still the
+    widest), a head count takes the model-wide rule (`_heads`)."""
+    out = dict(override)
+    for key, value in override.items():
+        base = data.get(key)
+        if not (isinstance(value, int) and isinstance(base, int) and base) or isinstance(value, bool):
+            continue
+        if key in _SIZES:
+            out[key] = max(1, _SIZES[key] * value // base)
+        elif key in _KV_HEADS:
+            out[key] = _heads({**data, key: value})[key]
+    return out
+
+
 def _layers(data: dict, layers: int) -> dict:
     total = data.get("num_hidden_layers") or data.get("n_layer")
     out = {key: layers for key in ("num_hidden_layers", "n_layer") if isinstance(data.get(key), int)}
@@ -160,7 +179,8 @@ def _layers(data: dict, layers: int) -> dict:
             if key == "intermediate_size":
                 out[key] = [2 * HIDDEN] * layers
     if isinstance(data.get("per_layer_config"), dict):  # Gemma 4: overrides keyed by layer index
-        out["per_layer_config"] = {k: v for k, v in data["per_layer_config"].items() if int(k) < layers}
+        overrides = data["per_layer_config"].items()
+        out["per_layer_config"] = {k: _override(data, v) for k, v in overrides if int(k) < layers}
     for key in _INDEX_LISTS:
         if isinstance(data.get(key), list) and all(isinstance(i, int) for i in data[key]):
             out[key] = [i for i in data[key] if i < layers]

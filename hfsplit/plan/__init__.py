@@ -11,6 +11,7 @@ from typing import Literal, Optional, Union
 
 from hfsplit.budget import format_bytes
 from hfsplit.errors import PlanError
+from hfsplit.plan.left_out import LeftOut
 from hfsplit.plan.steps import (
     Step, autocast_step, checkpointing_step, load_step, lora_step, quantize_step, tiled_mlp_step, tp_step,
 )
@@ -309,6 +310,8 @@ class Plan:
             of the data, before training (not in `step_time_s`); 0 for SFT.
         rollout_s: an objective that generates (GRPO, `hfsplit.planning.rollout`): seconds of each step's rollout
             (prefill and decode of the replica's rows), in `step_time_s`; its KV cache is in the stages' memory.
+        left_out: a multimodal checkpoint's towers, which the plan (of its language model) leaves out; None for a
+            causal LM.
     """
 
     model: str
@@ -330,6 +333,7 @@ class Plan:
     fused_experts: bool = False
     reference_s: float = 0.0
     rollout_s: float = 0.0
+    left_out: Optional[LeftOut] = None
 
     def steps(self) -> tuple[Step, ...]:
         """What `hfsplit.apply.steps.apply_plan` does to each stage for this plan, in order: data, one
@@ -400,6 +404,7 @@ class Plan:
                                for s in data["stages"])
         data["notes"] = tuple(data.get("notes", ()))
         data["applied"] = tuple(Step(*step) for step in data.get("applied", ()))
+        data["left_out"] = LeftOut.of(data.get("left_out"))
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -441,6 +446,7 @@ class Plan:
             f"split: pp={self.pp} × tp={self.tp} × dp={self.dp}"
             + (f" (virtual stages {self.virtual_stages})" if self.virtual_stages > 1 else "")
             + f", schedule {self.schedule}\n"
+            + (f"{self.left_out.line()}\n" if self.left_out else "")
         )
         cols = ("stage", "device", "layers", "weights", "grads", "optim", "activ", "reserve", "total", "budget", "use",
                 "ckpt", "moments", "host") + (("mlp",) if self._tiles() else ())

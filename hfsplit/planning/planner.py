@@ -13,10 +13,11 @@ from dataclasses import replace
 from typing import Optional, Union
 
 from hfsplit.budget import BudgetSpec, budget_kinds, format_bytes, parse_max_memory
-from hfsplit.checkpoint.resolve import load_config
+from hfsplit.checkpoint.resolve import left_out_of, load_config
 from hfsplit.errors import PlanError
 from hfsplit.models.families import check_causal_lm, check_supported
 from hfsplit.plan import Plan, TrainingSpec
+from hfsplit.plan.left_out import LeftOut
 from hfsplit.planning.kind_rates import kind_rates
 from hfsplit.planning.knobs import frugal_loss, loss_settings, turn_knobs, with_fixed_loss
 from hfsplit.planning.links import Link
@@ -83,8 +84,9 @@ def make_plan(
     check_degrees(config, budgets, tp=tp, pp=pp, dp=dp, micro_batches=forced_count(micro_batches), schedule=schedule,
                   world_size=world_size)
     found = _with_knobs(config, budgets, spec, name=name, choices=choices, options=options, chunked_loss=chunked_loss)
-    if found is not None:
-        return _with_host_note(replace(found, notes=found.notes + rates.notes), host, options["link"])
+    if found is not None:  # a multimodal checkpoint's towers: what the plan of its language model leaves out
+        found = replace(found, notes=found.notes + rates.notes, left_out=LeftOut.of(left_out_of(config)))
+        return _with_host_note(found, host, options["link"])
     raise _no_fit(config, budgets, spec, name=name, choices=choices, chunked_loss=chunked_loss, explain=explain,
                   options={**options, "schedule": diagnosis_schedule(schedule, micro_batches, len(budgets))})
 

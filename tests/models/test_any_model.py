@@ -166,3 +166,15 @@ def test_buffers_the_decoder_sets_on_its_blocks_are_initialised_on_each_stage():
     for stage in proof.split_stages(whole, pp=2):
         held = {n: b for n, b in stage.named_buffers() if n.endswith("mup_vector")}
         assert held and all(torch.equal(b, want[n]) for n, b in held.items())
+
+
+def test_the_shrink_keeps_a_per_layer_override_in_its_ratio():
+    """Gemma 4's full-attention layers override the head width (512 beside 256 in transformers' default): the shrunk
+    model keeps them twice as wide as its sliding ones (32 beside 16), not the flagship's 512 in a 64-wide model."""
+    from hfsplit.models.shrink import HEAD_DIM, shrunk_config
+
+    config = shrunk_config(AutoConfig.for_model("gemma4_text"))
+    whole = proof.tiny_model(config)
+    widths = {kind: {layer.self_attn.q_norm.weight.numel() for layer, k in zip(whole.model.layers, config.layer_types)
+                     if k == kind} for kind in ("sliding_attention", "full_attention")}
+    assert widths == {"sliding_attention": {HEAD_DIM}, "full_attention": {2 * HEAD_DIM}}

@@ -38,19 +38,42 @@ def test_reader_opens_only_the_language_models_tensors(multimodal, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_plan_counts_only_the_text_weights(multimodal, kind, tmp_path, capsys):
-    """`hfsplit plan` on the multimodal checkpoint plans exactly what it plans for the language model saved alone."""
-    from tests.multimodal.checkpoints import write_text_only
+def test_plan_counts_only_the_text_weights_and_names_the_towers_left_out(multimodal, kind, tmp_path, capsys):
+    """`hfsplit plan` on the multimodal checkpoint plans exactly what it plans for the language model saved alone,
+    and says (a field of the plan, a line of its table) which modules it leaves out: every parameter of transformers'
+    multimodal class that its language model lacks."""
+    from hfsplit.plan import Plan
+    from tests.multimodal.checkpoints import multimodal_class, multimodal_config, write_text_only
 
     text = write_text_only(tmp_path / "text", kind)
+    args = ["--max-memory", "2x4GiB", "--pp", "2", "--seq-len", "64"]
 
     def planned(folder) -> dict:
-        assert main(["plan", str(folder), "--max-memory", "2x4GiB", "--pp", "2", "--seq-len", "64", "--json"]) == 0
+        assert main(["plan", str(folder), *args, "--json"]) == 0
         plan = json.loads(capsys.readouterr().out)
         plan.pop("model", None)
         return plan
 
-    assert planned(multimodal(kind)) == planned(text)
+    mine, alone = planned(multimodal(kind)), planned(text)
+    left_out, _ = mine.pop("left_out"), alone.pop("left_out")
+    assert mine == alone and _ is None
+    with torch.device("meta"):
+        whole = multimodal_class(kind)(multimodal_config(kind))
+    language = whole.language_model if kind == "llama4" else whole.model.language_model
+    assert left_out["checkpoint"] == kind and left_out["modules"]
+    assert all("language_model" not in m and whole.get_submodule(m) for m in left_out["modules"])
+    inside = {id(p) for p in language.parameters()} | {id(whole.get_output_embeddings().weight)}
+    towers = sum(p.numel() for p in whole.parameters() if id(p) not in inside)
+    assert left_out["parameters"] == towers > 0
+    read = Plan.from_json(json.dumps({**mine, "model": "m", "left_out": left_out})).left_out  # the JSON round trip
+    assert (read.checkpoint, read.modules, read.parameters) == (kind, tuple(left_out["modules"]), towers)
+
+    assert main(["plan", multimodal(kind), *args]) == 0
+    table = capsys.readouterr().out
+    assert f"multimodal {kind} checkpoint: only its language model is planned and trained; " \
+           f"{', '.join(left_out['modules'])} (" in table and "copied unchanged on a full save" in table
+    assert main(["plan", str(text), *args]) == 0
+    assert "multimodal" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kind", KINDS)
