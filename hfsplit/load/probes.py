@@ -35,6 +35,7 @@ from hfsplit.checkpoint.resolve import load_config
 from hfsplit.models.boundary import block_inputs, hidden_streams
 from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
 from hfsplit.models.families import FAMILIES
+from hfsplit.models.layout import decoder_layout
 from hfsplit.models.masks import causal_masks, layer_attention_type
 from hfsplit.parallel.mesh import launcher_world
 from hfsplit.planning.costs.cache import read_cache, write_cache
@@ -143,8 +144,8 @@ def _probe_block(config, spec, device: torch.device):
 
     dtype = dtype_of(spec.dtype)
     model = AutoModelForCausalLM.from_config(rank_layer_config(config), dtype=dtype).to(device)
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    block = base.layers[0]
+    layout = decoder_layout(model)  # (Llama 4's `get_decoder` is the causal LM itself)
+    base, block = model.get_submodule(layout.base), model.get_submodule(layout.layers)[0]
     kwargs = _probe_inputs(model.config, base, block, spec, device)
     if spec.method == "qlora":  # the run's block: 4-bit base (its dequantize in every pass), LoRA trained
         _quantize_probe(block, spec, device)
