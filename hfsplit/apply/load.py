@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hfsplit.apply.quantize import Staging, quantize_module
+from hfsplit.apply.quantize import Staging, quantize_module, quantizes
 from hfsplit.apply.tp import shard_layout
 from hfsplit.checkpoint.reader import CheckpointReader
 from hfsplit.models.layout import holds_experts, meta_model, recompute_buffers
@@ -151,4 +151,4 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
 def _linear_weights(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the weights of the plain linears inside `module`'s decoder blocks (what gets quantized)."""
     return {f"{name}.weight": tuple(sub.weight.shape) for name, sub in module.named_modules()
-            if type(sub) is nn.Linear and _LAYER.match(f"{name}.")}
+            if quantizes(name, sub) and _LAYER.match(f"{name}.")}

@@ -131,6 +131,18 @@ def prequantized_linear(linear: nn.Module, data: torch.Tensor, stats: dict, qcon
     return layer
 
 
+# Linears whose weights the model's own forward reads or writes as a matrix while training, which 4-bit bytes cannot
+# serve: Gemma 3n's AltUp clamps `prediction_coefs` in place and multiplies by a clamped copy of `correction_coefs`
+# (a few dozen values a block); transformers' bitsandbytes load quantizes them and then fails there. They stay in the
+# compute dtype, frozen.
+KEPT_UNQUANTIZED = ("altup.prediction_coefs", "altup.correction_coefs")
+
+
+def quantizes(name: str, module: nn.Module) -> bool:
+    """Whether the quantization step turns the module `name` (inside a block) into a bitsandbytes layer."""
+    return type(module) is nn.Linear and not name.endswith(KEPT_UNQUANTIZED)
+
+
 def quantize_module(module: nn.Module, qconfig, *, device: torch.device, prefix: str = "", reader=None,
                     experts: bool = True) -> None:
     """Replace every `nn.Linear` inside `module` (one decoder block, named `prefix` in the checkpoint) with its
@@ -138,7 +150,7 @@ def quantize_module(module: nn.Module, qconfig, *, device: torch.device, prefix:
     (and a 4-bit config), an MoE block's fused experts are quantized too, expert by expert
     (`hfsplit.apply.quantized_experts.quantize_block_experts`: read from `reader` where they are still on meta)."""
     for name, sub in list(module.named_modules()):
-        if type(sub) is nn.Linear:  # bnb layers subclass nn.Linear: never quantize twice
+        if quantizes(name, sub):  # bnb layers subclass nn.Linear: never quantize twice
             key = f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
             if reader is not None and reader.packed_state_keys(key):
                 data, stats = reader.read_packed(key, device=device)

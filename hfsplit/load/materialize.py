@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from hfsplit.apply.quantize import Staging, check_quantization, quantize_module
+from hfsplit.apply.quantize import Staging, check_quantization, quantize_module, quantizes
 from hfsplit.apply.steps import apply_plan_to_model
 from hfsplit.budget import BudgetSpec, check_devices_here, local_max_memory, parse_max_memory, torch_device
 from hfsplit.checkpoint.quantized import quantization_of_checkpoint
@@ -285,7 +285,7 @@ class BlockQuantizer:
         """`module.to_empty(device)`, except that plain linears' weights are views of the staging buffer."""
         from torch import nn
 
-        linears = [sub for sub in module.modules() if type(sub) is nn.Linear]
+        linears = [sub for name, sub in module.named_modules() if quantizes(name, sub)]
         numel = sum(sub.weight.numel() for sub in linears)
         dtype = linears[0].weight.dtype if linears else torch.float32
         staging = self.staging

@@ -16,6 +16,7 @@ offload uses (`host_copy_seconds`), which until then is the device table's (`lin
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -31,8 +32,10 @@ from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.budget import budget_kinds, parse_max_memory
 from hfsplit.gpu_kinds import kind_of_device_name
 from hfsplit.checkpoint.resolve import load_config
+from hfsplit.models.boundary import block_inputs, hidden_streams
 from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
-from hfsplit.models.families import FAMILIES, Family
+from hfsplit.models.families import FAMILIES
+from hfsplit.models.layout import decoder_layout
 from hfsplit.models.masks import causal_masks, layer_attention_type
 from hfsplit.parallel.mesh import launcher_world
 from hfsplit.planning.costs.cache import read_cache, write_cache
@@ -110,6 +113,8 @@ def _time_block(config, spec, device: torch.device) -> tuple[float, float]:
     (on 2 loaded CPU cores single timings of the same block vary 2×; the paired ratio stays near 1.1)."""
     run = _probe_block(config, spec, device)
     training = spec.method != "inference"
+    if training and not _splits(run):
+        return statistics.median(_seconds(run, device, split=False) for _ in range(PROBE_REPEATS + 1)), math.inf
     plain, ratios = [], []
     for i in range(PROBE_REPEATS + 1):  # the first pair warms allocators and kernels
         one = _seconds(run, device, split=False)
@@ -121,6 +126,17 @@ def _time_block(config, spec, device: torch.device) -> tuple[float, float]:
     return seconds, seconds * statistics.median(ratios)
 
 
+def _splits(run) -> bool:
+    """Whether torch's pipelining splits the block's backward in two (what zero-bubble schedules run): it fails
+    with "backward through the graph a second time" on Gemma 3n's block (in-place updates of its AltUp streams).
+    A block that does not split plans zero-bubble schedules at an infinite time, so the planner never picks one."""
+    try:
+        run(True)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _probe_block(config, spec, device: torch.device):
     """A function running forward and backward once on a random micro-batch through block 0 of a one-layer
     model of `config` (LoRA-wrapped and trainable as `spec` says)."""
@@ -128,8 +144,9 @@ def _probe_block(config, spec, device: torch.device):
 
     dtype = dtype_of(spec.dtype)
     model = AutoModelForCausalLM.from_config(rank_layer_config(config), dtype=dtype).to(device)
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    block = base.layers[0]
+    layout = decoder_layout(model)  # (Llama 4's `get_decoder` is the causal LM itself)
+    base, block = model.get_submodule(layout.base), model.get_submodule(layout.layers)[0]
+    kwargs = _probe_inputs(model.config, base, block, spec, device)
     if spec.method == "qlora":  # the run's block: 4-bit base (its dequantize in every pass), LoRA trained
         _quantize_probe(block, spec, device)
     if spec.method in ("lora", "qlora"):
@@ -147,14 +164,12 @@ def _probe_block(config, spec, device: torch.device):
         if spec.autocast_dtype is not None:
             autocast_forwards([block], dtype=spec.autocast_dtype)
     set_trainable(block, replace(spec, method="lora") if spec.method == "qlora" else spec)
-    x = torch.randn(spec.micro_batch_size, spec.seq_len, config.hidden_size, dtype=dtype, device=device)
-    # the stage's mask: none under sdpa for unpacked rows, transformers' block-diagonal one for packed rows
-    pos, mask = _probe_mask(model.config, x, packed=spec.packing)
-    embeddings = _block_rotary(config, base.rotary_emb, x, pos)
+    streams = (hidden_streams(config),) if hidden_streams(config) > 1 else ()  # Gemma 3n's AltUp streams stacked
+    x = torch.randn(*streams, spec.micro_batch_size, spec.seq_len, config.hidden_size, dtype=dtype, device=device)
 
     def run(split: bool) -> None:
         inp = x.detach().requires_grad_(spec.method != "inference")
-        out = block(inp, attention_mask=mask, position_embeddings=embeddings, position_ids=pos)
+        out = block(inp, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
         if spec.method == "inference":
             return
@@ -169,11 +184,18 @@ def _probe_block(config, spec, device: torch.device):
     return run
 
 
-def _probe_mask(config, x: torch.Tensor, *, packed: bool):
-    """(position ids, attention mask) block 0 of a stage gets for rows of `x`'s shape, packed or not (None for a
-    block without attention: linear attention, Mamba2)."""
-    pos = traced_positions(x.shape[0], x.shape[1], packed=packed).to(x.device)
-    return pos, causal_masks(config, hidden=x, position_ids=pos).get(layer_attention_type(config, 0))
+def _probe_inputs(config, base, block, spec, device: torch.device) -> dict:
+    """What block 0 of a stage gets besides the hidden state: what the model's own forward hands it (rotary
+    tables, per-layer inputs, Falcon-H1's Mamba mask), taken before the block is quantized and adapted; a declared
+    family's mask as its stage builds it (none under sdpa for unpacked rows, `PackedRows` for packed ones)."""
+    ids = torch.zeros(spec.micro_batch_size, spec.seq_len, dtype=torch.long, device=device)
+    positions = traced_positions(spec.micro_batch_size, spec.seq_len, packed=spec.packing).to(device)
+    kwargs = block_inputs(base, block, ids, position_ids=positions)
+    if config.model_type in FAMILIES and "attention_mask" in kwargs:
+        hidden = torch.empty(*ids.shape, config.hidden_size, device=device)
+        kwargs["attention_mask"] = causal_masks(config, hidden=hidden, position_ids=positions).get(
+            layer_attention_type(config, 0))
+    return kwargs
 
 
 def _quantize_probe(block, spec, device: torch.device) -> None:
@@ -191,15 +213,6 @@ def _seconds(run, device: torch.device, *, split: bool) -> float:
     run(split)
     _sync(device)
     return time.perf_counter() - start
-
-
-def _block_rotary(config, rotary_emb, x: torch.Tensor, pos: torch.Tensor):
-    """The rotary table block 0 receives (Gemma 3 computes one per layer type; None without rotary positions,
-    Granite 4's default)."""
-    if rotary_emb is None:
-        return None
-    kind = (getattr(config, "layer_types", None) or ["full_attention"])[0]
-    return FAMILIES.get(config.model_type, Family()).position_embeddings(rotary_emb, x, pos, [kind])[kind]
 
 
 def _sync(device: torch.device) -> None:

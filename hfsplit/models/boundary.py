@@ -6,6 +6,10 @@ import it (models ← planning, models ← parallel).
 """
 from __future__ import annotations
 
+import inspect
+
+import torch
+
 
 def boundary_width(config) -> int:
     """The last dimension of what a stage sends on: the hidden state, times the hidden streams the model's loop
@@ -25,3 +29,40 @@ def hidden_streams(config) -> int:
     """How many hidden states the model's loop carries from block to block, stacked on a first dimension: Gemma
     3n's AltUp streams (`altup_num_inputs`), else 1."""
     return getattr(config, "altup_num_inputs", None) or 1
+
+
+class _Captured(Exception):
+    pass
+
+
+def block_inputs(base: torch.nn.Module, block: torch.nn.Module, input_ids: torch.Tensor, **forward_kwargs) -> dict:
+    """The keyword arguments `base`'s own forward hands `block` for `input_ids` (rotary tables, masks, Gemma 3n's and
+    Gemma 4's per-layer input, Falcon-H1's Mamba mask: whatever the model computes outside its blocks), the hidden
+    state and any cache left out; the forward stops there. The planner's trace and the speed probe run a lone
+    block on them."""
+    captured = {}
+
+    def capture(module, args, kwargs):
+        # by name, what the decoder passes by position too (Gemma 3n's and Gemma 4's per-layer input)
+        signature = inspect.signature(module.forward)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        bound.pop(next(iter(signature.parameters)), None)  # the hidden state, whatever the block names it
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                bound.update(bound.pop(name, {}))
+            elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+                bound.pop(name, None)
+        captured.update(bound)
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            base(input_ids=input_ids, use_cache=False, **forward_kwargs)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    for name in ("hidden_states", "past_key_values", "past_key_value"):
+        captured.pop(name, None)
+    return captured

@@ -39,12 +39,19 @@ def _expert_parameters(key: str) -> tuple:
                  for leaf, p in m.named_parameters(recurse=False) if p.dim() == 3)
 
 
+# Modules peft refuses to adapt in Mamba-based model types (its `_check_lora_target_modules_mamba`, a rule it keeps
+# inside a function): the mixer's `out_proj` and `conv1d`
+PEFT_REFUSED_TARGETS = dict.fromkeys(("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"), ("out_proj", "conv1d"))
+
+
 def default_lora_targets(config) -> list[str]:
     """LoRA's default targets: the blocks' linear layers (`block_linear_names`) but those named like a fused expert
     parameter (Qwen3-Next's shared expert `down_proj` beside the experts' `down_proj`), which peft's MoE target
-    conversion would also apply to the experts."""
+    conversion would also apply to the experts, and those peft refuses in the model type (Falcon-H1's Mamba
+    `out_proj`)."""
     experts = expert_parameters(config)
-    return [name for name in block_linear_names(config) if name not in experts]
+    refused = PEFT_REFUSED_TARGETS.get(config.model_type, ())
+    return [name for name in block_linear_names(config) if name not in experts and name not in refused]
 
 
 def split_lora_targets(targets: Sequence[str], config) -> tuple[list[str], list[str]]:

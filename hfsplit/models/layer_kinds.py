@@ -25,7 +25,7 @@ def layer_kinds(config) -> Optional[tuple[str, ...]]:
     mlp = [_mlp_kind(config, i) for i in range(n)]
     types = getattr(config, "layer_types", None)
     attention = list(types) if isinstance(types, (list, tuple)) and len(types) == n and \
-        len(set(types)) > 1 and not set(types) <= set(MASK_ONLY) else [None] * n
+        len(set(types)) > 1 and (not set(types) <= set(MASK_ONLY) or per_layer_overrides(config)) else [None] * n
     mlp = mlp if len(set(mlp)) > 1 else [None] * n
     kinds = tuple("/".join(part for part in (a, m) if part) for a, m in zip(attention, mlp))
     return kinds if len(set(kinds)) > 1 else None
@@ -47,10 +47,24 @@ def _mlp_kind(config, i: int) -> Optional[str]:
     return None
 
 
+def per_layer_overrides(config) -> dict:
+    """{layer index: the config fields that layer overrides}: Gemma 4's full-attention layers' wider heads and own
+    KV heads (`per_layer_config`), so its attention types change a layer's modules, not only its mask; else {}."""
+    overrides = config.to_dict().get("per_layer_config")
+    return {int(i): dict(fields) for i, fields in overrides.items() if fields} if isinstance(overrides, dict) else {}
+
+
 def kind_config(config, kind: str):
-    """A copy of `config` whose every layer is of `kind` (what the cost model traces one block of)."""
-    cfg = config.__class__.from_dict(config.to_dict())
+    """A copy of `config` whose every layer is of `kind` (what the cost model traces one block of), with the
+    per-layer overrides of the first layer of that kind on every layer (`per_layer_overrides`)."""
+    data = config.to_dict()
     n = config.num_hidden_layers
+    attention = [part for part in kind.split("/") if part not in (DENSE, SPARSE)]
+    if attention and isinstance(data.get("per_layer_config"), dict):
+        first = list(config.layer_types).index(attention[0])
+        fields = per_layer_overrides(config).get(first)
+        data["per_layer_config"] = {str(i): fields for i in range(n)} if fields else {}
+    cfg = config.__class__.from_dict(data)
     for part in kind.split("/"):
         if part not in (DENSE, SPARSE):
             cfg.layer_types = [part] * n

@@ -35,10 +35,13 @@ def meta_model(config, *, dtype: Optional[torch.dtype] = None, attn_implementati
 
 def one_layer_config(config):
     """A copy of `config` with one decoder block (all blocks alike; 1 block builds ~80× faster than 80)."""
-    cfg = config.__class__.from_dict(config.to_dict())
+    data = config.to_dict()
+    if isinstance(data.get("per_layer_config"), dict):  # Gemma 4: overrides by layer index, the first block's kept
+        data["per_layer_config"] = {k: v for k, v in data["per_layer_config"].items() if int(k) == 0}
+    cfg = config.__class__.from_dict(data)
     cfg.num_hidden_layers = 1
     layer_types = getattr(cfg, "layer_types", None)
-    if isinstance(layer_types, (list, tuple)) and layer_types:
+    if isinstance(layer_types, (list, tuple)) and len(layer_types) > 1:  # (Falcon-H1's derives its own: a property)
         cfg.layer_types = list(layer_types[:1])
     if getattr(cfg, "num_kv_shared_layers", None):  # Gemma 3n: one block reuses no other's keys
         cfg.num_kv_shared_layers = 0

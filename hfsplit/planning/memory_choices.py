@@ -88,6 +88,7 @@ def mlp_tiles(config, spec: TrainingSpec) -> int:
     if not width or not hidden or expert_parameters(config) or getattr(config, "num_experts", 0) or \
             getattr(config, "num_local_experts", 0):
         return 0
+    width = max(width) if isinstance(width, (list, tuple)) else width  # Gemma 3n: a width per layer
     tokens = spec.seq_len * spec.micro_batch_size
     return max(2, min(math.ceil(4 * width / hidden), math.ceil(tokens / MIN_SLICE)))
 

@@ -61,6 +61,10 @@ CASES = {
                                                        dtype="float64")),
     "gemma4_text-pp2-gpipe": ("gemma4_text", {}, dict(tp=1, pp=2, layers=[(0, 3), (3, 6)], schedule="GPipe",
                                                       dtype="float64")),
+    # a Mamba2 mixer beside attention in every block, µP multipliers from the decoder's own init over the stage's
+    # blocks (`mup_vector`); a finite time-step limit as Granite 4's
+    "falcon_h1-pp2-1f1b": ("falcon_h1", dict(time_step_limit=[0.0, 1e4]), dict(tp=1, pp=2, layers=[(0, 2), (2, 4)],
+                                                                            schedule="1F1B")),
     # embedding scale on the first stage only (its module's buffer), head on the last
     "gemma-pp2-gpipe": ("gemma", {}, dict(tp=1, pp=2, layers=[(0, 2), (2, 4)], schedule="GPipe")),
     # soft-capping with heads sharded over TP ranks
@@ -90,8 +94,9 @@ CASES = {
 }
 DECLARED = ("gemma", "gemma2", "gemma3_text", "granite", "cohere", "cohere2")  # the others: pp=2 only
 # undeclared families whose pp=2 LoRA and full outputs are saved and loaded back (the declared ones' are, under pp×tp):
-# linear attention and Mamba2 layers, whose adapters peft targets by the names hfsplit gives
-SAVED_AT_PP2 = ("qwen3_next", "granitemoehybrid")
+# linear attention and Mamba2 layers, whose adapters peft targets by the names hfsplit gives; the families whose
+# first stage sends more than the hidden state (Gemma 3n, Gemma 4) and Falcon-H1's parallel Mamba2 and attention
+SAVED_AT_PP2 = ("qwen3_next", "granitemoehybrid", "gemma3n_text", "gemma4_text", "falcon_h1")
 SHAPES = {"pp2": (1, 2), "tp2": (2, 1), "pp2xtp2": (2, 2)}  # name: (tp, pp)
 # families whose 20 fp32 training steps move far on rounding alone: transformers against itself, the same rows in
 # micro-batches of 2 or of 1, ends 7.6e-3 relative apart in Gemma 4's full-training losses, and in Gemma 3n's LoRA

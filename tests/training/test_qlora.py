@@ -22,11 +22,27 @@ def quantized_base(options: FinetuneOptions):
     """The base as users load it: transformers' own bitsandbytes integration, the same BitsAndBytesConfig."""
     from transformers import AutoModelForCausalLM
 
+    qconfig = bnb_config(options)
+    qconfig.llm_int8_skip_modules = kept_16bit(options.model)
     model = AutoModelForCausalLM.from_pretrained(options.model, dtype=getattr(torch, options.dtype), device_map="cpu",
-                                                 quantization_config=bnb_config(options))
+                                                 quantization_config=qconfig)
     # Train mode, as a training run is: in eval mode bitsandbytes' CPU kernel repacks the weights for a bf16
     # AVX-512 path on the first forward, whose logits differ from the fp32 dequantize-and-matmul by ~4e-3.
     return model.train()
+
+
+def kept_16bit(checkpoint: str) -> list[str]:
+    """The linears a split QLoRA run keeps in 16 bits, which transformers' bitsandbytes load is told to skip: every
+    linear outside the decoder blocks (lm_head; Gemma 3n's and Gemma 4's per-layer projection and Gemma 3n's AltUp
+    projections, which transformers would quantize and hfsplit's stages hold in 16 bits as they hold the
+    embeddings) and inside them those the forward uses as a matrix (`hfsplit.apply.quantize.KEPT_UNQUANTIZED`)."""
+    from hfsplit.apply.quantize import quantizes
+    from hfsplit.checkpoint import load_config
+    from hfsplit.models.layout import meta_model
+
+    model = meta_model(load_config(checkpoint))
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and (
+        ".layers." not in name or not quantizes(name, module))]
 
 
 def train_and_probe(runs: list[dict], probe: torch.Tensor) -> list[dict]:

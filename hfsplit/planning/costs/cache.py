@@ -10,12 +10,13 @@ import os
 from pathlib import Path
 from typing import Optional
 
-CACHE_VERSION = 10  # 2: MoE blocks traced with grouped experts (routed rows only); 3: MoE experts sharded by TP;
+CACHE_VERSION = 11  # 2: MoE blocks traced with grouped experts (routed rows only); 3: MoE experts sharded by TP;
 # 4: frozen experts save no routed rows (costs.moe); 5: sdpa blocks without a mask where the run has none;
 # 6: a block's backward peak without the saved tensors autograd has already freed; 7: 4-bit MoE experts'
 # dequantized matrices (TrainingSpec.quantize_experts); 8: packed rows under sdpa example by example (models/varlen.py);
 # 9: any causal LM (layer kinds by attention type, routers subclassing nn.Linear no LoRA target); 10: a block traced
-# with what its decoder passes by position too (Gemma 3n/4's per-layer input, GPT-2's mask), Gemma 3n's AltUp streams
+# with what its decoder passes by position too (Gemma 3n/4's per-layer input, GPT-2's mask), Gemma 3n's AltUp streams;
+# 11: Gemma 4's full-attention layers a kind of their own (their wider heads, `per_layer_config`)
 
 
 def cache_dir() -> Path:

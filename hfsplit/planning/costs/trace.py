@@ -8,7 +8,6 @@ derived from two traces (`hfsplit.planning.costs.tp`).
 from __future__ import annotations
 
 import functools
-import inspect
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hfsplit.models.boundary import hidden_streams
+from hfsplit.models.boundary import block_inputs, hidden_streams
 from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.models.families import FAMILIES, Family
 from hfsplit.models.layout import decoder_layout, meta_model
@@ -118,10 +117,6 @@ class EndsTrace:
     head_workspace: int
 
 
-class _Captured(Exception):
-    pass
-
-
 def _fake_model(key: str, spec: TrainingSpec, tp: int, mode: FakeTensorMode):
     """A one-block model of the real class with fake (unallocated) weights, and the kwargs its model
     forward passes to the block (rotary embeddings, mask), captured by running it once."""
@@ -172,34 +167,8 @@ def _traced_autocast(spec: TrainingSpec):
 
 
 def _block_kwargs(base, block, spec: TrainingSpec):
-    captured = {}
-
-    def capture(module, args, kwargs):
-        # by name, what the decoder passes by position too (Gemma 3n's and Gemma 4's per-layer input)
-        signature = inspect.signature(module.forward)
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        bound.pop(next(iter(signature.parameters)), None)  # the hidden state, whatever the block names it
-        for name, param in signature.parameters.items():
-            if param.kind is inspect.Parameter.VAR_KEYWORD:
-                bound.update(bound.pop(name, {}))
-            elif param.kind is inspect.Parameter.VAR_POSITIONAL:
-                bound.pop(name, None)
-        captured.update(bound)
-        raise _Captured
-
-    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
     ids = torch.zeros(spec.micro_batch_size, spec.seq_len, dtype=torch.long)
-    try:
-        with torch.no_grad():
-            base(input_ids=ids, use_cache=False)
-    except _Captured:
-        pass
-    finally:
-        handle.remove()
-    captured.pop("hidden_states", None)
-    captured.pop("past_key_values", None)
-    captured.pop("past_key_value", None)
-    return captured, ids
+    return block_inputs(base, block, ids), ids
 
 
 def _to_fake(model: torch.nn.Module) -> None:
