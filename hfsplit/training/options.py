@@ -160,6 +160,12 @@ class FinetuneOptions(*option_mixins()):
                                "for what each device has free")
         if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
+        if self.lora_targets is not None and not self.lora_targets:  # "--lora-targets ," would mean the default
+            raise HfsplitError("--lora-targets names no module; name them (q_proj,v_proj) or leave it out for every "
+                               "attention and MLP projection")
+        if self.global_batch and self.micro_batches:  # the planner cuts a global batch: the count would be dropped
+            raise HfsplitError(f"--global-batch {self.global_batch} and --micro-batches {self.micro_batches} both set "
+                               "a step's size; give one (--global-batch: sequences a step, cut by the planner)")
         option_rules_of(self.objective).check_options(self)
         parse_size(self.max_shard_size, what="--max-shard-size")  # refused before the run, not at its end
         if self.peer_timeout <= 0:
@@ -475,12 +481,20 @@ def options_from(given: dict) -> FinetuneOptions:
     the `config` recipe, under the `given` values (flags); validated."""
     given = {k: v for k, v in given.items() if v is not None}
     recipe = recipe_values(Path(given["config"])) if "config" in given else {}
-    values = {**recipe, **given}
+    values = over_recipe(recipe, given)
     if values.get("model") is None:
-        values = {**recipe_values(TINY_RECIPE), **values}
+        values = over_recipe(recipe_values(TINY_RECIPE), values)
     options = FinetuneOptions(**values)
     options.validate()
     return options
+
+
+def over_recipe(recipe: dict, given: dict) -> dict:
+    """`given` over `recipe`; a step's size given one way (--global-batch, or --micro-batches) replaces the recipe's
+    of the other way, as a flag overrides a recipe (both given together are refused by `validate`)."""
+    other = {"global_batch": "micro_batches", "micro_batches": "global_batch"}
+    recipe = {k: v for k, v in recipe.items() if not (k in other and other[k] in given and k not in given)}
+    return {**recipe, **given}
 
 
 def tiny_demo_options(**overrides) -> FinetuneOptions:
