@@ -500,7 +500,7 @@ def over_recipe(recipe: dict, given: dict) -> dict:
 def tiny_demo_options(**overrides) -> FinetuneOptions:
     """The built-in tiny demo's options (its bundled recipe), with `overrides` on top: what tests and benches on
     tiny checkpoints start from."""
-    return FinetuneOptions(**{**recipe_values(TINY_RECIPE), **overrides})
+    return FinetuneOptions(**over_recipe(recipe_values(TINY_RECIPE), overrides))
 
 
 def options_parser(**kwargs) -> argparse.ArgumentParser:
