@@ -20,9 +20,6 @@ from typing import Optional, Sequence
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
 from hfsplit.apply import third_party_logs  # noqa: E402
 from hfsplit.errors import HfsplitError, Interrupted  # noqa: E402
 from hfsplit.training.interrupts import interrupted, remove_partial_saves, sigterm_interrupts  # noqa: E402
@@ -33,13 +30,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the recipe with `argv` (default: the command line) on this rank; its exit code. Bad input prints one
     `finetune: ...` line to stderr and returns 2, a run that failed after it started 3."""
     third_party_logs.install()
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     options = None
     try:
         with sigterm_interrupts():
             options = parse_options(argv)
-            from hfsplit.training.run import train  # after parsing: --help, a bad flag answer before the stack loads
+            from hfsplit.training.run import train  # after parsing: --help, a bad flag answer before torch loads
+            import torch
 
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # a torch imported before us: still one thread
             train(options)
         return 0
     except (KeyboardInterrupt, Interrupted) as exc:  # Ctrl-C or SIGTERM: no traceback, no half-written folder
@@ -52,8 +50,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"finetune: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Destroy the run's process group, if one was made (not after --help or a refused flag: torch never loaded)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_as_process(argv: Optional[Sequence[str]] = None) -> None:

@@ -46,6 +46,7 @@ LAZY = {
     ("cli/plan.py", "hfsplit.planning.max_seq"): "the same (it loads configs through the checkpoint package)",
     ("cli/plan.py", "hfsplit.load.proof"): "the proof builds models: `hfsplit --help` loads none of it",
     ("finetune.py", "hfsplit.training.run"): "the recipe parses its flags before the training stack loads",
+    ("training/interrupts.py", "hfsplit.training.resume"): "the recipe's --help loads no torch (resume.py does)",
     # `hfsplit plan --help` and the parsing of its flags load no torch nor transformers (issue 33): what runs loads them
     ("cli/plan.py", "hfsplit.checkpoint.resolve"): "the checkpoint package loads torch",
     ("cli/plan.py", "hfsplit.planning.memory_choices"): "it reads models' layouts (torch)",

@@ -9,6 +9,9 @@ every library still reaches the user. `install()` is called by the entry points 
   two ranks and a launcher). The kernel it failed to load serves only 4-bit matrix-vector products in CPU
   inference (`bitsandbytes::gemv_4bit`), never a training step, and the import happens in every run that
   imports peft. A run that quantizes prints `MISSING_KERNELS_MEANING` instead, once, on rank 0.
+- datasets logs "Failed to load JSON from file '...' with error ..." before it raises that same error, which
+  hfsplit turns into the one line naming the file, the row and the fix (`hfsplit.training.sources`): the user
+  would read the fault twice, the first time as a library's internals.
 """
 from __future__ import annotations
 
@@ -39,14 +42,18 @@ class MessageFilter(logging.Filter):
 
 
 _MISSING_KERNELS_FILTER = MessageFilter(MISSING_KERNELS)
+# Each filtered logger and its filter.
+FILTERS = {BNB_CPU_LOGGER: _MISSING_KERNELS_FILTER,
+           "datasets.packaged_modules.json.json": MessageFilter("Failed to load JSON from file")}
 _explained = False
 
 
 def install() -> None:
     """Attach the filters to their loggers (before the libraries log: a logger exists before its module)."""
-    logger = logging.getLogger(BNB_CPU_LOGGER)
-    if _MISSING_KERNELS_FILTER not in logger.filters:
-        logger.addFilter(_MISSING_KERNELS_FILTER)
+    for name, filter_ in FILTERS.items():
+        logger = logging.getLogger(name)
+        if filter_ not in logger.filters:
+            logger.addFilter(filter_)
 
 
 def explain_missing_kernels() -> None:

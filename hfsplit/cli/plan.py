@@ -6,6 +6,7 @@ import dataclasses
 import sys
 import textwrap
 from dataclasses import replace
+from pathlib import Path
 from typing import Optional, Sequence
 
 from hfsplit.apply import third_party_logs
@@ -45,7 +46,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     only.add_argument("--reserve", default=None, help="per-device reserve overriding the measured one (default: 0 on "
                                                      "the CPU; on GPUs context + fragmentation + NCCL, hfsplit/planning/reserve.py)")
     only.add_argument("--device-speeds", default=None, help="relative speed per device, e.g. 1,1,0.5 (default: 1 each)")
-    only.add_argument("--nproc", type=int, default=None, help="ranks the launch would start, for a --config recipe "
+    only.add_argument("--nproc", type=positive_int, default=None, help="ranks the launch would start, for a --config recipe "
                       "without max_memory (default: one per local GPU, else 2 CPU ranks as the bundled accelerate "
                       "config launches)")
     only.add_argument("--max-seq-len", action="store_true",
@@ -55,6 +56,13 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     only.add_argument("--png", default=None, help="also draw per-device memory bars into this PNG file (default: no chart)")
     add_option_arguments(p, names=PLANNED)
     return p
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
 
 
 def plan_request(args) -> tuple[str, object, dict, tuple[str, ...]]:
@@ -73,6 +81,7 @@ def plan_request(args) -> tuple[str, object, dict, tuple[str, ...]]:
     if args.config is None and (given["model"] is None or args.max_memory is None):
         raise HfsplitError("hfsplit plan needs MODEL and --max-memory, or --config RECIPE.yaml")
     options = options_from(given)  # refused in one line before anything loads torch
+    check_png_path(args.png)
     budget, notes = options.max_memory, ()
     if budget is None:  # what the recipe does without one: an equal share of what this machine has free
         budget, notes = local_budget(args.nproc)
@@ -124,11 +133,7 @@ def run_plan(args) -> int:
     from hfsplit.planning.planner import make_plan  # lazy: transformers and the cost model; `plan --help` stays quick
 
     if args.device_speeds:
-        devices = parse_max_memory(budget)
-        values = [float(v) for v in args.device_speeds.split(",")]
-        if len(values) != len(devices):
-            raise HfsplitError(f"--device-speeds has {len(values)} values for {len(devices)} devices; give one each")
-        kwargs["device_speeds"] = dict(zip(devices, values))
+        kwargs["device_speeds"] = device_speeds(args.device_speeds, list(parse_max_memory(budget)))
     from hfsplit.load.proof import proven_split  # lazy: the proof builds models (transformers)
 
     config = model
@@ -141,8 +146,33 @@ def run_plan(args) -> int:
     plan = dataclasses.replace(plan, notes=notes + plan.notes)
     print(plan.to_json() if args.json else plan.table())
     if args.png:
-        print(f"memory chart: {plan_memory_chart(plan, args.png)}", file=sys.stderr)
+        try:
+            print(f"memory chart: {plan_memory_chart(plan, args.png)}", file=sys.stderr)
+        except OSError as err:  # a folder checked at the door, then gone or read-only (/proc)
+            raise HfsplitError(f"--png {args.png}: cannot write it ({err.strerror}); pass a path in a folder you "
+                               "can write") from None
     return 0
+
+
+def device_speeds(text: str, devices: list) -> dict:
+    """`--device-speeds 1,1,0.5`: each device's relative speed, a finite number above 0, one a device."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise HfsplitError(f"--device-speeds {text!r}: give a number above 0 for each device, e.g. 1,1,0.5 (a device "
+                           "half as fast as the others)")
+    if len(values) != len(devices):
+        raise HfsplitError(f"--device-speeds has {len(values)} values for {len(devices)} devices; give one each")
+    return dict(zip(devices, values))
+
+
+def check_png_path(path: Optional[str]) -> None:
+    """`--png PATH` is refused before planning when its folder does not exist."""
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise HfsplitError(f"--png {path}: the folder {Path(path).resolve().parent} does not exist; create it or "
+                           "pass a path in an existing folder")
 
 
 def longest_plan(make_plan, model, budget, kwargs: dict):
@@ -199,8 +229,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "check":
             return run_check(args)
         return run_ship(args) if args.command in SHIP_COMMANDS else run_plan(args)
-    except HfsplitError as exc:
-        print(f"hfsplit {args.command}: {exc}", file=sys.stderr)
+    except HfsplitError as exc:  # the API's errors may name the command already (export_gguf's): once is enough
+        print(f"hfsplit {args.command}: {str(exc).removeprefix(args.command + ': ')}", file=sys.stderr)
         return exc.exit_code
 
 

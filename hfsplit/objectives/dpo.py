@@ -13,7 +13,7 @@ import torch
 from hfsplit.errors import HfsplitError
 from hfsplit.parallel.router import stats_of
 from hfsplit.training.data import TokenRows
-from hfsplit.objectives.options import reference_of
+from hfsplit.objectives.options import DpoRules, reference_of
 from hfsplit.training.objective import Objective, StepRows, replica_rows
 from hfsplit.training.packing import label_tokens
 from hfsplit.training.precision import compute_precision
@@ -23,25 +23,11 @@ from hfsplit.training.preference import (DPO_METRICS, DpoLoss, adapters_disabled
 from hfsplit.training.reference import precompute_reference
 
 
-class Dpo(Objective):
+class Dpo(DpoRules, Objective):
     """`--objective dpo`."""
 
     name = "dpo"
-    default_dataset = "tiny_preference.jsonl"
     metric_names = DPO_METRICS
-
-    def defaults(self, options) -> dict:
-        # a padded pair is two rows of one micro-batch: one pair a micro-batch (a packed row holds whole pairs)
-        return {"micro_batch_size": 1 if options.packing == "on" else 2, "beta": 0.1}
-
-    def check_options(self, options) -> None:
-        check_dpo_options(options)
-
-    def packs(self, options) -> bool:
-        return options.packing == "on"  # auto: a pair is two padded rows, as TRL lays them out
-
-    def spec_fields(self, options) -> dict:
-        return {"reference": reference_of(options)}
 
     def check_model(self, options, config) -> None:
         check_dpo_router_eval(options, config)
@@ -89,27 +75,6 @@ class Dpo(Objective):
     def evaluate(self, run) -> tuple[float, dict[str, float]]:
         return dpo_eval(run.model, run.held_out, run.loss_fn, micro_batch_size=run.options.micro_batch_size,
                         reference=run.held_out_reference)
-
-
-def check_dpo_options(options) -> None:
-    """One line when the DPO options contradict each other or the method."""
-    _positive_beta(options)
-    if options.reference == "adapters-off" and options.method not in ("lora", "qlora"):
-        raise HfsplitError("--reference adapters-off disables LoRA adapters, and --method full has none; "
-                           "use --reference precomputed (or leave it unset)")
-    if options.micro_batch_size % 2 and options.packing != "on":  # a packed row holds whole pairs
-        raise HfsplitError(f"--objective dpo puts each pair's chosen and rejected rows in one micro-batch: "
-                           f"--micro-batch-size counts rows and must be even (got {options.micro_batch_size}), "
-                           "or pass --packing on (a packed row holds whole pairs)")
-    if options.chunked_loss is True and options.packing == "on":  # the chunked head sums log-probs by row
-        raise HfsplitError("--objective dpo --chunked-loss sums each row's log-probs, and a packed row holds several "
-                           "sequences: drop --chunked-loss or --packing on")
-
-
-def _positive_beta(options) -> None:
-    beta = options.beta
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta < float("inf"):
-        raise HfsplitError(f"--beta must be a finite number above 0 (got {beta!r})")
 
 
 def check_dpo_router_eval(options, config) -> None:

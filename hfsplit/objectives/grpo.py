@@ -23,6 +23,7 @@ from hfsplit.errors import HfsplitError
 from hfsplit.models.loss import token_logps
 from hfsplit.objectives.rewards import (BUNDLED_REWARDS, RewardFunctions, group_advantages, load_reward_functions,
                                         reward_metrics)
+from hfsplit.objectives.options import GrpoRules
 from hfsplit.objectives.rollout import generate
 from hfsplit.training.data import DatasetError, load_examples, pad_id, rendered_chat
 from hfsplit.training.batches import MicroBatches
@@ -47,25 +48,10 @@ class Rollout:
     old: Optional[torch.Tensor] = None  # this rank's per-token log-probs of the first update (num_iterations > 1)
 
 
-class Grpo(Objective):
+class Grpo(GrpoRules, Objective):
     """`--objective grpo`."""
 
     name = "grpo"
-    default_dataset = "tiny_prompts.jsonl"
-
-    def defaults(self, options) -> dict:
-        return {"micro_batch_size": 1, "beta": 0.0}
-
-    def check_options(self, options) -> None:
-        check_grpo_options(options)
-
-    def packs(self, options) -> bool:
-        return False  # a completion a row (its prompt before it)
-
-    def spec_fields(self, options) -> dict:
-        return {"reference": "adapters-off" if options.beta else None,
-                "rollout_tokens": options.max_completion_length}
-
     def load_rows(self, options, tokenizer, *, source: str, packing: bool) -> TokenRows:
         return load_prompt_rows(source, tokenizer, seq_len=options.seq_len,
                                 room=options.max_completion_length)
@@ -121,39 +107,6 @@ class Grpo(Objective):
         return {"reward": f"{metrics.get('reward', float('nan')):.3f}",
                 "len": f"{metrics.get('completions/mean_length', float('nan')):.1f}"}
 
-
-
-def check_grpo_options(options) -> None:
-    """One line when the GRPO options contradict each other or the method."""
-    beta = options.beta
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < math.inf:
-        raise HfsplitError(f"--beta must be a finite number at least 0 (got {beta!r})")
-    if beta and options.method == "full":
-        raise HfsplitError("--objective grpo --beta > 0 pulls towards a reference policy: the same stages with their "
-                           "LoRA adapters off; --method full has none (it would hold a second model): use --method "
-                           "lora or --beta 0")
-    if options.reference == "precomputed":
-        raise HfsplitError("--objective grpo scores new completions every step: a precomputed reference cannot "
-                           "hold them; leave --reference unset")
-    if options.num_generations < 2:
-        raise HfsplitError(f"--num-generations must be at least 2: the advantages compare a prompt's completions "
-                           f"(got {options.num_generations})")
-    for name in ("max_completion_length", "num_iterations"):
-        if getattr(options, name) < 1:
-            raise HfsplitError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(options, name)})")
-    if not options.epsilon > 0 or (options.epsilon_high is not None and not options.epsilon_high > 0):
-        raise HfsplitError("--epsilon and --epsilon-high must be above 0")
-    if options.temperature <= 0:
-        raise HfsplitError(f"--temperature must be above 0 (got {options.temperature}): GRPO samples")
-    if options.packing == "on" or options.chunked_loss is True:
-        raise HfsplitError("--objective grpo trains one completion a row on full logits: drop --packing on and "
-                           "--chunked-loss")
-    if options.eval_every:
-        raise HfsplitError("--eval-every under --objective grpo is not supported yet (TRL's evaluation generates "
-                           "and scores held-out prompts): drop --eval-every")
-    if options.max_completion_length >= options.seq_len:
-        raise HfsplitError(f"--seq-len {options.seq_len} holds a prompt and its completion: raise it above "
-                           f"--max-completion-length {options.max_completion_length}")
 
 
 @dataclass(frozen=True)

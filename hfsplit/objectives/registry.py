@@ -11,12 +11,15 @@ import functools
 from typing import TYPE_CHECKING
 
 from hfsplit.errors import HfsplitError
-from hfsplit.objectives.options import DpoOptions, GrpoOptions
+from hfsplit.objectives.options import DpoOptions, DpoRules, GrpoOptions, GrpoRules
+from hfsplit.training.option_fields import OptionRules
 
 if TYPE_CHECKING:
     from hfsplit.training.objective import Objective
 
 OBJECTIVES = ("sft", "dpo", "grpo")
+# What each decides from the options alone (no torch); its Objective inherits these rules.
+RULES = {"sft": OptionRules(), "dpo": DpoRules(), "grpo": GrpoRules()}
 
 
 def objective_of(name: str) -> Objective:
@@ -24,6 +27,14 @@ def objective_of(name: str) -> Objective:
     if name not in OBJECTIVES:
         raise HfsplitError(f"--objective {name!r}: choose {', '.join(OBJECTIVES)}")
     return registered()[name]
+
+
+def option_rules_of(name: str) -> OptionRules:
+    """What the objective registered as `name` decides from the options alone (its defaults, checks, packing), read
+    without loading its module; one line naming the choices otherwise."""
+    if name not in OBJECTIVES:
+        raise HfsplitError(f"--objective {name!r}: choose {', '.join(OBJECTIVES)}")
+    return RULES[name]
 
 
 @functools.cache
@@ -35,6 +46,7 @@ def registered() -> dict[str, Objective]:
 
     objectives = {o.name: o for o in (Sft(), Dpo(), Grpo())}
     assert tuple(objectives) == OBJECTIVES, (tuple(objectives), OBJECTIVES)
+    assert all(isinstance(objectives[n], type(RULES[n])) for n in OBJECTIVES)  # each inherits its own rules
     return objectives
 
 

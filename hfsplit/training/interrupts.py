@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Optional
 
 from hfsplit.errors import Interrupted
-from hfsplit.training.resume import latest_checkpoint
 
 
 @contextlib.contextmanager
@@ -41,6 +40,8 @@ def remove_partial_saves(output_dir: Optional[str]) -> None:
 
 def interrupted(output_dir: Optional[str], *, step: Optional[int] = None) -> Interrupted:
     """The one-line error of a stopped run: where it stopped, the last complete checkpoint, how to resume."""
+    from hfsplit.training.resume import latest_checkpoint  # lazy: it loads torch; the recipe's --help loads none
+
     where = f"during step {step}" if step else "before the first step"
     last = latest_checkpoint(output_dir) if output_dir and Path(output_dir).is_dir() else None
     resume = (f"the last complete checkpoint is {last}: resume with --resume {last} (or --resume latest)" if last

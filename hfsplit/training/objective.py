@@ -18,6 +18,7 @@ from hfsplit.plan import OBJECTIVE_COUNTS, ObjectiveCounts
 from hfsplit.training.data import TokenRows
 from hfsplit.training.batches import MicroBatches
 from hfsplit.training.evaluation import eval_loss
+from hfsplit.training.option_fields import OptionRules
 from hfsplit.training.packing import label_tokens
 
 
@@ -37,17 +38,17 @@ class StepRows:
     positions: int = 0  # its positions (rows × seq_len)
 
 
-class Objective:
-    """A training objective. The base is the causal-LM objective's loop: subclasses override what differs.
+class Objective(OptionRules):
+    """A training objective. The base is the causal-LM objective's loop: subclasses override what differs. What it
+    decides from the options alone (its dataset, defaults, checks, packing, spec fields) it inherits from its
+    `OptionRules`, which the options read without loading torch.
 
     Class attributes:
         name: the `--objective` name it is registered under (`hfsplit.objectives.OBJECTIVES`).
-        default_dataset: the bundled file its runs read when no --dataset is given.
         metric_names: the names of its per-step metrics (in the bar, `metrics.jsonl` and TensorBoard).
     """
 
     name: str = "sft"
-    default_dataset: str = "tiny_alpaca.jsonl"
     metric_names: tuple[str, ...] = ()
 
     @property
@@ -55,22 +56,7 @@ class Objective:
         """What the planner counts for it (`hfsplit.plan.OBJECTIVE_COUNTS`, by name)."""
         return OBJECTIVE_COUNTS[self.name]
 
-    # -- options ---------------------------------------------------------------------------------------------------
-    def defaults(self, options) -> dict:
-        """Option values it sets where the user left them unset (None)."""
-        return {"micro_batch_size": 1}
-
-    def check_options(self, options) -> None:
-        """One `HfsplitError` line where its options contradict each other or the method."""
-
-    def packs(self, options) -> Optional[bool]:
-        """Whether its rows are packed under these options; None: the data's format decides."""
-        return None
-
-    def spec_fields(self, options) -> dict:
-        """`TrainingSpec` fields it sets beside `objective` (its reference, its rollout)."""
-        return {}
-
+    # -- options (beside `OptionRules`') ---------------------------------------------------------------------------
     def check_model(self, options, config) -> None:
         """One line, before any weight is read, where the model cannot run it as asked."""
 

@@ -19,7 +19,7 @@ import yaml
 
 from hfsplit.budget import DEFAULT_MAX_SHARD_SIZE, parse_size, torch_gpus
 from hfsplit.errors import HfsplitError
-from hfsplit.objectives import OBJECTIVES, objective_of, option_mixins
+from hfsplit.objectives import OBJECTIVES, option_mixins, option_rules_of
 from hfsplit.objectives.options import reference_of
 from hfsplit.plan import TrainingSpec
 from hfsplit.training.option_fields import GROUPS, option
@@ -160,7 +160,13 @@ class FinetuneOptions(*option_mixins()):
                                "for what each device has free")
         if self.merge and self.method not in ("lora", "qlora"):
             raise HfsplitError("--merge folds LoRA adapters into the base model; it needs --method lora")
-        objective_of(self.objective).check_options(self)
+        if self.lora_targets is not None and not self.lora_targets:  # "--lora-targets ," would mean the default
+            raise HfsplitError("--lora-targets names no module; name them (q_proj,v_proj) or leave it out for every "
+                               "attention and MLP projection")
+        if self.global_batch and self.micro_batches:  # the planner cuts a global batch: the count would be dropped
+            raise HfsplitError(f"--global-batch {self.global_batch} and --micro-batches {self.micro_batches} both set "
+                               "a step's size; give one (--global-batch: sequences a step, cut by the planner)")
+        option_rules_of(self.objective).check_options(self)
         parse_size(self.max_shard_size, what="--max-shard-size")  # refused before the run, not at its end
         if self.peer_timeout <= 0:
             raise HfsplitError(f"--peer-timeout must be a positive number of seconds (got {self.peer_timeout})")
@@ -179,7 +185,7 @@ class FinetuneOptions(*option_mixins()):
 
     def __post_init__(self):
         if self.objective in OBJECTIVES:  # the objective's defaults where an option is left unset (parsed once)
-            for name, value in objective_of(self.objective).defaults(self).items():
+            for name, value in option_rules_of(self.objective).defaults(self).items():
                 if getattr(self, name) is None:
                     setattr(self, name, value)
         if self.output_dir is None:  # runs/<the model's folder or hub name>
@@ -236,13 +242,13 @@ def _check_number(options, name: str, *, low: float, high: float = math.inf, abo
 
 def dataset_of(options: FinetuneOptions) -> str:
     """The run's dataset: --dataset, else the objective's bundled tiny set (alpaca; preference pairs for DPO)."""
-    return options.dataset or str(bundled_dataset_path(objective_of(options.objective).default_dataset))
+    return options.dataset or str(bundled_dataset_path(option_rules_of(options.objective).default_dataset))
 
 
 def packing_of(options: FinetuneOptions) -> bool:
     """Whether the run packs its rows: --packing on / off, or under auto whether its format packs by default
     (instruction and chat do; the format is --dataset-format, else read from the dataset's columns)."""
-    packs = objective_of(options.objective).packs(options)  # the objective's rows may decide (DPO's pairs)
+    packs = option_rules_of(options.objective).packs(options)  # the objective's rows may decide (DPO's pairs)
     if packs is not None:
         return packs
     if options.packing != "auto":
@@ -274,7 +280,7 @@ def training_spec(options: FinetuneOptions, *, gpu: Optional[bool] = None):
                         bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant, load_in_8bit=options.load_in_8bit,
                         chunked_loss=options.chunked_loss is True, packing=packing_of(options),
                         quantize_experts=options.quantize_experts, objective=options.objective,
-                        **objective_of(options.objective).spec_fields(options))
+                        **option_rules_of(options.objective).spec_fields(options))
 
 
 def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[bool] = None,
@@ -475,18 +481,26 @@ def options_from(given: dict) -> FinetuneOptions:
     the `config` recipe, under the `given` values (flags); validated."""
     given = {k: v for k, v in given.items() if v is not None}
     recipe = recipe_values(Path(given["config"])) if "config" in given else {}
-    values = {**recipe, **given}
+    values = over_recipe(recipe, given)
     if values.get("model") is None:
-        values = {**recipe_values(TINY_RECIPE), **values}
+        values = over_recipe(recipe_values(TINY_RECIPE), values)
     options = FinetuneOptions(**values)
     options.validate()
     return options
 
 
+def over_recipe(recipe: dict, given: dict) -> dict:
+    """`given` over `recipe`; a step's size given one way (--global-batch, or --micro-batches) replaces the recipe's
+    of the other way, as a flag overrides a recipe (both given together are refused by `validate`)."""
+    other = {"global_batch": "micro_batches", "micro_batches": "global_batch"}
+    recipe = {k: v for k, v in recipe.items() if not (k in other and other[k] in given and k not in given)}
+    return {**recipe, **given}
+
+
 def tiny_demo_options(**overrides) -> FinetuneOptions:
     """The built-in tiny demo's options (its bundled recipe), with `overrides` on top: what tests and benches on
     tiny checkpoints start from."""
-    return FinetuneOptions(**{**recipe_values(TINY_RECIPE), **overrides})
+    return FinetuneOptions(**over_recipe(recipe_values(TINY_RECIPE), overrides))
 
 
 def options_parser(**kwargs) -> argparse.ArgumentParser:

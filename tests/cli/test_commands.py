@@ -25,6 +25,16 @@ def test_hfsplit_help_loads_no_torch():
     assert run.returncode == 0 and "accelerate-config" in run.stdout
 
 
+def heavy_modules_loaded(module: str, argv: list, code: int) -> str:
+    """Which of torch and transformers `module.main(argv)` loads in a fresh process (it exits with `code`)."""
+    script = (f"import sys\nfrom {module} import main\ntry:\n    code = main({argv!r})\n"
+              f"except SystemExit as e:\n    code = e.code\nassert code == {code}, code\n"
+              "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.splitlines()[-1]
+
+
 @pytest.mark.parametrize("argv, code", [
     (["plan", "--help"], 0),
     (["plan", "Qwen/Qwen2.5-0.5B", "--max-memry", "2GiB"], 2),  # parsed, refused: nothing runs
@@ -35,12 +45,32 @@ def test_hfsplit_help_loads_no_torch():
 def test_plan_help_and_its_flags_load_no_torch_nor_transformers(argv, code):
     """Issue 33: `hfsplit plan` parses every fine-tuning option (the objectives' own too) before torch loads; the
     objectives' modules, the checkpoint package and the planner load when a plan runs."""
-    script = (f"import sys\nfrom hfsplit.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
-              f"    assert e.code == {code}, e.code\n"
-              "print([m for m in ('torch', 'transformers') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines()[-1] == "[]", out.stdout[-2000:]
+    assert heavy_modules_loaded("hfsplit.cli", argv, code) == "[]"
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["--help"], 0),
+    (["--model", "Qwen/Qwen2.5-0.5B", "--seq-len", "0"], 2),  # the options built and refused
+    (["--model", "Qwen/Qwen2.5-0.5B", "--objective", "dpo", "--micro-batch-size", "3"], 2),  # an objective's rule
+    (["--model", "Qwen/Qwen2.5-0.5B", "--objective", "grpo", "--num-generations", "1"], 2),
+    (["--learnin-rate", "3"], 2),
+])
+def test_the_recipe_help_and_its_refusals_load_no_torch_nor_transformers(argv, code):
+    """Issue 33: `python -m hfsplit.finetune --help` loaded torch (7 s); building and checking the options (the
+    objectives' defaults and refusals included: `OptionRules`) loads none, only a run does."""
+    assert heavy_modules_loaded("hfsplit.finetune", argv, code) == "[]"
+
+
+@pytest.mark.parametrize("entry", [["-m", "hfsplit.finetune"], [str(ROOT / "recipes" / "finetune.py")]],
+                         ids=["python -m hfsplit.finetune", "recipes/finetune.py"])
+def test_the_recipe_help_as_people_type_it_imports_no_torch(entry):
+    """The same, from the command line: `-X importtime` lists every module the process imported."""
+    done = subprocess.run([sys.executable, "-X", "importtime", *entry, "--help"], capture_output=True, text=True,
+                          env=ENV)
+    assert done.returncode == 0 and "--peer-timeout" in done.stdout, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "hfsplit" in imported and not imported & {"torch", "transformers"}, sorted(imported)
 
 
 @pytest.mark.parametrize("argv, words", [

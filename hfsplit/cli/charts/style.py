@@ -29,7 +29,7 @@ def save(fig, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    fig.savefig(path, dpi=DPI, bbox_inches="tight", format="png")  # at `path` as given (no ".png" appended)
     plt.close(fig)
     return path
 
