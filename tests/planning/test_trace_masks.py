@@ -40,7 +40,10 @@ def test_packed_rows_cost_a_mask_per_micro_batch_and_the_probe_times_it(config, 
     int64 indices (`PackedRows`: one per position for the groups, one for the order), and with the block-mask path
     turned off a bool seq² per row. The calibration probe runs the block as the stage does, and a packed probe is
     cached apart."""
-    from hfsplit.load.probes import _probe_mask, speed_key
+    from transformers import AutoModelForCausalLM
+
+    from hfsplit.load.probes import _probe_inputs, speed_key
+    from hfsplit.models.layout import decoder_layout
     from hfsplit.models import varlen
     from hfsplit.plan import TrainingSpec
     from hfsplit.planning.costs.masks import stage_mask_bytes
@@ -48,8 +51,16 @@ def test_packed_rows_cost_a_mask_per_micro_batch_and_the_probe_times_it(config, 
     packed = stage_mask_bytes(config, batch=2, seq=64, packed=True, dtype=torch.float32)
     assert stage_mask_bytes(config, batch=2, seq=64, packed=False, dtype=torch.float32) == unpacked
     assert packed == (2 * 64 * 64 * 4 if unpacked else 2 * 2 * 64 * 8)
-    x = torch.zeros(2, 64, 64)
-    positions, mask = _probe_mask(config, x, packed=True)
+    model, cpu = AutoModelForCausalLM.from_config(config), torch.device("cpu")
+    layout = decoder_layout(model)
+    base, block = model.get_submodule(layout.base), model.get_submodule(layout.layers)[0]
+
+    def probe_inputs(packed: bool) -> dict:  # what the probe hands block 0, as the stage does
+        return _probe_inputs(model.config, base, block, TrainingSpec(packing=packed, micro_batch_size=2, seq_len=64),
+                             cpu)
+
+    inputs = probe_inputs(True)
+    positions, mask = inputs["position_ids"], inputs.get("attention_mask")
     assert positions[0, 32] == 0
     if unpacked:  # token 40 (second example) attends to 35 (its own) but not to 10 (the first example)
         assert mask is not None and mask[0, 0, 40, 10] != mask[0, 0, 40, 35]
@@ -57,6 +68,5 @@ def test_packed_rows_cost_a_mask_per_micro_batch_and_the_probe_times_it(config, 
         assert isinstance(mask, varlen.PackedRows) and [(n, i.numel()) for n, i in mask.groups] == [(32, 128)]
         with varlen.block_masks():
             assert stage_mask_bytes(config, batch=2, seq=64, packed=True, dtype=torch.float32) == 2 * 64 * 64
-    assert (_probe_mask(config, x, packed=False)[1] is None) == (unpacked == 0)
-    cpu = torch.device("cpu")
+    assert (probe_inputs(False).get("attention_mask") is None) == (unpacked == 0)
     assert speed_key(config, TrainingSpec(packing=True), cpu) != speed_key(config, TrainingSpec(), cpu)

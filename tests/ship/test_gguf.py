@@ -142,7 +142,7 @@ def test_architectures_without_a_proof_are_refused_by_name(tiny_checkpoint, tmp_
             export_gguf(tiny_checkpoint(model_type), tmp_path / "x.gguf")
     done = subprocess.run([sys.executable, "-m", "hfsplit.cli", "export-gguf", tiny_checkpoint("olmo2"),
                            tmp_path / "x.gguf"], capture_output=True, text=True)
-    assert done.returncode == 2 and "hfsplit export-gguf: export-gguf: model type 'olmo2'" in done.stderr
+    assert done.returncode == 2 and "hfsplit export-gguf: model type 'olmo2'" in done.stderr
     assert list(tmp_path.iterdir()) == []
 
 
