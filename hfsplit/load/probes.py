@@ -132,7 +132,9 @@ def _splits(run) -> bool:
     A block that does not split plans zero-bubble schedules at an infinite time, so the planner never picks one."""
     try:
         run(True)
-    except RuntimeError:
+    except RuntimeError as exc:  # anything else (out of memory, a kernel missing) is the probe's own failure
+        if "backward through the graph a second time" not in str(exc):
+            raise
         return False
     return True
 

@@ -65,18 +65,24 @@ def mlp_neighbours(block: nn.Module) -> tuple[Optional[nn.Module], Optional[nn.M
     Each line overwrites the one variable, so nothing else reads the value passed between them, and the MLP's slices
     can run them: a slice keeps a view of the residual sum (which the block holds anyway), not the norm's output of
     the whole sequence."""
+    norms = {id(n) for n in block_norms(block)}
+    modules = (getattr(block, name, None) if name else None for name in _neighbour_names(type(block)))
+    return tuple(m if m is not None and id(m) in norms else None for m in modules)
+
+
+@functools.lru_cache(maxsize=None)
+def _neighbour_names(block_class: type) -> tuple[Optional[str], Optional[str]]:
+    """`mlp_neighbours`' attribute names, read once a block class from its forward's source."""
     try:
-        source = inspect.getsource(type(block).forward)
+        source = inspect.getsource(block_class.forward)
     except (OSError, TypeError):
         return None, None
-    norms = {id(n) for n in block_norms(block)}
 
-    def named(pattern: str) -> Optional[nn.Module]:
+    def named(pattern: str) -> Optional[str]:
         found = re.search(pattern, source)
-        module = getattr(block, found.group(1), None) if found else None
         # called once, as the MLP: a norm the block calls elsewhere too must keep its own forward
         once = found is not None and all(source.count(f"self.{name}(") == 1 for name in (found.group(1), "mlp"))
-        return module if once and id(module) in norms else None
+        return found.group(1) if once else None
 
     call = r"hidden_states = self\.{}\(hidden_states\)\s*\n\s*"
     return (named(call.format(r"(\w+)") + r"hidden_states = self\.mlp\(hidden_states\)\s*\n"),

@@ -96,7 +96,7 @@ class GrpoRules(OptionRules):
 
 def check_dpo_options(options) -> None:
     """One line when the DPO options contradict each other or the method."""
-    _positive_beta(options)
+    _check_beta(options, zero=False)
     if options.reference == "adapters-off" and options.method not in ("lora", "qlora"):
         raise HfsplitError("--reference adapters-off disables LoRA adapters, and --method full has none; "
                            "use --reference precomputed (or leave it unset)")
@@ -109,18 +109,18 @@ def check_dpo_options(options) -> None:
                            "sequences: drop --chunked-loss or --packing on")
 
 
-def _positive_beta(options) -> None:
+def _check_beta(options, *, zero: bool) -> None:
+    """--beta a finite number above 0 (at least 0 where `zero`: GRPO's beta 0 means no reference)."""
     beta = options.beta
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta < float("inf"):
-        raise HfsplitError(f"--beta must be a finite number above 0 (got {beta!r})")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (0 <= beta if zero else 0 < beta) \
+            or not beta < math.inf:
+        raise HfsplitError(f"--beta must be a finite number {'at least' if zero else 'above'} 0 (got {beta!r})")
 
 
 def check_grpo_options(options) -> None:
     """One line when the GRPO options contradict each other or the method."""
-    beta = options.beta
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < math.inf:
-        raise HfsplitError(f"--beta must be a finite number at least 0 (got {beta!r})")
-    if beta and options.method == "full":
+    _check_beta(options, zero=True)
+    if options.beta and options.method == "full":
         raise HfsplitError("--objective grpo --beta > 0 pulls towards a reference policy: the same stages with their "
                            "LoRA adapters off; --method full has none (it would hold a second model): use --method "
                            "lora or --beta 0")
