@@ -12,6 +12,8 @@ from typing import Literal, Optional
 from hfsplit.errors import HfsplitError
 from hfsplit.training.option_fields import OptionRules, option
 
+TRL_COMPLETION_LENGTH = 512  # GRPOConfig.max_completion_length's default (TRL 1.x)
+
 
 @dataclass
 class DpoOptions:
@@ -33,7 +35,8 @@ class GrpoOptions:
         "completion); unset: the bundled tiny task's")
     reward_weights: Optional[list[float]] = option(
         None, "objective", "GRPO: the reward functions' weights in the summed reward; unset: 1 each")
-    max_completion_length: int = option(512, "objective", "GRPO: new tokens per completion at most")
+    max_completion_length: Optional[int] = option(
+        None, "objective", f"GRPO: new tokens a completion; unset: {TRL_COMPLETION_LENGTH} (TRL's), at most half --seq-len")
     temperature: float = option(1.0, "objective", "GRPO: the sampling temperature (and the log-probs' logits / it)")
     top_p: float = option(1.0, "objective", "GRPO: nucleus sampling's probability mass (1: off)")
     top_k: int = option(0, "objective", "GRPO: sample among the k likeliest tokens (0: off)")
@@ -81,7 +84,11 @@ class GrpoRules(OptionRules):
     default_dataset = "tiny_prompts.jsonl"
 
     def defaults(self, options) -> dict:
-        return {"micro_batch_size": 1, "beta": 0.0}
+        out = {"micro_batch_size": 1, "beta": 0.0,
+               "max_completion_length": min(TRL_COMPLETION_LENGTH, max(1, options.seq_len // 2))}
+        if options.global_batch is None:  # a step trains whole groups: the pipeline's 4 × depth rarely divides them
+            out["micro_batches"] = options.num_generations
+        return out
 
     def check_options(self, options) -> None:
         check_grpo_options(options)

@@ -169,6 +169,14 @@ def test_grpo_options_take_trls_defaults_and_refuse_what_cannot_run():
     options.validate()
     assert (options.beta, options.loss_type, options.epsilon, options.num_generations, options.scale_rewards,
             options.num_iterations, options.micro_batch_size) == (0.0, "dapo", 0.2, 8, "group", 1, 1)
+    # a step's rows are whole groups by default (a micro-batch count the user gives, or a global batch, stays theirs)
+    assert options.micro_batches == 8 and FinetuneOptions(model="m", objective="grpo", num_generations=4).micro_batches == 4
+    assert FinetuneOptions(model="m", objective="grpo", micro_batches=16).micro_batches == 16
+    assert FinetuneOptions(model="m", objective="grpo", global_batch=16).micro_batches is None
+    from trl import GRPOConfig
+
+    assert options.max_completion_length == GRPOConfig.max_completion_length == 512  # TRL's, where seq 2048 has room
+    assert FinetuneOptions(model="m", objective="grpo", seq_len=128).max_completion_length == 64
     for bad, match in ((dict(beta=0.1, method="full"), "--method full has none"),
                        (dict(num_generations=1), "--num-generations"), (dict(eval_every=5), "--eval-every"),
                        (dict(max_completion_length=4096), "--seq-len")):
@@ -262,3 +270,17 @@ def test_prompts_are_read_as_trl_reads_them_standard_or_conversational(tmp_path)
     assert talk.conversational and list(talk.prompt_ids[0]) == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     with pytest.raises(DatasetError, match="row 0"):
         load_prompt_rows(str(chat), tokenizer, seq_len=16, room=8)
+
+
+def test_grpo_runs_on_its_defaults_as_one_process(tmp_path):
+    """`python -m hfsplit.finetune --objective grpo` with nothing else (the built-in tiny model, seq 128, one rank):
+    the objective's defaults hold together (a step's rows whole groups, a completion that leaves the prompt room)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "hfsplit.finetune", "--objective", "grpo", "--max-steps", "1",
+                           "--output-dir", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1] and "reward" in records[1]
