@@ -33,6 +33,8 @@ LAYERS = {
     "hfsplit.objectives": 7,  # between training's data and loop below and the run that names an objective above
     "hfsplit.training.options": 8, "hfsplit.training.run": 8,
     "hfsplit.cli": 9, "hfsplit.finetune": 9,
+    # the charts draw plans and timelines (planning's data, matplotlib); the loop draws its measured timeline with them
+    "hfsplit.cli.charts": 6,
 }
 # Parts of one rank that must not import each other: deciding a split and applying one are independent.
 APART = {("hfsplit.planning", "hfsplit.apply"), ("hfsplit.apply", "hfsplit.planning")}

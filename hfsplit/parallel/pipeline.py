@@ -96,27 +96,66 @@ class StageTimer:
 
     `watch` wraps a PipelineStage's chunk methods before a schedule runs it; the schedule's
     waits on peers fall outside them, so busy time over wall time is the measured non-bubble share.
+    While `recording`, each chunk call is also kept as an action `(stage, kind, micro_batch, start, end)`
+    (perf_counter seconds; kind as `hfsplit.planning.timeline` names them), a measured timeline's raw rows.
     """
 
     def __init__(self) -> None:
         self.busy_s = 0.0
+        self.actions: Optional[list] = None
+
+    @contextlib.contextmanager
+    def recording(self, actions: Optional[list]):
+        """Append the chunk calls made inside the block to `actions` (None: record nothing)."""
+        self.actions = actions
+        try:
+            yield
+        finally:
+            self.actions = None
 
     def watch(self, stages: list) -> list:
         for stage in stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 if hasattr(stage, name):
-                    setattr(stage, name, self._timed(getattr(stage, name)))
+                    setattr(stage, name, self._timed(getattr(stage, name), stage=stage.stage_index, name=name))
         return stages
 
-    def _timed(self, fn):
-        def run(*args, **kwargs):
+    def _timed(self, fn, *, stage: int, name: str):
+        def run(chunk, *args, **kwargs):
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                return fn(chunk, *args, **kwargs)
             finally:
-                self.busy_s += time.perf_counter() - start
+                end = time.perf_counter()
+                self.busy_s += end - start
+                if self.actions is not None:
+                    self.actions.append((stage, chunk_kind(name, args, kwargs), chunk, start, end))
 
         return run
+
+    def with_loss_in_forward(self, loss_fn: Callable) -> Callable:
+        """`loss_fn` whose time, while recording, ends the forward it follows: a schedule computes the last stage's
+        loss between its forward and backward chunks (torch's `_maybe_compute_loss`), and the time model counts the
+        head and the loss in that stage's forward."""
+        def timed(*args, **kwargs):
+            try:
+                return loss_fn(*args, **kwargs)
+            finally:
+                if self.actions and self.actions[-1][1] == "F":
+                    stage, kind, chunk, start, _ = self.actions[-1]
+                    self.actions[-1] = (stage, kind, chunk, start, time.perf_counter())
+
+        return timed
+
+
+def chunk_kind(name: str, args: tuple, kwargs: dict) -> str:
+    """The action a stage's chunk method runs: F, B, or a split backward's input (I) and weight (W) gradients."""
+    if name == "forward_one_chunk":
+        return "F"
+    if name == "backward_weight_one_chunk":
+        return "W"
+    full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)  # (loss, full_backward, ...)
+    return "B" if full else "I"
 
 
 def chunked_or(loss_fn: Optional[Callable], stages, *, plan) -> Optional[Callable]:

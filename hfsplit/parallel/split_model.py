@@ -221,7 +221,8 @@ class SplitModel(nn.Module):
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn: Callable, *,
              position_ids: Optional[torch.Tensor] = None, num_items_in_batch: Optional[int] = None,
-             sync: bool = True, router_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+             sync: bool = True, router_mask: Optional[torch.Tensor] = None,
+             record: Optional[list] = None) -> Optional[torch.Tensor]:
         """One schedule step (forward + backward over all micro-batches) of this replica's rows.
 
         Args:
@@ -236,6 +237,8 @@ class SplitModel(nn.Module):
                 several steps and call `sync_grads()` once.
             router_mask: `(batch, seq)` bool, the tokens an MoE's router auxiliary loss counts (transformers'
                 attention mask; DPO's padded pairs); None: every position.
+            record: a list this rank's compute actions of the step are appended to, `(stage, kind, micro_batch,
+                start, end)` in perf_counter seconds (`StageTimer`), for a measured timeline; None: none kept.
 
         Returns:
             On the last stage, this replica's part of the step's loss (the sum of its micro-batch losses: summed
@@ -259,7 +262,8 @@ class SplitModel(nn.Module):
         # return_outputs=False: otherwise the last stage keeps every micro-batch's logits until the step ends
         # and concatenates them (vocab-sized, the largest tensors of the step; measured +0.46 GiB on SmolLM2).
         # MoE: the router sums travel with the hidden states (parallel/router.py)
-        with head_in_loss(self.stages, enabled=self.plan.spec.chunked_loss), carrying(self.stages):
+        with head_in_loss(self.stages, enabled=self.plan.spec.chunked_loss), carrying(self.stages), \
+                self._timer.recording(record):
             schedule.step(*args, target=target, losses=losses, return_outputs=False,
                           loss_kwargs={"num_items_in_batch": items}, position_ids=positions, **masked)
         if sync:
@@ -405,8 +409,8 @@ class SplitModel(nn.Module):
             stages = pipeline_stages(modules, indices=self.stage_indices, num_stages=self.num_stages,
                                      device=self.device, group=self.ctx.pp_group)
             # the router term is a mean over the step's forwards, as the mean of per-micro-batch losses had it
-            loss_fn = releasing_graph(with_router_loss(loss_fn, self.stages, forwards=micro * self.plan.dp)) \
-                if loss_fn is not None else None
+            loss_fn = self._timer.with_loss_in_forward(releasing_graph(with_router_loss(
+                loss_fn, self.stages, forwards=micro * self.plan.dp))) if loss_fn is not None else None
             self._schedules[key] = build_schedule(name, self._timer.watch(stages), micro_batches=micro, loss_fn=loss_fn)
         return self._schedules[key]
 

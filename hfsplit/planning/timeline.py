@@ -16,6 +16,7 @@ micro-batch, the next stage's backward of it, its own forward, and for a weight 
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 from dataclasses import dataclass
 from typing import Optional
@@ -61,6 +62,16 @@ class Timeline:
 
     def of_rank(self, rank: int) -> tuple[Action, ...]:
         return tuple(a for a in self.actions if a.rank == rank)
+
+    def to_dict(self) -> dict:
+        """Plain data for JSON: the fields, each action as a dict of its own."""
+        return {"schedule": self.schedule, "pp": self.pp, "micro_batches": self.micro_batches,
+                "actions": [dataclasses.asdict(a) for a in self.actions]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Timeline":
+        """The timeline `to_dict` gave (keys it does not know, such as a measured step's number, are left)."""
+        return cls(data["schedule"], data["pp"], data["micro_batches"], tuple(Action(**a) for a in data["actions"]))
 
 
 def action_order(schedule: str, *, pp: int, micro_batches: int) -> dict[int, list[tuple[int, str, int]]]:

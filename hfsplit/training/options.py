@@ -138,6 +138,10 @@ class FinetuneOptions(*option_mixins()):
     max_shard_size: str = option(
         DEFAULT_MAX_SHARD_SIZE, "checkpoints", "largest safetensors shard of model/ and merged/, as save_pretrained "
         "(each stage streams its tensors into shards of at most this size)")
+    timeline_step: Optional[int] = option(
+        None, "checkpoints", "the step whose pipeline actions every rank records (clock stamps around its stages' "
+        "forward and backward chunks), written as timeline.json and drawn beside the plan's timeline in "
+        "timeline.png; unset: the last step; 0: none")
     resume: Optional[str] = option(
         None, "checkpoints", "a checkpoint folder, or latest (a bare --resume): weights, optimizer, scheduler, RNG and "
         "data position, resharded to this run's split; auto: the latest if there is one (what a torchrun restart "
@@ -175,6 +179,8 @@ class FinetuneOptions(*option_mixins()):
                 raise HfsplitError(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)})")
         for name in ("warmup_steps", "weight_decay", "max_grad_norm", "lora_alpha", "save_total_limit", "seed"):
             _check_number(self, name, low=0)
+        if self.timeline_step is not None:  # unset: the last step
+            _check_number(self, "timeline_step", low=0)
         _check_number(self, "learning_rate", low=0, above=True)
         _check_number(self, "lora_dropout", low=0, high=1)
         _check_number(self, "headroom", low=0, high=0.49)

@@ -20,6 +20,7 @@ from hfsplit.errors import NonFiniteError, PeerLostError
 from hfsplit.load.probes import recheck_speed
 from hfsplit.parallel.split_model import SplitModel
 from hfsplit.plan import TrainingSpec
+from hfsplit.planning.timeline import Timeline
 from hfsplit.planning.timing import time_report
 from hfsplit.training.checkpointer import Checkpointer
 from hfsplit.training.elastic import StopAtBoundary, stop_for_regroup
@@ -32,6 +33,7 @@ from hfsplit.training.evaluation import eval_loss
 from hfsplit.training.objective import Objective
 from hfsplit.training.precision import compute_precision
 from hfsplit.training.resume import latest_checkpoint
+from hfsplit.training.timeline import measured_timeline, recorded_step, write_timeline
 
 if TYPE_CHECKING:  # the annotation only: importing peft costs ~3 s (inductor), which a run pays where it adds adapters
     from peft import LoraConfig
@@ -44,10 +46,11 @@ def fit(run: Run) -> TrainResult:
     options = run.options
     stopper = StopAtBoundary()  # torchrun regrouping the ranks: checkpoint at the step's end, then leave
     step = run.first_step - 1
+    recorded = recorded_step(options.timeline_step, total_steps=run.total_steps)
     try:
         for step in range(run.first_step, run.total_steps + 1):
             with out_of_memory_is_one_line(run.model, step=step):
-                outcome = train_step(run, next(run.batches))
+                outcome = train_step(run, next(run.batches), record=step == recorded)
             if not outcome.finite:
                 skip_or_stop(run, step, outcome)
                 continue
@@ -62,6 +65,9 @@ def fit(run: Run) -> TrainResult:
         saved = run.checkpointer.final()
         result = run.metrics.finish()
         result.saved_to = str(saved)
+        if run.timeline is not None:  # rank 0's, of the recorded step
+            paths = write_timeline(run.timeline, run.model.plan, options.output_dir, step=recorded)
+            print(f"step {recorded} as the ranks ran it: {paths[0]}, drawn beside the plan's in {paths[1]}", flush=True)
         # Leave together: a rank tearing down gloo while a peer still talks to it can abort the peer.
         dist.barrier()
     except RuntimeError as exc:  # torch.distributed errors (gloo, nccl, timeouts) are RuntimeErrors
@@ -79,20 +85,22 @@ def fit(run: Run) -> TrainResult:
     return result
 
 
-def train_step(run: Run, batch: dict) -> StepOutcome:
+def train_step(run: Run, batch: dict, *, record: bool = False) -> StepOutcome:
     """One optimizer step over `batch` (the global batch; this replica takes its rows, `Objective.step_rows`): forward
     and backward through the pipeline, global-norm clipping, the optimizer and the schedule. The loss is the
     objective's share per micro-batch of the global batch's (the causal-LM loss: the token mean, as transformers'
     Trainer computes it with `num_items_in_batch`). A step whose loss or gradient norm is not finite changes no
-    weight (its gradients are dropped)."""
+    weight (its gradients are dropped). `record`: every rank keeps its pipeline actions of the step, and rank 0 the
+    step's measured timeline in `run.timeline` (a barrier and a gather after the step's timing)."""
     model = run.model
+    actions = [] if record else None
     busy = model.busy_seconds()
     model.activation_offload_bytes(reset=True)
     start = time.perf_counter()
     with compute_precision(model):
         rows = run.objective.step_rows(run, batch)
         loss = model.step(rows.input_ids, rows.targets, run.loss_fn, position_ids=rows.position_ids,
-                          num_items_in_batch=rows.divisor, **rows.forward)
+                          num_items_in_batch=rows.divisor, record=actions, **rows.forward)
     loss = model.reduce_loss(loss)
     norm = model.grad_norm(run.params)
     extra = run.objective.step_metrics(run)
@@ -106,6 +114,8 @@ def train_step(run: Run, batch: dict) -> StepOutcome:
     run.optimizer.zero_grad(set_to_none=True)
     outcome.seconds = time.perf_counter() - start
     outcome.busy_s = model.busy_seconds() - busy
+    if actions is not None:
+        run.timeline = measured_timeline(model, actions)
     return outcome
 
 
@@ -182,6 +192,7 @@ class Run:
     calibration_spec: Optional[TrainingSpec] = None  # the TrainingSpec the plan's FLOP/s was measured with
     held_out_reference: Optional[torch.Tensor] = None  # the held-out rows' precomputed reference log-probs, by row
     objective: Objective = field(default_factory=Objective)  # what the loop trains for (the causal-LM loss by default)
+    timeline: Optional[Timeline] = None  # rank 0: the recorded step as the ranks ran it (`train_step(record=True)`)
 
     @property
     def rows_per_replica(self) -> int:

@@ -127,7 +127,8 @@ def test_an_option_left_out_of_plan_help_changes_no_plan(name):
     other = {"tokenizer": "some/tokenizer", "trust_remote_code": True, "eval_every": 7, "beta": 0.3, "dpo_loss": "ipo",
              "merge": True, "learning_rate": 0.5, "warmup_steps": 3, "weight_decay": 0.1, "max_grad_norm": 0.5,
              "max_steps": 9, "epochs": 3, "seed": 5, "output_dir": "elsewhere", "save_every": 2, "save_total_limit": 2,
-             "resume": "latest", "on_nonfinite": "stop", "peer_timeout": 9.0, "reward_funcs": ["a.py:f"],
+             "resume": "latest", "on_nonfinite": "stop", "peer_timeout": 9.0, "timeline_step": 3,
+             "reward_funcs": ["a.py:f"],
              "reward_weights": [2.0], "temperature": 0.7, "top_p": 0.9, "top_k": 5, "epsilon": 0.3, "epsilon_high": 0.4,
              "num_iterations": 2, "loss_type": "grpo", "scale_rewards": "batch", "max_shard_size": "1GB"}
     base = {"model": "Qwen/Qwen2.5-0.5B", "max_memory": "2x8GiB"}

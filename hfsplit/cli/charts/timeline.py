@@ -1,5 +1,6 @@
 """One step of the plan's pipeline as each rank runs it: forward and backward actions over time, the idle time between
-them (the bubble) shaded, the plan's schedule above 1F1B on the same ranks (`hfsplit.planning.timeline`)."""
+them (the bubble) shaded, the plan's schedule above 1F1B on the same ranks (`hfsplit.planning.timeline`); and a
+training step as the ranks ran it above those (`measured_timeline_chart`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,6 +35,31 @@ def plan_timeline_chart(plan: Plan, path: str | Path) -> Path:
     fig.suptitle(split_title(plan), fontsize=9)
     _legend(fig, timelines)
     return save(fig, path)
+
+
+def measured_timeline_chart(plan: Plan, measured: Timeline, path: str | Path, *, step: int) -> Path:
+    """Draw training step `step` as the ranks ran it (`measured`, `hfsplit.training.timeline`) above the same plan's
+    timelines as the time model has them (`plan_timeline_chart`'s panels), into the PNG `path`. Each panel keeps its
+    own time axis: a model's measured and planned seconds may be far apart (a CPU run, an uncalibrated device)."""
+    timelines = [measured] + [plan_timeline(plan, s) for s in compared_schedules(plan)]
+    height = 0.9 + sum(0.42 * t.pp + 0.9 for t in timelines)
+    fig, axes = figure(width=WIDTH_IN, height=height, rows=len(timelines))
+    for index, (ax, timeline) in enumerate(zip(axes, timelines)):
+        scale, unit = (1.0, "s") if timeline.step_s >= 2 else (1e3, "ms")
+        _draw(ax, timeline, plan, scale=scale)
+        title = _measured_title(timeline, step=step, scale=scale, unit=unit) if index == 0 else \
+            _panel_title(timeline, plan, scale=scale, unit=unit)
+        ax.set_title(title, fontsize=8.5, loc="left")
+        ax.set_xlabel(f"time into the step ({unit})" + (", measured" if index == 0 else ", as the plan's time model "
+                                                       "has it"), fontsize=7)
+    fig.suptitle(split_title(plan), fontsize=9)
+    _legend(fig, timelines)
+    return save(fig, path)
+
+
+def _measured_title(timeline: Timeline, *, step: int, scale: float, unit: str) -> str:
+    return (f"{timeline.schedule} as it ran, training step {step}: {timeline.step_s * scale:.1f} {unit} from the "
+            f"first forward to the last backward, idle {100 * timeline.idle_fraction:.1f}% of the ranks' time")
 
 
 def _draw(ax, timeline: Timeline, plan: Plan, *, scale: float) -> None:
