@@ -72,6 +72,8 @@ def _device(value: Union[str, int, float], *, key: str, what: str) -> Device:
             raise BudgetError(f"{what}: {value!r} is a GPU kind; give device {key!r} a memory size")
         kind = gpu_kind(value)
         return Device(kind.memory_bytes, kind)
+    if isinstance(value, str) and value.strip().startswith("-") and _SIZE.match(value.strip()[1:]):
+        raise BudgetError(f"{what}: {value!r} is negative; give each device a size larger than zero; {_EXAMPLE}")
     if isinstance(value, str) and not _SIZE.match(value):
         raise BudgetError(f"{what}: cannot read {value!r} as a memory size or a GPU kind; {_EXAMPLE}; GPU kinds: "
                           f"{', '.join(KIND_NAMES)}")

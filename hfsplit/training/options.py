@@ -10,6 +10,8 @@ import argparse
 import dataclasses
 import difflib
 import math
+import re
+import sys
 import typing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -379,6 +381,20 @@ class OptionParser(argparse.ArgumentParser):
             chosen.error(unknown_arguments(extras, [s for a in chosen._actions for s in a.option_strings]))
         return parsed
 
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(negative_values_joined(args, self.valued_flags()), namespace)
+
+    def valued_flags(self) -> set[str]:
+        """The flags that take a value, of this parser and its commands'."""
+        flags = set()
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                flags.update(*(p.valued_flags() for p in action.choices.values() if isinstance(p, OptionParser)))
+            elif action.nargs != 0:
+                flags.update(s for s in action.option_strings if s.startswith("--"))
+        return flags
+
     def chosen(self, parsed) -> argparse.ArgumentParser:
         """The subcommand's parser `parsed` went through (`hfsplit plan`), else this one."""
         for action in self._actions:
@@ -389,6 +405,19 @@ class OptionParser(argparse.ArgumentParser):
     def error(self, message: str):
         """One line, as every refusal of the recipe is (argparse would print the whole usage first)."""
         self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
+
+
+def negative_values_joined(args: list[str], flags: set[str]) -> list[str]:
+    """`--max-memory -1GiB` as `--max-memory=-1GiB`: argparse takes a value that starts with '-' but is no plain
+    number for a flag, and refused with "expected one argument"; joined, the value reaches the option's own check,
+    whose line names it and the fix."""
+    out: list[str] = []
+    for arg in args:
+        if out and out[-1] in flags and re.match(r"-\.?\d", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def unknown_arguments(extras: Sequence[str], flags: Sequence[str]) -> str:

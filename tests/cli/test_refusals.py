@@ -42,6 +42,24 @@ def test_a_plan_flag_the_planner_cannot_take_is_one_line(flags, words, capsys):
     assert line.startswith("hfsplit plan: ") and all(word in line for word in words), line
 
 
+@pytest.mark.parametrize("argv", [["--max-memory", "-1GiB"], ["--max-memory=-1GiB"], ["--max-memory", "-1"],
+                                  ["--max-memory", "24GiB,-1GiB"]])
+def test_a_negative_budget_is_one_line_naming_the_option_and_the_fix(argv, capsys):
+    """`--max-memory -1GiB` got argparse's "expected one argument" (a value starting with '-' read as a flag)."""
+    line = refusal(["plan", "Qwen/Qwen2.5-0.5B", *argv], capsys)
+    assert line.startswith("hfsplit plan: max_memory part '-1") and "is negative" in line, line
+    assert "give each device a size larger than zero" in line and "expected one argument" not in line, line
+
+
+def test_a_negative_looking_value_is_joined_only_to_a_flag_that_takes_one():
+    from hfsplit.training.options import negative_values_joined
+
+    flags = {"--max-memory", "--learning-rate"}
+    assert negative_values_joined(["plan", "m", "--max-memory", "-1GiB", "--learning-rate", "-.5"], flags) == [
+        "plan", "m", "--max-memory=-1GiB", "--learning-rate=-.5"]
+    assert negative_values_joined(["--merge", "-1GiB", "-v"], flags) == ["--merge", "-1GiB", "-v"]
+
+
 @pytest.mark.parametrize("nproc", ["0", "-1", "two"])
 def test_nproc_is_a_positive_count(nproc, capsys):
     """`--nproc 0` planned, `--nproc -1` asked for a budget of -1 × -22 GB."""
