@@ -97,7 +97,9 @@ class StageTimer:
     `watch` wraps a PipelineStage's chunk methods before a schedule runs it; the schedule's
     waits on peers fall outside them, so busy time over wall time is the measured non-bubble share.
     While `recording`, each chunk call is also kept as an action `(stage, kind, micro_batch, start, end)`
-    (perf_counter seconds; kind as `hfsplit.planning.timeline` names them), a measured timeline's raw rows.
+    (perf_counter seconds; kind as `hfsplit.planning.timeline` names them), a measured timeline's raw rows. A GPU
+    runs a chunk's kernels after the call returns: while recording, its stream is waited for at both stamps, so they
+    hold the kernels (the recorded step loses its CPU-GPU overlap at a chunk's edges; no number changes).
     """
 
     def __init__(self) -> None:
@@ -117,23 +119,30 @@ class StageTimer:
         for stage in stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 if hasattr(stage, name):
-                    setattr(stage, name, self._timed(getattr(stage, name), stage=stage.stage_index, name=name))
+                    setattr(stage, name, self._timed(getattr(stage, name), stage=stage.stage_index, name=name,
+                                                     device=getattr(stage, "device", None)))
         return stages
 
-    def _timed(self, fn, *, stage: int, name: str):
+    def _timed(self, fn, *, stage: int, name: str, device: Optional[torch.device]):
         def run(chunk, *args, **kwargs):
-            start = time.perf_counter()
+            start = self._now(device)
             try:
                 return fn(chunk, *args, **kwargs)
             finally:
-                end = time.perf_counter()
+                end = self._now(device)
                 self.busy_s += end - start
                 if self.actions is not None:
                     self.actions.append((stage, chunk_kind(name, args, kwargs), chunk, start, end))
 
         return run
 
-    def with_loss_in_forward(self, loss_fn: Callable) -> Callable:
+    def _now(self, device: Optional[torch.device]) -> float:
+        """perf_counter, once a GPU's queued kernels have run when recording."""
+        if self.actions is not None and device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def with_loss_in_forward(self, loss_fn: Callable, *, device: Optional[torch.device] = None) -> Callable:
         """`loss_fn` whose time, while recording, ends the forward it follows: a schedule computes the last stage's
         loss between its forward and backward chunks (torch's `_maybe_compute_loss`), and the time model counts the
         head and the loss in that stage's forward."""
@@ -143,7 +152,7 @@ class StageTimer:
             finally:
                 if self.actions and self.actions[-1][1] == "F":
                     stage, kind, chunk, start, _ = self.actions[-1]
-                    self.actions[-1] = (stage, kind, chunk, start, time.perf_counter())
+                    self.actions[-1] = (stage, kind, chunk, start, self._now(device))
 
         return timed
 

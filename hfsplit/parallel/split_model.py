@@ -409,8 +409,9 @@ class SplitModel(nn.Module):
             stages = pipeline_stages(modules, indices=self.stage_indices, num_stages=self.num_stages,
                                      device=self.device, group=self.ctx.pp_group)
             # the router term is a mean over the step's forwards, as the mean of per-micro-batch losses had it
-            loss_fn = self._timer.with_loss_in_forward(releasing_graph(with_router_loss(
-                loss_fn, self.stages, forwards=micro * self.plan.dp))) if loss_fn is not None else None
+            if loss_fn is not None:
+                loss_fn = self._timer.with_loss_in_forward(releasing_graph(with_router_loss(
+                    loss_fn, self.stages, forwards=micro * self.plan.dp)), device=self.device)
             self._schedules[key] = build_schedule(name, self._timer.watch(stages), micro_batches=micro, loss_fn=loss_fn)
         return self._schedules[key]
 
