@@ -38,7 +38,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import torch
 
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # a torch imported before us: still one thread
-            train(options)
+            result = train(options)
+            if result.timeline_json:  # rank 0: the step as it ran, drawn beside the plan's (matplotlib: here, not
+                from hfsplit.cli.charts import run_timeline_chart  # in every train() call)
+
+                print(f"drawn beside the plan's timeline: {run_timeline_chart(result.timeline_json)}", flush=True)
         return 0
     except (KeyboardInterrupt, Interrupted) as exc:  # Ctrl-C or SIGTERM: no traceback, no half-written folder
         output_dir = options.output_dir if options else None

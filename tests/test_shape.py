@@ -33,8 +33,6 @@ LAYERS = {
     "hfsplit.objectives": 7,  # between training's data and loop below and the run that names an objective above
     "hfsplit.training.options": 8, "hfsplit.training.run": 8,
     "hfsplit.cli": 9, "hfsplit.finetune": 9,
-    # the charts draw plans and timelines (planning's data, matplotlib); the loop draws its measured timeline with them
-    "hfsplit.cli.charts": 6,
 }
 # Parts of one rank that must not import each other: deciding a split and applying one are independent.
 APART = {("hfsplit.planning", "hfsplit.apply"), ("hfsplit.apply", "hfsplit.planning")}
@@ -48,6 +46,7 @@ LAZY = {
     ("cli/plan.py", "hfsplit.planning.max_seq"): "the same (it loads configs through the checkpoint package)",
     ("cli/plan.py", "hfsplit.load.proof"): "the proof builds models: `hfsplit --help` loads none of it",
     ("finetune.py", "hfsplit.training.run"): "the recipe parses its flags before the training stack loads",
+    ("finetune.py", "hfsplit.cli.charts"): "matplotlib loads only where a run recorded a timeline to draw",
     ("training/interrupts.py", "hfsplit.training.resume"): "the recipe's --help loads no torch (resume.py does)",
     # `hfsplit plan --help` and the parsing of its flags load no torch nor transformers (issue 33): what runs loads them
     ("cli/plan.py", "hfsplit.checkpoint.resolve"): "the checkpoint package loads torch",

@@ -33,6 +33,7 @@ class TrainResult:
     saved_to: str = ""
     eval_losses: list[float] = field(default_factory=list)
     busy_s_per_rank: list[float] = field(default_factory=list)  # seconds in stage work, per global rank
+    timeline_json: str = ""  # rank 0: the recorded step as the ranks ran it (`hfsplit.training.timeline`)
 
 
 @dataclass

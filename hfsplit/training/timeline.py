@@ -19,10 +19,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from hfsplit.cli.charts import measured_timeline_chart
 from hfsplit.planning.timeline import Action, Timeline
 
-TIMELINE_JSON, TIMELINE_PNG = "timeline.json", "timeline.png"
+TIMELINE_JSON = "timeline.json"
 
 
 def recorded_step(timeline_step: Optional[int], *, total_steps: int) -> int:
@@ -66,19 +65,15 @@ def from_zero(actions: list[Action]) -> tuple[Action, ...]:
     return tuple(sorted(moved, key=lambda a: (a.rank, a.start)))
 
 
-def write_timeline(timeline: Timeline, plan, output_dir: str, *, step: int) -> tuple[Path, Path]:
-    """`timeline.json` (the Timeline's fields and the step's number), written atomically, and `timeline.png`
-    beside it: the step as it ran above the plan's timeline. The two paths."""
-    folder = Path(output_dir)
-    path = folder / TIMELINE_JSON
+def write_timeline(timeline: Timeline, plan, output_dir: str, *, step: int) -> Path:
+    """`timeline.json`: the Timeline's fields, the step's number and the run's plan (what the recipe draws it beside,
+    `hfsplit.cli.charts.run_timeline_chart`), written atomically. Its path."""
+    path = Path(output_dir) / TIMELINE_JSON
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"step": step, **timeline.to_dict()}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"step": step, **timeline.to_dict(), "plan": json.loads(plan.to_json())}, indent=1)
+                   + "\n")
     os.replace(tmp, path)  # atomic: a reader never sees half a file
-    chart = folder / TIMELINE_PNG
-    tmp = chart.with_name(f"{chart.stem}.tmp{os.getpid()}.png")
-    measured_timeline_chart(plan, timeline, tmp, step=step)
-    os.replace(tmp, chart)
-    return path, chart
+    return path
 
 
 def read_timeline(output_dir: str) -> tuple[int, Timeline]:

@@ -66,8 +66,8 @@ def fit(run: Run) -> TrainResult:
         result = run.metrics.finish()
         result.saved_to = str(saved)
         if run.timeline is not None:  # rank 0's, of the recorded step
-            paths = write_timeline(run.timeline, run.model.plan, options.output_dir, step=recorded)
-            print(f"step {recorded} as the ranks ran it: {paths[0]}, drawn beside the plan's in {paths[1]}", flush=True)
+            result.timeline_json = str(write_timeline(run.timeline, run.model.plan, options.output_dir, step=recorded))
+            print(f"step {recorded} as the ranks ran it: {result.timeline_json}", flush=True)
         # Leave together: a rank tearing down gloo while a peer still talks to it can abort the peer.
         dist.barrier()
     except RuntimeError as exc:  # torch.distributed errors (gloo, nccl, timeouts) are RuntimeErrors

@@ -6,10 +6,11 @@ import json
 import matplotlib.image
 import pytest
 
+from hfsplit.cli.charts import run_timeline_chart
 from hfsplit.parallel.pipeline import StageTimer, chunk_kind
 from hfsplit.planning.timeline import Action, plan_timeline
 from hfsplit.training.timeline import (
-    TIMELINE_JSON, TIMELINE_PNG, clock_offsets, from_zero, read_timeline, recorded_step, write_timeline,
+    TIMELINE_JSON, clock_offsets, from_zero, read_timeline, recorded_step, write_timeline,
 )
 from tests.planning.byte_plans import byte_plan
 
@@ -35,15 +36,15 @@ def test_the_last_step_unless_told():
 def test_the_file_holds_the_timeline_and_its_step_and_the_chart_is_drawn_beside_it(tmp_path):
     plan = byte_plan(schedule="Interleaved1F1B", pp=2, micro_batches=4, times=(0.5, 0.5, 0.5, 0.5), method="full")
     measured = plan_timeline(plan, "1F1B")  # a stand-in of the right shape
-    json_path, png_path = write_timeline(measured, plan, str(tmp_path), step=7)
-    assert (json_path.name, png_path.name) == (TIMELINE_JSON, TIMELINE_PNG)
-    assert read_timeline(str(tmp_path)) == (7, measured)
+    json_path = write_timeline(measured, plan, str(tmp_path), step=7)
+    assert json_path.name == TIMELINE_JSON and read_timeline(str(tmp_path)) == (7, measured)
+    png_path = run_timeline_chart(json_path)  # the recipe's, from the file alone: it holds the plan too
     # rank 0's two stages as one under 1F1B: a forward is a third of their 2 × 0.5 s (full: a backward is two)
     assert json.loads(json_path.read_text())["actions"][0] == {"rank": 0, "stage": 0, "kind": "F", "micro_batch": 0,
                                                                "start": 0.0, "end": pytest.approx(1 / 3)}
     height, width, _ = matplotlib.image.imread(png_path).shape
     assert width > 500 and height > 400  # three panels: as it ran, the plan's schedule, 1F1B
-    assert sorted(p.name for p in tmp_path.iterdir()) == [TIMELINE_JSON, TIMELINE_PNG]  # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [TIMELINE_JSON, "timeline.png"]  # no temporary file left
 
 
 @pytest.mark.parametrize("name, args, kwargs, kind", [

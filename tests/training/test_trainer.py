@@ -17,7 +17,8 @@ from hfsplit.training.options import ACCELERATE_CPU_CONFIG, TINY_RECIPE, Finetun
 from hfsplit.training.packing import label_tokens
 from hfsplit.models.loss import causal_lm_loss
 from hfsplit.training.run import tokenizer_for
-from hfsplit.training.timeline import TIMELINE_PNG, read_timeline
+from hfsplit.cli.charts import run_timeline_chart
+from hfsplit.training.timeline import TIMELINE_JSON, read_timeline
 from hfsplit.planning.timeline import action_order
 from tests.parallel.launcher import free_port, launch, run_command
 from tests.training.refusals import stderr_lines
@@ -263,7 +264,7 @@ def test_epochs_and_evaluation(tiny_checkpoint, tmp_path):
 def check_measured_timeline(folder: Path, *, step: int) -> None:
     """Issue 33: the last step as the ranks ran it. Each rank ran every action of its schedule's order, in that order
     (torch's own table, `action_order`), one at a time; after the clocks are aligned, stage 1's first forward starts
-    only once stage 0's has ended (it needs its output); the chart is written beside the JSON."""
+    only once stage 0's has ended (it needs its output); the recipe's chart is drawn from the JSON."""
     recorded, timeline = read_timeline(str(folder))
     assert recorded == step and timeline.pp == 2 and timeline.micro_batches == 4
     order = action_order(timeline.schedule, pp=timeline.pp, micro_batches=timeline.micro_batches)
@@ -276,7 +277,8 @@ def check_measured_timeline(folder: Path, *, step: int) -> None:
             (stage, kind, mb) for stage in stages for kind in "BF" for mb in range(4)), rank
     first = {a.stage: a for a in timeline.actions if a.kind == "F" and a.micro_batch == 0}
     assert first[0].start == 0 and first[0].end <= first[1].start
-    assert (folder / TIMELINE_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    chart = run_timeline_chart(folder / TIMELINE_JSON)  # as the recipe draws it at the end of a run
+    assert chart.parent == folder and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@ them (the bubble) shaded, the plan's schedule above 1F1B on the same ranks (`hfs
 training step as the ranks ran it above those (`measured_timeline_chart`)."""
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from hfsplit.cli.charts.style import figure, save, split_title
@@ -13,6 +15,7 @@ KIND_COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", INPUT_GRAD: "#DD8452", W
 KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", INPUT_GRAD: "backward, input gradient",
               WEIGHT_GRAD: "backward, weight gradient"}
 IDLE = "#F6D6D6"
+TIMELINE_PNG = "timeline.png"  # beside the run's timeline.json
 WIDTH_IN = 11.0
 
 
@@ -55,6 +58,19 @@ def measured_timeline_chart(plan: Plan, measured: Timeline, path: str | Path, *,
     fig.suptitle(split_title(plan), fontsize=9)
     _legend(fig, timelines)
     return save(fig, path)
+
+
+def run_timeline_chart(timeline_json: str | Path) -> Path:
+    """Draw a training run's recorded step (its `timeline.json`, `hfsplit.training.timeline`) beside its plan's
+    timelines into `timeline.png` in the same folder, written atomically (the recipe does, at the end of a run). Its
+    path."""
+    source = Path(timeline_json)
+    data = json.loads(source.read_text())
+    chart = source.with_name(TIMELINE_PNG)
+    tmp = chart.with_name(f"{chart.stem}.tmp{os.getpid()}.png")
+    measured_timeline_chart(Plan.from_json(json.dumps(data["plan"])), Timeline.from_dict(data), tmp, step=data["step"])
+    os.replace(tmp, chart)
+    return chart
 
 
 def _measured_title(timeline: Timeline, *, step: int, scale: float, unit: str) -> str:
