@@ -7,7 +7,7 @@
 
 `recipes/finetune.py` in a clone is this same recipe. Every option is a flag and a key of the YAML recipe
 (`--config`); flags win. Exit codes: 0 done; 2 bad input (one `finetune: ...` line naming it and the fix, nothing
-written); 3 the run failed after it started (a rank died or hung, a non-finite step under --on-nonfinite stop);
+of the run written; the built-in tiny model, written once beside the output folder, stays for the next run); 3 the run failed after it started (a rank died or hung, a non-finite step under --on-nonfinite stop);
 130 Ctrl-C or SIGTERM stopped it (one line naming the last complete checkpoint and how to resume).
 """
 from __future__ import annotations
