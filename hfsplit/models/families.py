@@ -8,10 +8,11 @@ Two levels of support:
 - single process (`hfsplit.from_pretrained` without a distributed launch): any decoder-only
   causal LM transformers builds. Whole modules are placed and the model's own forward runs,
   so nothing a family does outside its blocks can be skipped.
-- the distributed split (pipeline stages, tensor parallel): only `SUPPORTED_MODEL_TYPES`,
-  whose split is tested against transformers. A stage is built from the blocks alone, and a
-  model may do work in its own forward (Gemma's embedding scale, Granite's logit scaling)
-  that such a stage would silently skip, so every other type is refused by name.
+- the distributed split (pipeline stages, tensor parallel): a declared family (`FAMILIES`) runs a stage built from
+  its blocks, redoing the work its forward does outside them as declared; any other causal LM runs its own forward on
+  each stage (`hfsplit.parallel.followed_stage`), proven over pipeline stages on the user's config before a run
+  (`hfsplit.load.proof`), and under tensor parallelism only where the tp=2 sweep proved its type on the installed
+  transformers (`TP_PROVEN`, `hfsplit.load.tp_proof`).
 """
 from __future__ import annotations
 
