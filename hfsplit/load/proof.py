@@ -22,7 +22,7 @@ from torch import nn
 from hfsplit.apply.load import checkpoint_buffers, materialize_buffers, set_parameter
 from hfsplit.apply.tp import apply_tp, full_tensor, shard_layout
 from hfsplit.errors import UnsupportedModelError
-from hfsplit.models.families import check_causal_lm, tp_findings
+from hfsplit.models.families import check_causal_lm, tp_degree_error, tp_findings
 from hfsplit.models.layout import decoder_layout, meta_model
 from hfsplit.models.shrink import shrunk_config
 from hfsplit.parallel.stage import build_stage_module
@@ -74,6 +74,12 @@ def proven_split(config) -> Verdict:
             f"{name + ': ' if name else ''}model_type {verdict.model_type!r}: its split is refused: {verdict.reason}; "
             "load it in a single process (hfsplit.from_pretrained without a distributed launch) or with transformers")
     return verdict
+
+
+def tp_line(config) -> str:
+    """Whether tp=2 shards `config`'s model, as `hfsplit check` prints it: tensor parallelism is not in this
+    one-process proof (a declared family's own TP tests or the tp=2 sweep, `hfsplit.load.tp_proof`, prove it)."""
+    return f"{config.model_type}: {tp_degree_error(config, 2) or 'tp=2 shards it'}"
 
 
 def verdict_of(config) -> Verdict:
