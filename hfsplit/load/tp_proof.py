@@ -25,14 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from hfsplit.apply.tp import grad_summed_over_tp, shard_layout
+from hfsplit.load.proof import (
+    TOLERANCE, registered_types, run_split, split_gradients, split_stages, tiny_model, without_measures,
+)
 from hfsplit.models.families import (
     PACKED_COLWISE, TP_PROVEN, TP_STYLES, expert_tp_params, tp_divides, tp_plan_of, tp_refused_flag,
 )
 from hfsplit.models.shrink import shrunk_config
-
-from hfsplit.load.proof import (
-    TOLERANCE, registered_types, run_split, split_gradients, split_stages, tiny_model, without_measures,
-)
 
 TP = 2
 PP = 2

@@ -20,10 +20,9 @@ DECLARED_AT_TP2 = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gem
 def test_the_tp2_sweep_finds_what_the_committed_findings_say(launch, tiny_checkpoint):
     import transformers
 
-    from hfsplit.load.proof import TOLERANCE, registered_types
-    from hfsplit.load.tp_proof import findings_of
-    from hfsplit.load.proof import verdict_of
     from hfsplit.checkpoint import load_config
+    from hfsplit.load.proof import TOLERANCE, registered_types, verdict_of
+    from hfsplit.load.tp_proof import findings_of
     from hfsplit.models.families import TP_PROVEN
 
     checkpoint = str(tiny_checkpoint("deepseek_v3"))
