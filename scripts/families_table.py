@@ -1,15 +1,35 @@
-"""Write the sweep of every causal-LM type transformers registers into docs/guides/families.md.
+"""Write the sweep of every causal-LM type transformers registers into docs/guides/families.md, and the tp=2 sweep's
+findings into hfsplit/models/tp_proven.json (what `tp_degree_error` reads).
 
-    python scripts/families_table.py        # about 3 minutes on one CPU core; cached per config afterwards
+    python scripts/families_table.py          # pp=2: about 3 minutes on one CPU core, cached per config afterwards;
+                                              # tp=2: one launch of two gloo ranks, about 1.5 minutes
+    python scripts/families_table.py --no-tp  # the page only, from the committed tp=2 findings
 
-The table is what `hfsplit check --all` prints; tests/models/test_any_model.py fails when the page is stale.
+The table is what `hfsplit check --all` prints beside the tp=2 findings; tests/models/test_any_model.py fails when the
+page is stale, tests/parallel/test_tp_sweep.py when the findings are.
 """
+import sys
 from pathlib import Path
 
-from hfsplit.load.proof import all_verdicts, families_markdown, with_table
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "guides" / "families.md"
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "families.md"
+
+def swept_tp() -> None:
+    """Run the tp=2 sweep on two ranks (the tests' launcher: free port, every rank killed on failure) and record it."""
+    sys.path.insert(0, str(ROOT))
+    from hfsplit.load.tp_proof import write_findings
+    from tests.parallel.launcher import launch
+
+    verdicts = launch("hfsplit.load.tp_proof:tp_sweep", world_size=2, timeout_s=1800)[0]
+    write_findings(verdicts)
+    print(f"tp=2: {sum(v['proven'] for v in verdicts)} of {len(verdicts)} types proven")
+
 
 if __name__ == "__main__":
+    if "--no-tp" not in sys.argv[1:]:
+        swept_tp()
+    from hfsplit.load.proof import all_verdicts, families_markdown, with_table
+
     PAGE.write_text(with_table(PAGE.read_text(), families_markdown(all_verdicts(progress=True))))
     print(f"wrote {PAGE}")

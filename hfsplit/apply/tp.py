@@ -120,9 +120,11 @@ def apply_tp(module: nn.Module, *, tp_mesh, body_name: str) -> nn.Module:
     plan = {}
     for pattern, style in block_styles(module.config).items():
         # Skip patterns this stage has nothing for (parallelize_module warns on unmatched ones).
-        if pattern == "embed_tokens" and body.embed_tokens is None:
+        if pattern == "embed_tokens":
+            if module.has_embed:
+                plan[f"{body_name}.{embedding_path(module, body)}"] = style
             continue
-        if pattern.startswith("layers.") and len(body.layers) == 0:
+        if pattern.startswith("layers.") and module.layer_range[0] == module.layer_range[1]:
             continue
         plan[f"{body_name}.{pattern}"] = style
     if module.lm_head is not None:
@@ -133,6 +135,17 @@ def apply_tp(module: nn.Module, *, tp_mesh, body_name: str) -> nn.Module:
         # parallelize_module replaced each module's parameter separately; both are Shard(0) over the vocabulary.
         module.lm_head.weight = body.embed_tokens.weight
     return module
+
+
+def embedding_path(module: nn.Module, body: nn.Module) -> str:
+    """Where the stage's input embedding sits under `body` ("embed_tokens"; a followed stage's model may name it
+    otherwise)."""
+    embedding = module.body.embed_tokens
+    found = next((name for name, sub in body.named_modules() if sub is embedding), None)
+    if found is None:
+        raise UnsupportedModelError(f"{type(module.config).__name__}: its input embedding is not under "
+                                    f"{module.body_name}, where tensor parallelism shards it; use tp=1")
+    return found
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -192,15 +192,18 @@ def longest_plan(make_plan, model, budget, kwargs: dict):
 def run_check(args) -> int:
     """`hfsplit check MODEL`: the proof's verdict for MODEL's config, one line; 0 when it splits, 2 when refused."""
     from hfsplit.checkpoint.resolve import load_config  # lazy: the checkpoint package loads torch
-    from hfsplit.load.proof import all_verdicts, families_markdown, verdict_of  # lazy: transformers and torch
+    from hfsplit.load.proof import all_verdicts, families_markdown, tp_line, verdict_of  # lazy: transformers, torch
 
     if args.all:
         print(families_markdown(all_verdicts(progress=True)))
         return 0
     if not args.model:
         raise HfsplitError("check: name a model (hub name, folder or config.json), or pass --all")
-    verdict = verdict_of(load_config(args.model))
+    config = load_config(args.model)
+    verdict = verdict_of(config)
     print(verdict.line())
+    if verdict.split:  # tensor parallelism is not in the one-process check: what the tp=2 sweep found, or the plan
+        print(tp_line(config))
     return 0 if verdict.split else 2
 
 

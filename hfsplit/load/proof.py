@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from hfsplit.apply.load import checkpoint_buffers, materialize_buffers, set_parameter
+from hfsplit.apply.tp import apply_tp, full_tensor, shard_layout
 from hfsplit.errors import UnsupportedModelError
-from hfsplit.models.families import check_causal_lm
+from hfsplit.models.families import check_causal_lm, tp_degree_error, tp_findings
 from hfsplit.models.layout import decoder_layout, meta_model
 from hfsplit.models.shrink import shrunk_config
 from hfsplit.parallel.stage import build_stage_module
@@ -73,6 +74,12 @@ def proven_split(config) -> Verdict:
             f"{name + ': ' if name else ''}model_type {verdict.model_type!r}: its split is refused: {verdict.reason}; "
             "load it in a single process (hfsplit.from_pretrained without a distributed launch) or with transformers")
     return verdict
+
+
+def tp_line(config) -> str:
+    """Whether tp=2 shards `config`'s model, as `hfsplit check` prints it: tensor parallelism is not in this
+    one-process proof (a declared family's own TP tests or the tp=2 sweep, `hfsplit.load.tp_proof`, prove it)."""
+    return f"{config.model_type}: {tp_degree_error(config, 2) or 'tp=2 shards it'}"
 
 
 def verdict_of(config) -> Verdict:
@@ -136,8 +143,9 @@ def tiny_model(tiny) -> nn.Module:
     return model.eval()
 
 
-def split_stages(whole: nn.Module, *, pp: int) -> list[nn.Module]:
-    """`whole` split into `pp` stages built as a run builds them, holding copies of its parameters."""
+def split_stages(whole: nn.Module, *, pp: int, tp_mesh=None) -> list[nn.Module]:
+    """`whole` split into `pp` stages built as a run builds them, holding copies of its parameters; with `tp_mesh`
+    (a 1-D DeviceMesh, on every rank of it), each stage sharded as a run shards it, holding this rank's slices."""
     config = whole.config
     n = config.num_hidden_layers
     bounds = [round(i * n / pp) for i in range(pp + 1)]
@@ -148,9 +156,11 @@ def split_stages(whole: nn.Module, *, pp: int) -> list[nn.Module]:
         stage = Stage(index=i, pp_rank=i, devices=(("cpu",),), layers=(bounds[i], bounds[i + 1]), has_embed=i == 0,
                       has_head=i == pp - 1, memory=StageMemory(0, 0, 0, 0, 0), budget=0, time_s=0.0)
         module = build_stage_module(config=config, stage=stage, tied=tied)
+        if tp_mesh is not None:
+            apply_tp(module, tp_mesh=tp_mesh, body_name=module.body_name)
         for name, param in list(module.named_parameters()):
             source = state[name] if name in state else state[_tied_source(whole)]
-            set_parameter(module, name, nn.Parameter(source.detach().clone()))
+            set_parameter(module, name, nn.Parameter(local_part(source.detach().clone(), param)))
         for name in checkpoint_buffers(module):
             owner, _, leaf = name.rpartition(".")
             module.get_submodule(owner)._buffers[leaf] = state[name].detach().clone()
@@ -159,6 +169,20 @@ def split_stages(whole: nn.Module, *, pp: int) -> list[nn.Module]:
         materialize_buffers(module, device=torch.device("cpu"))
         stages.append(module.eval())
     return stages
+
+
+def local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`full` as `param` holds it: unchanged, or, where tensor parallelism made `param` a DTensor, this rank's slice
+    of it (as the checkpoint reader slices it: part `tp_rank` of each packed block) wrapped as `param`'s DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return full
+    if (layout := shard_layout(param)) is not None:
+        dim, packed = layout
+        parts, index = param.device_mesh.size(), param.device_mesh.get_local_rank()
+        full = torch.cat([block.chunk(parts, dim)[index] for block in full.chunk(packed, dim)], dim)
+    return DTensor.from_local(full.contiguous(), param.device_mesh, param.placements, run_check=False)
 
 
 def _tied_source(whole: nn.Module) -> str:
@@ -205,7 +229,8 @@ def split_gradients(whole: nn.Module, stages: list[nn.Module]) -> dict[str, torc
             if p.grad is None:
                 continue
             name = embed if embed and name == head else name
-            grads[name] = grads[name] + p.grad if name in grads else p.grad
+            grad = full_tensor(p.grad)  # a tensor-parallel shard gathered (collective: `hfsplit.load.tp_proof`)
+            grads[name] = grads[name] + grad if name in grads else grad
     return grads
 
 
@@ -318,21 +343,35 @@ def all_verdicts(progress: bool = False) -> list[Verdict]:
 
 
 def families_markdown(verdicts: list[Verdict]) -> str:
-    """The sweep as docs/guides/families.md shows it: the count, then one row per model type."""
+    """The sweep as docs/guides/families.md shows it: the count, then one row per model type; its tp=2 column the
+    committed findings of the tp=2 sweep (`hfsplit.load.tp_proof`) on the installed transformers."""
     import transformers
 
+    tp = tp_findings(transformers.__version__)
     split = [v for v in verdicts if v.split]
     packed = [v for v in split if v.packing]
-    rows = ["| model type | split (pp) | packed rows | why not |", "|---|---|---|---|"]
+    sharded = [v for v in split if v.model_type in tp["proven"]]
+    rows = ["| model type | split (pp) | packed rows | tp=2 | why not |", "|---|---|---|---|---|"]
     for v in verdicts:
-        why = _OFF.sub("off", v.reason).replace("|", "\\|") if (not v.split or not v.packing) else ""
+        whys = [v.reason] if (not v.split or not v.packing) else []
+        proven = v.split and v.model_type in tp["proven"]
+        if v.split and not proven:
+            whys.append(f"tp=2: {tp['refused'].get(v.model_type, 'not swept')}")
+        why = "; ".join(without_measures(w) for w in whys).replace("|", "\\|")
         rows.append(f"| `{v.model_type}` | {'✓' if v.split else 'refused'} | "
-                    f"{'✓' if v.packing else '—' if v.split else ''} | {why} |")
+                    f"{'✓' if v.packing else '—' if v.split else ''} | {'✓' if proven else '—' if v.split else ''} "
+                    f"| {why} |")
     head = (f"**{len(split)} of the {len(verdicts)} causal-LM types of transformers {transformers.__version__} split** "
             f"(equal to transformers in logits and gradients at pp=2, fp32 ≤ {TOLERANCE:g}; {len(packed)} of them "
-            "with packed rows isolated); the rest are refused by name, with why. Generated by "
-            "`python scripts/families_table.py` from `hfsplit check --all`.")
+            f"with packed rows isolated; {len(sharded)} of them also sharded at tp=2, proven on two ranks); the rest "
+            "are refused by name, with why. Generated by `python scripts/families_table.py` from `hfsplit check "
+            "--all` and the tp=2 sweep.")
     return "\n".join([head, "", *rows])
+
+
+def without_measures(reason: str) -> str:
+    """`reason` without the gaps it measured ("3.1e-02 off" → "off"), as the table and the tp=2 findings keep it."""
+    return _OFF.sub("off", reason)
 
 
 def with_table(document: str, table: str) -> str:

@@ -8,15 +8,19 @@ Two levels of support:
 - single process (`hfsplit.from_pretrained` without a distributed launch): any decoder-only
   causal LM transformers builds. Whole modules are placed and the model's own forward runs,
   so nothing a family does outside its blocks can be skipped.
-- the distributed split (pipeline stages, tensor parallel): only `SUPPORTED_MODEL_TYPES`,
-  whose split is tested against transformers. A stage is built from the blocks alone, and a
-  model may do work in its own forward (Gemma's embedding scale, Granite's logit scaling)
-  that such a stage would silently skip, so every other type is refused by name.
+- the distributed split (pipeline stages, tensor parallel): a declared family (`FAMILIES`) runs a stage built from
+  its blocks, redoing the work its forward does outside them as declared; any other causal LM runs its own forward on
+  each stage (`hfsplit.parallel.followed_stage`), proven over pipeline stages on the user's config before a run
+  (`hfsplit.load.proof`), and under tensor parallelism only where the tp=2 sweep proved its type on the installed
+  transformers (`TP_PROVEN`, `hfsplit.load.tp_proof`).
 """
 from __future__ import annotations
 
 import fnmatch
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -196,14 +200,48 @@ def tp_plan_of(config) -> dict[str, str]:
 
 
 def tp_supported(config) -> bool:
-    """Whether hfsplit can shard `config`'s model: it has a TP plan made only of the styles it implements
-    (packed column-wise parameters only inside fused experts), and no flag its family declares the plan wrong
-    under (`Family.tp_refused_flags`)."""
-    if getattr(config, "model_type", None) not in FAMILIES:  # a followed split is proven at pp=2, tp=1 only
+    """Whether hfsplit can shard `config`'s model: a declared family, or a followed one whose tensor-parallel split
+    the tp=2 sweep proved on the installed transformers (`tp_unproven`); and a plan hfsplit shards
+    (`tp_plan_shardable`)."""
+    if getattr(config, "model_type", None) not in FAMILIES and tp_unproven(config.model_type) is not None:
         return False
+    return tp_plan_shardable(config)
+
+
+def tp_plan_shardable(config) -> bool:
+    """Whether `config` has a TP plan made only of the styles hfsplit implements (packed column-wise parameters only
+    inside fused experts), and no flag its family declares the plan wrong under (`Family.tp_refused_flags`)."""
     styles = set(tp_plan_of(config).values())
     return (bool(styles) and styles <= set(TP_STYLES) and tp_refused_flag(config) is None
             and _unplaced_packed(config) is None)
+
+
+# The tp=2 sweep's findings, by transformers version (written by `python scripts/families_table.py`,
+# `hfsplit.load.tp_proof`): the followed types whose tensor-parallel split equals transformers, and why the others
+# are not proven. A followed split runs the model's own forward, so a new transformers may change what its modules
+# do under sharding: each version is proven on its own.
+TP_PROVEN = Path(__file__).resolve().parent / "tp_proven.json"
+
+
+@functools.lru_cache(maxsize=None)
+def tp_findings(version: str) -> dict:
+    """{"proven": [model types], "refused": {model type: reason}} of the tp=2 sweep on transformers `version` (both
+    empty when the sweep never ran on it)."""
+    data = json.loads(TP_PROVEN.read_text()) if TP_PROVEN.exists() else {}
+    return data.get(version, {"proven": [], "refused": {}})
+
+
+def tp_unproven(model_type: str) -> Optional[str]:
+    """Why the tp=2 sweep did not prove `model_type`'s tensor-parallel split on the installed transformers, in a
+    few words (None when it did)."""
+    import transformers
+
+    version = transformers.__version__
+    found = tp_findings(version)
+    if model_type in found["proven"]:
+        return None
+    reason = found["refused"].get(model_type)
+    return f"not proven at tp=2 on transformers {version}" + (f": {reason}" if reason else "")
 
 
 def expert_tp_params(config) -> dict[str, dict[str, str]]:
@@ -239,10 +277,14 @@ def valid_tp_degrees(config, max_degree: int) -> list[int]:
     model hfsplit cannot shard)."""
     if not tp_supported(config):
         return [1]
+    return [t for t in range(1, max_degree + 1) if tp_divides(config, t)]
+
+
+def tp_divides(config, tp: int) -> bool:
+    """Whether `tp` divides the model's attention heads, key-value heads and MLP widths."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    widths = (heads, kv_heads, *mlp_widths(config))
-    return [t for t in range(1, max_degree + 1) if all(w % t == 0 for w in widths)]
+    return all(w % tp == 0 for w in (heads, kv_heads, *mlp_widths(config)))
 
 
 def mlp_widths(config) -> tuple[int, ...]:
@@ -259,9 +301,9 @@ def tp_degree_error(config, tp: int) -> Optional[str]:
         return (f"tp={tp}: {config.model_type} with {flag}=True has modules holding a weight per attention head "
                 f"that its tensor-parallel plan leaves whole while the heads are sharded; use tp=1 (pipeline "
                 "stages split it)")
-    if tp > 1 and getattr(config, "model_type", None) not in FAMILIES:
-        return (f"tp={tp}: {config.model_type}'s split follows the model's own forward, proven over pipeline stages "
-                "only; use tp=1 (pipeline stages split it)")
+    if tp > 1 and getattr(config, "model_type", None) not in FAMILIES and (why := tp_unproven(config.model_type)):
+        return (f"tp={tp}: {config.model_type}'s split follows the model's own forward, and its tensor-parallel split "
+                f"is {why}; use tp=1 (pipeline stages split it)")
     if tp > 1 and not tp_supported(config):
         styles = sorted(set(tp_plan_of(config).values()) - set(TP_STYLES))
         packed = _unplaced_packed(config)

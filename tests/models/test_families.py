@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from hfsplit.checkpoint.synthetic import FAMILY_OVERRIDES, nonzero_biases
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.load.materialize import from_pretrained
-from hfsplit.models.families import check_supported, family_of
+from hfsplit.models.families import FAMILIES as FAMILIES_DECLARED, check_supported, family_of
 from hfsplit.models.layout import DecoderLayout, decoder_layout, meta_model
 from hfsplit.parallel.stage import StageModule
 from hfsplit.plan import Stage, StageMemory
@@ -198,3 +198,37 @@ def test_tensor_parallel_is_refused_where_the_family_tp_plan_is_wrong(tiny_check
         make_plan(config, "2x1GiB", spec=spec, tp=2)
     with pytest.raises(PlanError, match=message):
         build_split_model(hand_plan(config, tp=2, pp=1, layers=[(0, 4)], schedule="GPipe"), folder, ctx=None)
+
+
+def test_tensor_parallel_of_an_undeclared_family_is_what_the_tp2_sweep_proved(monkeypatch):
+    """A family no one declared (its stages run its own forward) shards only where the tp=2 sweep
+    (hfsplit/load/tp_proof.py, its findings in hfsplit/models/tp_proven.json) proved it on the installed
+    transformers: StarCoder2 plans at tp=2; Sarvam-MoE, whose per-head q norms the plan leaves whole, is refused in one
+    line naming the type, the version and the reason, and so is every type on a transformers the sweep never ran on."""
+    import re
+
+    import transformers
+
+    from hfsplit.errors import PlanError
+    from hfsplit.models.families import tp_degree_error, tp_findings, valid_tp_degrees
+    from hfsplit.models.shrink import shrunk_config
+    from hfsplit.plan import TrainingSpec
+    from hfsplit.planning.planner import make_plan
+
+    version = transformers.__version__
+    spec = TrainingSpec(method="lora", seq_len=64, dtype="float32", reserve_bytes=0)
+    proven = shrunk_config(AutoConfig.for_model("starcoder2"))
+    assert "starcoder2" in tp_findings(version)["proven"] and "starcoder2" not in FAMILIES_DECLARED
+    assert tp_degree_error(proven, 2) is None and 2 in valid_tp_degrees(proven, 2)
+    assert make_plan(proven, "2x1GiB", spec=spec, tp=2).tp == 2
+    refused = shrunk_config(AutoConfig.for_model("sarvam_moe"))
+    with pytest.raises(PlanError, match=rf"tp=2: sarvam_moe's split follows the model's own forward, and its "
+                                        rf"tensor-parallel split is not proven at tp=2 on transformers "
+                                        rf"{re.escape(version)}: its shards differ from transformers: "
+                                        r"model\.layers\.0\.self_attn\.q_norm\.weight's gradient off .*; use tp=1"):
+        make_plan(refused, "2x1GiB", spec=spec, tp=2)
+    assert make_plan(refused, "2x1GiB", spec=spec).tp == 1
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")
+    assert tp_degree_error(proven, 2) == ("tp=2: starcoder2's split follows the model's own forward, and its "
+                                          "tensor-parallel split is not proven at tp=2 on transformers 99.0.0; use "
+                                          "tp=1 (pipeline stages split it)")

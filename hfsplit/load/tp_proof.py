@@ -1,0 +1,183 @@
+"""The tp=2 sweep: which followed model types shard over tensor-parallel ranks equal to transformers, proven once per
+transformers version, on two ranks.
+
+The per-config proof (`hfsplit.load.proof`) runs in one process, before a run, on the user's own config: pipeline
+stages chain in a process, tensor-parallel shards do not (each holds a slice and meets the other in collectives). So
+tensor parallelism over a followed split (the model's own forward on DTensor-sharded modules, `apply/tp.py`) is
+proven by this sweep instead: every registered causal-LM type whose shrunk default config has a TP plan hfsplit
+shards at degree 2 is split into pp=2 stages, each sharded over the two ranks as a run shards it, and its logits
+and every parameter's gradient compared with transformers' unsplit model (logits within 1e-5, gradients within
+1e-5 relative to the largest, as the split model's TP tests compare them). A type that differs or fails is recorded
+with its reason (the first tensor that differs, or the exception), never stopping the sweep. The findings are
+written to `hfsplit/models/tp_proven.json` under the transformers version, which `tp_degree_error` reads.
+
+    python scripts/families_table.py     # runs it (one launch of two gloo ranks) and writes the data and the table
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hfsplit.apply.tp import grad_summed_over_tp, shard_layout
+from hfsplit.load.proof import (
+    TOLERANCE, registered_types, run_split, split_gradients, split_stages, tiny_model, without_measures,
+)
+from hfsplit.models.families import (
+    PACKED_COLWISE, TP_PROVEN, TP_STYLES, expert_tp_params, tp_divides, tp_plan_of, tp_refused_flag,
+)
+from hfsplit.models.shrink import shrunk_config
+
+TP = 2
+PP = 2
+_SEQ = 12
+
+
+@dataclass(frozen=True)
+class TpVerdict:
+    """What the sweep found for one model type at tp=2.
+
+    Args:
+        model_type: the registered model type.
+        proven: its pp=2 stages sharded at tp=2 equal transformers (logits and gradients).
+        reason: why not, in one line ("" when proven).
+        logits_diff: the largest absolute logits difference; grad_diff: the largest relative gradient difference.
+    """
+
+    model_type: str
+    proven: bool
+    reason: str = ""
+    logits_diff: float = 0.0
+    grad_diff: float = 0.0
+
+
+def tp_sweep(types: Optional[list[str]] = None) -> list[dict]:
+    """On each of two ranks of a launch (torchrun's environment, gloo): the verdict (as a dict) of every type of
+    `types` (every registered causal-LM type by default). Both ranks build and run the same models in the same order,
+    so their collectives meet."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():  # a mismatched collective fails after a minute instead of hanging the sweep
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    mesh = init_device_mesh("cpu", (TP,))
+    out = []
+    for model_type in types or registered_types():
+        print(f"--- tp=2 {model_type}", flush=True)  # the launcher's error shows the last lines
+        out.append(asdict(tp_verdict(model_type, mesh)))
+    return out
+
+
+def tp_verdict(model_type: str, mesh) -> TpVerdict:
+    """`model_type`'s default config shrunk, split into pp=2 stages sharded over `mesh`, compared with transformers."""
+    from transformers import AutoConfig
+
+    try:
+        tiny = shrunk_config(AutoConfig.for_model(model_type))
+    except Exception as error:
+        return TpVerdict(model_type, False, f"its shrunk config could not be made ({_short(error)})")
+    if why := unshardable(tiny):
+        return TpVerdict(model_type, False, why)
+    try:
+        whole = tiny_model(tiny)
+    except Exception as error:
+        return TpVerdict(model_type, False, f"the shrunk model could not be built ({_short(error)})")
+    try:
+        stages = split_stages(whole, pp=PP, tp_mesh=mesh)
+    except Exception as error:
+        return TpVerdict(model_type, False, f"its tp=2 stages could not be built ({_short(error)})")
+    if not any(shard_layout(p) for stage in stages for p in stage.parameters()):  # else nothing would be proven
+        return TpVerdict(model_type, False, "its tensor-parallel plan matched none of its modules")
+    try:
+        logits_diff, grad_diff, where = compared_tp(whole, stages, mesh)
+    except Exception as error:
+        return TpVerdict(model_type, False, f"its tp=2 forward or backward failed ({_short(error)}); likely cause: "
+                                            "a module that reads its full width from the config")
+    return TpVerdict(model_type, not where, where, logits_diff, grad_diff)
+
+
+def unshardable(config) -> Optional[str]:
+    """Why hfsplit cannot shard `config`'s model at tp=2 without trying (None when it can try)."""
+    plan = tp_plan_of(config)
+    if not plan:
+        return "it declares no tensor-parallel plan (base_model_tp_plan)"
+    if other := sorted(set(plan.values()) - set(TP_STYLES)):
+        return f"its tensor-parallel plan uses {', '.join(other)}, which hfsplit does not shard"
+    inside = {f"{m}.{p}" for m, params in expert_tp_params(config).items() for p in params}
+    if packed := next((k for k, s in plan.items() if s == PACKED_COLWISE and k not in inside), None):
+        return f"its tensor-parallel plan packs {packed} column-wise outside fused experts"
+    if flag := tp_refused_flag(config):
+        return f"its plan is wrong under {flag}=True"
+    if not tp_divides(config, TP):
+        return "2 does not divide its attention heads, key-value heads and MLP widths (shrunk)"
+    return None
+
+
+def compared_tp(whole: nn.Module, stages: list[nn.Module], mesh) -> tuple[float, float, str]:
+    """(logits diff, relative gradient diff, "" or the first tensor that differs) of the sharded stages against
+    `whole`; collective (every rank runs it)."""
+    vocab = whole.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (2, _SEQ), generator=torch.Generator().manual_seed(2))
+    want = whole(input_ids=ids, use_cache=False).logits
+    got = run_split(stages, ids)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    summed_over_tp(stages, mesh)
+    logits_diff = (want - got).abs().max().item()
+    grads = split_gradients(whole, stages)
+    diffs = {name: _relative(p.grad, grads.get(name)) for name, p in whole.named_parameters()}
+    grad_diff = max(diffs.values(), default=0.0)
+    if not logits_diff <= TOLERANCE:  # (`not <=`: a NaN differs)
+        return logits_diff, grad_diff, f"its shards differ from transformers: logits {logits_diff:.2g} off"
+    name = next((n for n, d in diffs.items() if not d <= TOLERANCE), None)
+    if name is None:
+        return logits_diff, grad_diff, ""
+    return logits_diff, grad_diff, (f"its shards differ from transformers: {name}'s gradient {diffs[name]:.2g} "
+                                    "off (relative)")
+
+
+def summed_over_tp(stages: list[nn.Module], mesh) -> None:
+    """Sum over the TP ranks the gradients of the replicated modules that see only this rank's heads (per-head
+    q/k norms), as `SplitModel.sync_grads` sums them in a run."""
+    for stage in stages:
+        for module in stage.modules():
+            if grad_summed_over_tp(module):
+                for p in module.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=mesh.get_group())
+
+
+def _relative(want: Optional[torch.Tensor], got: Optional[torch.Tensor]) -> float:
+    if want is None or got is None:
+        return 0.0 if want is None and got is None else float("inf")
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
+def _short(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+# --- the findings, as data ----------------------------------------------------------------------------------------
+
+def findings_of(verdicts: list[dict]) -> dict:
+    """The sweep's verdicts as `tp_proven.json` keeps them for one transformers version: the proven types, and the
+    others' reasons without their measured gaps (so that the file changes only when a verdict does)."""
+    proven = sorted(v["model_type"] for v in verdicts if v["proven"])
+    refused = {v["model_type"]: without_measures(v["reason"]) for v in sorted(verdicts, key=lambda v: v["model_type"])
+               if not v["proven"]}
+    return {"proven": proven, "refused": refused}
+
+
+def write_findings(verdicts: list[dict]) -> None:
+    """Record the sweep's findings under the installed transformers version (other versions' kept)."""
+    import transformers
+
+    data = json.loads(TP_PROVEN.read_text()) if TP_PROVEN.exists() else {}
+    data[transformers.__version__] = findings_of(verdicts)
+    TP_PROVEN.write_text(json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n")

@@ -1,0 +1,46 @@
+"""The tp=2 sweep (hfsplit/load/tp_proof.py): every registered causal-LM type whose TP plan hfsplit shards, split into
+pp=2 stages sharded over two ranks and compared with transformers, in one launch; the committed findings
+(hfsplit/models/tp_proven.json, what `tp_degree_error` reads) must be what it finds. In the same launch, DeepSeek-V3
+(an undeclared family: latent attention, shared experts, a dense first layer) runs at tp=2 as a run builds it, from a
+checkpoint, through the gate the findings open."""
+import json
+
+import pytest
+
+from tests.parallel.test_split_model import assert_split_matches
+
+pytestmark = pytest.mark.slow
+
+# Declared families the split model's TP tests prove on their own (tests/parallel/test_families_split.py): the sweep
+# must find them equal too, or the sweep itself is wrong.
+DECLARED_AT_TP2 = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "granite", "cohere",
+                   "cohere2", "mixtral", "qwen3_moe")
+
+
+def test_the_tp2_sweep_finds_what_the_committed_findings_say(launch, tiny_checkpoint):
+    import transformers
+
+    from hfsplit.checkpoint import load_config
+    from hfsplit.load.proof import TOLERANCE, registered_types, verdict_of
+    from hfsplit.load.tp_proof import findings_of
+    from hfsplit.models.families import TP_PROVEN
+
+    checkpoint = str(tiny_checkpoint("deepseek_v3"))
+    config = load_config(checkpoint)
+    results = launch("tests.parallel.tp_sweep_cases:sweep_then_split", world_size=2, timeout_s=900,
+                     kwargs=dict(checkpoint=checkpoint, num_layers=config.num_hidden_layers))
+    verdicts = results[0]["verdicts"]
+    assert [v["model_type"] for v in verdicts] == registered_types()
+    assert findings_of(results[1]["verdicts"]) == findings_of(verdicts)  # the ranks agree
+    for v in verdicts:
+        assert v["proven"] or v["reason"], v
+        if v["proven"]:
+            assert v["logits_diff"] <= TOLERANCE and v["grad_diff"] <= TOLERANCE, v
+    found = findings_of(verdicts)
+    assert set(DECLARED_AT_TP2) <= set(found["proven"]), found["refused"]
+    committed = json.loads(TP_PROVEN.read_text()).get(transformers.__version__)
+    assert committed == found, ("hfsplit/models/tp_proven.json is stale (run python scripts/families_table.py): "
+                                f"proven now {sorted(set(found['proven']) ^ set((committed or {}).get('proven', [])))} "
+                                "changed")
+    assert_split_matches([r["split"] for r in results], checkpoint=checkpoint, tp=2, tied=False, declared=False,
+                         packs=verdict_of(config).packing)
