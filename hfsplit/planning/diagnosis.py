@@ -74,8 +74,9 @@ def _closest_plan(config, budgets, spec, options, *, choices: Sequence[Choice], 
     caller fixed neither their count nor a global batch), so its overshoot is what the knobs leave."""
     unlimited = {k: 1 << 62 for k in budgets}
     best, best_over = None, math.inf
-    for choice, chunked, (rows, count) in itertools.product(choices, losses or [spec.chunked_loss],
-                                                            _frugal_cuts(spec, options)):
+    # where the weights alone overflow no knob helps: the caller's micro-batch only (no shape traced for nothing)
+    cuts = _frugal_cuts(spec, options) if could_fit(config, budgets, spec) else [(spec.micro_batch_size, None)]
+    for choice, chunked, (rows, count) in itertools.product(choices, losses or [spec.chunked_loss], cuts):
         trial = replace(choice.spec(spec), chunked_loss=chunked, micro_batch_size=rows)
         for t in tp_degrees_for(config, trial, len(budgets)):
             if options["tp"] not in (None, t):  # a split this path can run (one process: tp=1)
@@ -251,7 +252,8 @@ def _fewest_devices(fits, budgets: dict[str, int], limit: int = 512) -> Optional
 
 
 def _smallest_uniform_budget(fits, budgets: dict[str, int]) -> Optional[int]:
-    """Smallest per-device budget (to 1/16 GiB) at which every device of `budgets` fits, up to 16× the largest."""
+    """Smallest per-device budget (to 1/16 GiB, rounded up to the 0.01 GiB it is printed to) at which every device of
+    `budgets` fits, up to 16× the largest."""
     high = max(budgets.values()) * 16
     if not fits({k: high for k in budgets}):
         return None
@@ -263,7 +265,8 @@ def _smallest_uniform_budget(fits, budgets: dict[str, int]) -> Optional[int]:
             high = mid
         else:
             low = mid
-    return high
+    cent = (1 << 30) // 100
+    return -(-high // cent) * cent
 
 
 def diagnosis_schedule(schedule: str, micro_batches, devices: int) -> str:
