@@ -64,7 +64,8 @@ def _knobs_of(plan: Plan) -> str:
     stage = plan.stages[0]
     mlp = f"MLP in {stage.tiled_mlp} tiles" if stage.tiled_mlp else "MLP whole"
     count = f"{plan.micro_batches} micro-batch{'es' if plan.micro_batches > 1 else ''}"
-    return (f"{count} of {plan.spec.micro_batch_size} ({plan.schedule}), activation checkpointing "
+    rows = plan.spec.micro_batch_size
+    return (f"{count} of {rows} row{'s' if rows > 1 else ''} ({plan.schedule}), activation checkpointing "
             f"{stage.checkpointing}, {stage.optim}, {mlp}, chunked loss {'on' if plan.spec.chunked_loss else 'off'}")
 
 
