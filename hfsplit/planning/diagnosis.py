@@ -22,9 +22,9 @@ from hfsplit.planning.search import (
 )
 
 
-# search(budgets, spec, probe=False, **changes) → the plan make_plan makes of `spec` on `budgets` (None: nothing fits),
-# every memory choice and knob turned as make_plan turns them (`planner._search_of`, passed in: the planner sits above
-# this module). `changes` override make_plan's knobs (optim, chunked_loss...) or options (micro_batches...); probe: the
+# search(budgets, spec, probe=False, **changes) → the plan make_plan makes of `spec` on `budgets` (None: nothing
+# fits), every memory choice and knob turned as make_plan turns them (`planner._search_of`, passed in: the planner
+# sits above this module). `changes` override make_plan's knobs (optim, chunked_loss...) or options (micro_batches...); probe: the
 # knobs the caller left to the planner at their most frugal, as `--max-seq-len` probes (`max_seq.probe_knobs`).
 Search = Callable[..., Optional[Plan]]
 
@@ -69,7 +69,8 @@ def _knobs_of(plan: Plan) -> str:
             f"{stage.checkpointing}, {stage.optim}, {mlp}, chunked loss {'on' if plan.spec.chunked_loss else 'off'}")
 
 
-def _closest_plan(config, budgets, spec, options, *, choices: Sequence[Choice], losses: Sequence[bool]) -> Optional[Plan]:
+def _closest_plan(config, budgets, spec, options, *, choices: Sequence[Choice],
+                  losses: Sequence[bool]) -> Optional[Plan]:
     """The time-balanced split with the smallest worst overshoot, ignoring the caps, over the knobs make_plan turns:
     each of `choices` on every rank, each loss of `losses`, and the micro-batches (fewer, or one row each, where the
     caller fixed neither their count nor a global batch), so its overshoot is what the knobs leave."""

@@ -9,6 +9,8 @@ length it tries: one trace a probe).
 Each probe asks `make_plan` with the optimizer and loss the caller left to it ("auto") at their most frugal
 (checkpointing stays auto: offload may lack host RAM where checkpointing on the device fits), and no diagnosis;
 the answer is then planned as the caller asked, so its plan is the fastest at that length.
+The no-fit diagnosis offers its shorter sequence by the same search (`longest_length`, the same probes, through
+make_plan's own search), so the two agree.
 """
 from __future__ import annotations
 

@@ -75,7 +75,8 @@ def make_plan(
     spec, chunked_loss = spec or TrainingSpec(), "off" if single_process else chunked_loss  # one process: its own loss
     budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
     kinds = budget_kinds(max_memory)
-    rates = kind_rates(kinds, unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds, link_given=link is not None)
+    rates = kind_rates(kinds, unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
+                       link_given=link is not None)
     given_reserve, spec = spec.reserve_bytes, _with_reserve(spec, budgets, gpus=gpus, distributed=(
         world_size or len(budgets)) > 1 and not single_process)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
@@ -87,8 +88,8 @@ def make_plan(
     found = _with_knobs(config, budgets, spec, name=name, options=options, chunked_loss=chunked_loss,
                         choices=_ladder(config, spec, knobs, single_process=single_process))
     if found is not None:  # a multimodal checkpoint's towers: what the plan of its language model leaves out
-        left_out = LeftOut.of(left_out_of(config))
-        return _with_host_note(replace(found, notes=found.notes + rates.notes, left_out=left_out), host, options["link"])
+        found = replace(found, notes=found.notes + rates.notes, left_out=LeftOut.of(left_out_of(config)))
+        return _with_host_note(found, host, options["link"])
     raise _no_fit(config, budgets, spec, name=name, knobs=knobs, options=options, explain=explain, launch=dict(
         kinds=kinds, reserve=given_reserve, gpus=gpus, single_process=single_process, speeds=device_speeds, link=link))
 
