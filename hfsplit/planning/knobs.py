@@ -77,11 +77,6 @@ def loss_settings(spec: TrainingSpec, chunked_loss: Union[bool, str] = AUTO) -> 
     return _chunked_values(spec, chunked_loss_setting(chunked_loss))
 
 
-def frugal_loss(spec: TrainingSpec, chunked_loss: Union[bool, str] = AUTO) -> TrainingSpec:
-    """`spec` with the loss that holds least among those `chunked_loss` allows (what a no-fit diagnosis plans)."""
-    return replace(spec, chunked_loss=_chunked_values(spec, chunked_loss_setting(chunked_loss))[-1])
-
-
 def tokens_per_second(plan: Plan) -> float:
     """Tokens a step of `plan` trains over its estimated time: what the knobs are compared by."""
     return plan.dp * plan.micro_batches * plan.spec.micro_batch_size * plan.spec.seq_len / plan.step_time_s

@@ -9,6 +9,8 @@ length it tries: one trace a probe).
 Each probe asks `make_plan` with the optimizer and loss the caller left to it ("auto") at their most frugal
 (checkpointing stays auto: offload may lack host RAM where checkpointing on the device fits), and no diagnosis;
 the answer is then planned as the caller asked, so its plan is the fastest at that length.
+The no-fit diagnosis offers its shorter sequence by the same search (`longest_length`, the same probes, through
+make_plan's own search), so the two agree.
 """
 from __future__ import annotations
 
@@ -56,9 +58,8 @@ def max_seq_len(make_plan: Callable[..., Plan], model, max_memory, *, spec: Trai
         multiple: lengths are multiples of this.
         **options: further `make_plan` options, kept as given in the answer's plan.
     """
-    probe = {**options, **_frugal(options), "explain": False}
+    probe = {**options, **probe_knobs(options), "explain": False}
 
-    @lru_cache(maxsize=None)
     def fits(seq: int) -> bool:
         try:
             make_plan(model, max_memory, spec=replace(spec, seq_len=seq), **probe)
@@ -67,11 +68,25 @@ def max_seq_len(make_plan: Callable[..., Plan], model, max_memory, *, spec: Trai
         return True
 
     config = _config(model)
-    top = limit or getattr(config, "max_position_embeddings", None) or 1 << 20
+    found = longest_length(fits, config, spec, top=limit or top_length(config), multiple=multiple)
+    return None if found is None else make_plan(model, max_memory, spec=replace(spec, seq_len=found), **options)
+
+
+def longest_length(fits: Callable[[int], bool], config, spec: TrainingSpec, *, top: int,
+                   multiple: int = MULTIPLE) -> Optional[int]:
+    """The longest multiple of `multiple` up to `top` at which `fits` holds for `config` and `spec`: the end of a
+    tooth by binary search, then past each tiled-MLP step that fits (the saw above); None where `multiple` does not
+    fit. `--max-seq-len` and the no-fit diagnosis's shorter sequence both ask this, so they agree."""
+    fits = lru_cache(maxsize=None)(fits)
     found = longest_fitting(fits, low=multiple, high=top, multiple=multiple)
     while found is not None and (step := past_next_tile_step(config, spec, found, multiple, top)) and fits(step):
         found = longest_fitting(fits, low=step, high=top, multiple=multiple)
-    return None if found is None else make_plan(model, max_memory, spec=replace(spec, seq_len=found), **options)
+    return found
+
+
+def top_length(config) -> int:
+    """The longest sequence searched: the model's `max_position_embeddings`."""
+    return getattr(config, "max_position_embeddings", None) or 1 << 20
 
 
 def past_next_tile_step(config, spec: TrainingSpec, seq: int, multiple: int, high: int) -> Optional[int]:
@@ -83,7 +98,7 @@ def past_next_tile_step(config, spec: TrainingSpec, seq: int, multiple: int, hig
                  if mlp_tiles(config, replace(spec, seq_len=n)) > tiles), None)
 
 
-def _frugal(options: dict) -> dict:
+def probe_knobs(options: dict) -> dict:
     """The knobs the caller left to the planner, at the setting that holds least: a probe asks whether anything fits."""
     out = {}  # checkpointing stays auto: offload may be short of host RAM where checkpointing on the device fits
     if options.get("optim", "auto") == "auto":

@@ -100,19 +100,12 @@ def check_optim(optim: str) -> str:
     return optim
 
 
-def frugal(choices: list[Choice]) -> Choice:
-    """The choice the no-fit diagnosis plans: the last checkpointing setting with the last optimizer, untiled where
-    the ladder has untiled choices (at a short sequence slices hold more than they save: the concatenated outputs and
-    gradients; the diagnosis lists a tiled MLP among the changes where it fits, `knobs.knob_fixes`)."""
-    untiled = [c for c in choices if not c.tiled_mlp] or choices
-    return Choice(untiled[-1].checkpointing, untiled[-1].optim, untiled[-1].tiled_mlp)
-
-
 def frugal_choices(choices: list[Choice]) -> list[Choice]:
-    """The choices the no-fit diagnosis lets each rank run: `frugal`'s optimizer and tiling with every checkpointing
-    setting the ladder has (offload is not always the least: at one stage its pinned copies outweigh what it frees)."""
-    least = frugal(choices)
-    return [c for c in choices if (c.optim, c.tiled_mlp) == (least.optim, least.tiled_mlp)] or [least]
+    """The choices a no-fit diagnosis's closest split is planned with: the ladder's last optimizer (the fewest bytes of
+    moments) with every checkpointing setting and tiling it has (neither offload nor a tiled MLP is always the least:
+    at one stage offload's pinned copies, at a short sequence the slices' concatenated outputs, can outweigh what they
+    free)."""
+    return [c for c in choices if c.optim == choices[-1].optim]
 
 
 def plan_spec(spec: TrainingSpec, used: list[Choice]) -> TrainingSpec:

@@ -8,6 +8,7 @@ a no-fit `hfsplit.planning.diagnosis`. This module only puts them in order.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import replace
 from typing import Optional, Union
@@ -19,14 +20,15 @@ from hfsplit.models.families import check_causal_lm, check_supported
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.plan.left_out import LeftOut
 from hfsplit.planning.kind_rates import kind_rates
-from hfsplit.planning.knobs import frugal_loss, loss_settings, turn_knobs, with_fixed_loss
+from hfsplit.planning.knobs import loss_settings, turn_knobs, with_fixed_loss
 from hfsplit.planning.links import Link
-from hfsplit.planning.memory_choices import frugal, frugal_choices, host_budget, host_share, ladder, mlp_tiles
+from hfsplit.planning.max_seq import probe_knobs
+from hfsplit.planning.memory_choices import host_budget, host_share, ladder, mlp_tiles
 from hfsplit.planning.reserve import reserve_for
 from hfsplit.planning.timing import DEVICE_FLOPS
 from hfsplit.schedules import AUTO
 from hfsplit.planning.checks import check_degrees, check_options, checked_headroom
-from hfsplit.planning.diagnosis import could_fit, diagnosis_schedule, explain_no_fit
+from hfsplit.planning.diagnosis import Search, could_fit, diagnosis_schedule, explain_no_fit
 from hfsplit.planning.search import best_plan, forced_count
 
 
@@ -72,34 +74,92 @@ def make_plan(
     config, name = _config_and_name(model, single_process=single_process)
     spec, chunked_loss = spec or TrainingSpec(), "off" if single_process else chunked_loss  # one process: its own loss
     budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
-    rates = kind_rates(budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
+    kinds = budget_kinds(max_memory)
+    rates = kind_rates(kinds, unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
                        link_given=link is not None)
-    spec = _with_reserve(spec, budgets, gpus=gpus, distributed=(world_size or len(budgets)) > 1 and not single_process)
-    check_options(schedule, micro_batches, global_batch, spec, activation_checkpointing, world_size, tp=tp, pp=pp, dp=dp)
+    given_reserve, spec = spec.reserve_bytes, _with_reserve(spec, budgets, gpus=gpus, distributed=(
+        world_size or len(budgets)) > 1 and not single_process)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
                    device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
                    world_size=world_size, host=host, headroom=checked_headroom(headroom))
-    choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim,
-                     single_process=single_process, tiled_mlp=tiled_mlp, tiles=mlp_tiles(config, spec))
-    check_degrees(config, budgets, tp=tp, pp=pp, dp=dp, micro_batches=forced_count(micro_batches), schedule=schedule,
-                  world_size=world_size)
-    found = _with_knobs(config, budgets, spec, name=name, choices=choices, options=options, chunked_loss=chunked_loss)
+    knobs = dict(activation_checkpointing=activation_checkpointing, optim=optim, tiled_mlp=tiled_mlp,
+                 chunked_loss=chunked_loss)
+    _check_request(config, budgets, spec, options, activation_checkpointing=activation_checkpointing)
+    found = _with_knobs(config, budgets, spec, name=name, options=options, chunked_loss=chunked_loss,
+                        choices=_ladder(config, spec, knobs, single_process=single_process))
     if found is not None:  # a multimodal checkpoint's towers: what the plan of its language model leaves out
         found = replace(found, notes=found.notes + rates.notes, left_out=LeftOut.of(left_out_of(config)))
         return _with_host_note(found, host, options["link"])
-    raise _no_fit(config, budgets, spec, name=name, choices=choices, chunked_loss=chunked_loss, explain=explain,
-                  options={**options, "schedule": diagnosis_schedule(schedule, micro_batches, len(budgets))})
+    raise _no_fit(config, budgets, spec, name=name, knobs=knobs, options=options, explain=explain, launch=dict(
+        kinds=kinds, reserve=given_reserve, gpus=gpus, single_process=single_process, speeds=device_speeds, link=link))
 
 
-def _no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, choices: list, chunked_loss,
-            explain: bool, options: dict) -> PlanError:
-    """The no-fit error: the diagnosis plans the most frugal choice and loss, and its changes of size alone with every
-    memory choice and loss make_plan searched (`diagnosis.explain_no_fit`); the diagnosis needs no schedule search."""
+def _check_request(config, budgets: dict[str, int], spec: TrainingSpec, options: dict, *,
+                   activation_checkpointing) -> None:
+    """The caller's options, then the forced degrees against the devices and the model (`checks`)."""
+    o = options
+    check_options(o["schedule"], o["micro_batches"], o["global_batch"], spec, activation_checkpointing, o["world_size"],
+                  tp=o["tp"], pp=o["pp"], dp=o["dp"])
+    check_degrees(config, budgets, tp=o["tp"], pp=o["pp"], dp=o["dp"], micro_batches=forced_count(o["micro_batches"]),
+                  schedule=o["schedule"], world_size=o["world_size"])
+
+
+def _no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, knobs: dict, options: dict,
+            launch: dict, explain: bool) -> PlanError:
+    """The no-fit error (`diagnosis.explain_no_fit`): the closest split over the knobs make_plan turns at their most
+    frugal, and each change of size planned by make_plan's own search (`_search_of`); no schedule search."""
     if not explain:
         return PlanError(f"{name}: no split fits (not explained)")
-    return PlanError(explain_no_fit(config, budgets, frugal_loss(frugal(choices).spec(spec), chunked_loss), name=name,
-                                    options=options, choices=frugal_choices(choices),
+    search = _search_of(config, name=name, budgets=budgets, options=options, knobs=knobs, **launch)
+    chunked_loss = knobs["chunked_loss"]
+    schedule = diagnosis_schedule(options["schedule"], options["micro_batches"], len(budgets))
+    return PlanError(explain_no_fit(config, budgets, spec, name=name, options={**options, "schedule": schedule},
+                                    search=search, choices=_ladder(config, spec, knobs, single_process=launch[
+                                        "single_process"]),
                                     losses=loss_settings(with_fixed_loss(spec, chunked_loss), chunked_loss)))
+
+
+def _ladder(config, spec: TrainingSpec, knobs: dict, *, single_process: bool) -> list:
+    """Each rank's memory choices for `spec` under make_plan's knobs (a tiled MLP's slices grow with the sequence)."""
+    return ladder(spec, activation_checkpointing=knobs["activation_checkpointing"], optim=knobs["optim"],
+                  single_process=single_process, tiled_mlp=knobs["tiled_mlp"], tiles=mlp_tiles(config, spec))
+
+
+def _search_of(config, *, name: str, budgets: dict[str, int], kinds: dict, options: dict, knobs: dict, reserve,
+               gpus: bool, single_process: bool, speeds: Optional[dict], link: Optional[Link]) -> Search:
+    """make_plan's search as a function of the budgets and the spec (`diagnosis.Search`), for the diagnosis's changes
+    of size: a trial is planned as make_plan would plan that job (each rank's ladder and every knob; its reserve, and
+    the speeds measured for its shape), so what the diagnosis offers, make_plan accepts. An added device is one more
+    of the smallest given (its kind's speed); more devices than the launch's are searched without its world size."""
+    smallest = min(budgets, key=budgets.get)
+
+    @functools.lru_cache(maxsize=None)
+    def cached(trial_budgets: tuple, trial: TrainingSpec, changes: tuple) -> Optional[Plan]:
+        trial_budgets, changes = dict(trial_budgets), dict(changes)
+        grown = len(trial_budgets) > len(budgets)
+        turned = {**knobs, **{k: v for k, v in changes.items() if k in knobs}}
+        trial = with_reserve_of(trial, grown=grown)
+        rates = kind_rates(kinds, unit=DEVICE_FLOPS, config=config, spec=trial, given=speeds,
+                           link_given=link is not None)
+        known = {**rates.speeds, **(speeds or {})}
+        trial_options = {**options, "device_speeds": {**{d: known.get(smallest, 1.0) for d in trial_budgets}, **known},
+                         **({"world_size": None} if grown else {}),
+                         **{k: v for k, v in changes.items() if k not in knobs}}
+        choices = _ladder(config, trial, turned, single_process=single_process)
+        return _with_knobs(config, trial_budgets, trial, name=name, choices=choices, options=trial_options,
+                           chunked_loss=turned["chunked_loss"])
+
+    def with_reserve_of(trial: TrainingSpec, *, grown: bool) -> TrainingSpec:
+        # more devices make a one-device job a launch: NCCL's buffers join the reserve (the given devices' own)
+        distributed = (options["world_size"] or len(budgets)) > 1 or grown
+        return _with_reserve(replace(trial, reserve_bytes=reserve), budgets, gpus=gpus,
+                             distributed=distributed and not single_process)
+
+    def search(trial_budgets: dict[str, int], trial: TrainingSpec, *, probe: bool = False, **changes) -> Optional[Plan]:
+        changes = {**probe_knobs(knobs), **changes} if probe else changes  # as --max-seq-len's probes
+        return cached(tuple(trial_budgets.items()), trial, tuple(sorted(changes.items())))
+
+    return search
 
 
 def _with_knobs(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, choices: list, options: dict,

@@ -104,8 +104,9 @@ def test_planning_imports_none_of_the_training_stack(tmp_path):
 
 
 def test_no_fit_diagnosis_traces_two_degrees_and_no_fix_the_weights_rule_out(tmp_path, monkeypatch):
-    """4 devices too small for the weights: the search traces tp 1 and 2 (tp=4 is derived), the shorter
-    sequence (128) and micro-batch (1) fixes trace nothing, and more devices add only tp=8 (one key-value head each)."""
+    """4 devices too small for the weights: the search traces tp 1 and 2 (tp=4 is derived), the shorter sequence
+    and micro-batch fixes trace nothing, and more devices add only tp=8 (one key-value head each), each degree also at
+    one row a micro-batch, which make_plan tries on those devices where no count fits (`knobs.turn_knobs`)."""
     from hfsplit.budget import parse_max_memory
     from hfsplit.planning import diagnosis, planner
     from hfsplit.planning.costs import traces as trace_cache
@@ -123,7 +124,8 @@ def test_no_fit_diagnosis_traces_two_degrees_and_no_fix_the_weights_rule_out(tmp
     assert not diagnosis.could_fit(config, parse_max_memory(budget), spec)
     with pytest.raises(PlanError, match="devices"):
         planner.make_plan(config, budget, spec=spec)
-    assert sorted(set(traced)) == [(1, 256, 2), (2, 256, 2), (8, 256, 2)]
+    # more devices are planned as make_plan plans them: where no micro-batch count fits, one row a micro-batch too
+    assert sorted(set(traced)) == [(t, 256, rows) for t in (1, 2, 8) for rows in (1, 2)]
     # the bound is the weights the plan counts: a one-device plan of the full model holds exactly them
     one = planner.make_plan(config, "64GiB", spec=TrainingSpec(method="inference", dtype="float32", reserve_bytes=0))
     assert one.stages[0].memory.weights == costs_model.weight_bytes(config, one.spec)

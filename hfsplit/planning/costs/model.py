@@ -125,6 +125,14 @@ def model_costs(config, spec: TrainingSpec, tp: int = 1) -> ModelCosts:
         spec: what one step does.
         tp: tensor-parallel degree; must be one of `valid_tp_degrees(config, tp)`.
     """
+    return _costs_of(keyed(config), spec, tp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _costs_of(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
+    """`model_costs` of the config under `key`, kept: a search asks for the same costs many times (the layer kinds,
+    the LoRA targets of each kind read the config each time; a no-fit diagnosis asks again for every change)."""
+    config = CONFIGS[key]
     why = tp_degree_error(config, tp)
     if why:
         raise PlanError(why)
