@@ -88,8 +88,9 @@ def tokens_per_second(plan: Plan) -> float:
 
 
 def _pays_nothing(plan: Plan, fastest: Choice) -> bool:
-    return all((plan.checkpointing_of(s), plan.optim_of(s), plan.tiled_mlp_of(s)) ==
-               (fastest.checkpointing, fastest.optim, fastest.tiled_mlp) for s in plan.stages)
+    return all((plan.checkpointing_of(s), plan.optim_of(s), plan.tiled_mlp_of(s), s.host_embedding) ==
+               (fastest.checkpointing, fastest.optim, fastest.tiled_mlp, fastest.host_embedding and s.has_embed)
+               for s in plan.stages)
 
 
 def _chunked_values(spec: TrainingSpec, mode: str) -> list[bool]:

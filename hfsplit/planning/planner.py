@@ -21,7 +21,9 @@ from hfsplit.plan.left_out import LeftOut
 from hfsplit.planning.kind_rates import kind_rates
 from hfsplit.planning.knobs import frugal_loss, loss_settings, turn_knobs, with_fixed_loss
 from hfsplit.planning.links import Link
-from hfsplit.planning.memory_choices import frugal, frugal_choices, host_budget, host_share, ladder, mlp_tiles
+from hfsplit.planning.memory_choices import (
+    frugal, frugal_choices, host_budget, host_embedding_offered, host_share, ladder, mlp_tiles,
+)
 from hfsplit.planning.reserve import reserve_for
 from hfsplit.planning.timing import DEVICE_FLOPS
 from hfsplit.schedules import AUTO
@@ -40,7 +42,7 @@ def make_plan(
     device_speeds: Optional[dict] = None, link: Optional[Link] = None,
     tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
     world_size: Optional[int] = None, single_process: bool = False, gpus: bool = True, tiled_mlp="auto",
-    chunked_loss="auto", explain: bool = True) -> Plan:
+    chunked_loss="auto", host_embedding="auto", explain: bool = True) -> Plan:
     """Plan the split of `model` over the devices of `max_memory`.
 
     Args:
@@ -64,6 +66,8 @@ def make_plan(
             numbered budgets are GPUs; False: CPU ranks, charged no reserve (`hfsplit.planning.reserve`).
         tiled_mlp: "auto" (tiled where nothing else fits a rank: `memory_choices.ladder`), "on" or "off".
         chunked_loss: "auto" (the spec's, or on where that fits faster: `knobs.turn_knobs`), True / "on", False / "off".
+        host_embedding: "auto" (the first stage's frozen input embedding table in host RAM where its card fits no
+            other way: `memory_choices.ladder`), "on" or "off"; never under full fine-tuning or tied embeddings.
         explain: False: a no-fit raises at once, without the diagnosis's re-plans (`max_seq` probes so).
 
     Raises:
@@ -80,7 +84,9 @@ def make_plan(
                    device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
                    world_size=world_size, host=host, headroom=checked_headroom(headroom))
     choices = ladder(spec, activation_checkpointing=activation_checkpointing, optim=optim,
-                     single_process=single_process, tiled_mlp=tiled_mlp, tiles=mlp_tiles(config, spec))
+                     single_process=single_process, tiled_mlp=tiled_mlp, tiles=mlp_tiles(config, spec),
+                     host_embedding=host_embedding,
+                     embedding_frozen=host_embedding_offered(config, spec, single_process=single_process))
     check_degrees(config, budgets, tp=tp, pp=pp, dp=dp, micro_batches=forced_count(micro_batches), schedule=schedule,
                   world_size=world_size)
     found = _with_knobs(config, budgets, spec, name=name, choices=choices, options=options, chunked_loss=chunked_loss)
