@@ -54,8 +54,10 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
             if p > config.num_hidden_layers:
                 continue
             for sched in _runnable(candidates, schedule, m=m, p=p):
-                usable = [c for c in choices if not (p > 1 and recompute_kept(sched, c))]
-                if p > 1 and (m < min_micro_batches(sched, p) or not usable):
+                # a TP-sharded embedding is a DTensor of the devices' mesh: its table stays on them
+                usable = [c for c in choices if not (p > 1 and recompute_kept(sched, c))
+                          and not (t > 1 and c.host_embedding)]
+                if not usable or (p > 1 and m < min_micro_batches(sched, p)):
                     continue  # torch refuses fewer micro-batches; or checkpointing would save nothing here
                 variants = Variants(config, cut, t, usable, cache)
                 for candidate in plans_for_shape(variants, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
