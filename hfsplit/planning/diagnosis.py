@@ -22,10 +22,10 @@ from hfsplit.planning.search import (
 
 
 def explain_no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, options: dict,
-                   choices: Optional[list] = None, losses: Sequence[bool] = ()) -> str:
+                   choices: Optional[list] = None, losses: Sequence[bool] = (), host_table: bool = False) -> str:
     """The no-fit message: the closest split's stages against their budgets, and the changes that fit. `choices`:
     each rank's memory choices and `losses`: the chunked-loss settings make_plan searched (what a change of size alone
-    is planned with)."""
+    is planned with); `host_table`: the caller held off an embedding table that could stay in host RAM."""
     closest = _closest_plan(config, budgets, spec, options)
     lines = [f"{name}: no split fits the budget ({len(budgets)} device(s): "
              + ", ".join(f"{k}={format_bytes(v)}" for k, v in budgets.items())
@@ -37,7 +37,7 @@ def explain_no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name:
             lines.append(f"  stage {s.index} on {','.join(s.devices[0])}: layers {s.layers[0]}-{s.layers[1] - 1}, "
                          f"needs {format_bytes(s.memory.total)} of {format_bytes(s.budget)}"
                          + (f" ({format_bytes(over)} over)" if over > 0 else ""))
-    fixes = _fixes_that_fit(config, budgets, spec, options, choices=choices, losses=losses)
+    fixes = _fixes_that_fit(config, budgets, spec, options, choices=choices, losses=losses, host_table=host_table)
     if fixes:
         lines.append("changes that fit: " + "; ".join(fixes))
     else:
@@ -73,7 +73,7 @@ def _closest_plan(config, budgets, spec, options) -> Optional[Plan]:
 
 
 def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict, *,
-                    choices: Optional[list] = None, losses: Sequence[bool] = ()) -> list[str]:
+                    choices: Optional[list] = None, losses: Sequence[bool] = (), host_table: bool = False) -> list[str]:
     def fits(b, s, each=None) -> bool:
         # More devices means launching more processes: that fix is searched without the launch's world size.
         # Fewer micro-batches where the caller fixed no count: as make_plan would try them (`knobs.turn_knobs`).
@@ -104,7 +104,7 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
         fixes += _host_fix(config, budgets, spec, options)
     fixes += knob_fixes(lambda s, extra: best_plan(config, budgets, s, name="", **{**options, **extra})
                         if could_fit(config, budgets, s) else None, spec, tiles=mlp_tiles(config, spec),
-                        micro_batches=options["micro_batches"])
+                        micro_batches=options["micro_batches"], host_table=host_table)
     # A shorter sequence only shrinks activations: the longest that fits, by binary search on the planner
     seq = longest_fitting(lambda n: fits_as_planned(budgets, replace(spec, seq_len=n)), low=128, high=spec.seq_len - 1,
                           multiple=128)

@@ -93,19 +93,23 @@ def make_plan(
     if found is not None:  # a multimodal checkpoint's towers: what the plan of its language model leaves out
         found = replace(found, notes=found.notes + rates.notes, left_out=LeftOut.of(left_out_of(config)))
         return _with_host_note(found, host, options["link"])
+    held_off = host_embedding in (False, "off") and host_embedding_offered(config, spec, single_process=single_process)
     raise _no_fit(config, budgets, spec, name=name, choices=choices, chunked_loss=chunked_loss, explain=explain,
-                  options={**options, "schedule": diagnosis_schedule(schedule, micro_batches, len(budgets))})
+                  options={**options, "schedule": diagnosis_schedule(schedule, micro_batches, len(budgets))},
+                  host_table=held_off)
 
 
 def _no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, choices: list, chunked_loss,
-            explain: bool, options: dict) -> PlanError:
+            explain: bool, options: dict, host_table: bool = False) -> PlanError:
     """The no-fit error: the diagnosis plans the most frugal choice and loss, and its changes of size alone with every
-    memory choice and loss make_plan searched (`diagnosis.explain_no_fit`); the diagnosis needs no schedule search."""
+    memory choice and loss make_plan searched (`diagnosis.explain_no_fit`); the diagnosis needs no schedule search.
+    `host_table`: the caller held off an embedding table that could stay in host RAM (a change it lists)."""
     if not explain:
         return PlanError(f"{name}: no split fits (not explained)")
     return PlanError(explain_no_fit(config, budgets, frugal_loss(frugal(choices).spec(spec), chunked_loss), name=name,
                                     options=options, choices=frugal_choices(choices),
-                                    losses=loss_settings(with_fixed_loss(spec, chunked_loss), chunked_loss)))
+                                    losses=loss_settings(with_fixed_loss(spec, chunked_loss), chunked_loss),
+                                    host_table=host_table))
 
 
 def _with_knobs(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, choices: list, options: dict,

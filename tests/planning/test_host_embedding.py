@@ -86,6 +86,9 @@ def test_a_trained_or_tied_table_stays_on_the_card(method, tied):
     spec = TrainingSpec(method="lora", seq_len=256, dtype="float32", reserve_bytes=0)
     plan = make_plan(_tiny_config(), SMALL_FIRST_CARD, spec=spec, pp=2, gpus=False)
     assert [s.host_embedding for s in plan.stages] == [True, False]
+    with pytest.raises(PlanError, match=r"changes that fit: the first stage's embedding table in host RAM "
+                                        r"\(--host-embedding on\)"):  # held off, the diagnosis names it
+        make_plan(_tiny_config(), SMALL_FIRST_CARD, spec=spec, pp=2, gpus=False, host_embedding="off")
     config, spec = _tiny_config(tie_word_embeddings=tied), replace(spec, method=method)
     with pytest.raises(PlanError, match="no split fits"):
         make_plan(config, SMALL_FIRST_CARD, spec=spec, pp=2, gpus=False, explain=False)
