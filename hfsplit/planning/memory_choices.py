@@ -83,8 +83,8 @@ def _embedding_setting(host_embedding, frozen: bool) -> str:
     if mode not in (AUTO, "on", "off"):
         raise PlanError(f"host embedding {host_embedding!r}: use auto, on or off")
     if mode == "on" and not frozen:
-        raise PlanError("--host-embedding on keeps a frozen, untied input embedding in host RAM: it needs LoRA or QLoRA "
-                        "on split stages, an embedding that is no LoRA target and not tied to lm_head; use auto or off")
+        raise PlanError("--host-embedding on keeps a frozen, untied input embedding in host RAM: it needs LoRA or "
+                        "QLoRA on split stages, an embedding that is no LoRA target and not tied to lm_head; use auto or off")
     return mode if frozen else "off"
 
 

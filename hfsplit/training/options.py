@@ -122,10 +122,8 @@ class FinetuneOptions(*option_mixins()):
         "(its intermediates never whole): the same loss and gradients for one more MLP forward a micro-batch; auto: "
         "on a stage only where nothing else fits it")
     host_embedding: Union[bool, Literal["auto"]] = option(
-        "auto", "parallelism", "LoRA / QLoRA: the first stage's frozen input embedding table stays in host RAM, looked "
-        "up on the CPU, only its rows copied to the device (a 70B's 1.96 GiB off the first card): the same loss and "
-        "gradients for one host copy of a hidden state a micro-batch; auto: only where the first card fits no other "
-        "way (never with tied embeddings or full fine-tuning)")
+        "auto", "parallelism", "LoRA/QLoRA: the first stage's frozen embedding table in host RAM, looked up on the "
+        "CPU; auto: where its card fits no other way")
     optim: Literal["auto", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = option(
         "auto", "optimisation", "the optimizer, by transformers' names: auto (fp32 AdamW, bitsandbytes' 8-bit moments "
         "on a stage only where fp32 ones would not fit), adamw_torch, adamw_8bit or paged_adamw_8bit")

@@ -225,8 +225,8 @@ def _host_bytes(model) -> int:
 def _held_bytes(model, optimizer) -> int:
     """Device bytes held through a step: the parameters (those in host RAM left out), AdamW's state, 4-bit states."""
     host = {id(p) for p in _on_host(model)}
-    tensors = [p for p in model.parameters() if id(p) not in host] + [t for state in optimizer.state.values() for t in state.values()
-                                          if isinstance(t, torch.Tensor)]
+    tensors = [p for p in model.parameters() if id(p) not in host]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     tensors += [t for p in model.parameters() for t in _quant_state(p)]
     storages = {}
     for t in tensors:
