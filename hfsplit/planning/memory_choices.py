@@ -142,8 +142,8 @@ def frugal_choices(choices: list[Choice]) -> list[Choice]:
     """The choices the no-fit diagnosis lets each rank run: `frugal`'s optimizer and tiling with every checkpointing
     setting the ladder has (offload is not always the least: at one stage its pinned copies outweigh what it frees)."""
     least = frugal(choices)
-    return [c for c in choices if (c.optim, c.tiled_mlp, c.host_embedding) ==
-            (least.optim, least.tiled_mlp, least.host_embedding)] or [least]
+    # both places of the embedding table: a TP degree keeps it on its devices (`search.best_plan`)
+    return [c for c in choices if (c.optim, c.tiled_mlp) == (least.optim, least.tiled_mlp)] or [least]
 
 
 def plan_spec(spec: TrainingSpec, used: list[Choice]) -> TrainingSpec:

@@ -237,7 +237,7 @@ def plan_of_split(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequenc
             has_embed=slot.has_embed, has_head=slot.has_head, memory=stage_memory(mine, slot, held),
             budget=slot.budget, time_s=slot_time(mine, slot, held), checkpointing=choices[level].checkpointing,
             optim=choices[level].optim, tiled_mlp=choices[level].tiled_mlp,
-            host_embedding=choices[level].host_embedding and slot.has_embed,
+            host_embedding=choices[level].host_embedding and slot.has_embed and t == 1,
         ))
         times[slot.pp_rank] = times.get(slot.pp_rank, 0.0) + stages[-1].time_s
         start += count

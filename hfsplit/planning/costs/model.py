@@ -325,7 +325,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
         split = split_lora_activation_bytes(config, spec, itemsize=size)  # kept per micro-batch, recomputed if ckpt
         block_acts, block_ws = (block_acts, block_ws + split) if ckpt else (block_acts + split, block_ws)
     embed = _on_host(PartCost(**state("embed"), activation_bytes=ends.embed_activations,
-                              workspace_bytes=ends.embed_workspace, flops=0.0), spec)
+                              workspace_bytes=ends.embed_workspace, flops=0.0), spec, tp)
     block = PartCost(**state("block"), activation_bytes=block_acts, workspace_bytes=block_ws, flops=block_flops,
                      comm_bytes=comm, offload_bytes=offload)
     head = PartCost(**state("head"), activation_bytes=ends.head_activations, workspace_bytes=ends.head_workspace,
@@ -338,10 +338,11 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
                                 layout, config)
 
 
-def _on_host(embed: PartCost, spec: TrainingSpec) -> PartCost:
+def _on_host(embed: PartCost, spec: TrainingSpec, tp: int) -> PartCost:
     """The embeddings' costs where their table stays in host RAM (`TrainingSpec.host_embedding`): its bytes leave the
-    device; the looked-up rows (the part's workspace) still reach it."""
-    if not spec.host_embedding:
+    device; the looked-up rows (the part's workspace) still reach it. Under TP the table is a DTensor sharded over the
+    devices' mesh, and stays there (the search never plans it on the host: `search.best_plan`)."""
+    if not spec.host_embedding or tp > 1:
         return embed
     return replace(embed, param_bytes=0, host_bytes=embed.param_bytes)
 
@@ -516,12 +517,13 @@ def _routed_lora_numel(lora_numel: int, config, spec: TrainingSpec) -> int:
 
 def weight_bytes(config, spec: TrainingSpec) -> int:
     """Bytes of the model's weights held once, without a trace: every split of a `spec` run holds at least
-    this much across its devices (TP replicates norms, adapters and optimizer state come on top)."""
+    this much across its devices (TP replicates norms, adapters and optimizer state come on top; an input embedding
+    table in host RAM, `TrainingSpec.host_embedding`, is not on them)."""
     layout = layout_of(keyed(config))
     kinds = layer_kinds(config)
     blocks = ([_block_weight_bytes(kind_config(config, k), spec) for k in kinds] if kinds
               else [_block_weight_bytes(config, spec)] * config.num_hidden_layers)
-    ends = layout.embed_numel + layout.head_numel - (layout.embed_numel if layout.tied else 0)
+    ends = layout.embed_numel + layout.head_numel - (layout.embed_numel if layout.tied or spec.host_embedding else 0)
     return sum(blocks) + ends * dtype_of(spec.dtype).itemsize
 
 
