@@ -94,12 +94,20 @@ def load_stage_weights(module: nn.Module, *, reader, device: torch.device, dtype
                 local = reader.read(key, dtype=dtype, device=device)
             value = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
         else:
-            value = reader.read(key, dtype=dtype, device=device)
+            value = reader.read(key, dtype=dtype, device=device_for(module, key, device))
         set_parameter(module, key, nn.Parameter(value, requires_grad=param.requires_grad))
     if module.shares_embedding:  # named_parameters listed the shared matrix once, under the embedding
         module.lm_head.weight = module.body.embed_tokens.weight
     read_buffers(module, reader=reader, device=device)
     materialize_buffers(module, device=device)
+
+
+def device_for(module: nn.Module, name: str, device: torch.device) -> torch.device:
+    """Where parameter `name` of `module` is read: the rank's `device`, or the device its owner was marked to live on
+    (`hfsplit_device`: an input embedding kept in host RAM, `hfsplit.apply.host_embedding`)."""
+    owner_name = name.rpartition(".")[0]
+    owner = module.get_submodule(owner_name) if owner_name else module
+    return getattr(owner, "hfsplit_device", device)
 
 
 def set_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:
@@ -135,7 +143,7 @@ def load_quantized_stage(module: nn.Module, *, reader, device: torch.device, dty
         if key in dense:  # a block's 16-bit linear weight lives only until its block is quantized
             value = reader.read_into(key, staging.take(dense[key]))
         else:
-            value = reader.read(key, dtype=dtype, device=device)
+            value = reader.read(key, dtype=dtype, device=device_for(module, key, device))
         set_parameter(module, key, nn.Parameter(value, requires_grad=False))
     if current is not None:
         quantize_module(module.get_submodule(current), qconfig, device=device, prefix=current, reader=reader,

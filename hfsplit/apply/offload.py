@@ -42,7 +42,8 @@ def allocating_host_copy() -> bool:
 
 
 @contextlib.contextmanager
-def _host_allocation():
+def host_allocation():
+    """What is allocated inside is host memory (`allocating_host_copy` is True meanwhile)."""
     _HOST_ALLOCATIONS[0] += 1
     try:
         yield
@@ -134,7 +135,7 @@ class StageOffload:
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.stream is None:
-            with _host_allocation():
+            with host_allocation():
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
             return host.copy_(tensor)
         main = torch.cuda.current_stream(self.device)

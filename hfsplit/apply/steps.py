@@ -2,7 +2,7 @@
 `parallelize_llama` applies what its config names):
 
     tensor parallelism → activation checkpointing (block inputs offloaded where a stage says) → tiled MLPs →
-    load weights →
+    the input embedding kept in host RAM (where the first stage says) → load weights →
     quantization → LoRA → autocast (16-bit QLoRA)
 
 TP and checkpointing act on the stage while it is still on the meta device (TP so each rank
@@ -22,6 +22,7 @@ from torch import nn
 
 from hfsplit.apply.autocast import autocast_stages
 from hfsplit.apply.checkpointing import checkpoint_blocks
+from hfsplit.apply.host_embedding import keep_embeddings_on_host
 from hfsplit.apply.load import read_weights
 from hfsplit.apply.lora import LoraSetup, add_adapters
 from hfsplit.apply.quantize import check_quantized
@@ -36,6 +37,7 @@ STEPS: dict[str, Callable[[Sequence[nn.Module], Step, "StepInputs"], Step]] = {
     "tp": shard_stages,
     "checkpointing": checkpoint_blocks,
     "tiled_mlp": tile_stage_mlps,
+    "host_embedding": keep_embeddings_on_host,
     "load": read_weights,
     "quantize": check_quantized,
     "lora": add_adapters,

@@ -83,6 +83,12 @@ def device_of_rank(*, local_rank: int, plan: Optional[Plan] = None, rank: int = 
     return torch.device(f"cuda:{index}")
 
 
+def host_device() -> torch.device:
+    """The device of a rank's host RAM: what an input embedding table kept off the device lives on
+    (`Stage.host_embedding`); on a CPU rank the same device as the rank's own."""
+    return torch.device("cpu")
+
+
 def gpu_index_of_rank(plan: Plan, *, rank: int, local_rank: int, gpus_per_host: int) -> int:
     """The local GPU index `plan` gives global `rank`: the device its stage was planned on for its
     (dp, tp) place. Budget devices are numbered host after host, so device g is GPU g % gpus_per_host
@@ -189,6 +195,11 @@ class ParallelContext:
     device: torch.device
     mesh: object
     tied_group: Optional[object] = None
+
+    @property
+    def host(self) -> torch.device:
+        """This rank's host RAM (`host_device`)."""
+        return host_device()
 
     @property
     def pp_group(self):

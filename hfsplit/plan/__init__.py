@@ -13,7 +13,8 @@ from hfsplit.budget import format_bytes
 from hfsplit.errors import PlanError
 from hfsplit.plan.left_out import LeftOut
 from hfsplit.plan.steps import (
-    Step, autocast_step, checkpointing_step, load_step, lora_step, quantize_step, tiled_mlp_step, tp_step,
+    Step, autocast_step, checkpointing_step, host_embedding_step, load_step, lora_step, quantize_step, tiled_mlp_step,
+    tp_step,
 )
 
 
@@ -117,6 +118,9 @@ class TrainingSpec:
             recompute-backward, so the MLP's intermediates and the norms' fp32 copies never exist for the whole
             sequence (`hfsplit.apply.tiled_mlp`); 0: untiled. In a Plan, the
             most any stage runs; each stage's own is `Stage.tiled_mlp`.
+        host_embedding: LoRA / QLoRA: the first stage's input embedding table (frozen, never quantized) stays in
+            host RAM, its lookup runs on the CPU and only the looked-up rows go to the device
+            (`hfsplit.apply.host_embedding`). In a Plan, whether the first stage runs so (`Stage.host_embedding`).
     """
 
     method: Method = "lora"
@@ -143,6 +147,7 @@ class TrainingSpec:
     rollout_rows: int = 0
     rollout_tokens: int = 0
     tiled_mlp: int = 0
+    host_embedding: bool = False
 
     def __post_init__(self):
         mode = checkpointing_mode(self.activation_checkpointing)
@@ -219,6 +224,7 @@ class StageMemory:
     reserve: int
     workspace: int = 0  # the transient part of `activations`: the peak of one part running once
     offload: int = 0  # host bytes the activation offload holds at the stage's peak (not device memory: not in total)
+    host_weights: int = 0  # weights kept in host RAM (the input embedding table on the host): not in total
 
     @property
     def total(self) -> int:
@@ -264,6 +270,7 @@ class Stage:
         checkpointing: this stage's activation checkpointing, "off" / "on" / "offload" (None: the spec's).
         optim: the optimizer of this stage's trainable parameters, an `OPTIMS` name (None: the spec's).
         tiled_mlp: the slices each of this stage's blocks runs its MLP in (0: untiled; None: the spec's).
+        host_embedding: its input embedding table stays in host RAM, looked up on the CPU (first stage only).
     """
 
     index: int
@@ -278,6 +285,7 @@ class Stage:
     checkpointing: Optional[str] = None
     optim: Optional[str] = None
     tiled_mlp: Optional[int] = None
+    host_embedding: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -346,6 +354,8 @@ class Plan:
             out.append(checkpointing_step(self))
         if any(self.tiled_mlp_of(s) > 1 for s in self.stages):
             out.append(tiled_mlp_step(self))
+        if any(s.host_embedding for s in self.stages):
+            out.append(host_embedding_step(self))
         out.append(load_step())
         if self.spec.method == "qlora":
             out.append(quantize_step(self.spec, experts=self.fused_experts))
@@ -375,6 +385,11 @@ class Plan:
     def offload_bytes(self) -> int:
         """Host bytes the activation offload of one replica's pipeline holds at its peak, every rank together."""
         return sum(s.memory.offload * len(s.devices[0]) for s in self.stages)
+
+    @property
+    def host_weight_bytes(self) -> int:
+        """Host bytes of the weights one replica keeps off its devices (the input embedding table on the host)."""
+        return sum(s.memory.host_weights * len(s.devices[0]) for s in self.stages)
 
     @property
     def world_size(self) -> int:
@@ -462,6 +477,9 @@ class Plan:
                 f"{mine[0].devices[0][0]} {format_bytes(rank_total(s.memory for s in mine))} of "
                 f"{format_bytes(mine[0].budget)} ({100 * rank_total(s.memory for s in mine) / mine[0].budget:.0f}%)"
                 for mine in (self.stages_of_rank(r) for r in range(self.pp)))
+        if any(s.host_embedding for s in self.stages):
+            tail += (f"\nhost RAM for the input embedding table: {format_bytes(self.host_weight_bytes)} per replica "
+                     f"(looked up on the CPU; the rows go to the device each micro-batch)")
         if self.offload_bytes:
             tail += (f"\nhost RAM for activation offload: {format_bytes(self.offload_bytes)} per replica "
                      f"(column host: per rank)")
@@ -512,7 +530,8 @@ class Plan:
 
     def _rows(self, stage: Stage) -> list[tuple[str, ...]]:
         m = stage.memory
-        extra = ("+embed" if stage.has_embed else "") + ("+head" if stage.has_head else "")
+        embed = "+embed" + ("(host)" if stage.host_embedding else "")  # its table in host RAM, looked up on the CPU
+        extra = (embed if stage.has_embed else "") + ("+head" if stage.has_head else "")
         layers = f"{stage.layers[0]}-{stage.layers[1] - 1}{extra}" if stage.num_layers else extra or "-"
         training = self.spec.method != "inference"
         moments = ("8-bit" if is_8bit(self.optim_of(stage)) else "fp32") if training else "-"

@@ -12,7 +12,7 @@ class Step(NamedTuple):
     """One thing `apply_plan` does to every stage: its kind (the key of apply's table) and its value.
 
     Kinds, in the order they run: "tp" (the degree), "checkpointing" ("per block"), "tiled_mlp" (the slices, and
-    where), "load" (every plan reads
+    where), "host_embedding" (the stage whose input embedding stays in host RAM), "load" (every plan reads
     its rank's bytes), "quantize" (the base's format), "lora" (the rank), "autocast" (the dtype).
     """
 
@@ -28,6 +28,7 @@ _LABELS = {
     "checkpointing": lambda how: "activation checkpointing per block (non-reentrant)" + (
         "" if how == "per block" else how[len("per block"):]),
     "tiled_mlp": lambda what: f"MLP tiled over the sequence ({what})",
+    "host_embedding": lambda stage: f"input embedding in host RAM, looked up on the CPU (stage {stage})",
     "load": lambda what: f"weights read ({what})",
     "quantize": lambda kind: _quantize_label(*kind.partition("; ")[::2]),
     "lora": lambda r: f"LoRA r={r}",
@@ -64,6 +65,12 @@ def tiled_mlp_step(plan: "Plan") -> Step:
     where = "every stage" if len(tiled) == len(plan.stages) else f"stage {', '.join(str(s.index) for s in tiled)}"
     slices = f"{counts.pop()} slices" if len(counts) == 1 else "slices per stage"
     return Step("tiled_mlp", f"{slices} on {where}")
+
+
+def host_embedding_step(plan: "Plan") -> Step:
+    """The host-embedding step: the stage whose input embedding table stays in host RAM (`Stage.host_embedding`;
+    `apply.host_embedding` reads it there)."""
+    return Step("host_embedding", next(s.index for s in plan.stages if s.host_embedding))
 
 
 def load_step() -> Step:

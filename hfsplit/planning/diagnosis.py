@@ -30,10 +30,11 @@ Search = Callable[..., Optional[Plan]]
 
 
 def explain_no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, options: dict, search: Search,
-                   choices: Sequence[Choice], losses: Sequence[bool]) -> str:
+                   choices: Sequence[Choice], losses: Sequence[bool], host_table: bool = False) -> str:
     """The no-fit message: the closest split's stages against their budgets, and the changes that fit. `choices`:
     each rank's memory choices and `losses`: the chunked-loss settings make_plan searched; `search`: make_plan's
-    search, which plans each change of size (a shorter sequence, more devices, larger devices)."""
+    search, which plans each change of size (a shorter sequence, more devices, larger devices);
+    `host_table`: the caller held off an embedding table that could stay in host RAM (a change it lists)."""
     closest = _closest_plan(config, budgets, spec, options, choices=frugal_choices(choices), losses=losses)
     lines = [f"{name}: no split fits the budget ({len(budgets)} device(s): "
              + ", ".join(f"{k}={format_bytes(v)}" for k, v in budgets.items())
@@ -50,7 +51,8 @@ def explain_no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name:
                          + (f" ({format_bytes(s.budget)} less the {headroom:.0%} headroom)" if headroom else "")
                          + (f" ({format_bytes(over)} over)" if over > 0 else ""))
     frugal = _frugal_spec(spec, choices, losses)
-    fixes = _fixes_that_fit(config, budgets, frugal, options) + _sizes_that_fit(config, budgets, spec, search)
+    fixes = (_fixes_that_fit(config, budgets, frugal, options, host_table=host_table)
+             + _sizes_that_fit(config, budgets, spec, search))
     if fixes:
         lines.append("changes that fit: " + "; ".join(fixes))
     else:
@@ -153,7 +155,8 @@ def _sizes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, search:
     return fixes
 
 
-def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> list[str]:
+def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict, *,
+                    host_table: bool = False) -> list[str]:
     """The one-knob changes (LoRA, QLoRA, the experts in 4 bits, checkpointing, offload, 8-bit moments, host RAM, the
     knobs the caller fixed), each planned from `spec`, the frugal one (`_frugal_spec`)."""
     def fits(b, s) -> bool:
@@ -179,7 +182,7 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
         fixes += _host_fix(config, budgets, spec, options)
     fixes += knob_fixes(lambda s, extra: best_plan(config, budgets, s, name="", **{**options, **extra})
                         if could_fit(config, budgets, s) else None, spec, tiles=mlp_tiles(config, spec),
-                        micro_batches=options["micro_batches"])
+                        micro_batches=options["micro_batches"], host_table=host_table)
     return fixes
 
 

@@ -27,20 +27,24 @@ MIN_SLICE = 1024  # tokens: the shortest slice a tiled MLP runs
 
 @dataclass(frozen=True)
 class Choice:
-    """One rank's memory decisions: `checkpointing` ("off" / "on" / "offload"), `optim` (an `OPTIMS` name) and
-    `tiled_mlp` (the slices its blocks' MLP runs in; 0: whole)."""
+    """One rank's memory decisions: `checkpointing` ("off" / "on" / "offload"), `optim` (an `OPTIMS` name),
+    `tiled_mlp` (the slices its blocks' MLP runs in; 0: whole) and `host_embedding` (the input embedding table in
+    host RAM: only the first stage holds one)."""
 
     checkpointing: str
     optim: str
     tiled_mlp: int = 0
+    host_embedding: bool = False
 
     def spec(self, spec: TrainingSpec) -> TrainingSpec:
         """`spec` as a rank running this choice runs it (the cost model's key)."""
-        return replace(spec, activation_checkpointing=self.checkpointing, optim=self.optim, tiled_mlp=self.tiled_mlp)
+        return replace(spec, activation_checkpointing=self.checkpointing, optim=self.optim, tiled_mlp=self.tiled_mlp,
+                       host_embedding=self.host_embedding)
 
 
 def ladder(spec: TrainingSpec, *, activation_checkpointing: Union[bool, str] = AUTO, optim: str = AUTO,
-           single_process: bool = False, tiled_mlp: Union[bool, str] = AUTO, tiles: int = 0) -> list[Choice]:
+           single_process: bool = False, tiled_mlp: Union[bool, str] = AUTO, tiles: int = 0,
+           host_embedding: Union[bool, str] = AUTO, embedding_frozen: bool = False) -> list[Choice]:
     """The choices a rank may run, fastest first: what the user fixed stays fixed, "auto" opens the rest.
 
     Args:
@@ -51,6 +55,10 @@ def ladder(spec: TrainingSpec, *, activation_checkpointing: Union[bool, str] = A
         tiled_mlp: "auto" (whole, tiled only on the ranks that fit no other way), "on" / True (every rank tiles) or
             "off" / False.
         tiles: the slices a tiled MLP runs in (`mlp_tiles`; 0: the model has no MLP to tile).
+        host_embedding: "auto" (each choice, then the same with the input embedding table in host RAM: the lookup
+            on the CPU and one host copy of its rows a micro-batch, far less than any other choice costs), "on" / True
+            (every choice so) or "off" / False.
+        embedding_frozen: the embedding table is frozen and not shared with lm_head (`host_embedding_offered`).
     """
     if spec.method == "inference":
         return [Choice("off", spec.optim)]
@@ -64,7 +72,29 @@ def ladder(spec: TrainingSpec, *, activation_checkpointing: Union[bool, str] = A
     tiling = _tiling(tiled_mlp, tiles=tiles, single_process=single_process)
     whole = [Choice(m, o) for m in modes for o in optims] if tiling != "on" else []
     tiled = [Choice(m, o, tiles) for m in modes for o in optims if m != "off" or tiling == "on"] if tiling != "off" else []
-    return whole + tiled
+    hosts = {AUTO: (False, True), "on": (True,), "off": (False,)}[_embedding_setting(host_embedding, embedding_frozen)]
+    return [replace(c, host_embedding=h) for c in whole + tiled for h in hosts]
+
+
+def _embedding_setting(host_embedding, frozen: bool) -> str:
+    """"auto", "on" or "off" for a `host_embedding` setting; "off" where the table is not frozen, "on" refused
+    there."""
+    mode = {True: "on", False: "off"}.get(host_embedding, str(host_embedding).lower())
+    if mode not in (AUTO, "on", "off"):
+        raise PlanError(f"host embedding {host_embedding!r}: use auto, on or off")
+    if mode == "on" and not frozen:
+        raise PlanError("--host-embedding on keeps a frozen, untied input embedding in host RAM: it needs LoRA or "
+                        "QLoRA on split stages, an embedding that is no LoRA target and not tied to lm_head; use auto or off")
+    return mode if frozen else "off"
+
+
+def host_embedding_offered(config, spec: TrainingSpec, *, single_process: bool) -> bool:
+    """Whether the input embedding table may stay in host RAM: it is frozen (LoRA or QLoRA, not a LoRA target), lm_head
+    does not share it (tied: the last stage's head trains through it on the device) and the stages are split (the
+    single-process model runs its own forward)."""
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    targeted = any("embed" in t for t in spec.lora_targets or ())
+    return spec.method in ("lora", "qlora") and not tied and not targeted and not single_process
 
 
 def _tiling(tiled_mlp, *, tiles: int, single_process: bool) -> str:
@@ -102,7 +132,7 @@ def check_optim(optim: str) -> str:
 
 def frugal_choices(choices: list[Choice]) -> list[Choice]:
     """The choices a no-fit diagnosis's closest split is planned with: the ladder's last optimizer (the fewest bytes of
-    moments) with every checkpointing setting and tiling it has (neither offload nor a tiled MLP is always the least:
+    moments) with every checkpointing setting, tiling and place of the embedding table it has (neither offload nor a tiled MLP is always the least:
     at one stage offload's pinned copies, at a short sequence the slices' concatenated outputs, can outweigh what they
     free)."""
     return [c for c in choices if c.optim == choices[-1].optim]

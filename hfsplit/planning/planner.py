@@ -23,7 +23,7 @@ from hfsplit.planning.kind_rates import kind_rates
 from hfsplit.planning.knobs import loss_settings, turn_knobs, with_fixed_loss
 from hfsplit.planning.links import Link
 from hfsplit.planning.max_seq import probe_knobs
-from hfsplit.planning.memory_choices import host_budget, host_share, ladder, mlp_tiles
+from hfsplit.planning.memory_choices import host_budget, host_embedding_offered, host_share, ladder, mlp_tiles
 from hfsplit.planning.reserve import reserve_for
 from hfsplit.planning.timing import DEVICE_FLOPS
 from hfsplit.schedules import AUTO
@@ -42,7 +42,7 @@ def make_plan(
     device_speeds: Optional[dict] = None, link: Optional[Link] = None,
     tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
     world_size: Optional[int] = None, single_process: bool = False, gpus: bool = True, tiled_mlp="auto",
-    chunked_loss="auto", explain: bool = True) -> Plan:
+    chunked_loss="auto", host_embedding="auto", explain: bool = True) -> Plan:
     """Plan the split of `model` over the devices of `max_memory`.
 
     Args:
@@ -66,6 +66,8 @@ def make_plan(
             numbered budgets are GPUs; False: CPU ranks, charged no reserve (`hfsplit.planning.reserve`).
         tiled_mlp: "auto" (tiled where nothing else fits a rank: `memory_choices.ladder`), "on" or "off".
         chunked_loss: "auto" (the spec's, or on where that fits faster: `knobs.turn_knobs`), True / "on", False / "off".
+        host_embedding: "auto" (the first stage's frozen input embedding table in host RAM where its card fits no
+            other way: `memory_choices.ladder`), "on" or "off"; never under full fine-tuning or tied embeddings.
         explain: False: a no-fit raises at once, without the diagnosis's re-plans (`max_seq` probes so).
 
     Raises:
@@ -83,15 +85,18 @@ def make_plan(
                    device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
                    world_size=world_size, host=host, headroom=checked_headroom(headroom))
     knobs = dict(activation_checkpointing=activation_checkpointing, optim=optim, tiled_mlp=tiled_mlp,
-                 chunked_loss=chunked_loss)
+                 chunked_loss=chunked_loss, host_embedding=host_embedding)
     _check_request(config, budgets, spec, options, activation_checkpointing=activation_checkpointing)
     found = _with_knobs(config, budgets, spec, name=name, options=options, chunked_loss=chunked_loss,
                         choices=_ladder(config, spec, knobs, single_process=single_process))
     if found is not None:  # a multimodal checkpoint's towers: what the plan of its language model leaves out
         found = replace(found, notes=found.notes + rates.notes, left_out=LeftOut.of(left_out_of(config)))
         return _with_host_note(found, host, options["link"])
-    raise _no_fit(config, budgets, spec, name=name, knobs=knobs, options=options, explain=explain, launch=dict(
-        kinds=kinds, reserve=given_reserve, gpus=gpus, single_process=single_process, speeds=device_speeds, link=link))
+    # a table the caller held off the card that could stay in host RAM: a change the diagnosis lists
+    held_off = host_embedding in (False, "off") and host_embedding_offered(config, spec, single_process=single_process)
+    raise _no_fit(config, budgets, spec, name=name, knobs=knobs, options=options, explain=explain, host_table=held_off,
+                  launch=dict(kinds=kinds, reserve=given_reserve, gpus=gpus, single_process=single_process,
+                              speeds=device_speeds, link=link))
 
 
 def _check_request(config, budgets: dict[str, int], spec: TrainingSpec, options: dict, *,
@@ -105,7 +110,7 @@ def _check_request(config, budgets: dict[str, int], spec: TrainingSpec, options:
 
 
 def _no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, knobs: dict, options: dict,
-            launch: dict, explain: bool) -> PlanError:
+            launch: dict, explain: bool, host_table: bool = False) -> PlanError:
     """The no-fit error (`diagnosis.explain_no_fit`): the closest split over the knobs make_plan turns at their most
     frugal, and each change of size planned by make_plan's own search (`_search_of`); no schedule search."""
     if not explain:
@@ -116,13 +121,16 @@ def _no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, k
     return PlanError(explain_no_fit(config, budgets, spec, name=name, options={**options, "schedule": schedule},
                                     search=search, choices=_ladder(config, spec, knobs, single_process=launch[
                                         "single_process"]),
-                                    losses=loss_settings(with_fixed_loss(spec, chunked_loss), chunked_loss)))
+                                    losses=loss_settings(with_fixed_loss(spec, chunked_loss), chunked_loss),
+                                    host_table=host_table))
 
 
 def _ladder(config, spec: TrainingSpec, knobs: dict, *, single_process: bool) -> list:
     """Each rank's memory choices for `spec` under make_plan's knobs (a tiled MLP's slices grow with the sequence)."""
     return ladder(spec, activation_checkpointing=knobs["activation_checkpointing"], optim=knobs["optim"],
-                  single_process=single_process, tiled_mlp=knobs["tiled_mlp"], tiles=mlp_tiles(config, spec))
+                  single_process=single_process, tiled_mlp=knobs["tiled_mlp"], tiles=mlp_tiles(config, spec),
+                  host_embedding=knobs["host_embedding"],
+                  embedding_frozen=host_embedding_offered(config, spec, single_process=single_process))
 
 
 def _search_of(config, *, name: str, budgets: dict[str, int], kinds: dict, options: dict, knobs: dict, reserve,

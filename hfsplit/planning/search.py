@@ -45,7 +45,7 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
     micro_batches="auto"). Each rank runs the first of `choices` (default: the spec's own) that fits it; `host`
     is the host RAM the ranks' activation offload shares (None: no limit)."""
     candidates = _schedule_candidates(schedule)
-    choices = list(choices or [Choice(spec.checkpointing, spec.optim, spec.tiled_mlp)])
+    choices = list(choices or [Choice(spec.checkpointing, spec.optim, spec.tiled_mlp, spec.host_embedding)])
     best: dict[tuple[str, int], tuple[float, Plan]] = {}
     cache: dict = {}
     for t, p, d in _shapes(config, budgets, spec, tp=tp, pp=pp, dp=dp, world_size=world_size):
@@ -54,8 +54,10 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
             if p > config.num_hidden_layers:
                 continue
             for sched in _runnable(candidates, schedule, m=m, p=p):
-                usable = [c for c in choices if not (p > 1 and recompute_kept(sched, c))]
-                if p > 1 and (m < min_micro_batches(sched, p) or not usable):
+                # a TP-sharded embedding is a DTensor of the devices' mesh: its table stays on them
+                usable = [c for c in choices if not (p > 1 and recompute_kept(sched, c))
+                          and not (t > 1 and c.host_embedding)]
+                if not usable or (p > 1 and m < min_micro_batches(sched, p)):
                     continue  # torch refuses fewer micro-batches; or checkpointing would save nothing here
                 variants = Variants(config, cut, t, usable, cache)
                 for candidate in plans_for_shape(variants, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
@@ -225,7 +227,7 @@ def plan_of_split(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequenc
     variants = [costs] if isinstance(costs, ModelCosts) else list(costs)
     levels = list(levels or [0] * len(slots))
     choices = list(choices) or [Choice(variants[0].spec.checkpointing, variants[0].spec.optim,
-                                       variants[0].spec.tiled_mlp)]
+                                       variants[0].spec.tiled_mlp, variants[0].spec.host_embedding)]
     stages, start, times = [], 0, {}
     for slot, count, level in zip(slots, counts, levels):
         mine = variants[level]
@@ -235,11 +237,13 @@ def plan_of_split(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequenc
             has_embed=slot.has_embed, has_head=slot.has_head, memory=stage_memory(mine, slot, held),
             budget=slot.budget, time_s=slot_time(mine, slot, held), checkpointing=choices[level].checkpointing,
             optim=choices[level].optim, tiled_mlp=choices[level].tiled_mlp,
+            host_embedding=choices[level].host_embedding and slot.has_embed and t == 1,
         ))
         times[slot.pp_rank] = times.get(slot.pp_rank, 0.0) + stages[-1].time_s
         start += count
     bubble = bubble_fraction(schedule, p, m, v)
-    spec = plan_spec(variants[0].spec, [choices[level] for level in levels])
+    spec = replace(plan_spec(variants[0].spec, [choices[level] for level in levels]),
+                   host_embedding=any(s.host_embedding for s in stages))
     reference = _reference_s(variants, slots, counts, levels, m=m, bubble=bubble)
     rollout = _rollout_s(variants, slots, counts, levels, m=m, bubble=bubble)
     step = max(times.values()) * m / (1 - bubble) + (reference if per_step(spec) and v > 1 else 0.0) + rollout

@@ -71,7 +71,8 @@ def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> St
     workspace += max(0, ref_peak - acts)
     acts = ref_kept + _buffers(costs, slot) + max(acts, ref_peak)
     return StageMemory(weights=int(weights), gradients=int(grads), optimizer=int(optim), activations=int(acts),
-                       reserve=_reserve(costs.spec, slot.devices), workspace=int(workspace), offload=int(host))
+                       reserve=_reserve(costs.spec, slot.devices), workspace=int(workspace), offload=int(host),
+                       host_weights=sum(c.host_bytes * k for c, k in parts))
 
 
 def _reserve(spec: TrainingSpec, devices) -> int:
@@ -164,7 +165,8 @@ def slot_time(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float
     parts = _parts(costs, slot, layers)
     flops = sum(c.flops * k for c, k in parts)
     compute = flops / (DEVICE_FLOPS * slot.speed) * _split_factor(costs, slot)
-    seconds = compute + _comm_time(costs, slot, parts) + _offload_time(costs, slot, layers, parts, compute=compute)
+    seconds = compute + _comm_time(costs, slot, parts) + _offload_time(costs, slot, layers, parts, compute=compute) \
+        + _host_embedding_time(costs, slot)
     if per_step(costs.spec) and not slot.relay:  # the reference's forward of the micro-batch, in the schedule
         seconds += reference_forward_s(costs, slot, layers)
     return seconds
@@ -184,6 +186,14 @@ def _offload_time(costs: ModelCosts, slot: Slot, layers, parts, *, compute: floa
     held = sum(c.offload_bytes * k for c, k in parts) - kept_input(costs, slot, layers)
     copies = 2 * sum(k for c, k in parts if c.offload_bytes) - (2 if kept_input(costs, slot, layers) else 0)
     return slot.link.host_copy_s(2 * held, copies, compute_s=compute) if held > 0 else 0.0
+
+
+def _host_embedding_time(costs: ModelCosts, slot: Slot) -> float:
+    """Seconds per micro-batch an embedding table in host RAM adds: its looked-up rows (one hidden state) cross the
+    host link before the first block can start, so nothing hides the copy."""
+    if not (slot.has_embed and costs.embed.host_bytes):
+        return 0.0
+    return slot.link.host_copy_s(costs.hidden_bytes or costs.boundary_bytes, 1, compute_s=0.0)
 
 
 def _split_factor(costs: ModelCosts, slot: Slot) -> float:

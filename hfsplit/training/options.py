@@ -123,6 +123,9 @@ class FinetuneOptions(*option_mixins()):
         "auto", "parallelism", "each block's MLP runs the sequence a slice at a time, forward and recompute-backward "
         "(its intermediates never whole): the same loss and gradients for one more MLP forward a micro-batch; auto: "
         "on a stage only where nothing else fits it")
+    host_embedding: Union[bool, Literal["auto"]] = option(
+        "auto", "parallelism", "LoRA/QLoRA: the first stage's frozen embedding table in host RAM, looked up on the "
+        "CPU; auto: where its card fits no other way")
     optim: Literal["auto", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = option(
         "auto", "optimisation", "the optimizer, by transformers' names: auto (fp32 AdamW, bitsandbytes' 8-bit moments "
         "on a stage only where fp32 ones would not fit), adamw_torch, adamw_8bit or paged_adamw_8bit")
@@ -304,7 +307,7 @@ def plan_arguments(options: FinetuneOptions, *, world_size: int, gpu: Optional[b
     return dict(spec=spec, **batch_arguments(options), schedule=options.schedule, gpus=gpu,
                 tp=options.tp, pp=pp, world_size=world_size, activation_checkpointing=options.activation_checkpointing,
                 optim=options.optim, headroom=options.headroom, chunked_loss=options.chunked_loss,
-                tiled_mlp=options.tiled_mlp)
+                tiled_mlp=options.tiled_mlp, host_embedding=options.host_embedding)
 
 
 def batch_arguments(options: FinetuneOptions) -> dict:
@@ -347,7 +350,7 @@ PLANNED = ("model", "config", "dtype", "dataset", "dataset_format", "packing", "
            "reference", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "bnb_4bit_quant_type",
            "bnb_4bit_use_double_quant", "load_in_8bit", "quantize_experts", "max_memory", "tp", "pp", "schedule",
            "micro_batch_size", "micro_batches", "global_batch", "activation_checkpointing", "headroom", "chunked_loss",
-           "tiled_mlp",
+           "tiled_mlp", "host_embedding",
            "optim", "num_generations", "max_completion_length")
 
 

@@ -10,19 +10,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, seq_len: int, micro_batch_size: int,
-                           micro_batches: int, steps: int, qlora_bf16: bool = False, packed: bool = False) -> dict:
+                           micro_batches: int, steps: int, qlora_bf16: bool = False, packed: bool = False,
+                           host_embedding: bool = False) -> dict:
     """For activation checkpointing off, on, then offloaded: the plan's figure for this rank's stage, the peak the
     live-tensor counter measures over one steady-state training step (host copies of the offload left out), the
     host bytes the offload held at its peak beside the plan's, the loss curve and what the run applied; with
     `qlora_bf16`, also `qlora_autocast_memory`'s figures (under that key); with `packed`, the same figures of packed
-    rows (two examples a row, planned with packing; checkpointing off and on) under "packed", in the same launch."""
+    rows (two examples a row, planned with packing; checkpointing off and on) under "packed", in the same launch;
+    with `host_embedding`, offload with the first stage's embedding table in host RAM too ("host embedding")."""
     out = {}
     if packed:
         out["packed"] = memory_by_checkpointing(checkpoint=checkpoint, method=method, tp=tp, pp=pp, seq_len=seq_len,
                                                micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                                                steps=steps, packing=True, modes=(False, True))
+    modes = (False, True, "offload") + (("host embedding",) if host_embedding else ())
     out.update(memory_by_checkpointing(checkpoint=checkpoint, method=method, tp=tp, pp=pp, seq_len=seq_len,
-                                      micro_batch_size=micro_batch_size, micro_batches=micro_batches, steps=steps))
+                                      micro_batch_size=micro_batch_size, micro_batches=micro_batches, steps=steps,
+                                      modes=modes))
     if qlora_bf16:
         out["qlora_bf16"] = qlora_autocast_memory(checkpoint=checkpoint, seq_len=seq_len, micro_batches=micro_batches,
                                                   micro_batch_size=micro_batch_size, steps=steps)
@@ -32,17 +36,20 @@ def step_memory_and_losses(*, checkpoint: str, method: str, tp: int, pp: int, se
 def memory_by_checkpointing(*, checkpoint: str, method: str, tp: int, pp: int, seq_len: int, micro_batch_size: int,
                            micro_batches: int, steps: int, packing: bool = False,
                            modes=(False, True, "offload")) -> dict:
-    """{activation checkpointing: the plan's figure for this rank's stages, the measured peak, losses, what ran}."""
+    """{activation checkpointing: the plan's figure for this rank's stages, the measured peak, losses, what ran}.
+    A mode "host embedding" is offload with the first stage's embedding table in host RAM (`--host-embedding on`):
+    its `host_weights` are the bytes of the parameters the run put on the host, beside the plan's."""
     from hfsplit.planning.costs.masks import traced_positions
 
     out = {}
     for ac in modes:
         # offload under the schedule checkpointing ran (auto may pick another for it: Interleaved1F1B, whose
         # checkpointed ranks the planner misjudges either way, offload or not; see qlora_autocast_memory)
-        schedule = out[True]["schedule"] if ac == "offload" else "auto"
-        model, optimizer = _built(checkpoint, method=method, tp=tp, pp=pp, seq_len=seq_len, ac=ac,
-                                  micro_batch_size=micro_batch_size, micro_batches=micro_batches, packing=packing,
-                                  schedule=schedule)
+        schedule = out[True]["schedule"] if ac in ("offload", "host embedding") else "auto"
+        model, optimizer = _built(checkpoint, method=method, tp=tp, pp=pp, seq_len=seq_len,
+                                  ac="offload" if ac == "host embedding" else ac, micro_batch_size=micro_batch_size,
+                                  micro_batches=micro_batches, packing=packing, schedule=schedule,
+                                  host_embedding="on" if ac == "host embedding" else "off")
         ids = torch.randint(3, model.config.vocab_size, (micro_batch_size * micro_batches, seq_len),
                             generator=torch.Generator().manual_seed(0))
         positions = traced_positions(len(ids), seq_len, packed=packing)
@@ -54,6 +61,8 @@ def memory_by_checkpointing(*, checkpoint: str, method: str, tp: int, pp: int, s
         planned = rank_total(mine)
         out[ac] = {"planned": planned, "planned_activations": sum(m.activations for m in mine),
                    "planned_offload": sum(m.offload for m in mine), "offloaded": offloaded,
+                   "planned_host_weights": sum(m.host_weights for m in mine), "host_weights": _host_bytes(model),
+                   "host": str(model.ctx.host),
                    "schedule": model.plan.schedule,
                    "measured": peak, "growth": growth, "losses": losses,
                    "applied": model.plan.applied, "steps": model.plan.steps(),
@@ -150,7 +159,7 @@ def _norms_tiled_apart():
 
 
 def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_batches, dtype="float32",
-           autocast=None, schedule="auto", packing=False, tiled_mlp="off", chunked_loss=False):
+           autocast=None, schedule="auto", packing=False, tiled_mlp="off", chunked_loss=False, host_embedding="off"):
     from hfsplit.plan import TrainingSpec
     from hfsplit.load.launch import split_from_pretrained
     from hfsplit.apply.quantize import quantization_config
@@ -162,7 +171,8 @@ def _built(checkpoint, *, method, tp, pp, seq_len, ac, micro_batch_size, micro_b
     torch.manual_seed(0)
     model = split_from_pretrained(checkpoint, "2x4GiB", spec=spec, micro_batches=micro_batches, tp=tp, pp=pp,
                                   dp=1, world_size=2, activation_checkpointing=ac, quantization_config=qconfig,
-                                  dtype=getattr(torch, dtype), schedule=schedule, tiled_mlp=tiled_mlp)
+                                  dtype=getattr(torch, dtype), schedule=schedule, tiled_mlp=tiled_mlp,
+                                  host_embedding=host_embedding)
     # As the trainer builds it (foreach off on CPU: TP mixes DTensor and plain parameters).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     return model, optimizer
@@ -196,9 +206,27 @@ def _train(model, optimizer, ids, *, steps: int, positions=None):
     return losses, peak, left[1] - left[0], offloaded
 
 
+def _on_host(model) -> list[torch.Tensor]:
+    """The parameters the run put in host RAM: those of a module it marked so (`hfsplit_device`), each checked to be
+    on that device (on a CPU rank the same device as the rank's: the mark is what tells them apart)."""
+    found = []
+    for module in (m for stage in model.stages for m in stage.modules()):
+        if getattr(module, "hfsplit_device", None) is not None:
+            for p in module.parameters(recurse=False):
+                assert p.device == module.hfsplit_device == model.ctx.host, (p.device, module.hfsplit_device)
+                found.append(p)
+    return found
+
+
+def _host_bytes(model) -> int:
+    return sum(p.untyped_storage().nbytes() for p in _on_host(model))
+
+
 def _held_bytes(model, optimizer) -> int:
-    tensors = list(model.parameters()) + [t for state in optimizer.state.values() for t in state.values()
-                                          if isinstance(t, torch.Tensor)]
+    """Device bytes held through a step: the parameters (those in host RAM left out), AdamW's state, 4-bit states."""
+    host = {id(p) for p in _on_host(model)}
+    tensors = [p for p in model.parameters() if id(p) not in host]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     tensors += [t for p in model.parameters() for t in _quant_state(p)]
     storages = {}
     for t in tensors:

@@ -15,12 +15,15 @@ from hfsplit.plan import Plan, Stage, StageMemory
 
 
 def hand_plan(config, *, tp: int, pp: int, layers: list[tuple[int, int]], schedule: str,
-              micro_batches: int = 2, dp: int = 1, method: str = "full", seq_len: int = 8) -> Plan:
-    """A Plan built by hand: `layers[i]` is stage i's block range (pipeline order), fp32."""
+              micro_batches: int = 2, dp: int = 1, method: str = "full", seq_len: int = 8,
+              host_embedding: bool = False) -> Plan:
+    """A Plan built by hand: `layers[i]` is stage i's block range (pipeline order), fp32; `host_embedding`: the first
+    stage's embedding table in host RAM."""
     zero = StageMemory(weights=0, gradients=0, optimizer=0, activations=0, reserve=0)
     stages = tuple(
         Stage(index=i, pp_rank=schedule_pp_rank(schedule=schedule, pp=pp, index=i), devices=tuple(tuple("cpu" for _ in range(tp)) for _ in range(dp)), layers=span,
-              has_embed=i == 0, has_head=i == len(layers) - 1, memory=zero, budget=1, time_s=0.0)
+              has_embed=i == 0, has_head=i == len(layers) - 1, memory=zero, budget=1, time_s=0.0,
+              host_embedding=host_embedding and i == 0)
         for i, span in enumerate(layers)
     )
     return Plan(model="tiny", model_type=config.model_type, num_layers=config.num_hidden_layers, tp=tp, pp=pp,
@@ -44,9 +47,11 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
 
 
 def split_matches_transformers(*, checkpoint: str, tp: int, pp: int, layers: list, schedule: str,
-                               micro_batches: int = 2, new_tokens: int = 8, dtype: torch.dtype = torch.float32) -> dict:
+                               micro_batches: int = 2, new_tokens: int = 8, dtype: torch.dtype = torch.float32,
+                               host_embedding: bool = False) -> dict:
     """Logits, one step's gradients and greedy generation of the split model against transformers, both in
-    `dtype`."""
+    `dtype`; with `host_embedding`, the first stage's embedding table in host RAM (its gradient through the rows'
+    copy to the device: full fine-tuning, which the planner never runs so, is the stricter check) and where it lives."""
     from transformers import AutoModelForCausalLM
 
     from hfsplit.checkpoint import load_config
@@ -55,9 +60,11 @@ def split_matches_transformers(*, checkpoint: str, tp: int, pp: int, layers: lis
     from hfsplit.apply.tp import full_tensor
 
     config = load_config(checkpoint)
-    plan = hand_plan(config, tp=tp, pp=pp, layers=layers, schedule=schedule, micro_batches=micro_batches)
+    plan = hand_plan(config, tp=tp, pp=pp, layers=layers, schedule=schedule, micro_batches=micro_batches,
+                     host_embedding=host_embedding)
     ctx = init_parallel(plan)
     model = build_split_model(plan, checkpoint, ctx=ctx, dtype=dtype)
+    embeddings = [s.body.embed_tokens for s in model.stages if s.body.embed_tokens is not None]
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
     torch.manual_seed(0)
     ids = torch.randint(3, config.vocab_size, (4, 8))
@@ -81,6 +88,8 @@ def split_matches_transformers(*, checkpoint: str, tp: int, pp: int, layers: lis
     out["grad_rel_diff"] = grads
     out["numels"] = numels
     out["coords"] = (ctx.coords.pp, ctx.coords.tp)
+    out["embedding_at"] = [(str(e.weight.device), str(getattr(e, "hfsplit_device", ctx.device))) for e in embeddings]
+    out["host"], out["applied"] = str(ctx.host), [step.kind for step in model.plan.applied]
     out.update(packed_matches_transformers(model, reference, config, tied=plan.tied_embeddings))
 
     if new_tokens:

@@ -14,10 +14,14 @@ def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
     checkpoint = str(tiny_checkpoint("llama", **MODEL))
     qlora_bf16 = (method, pp) == ("lora", 2)  # the same launch also runs bf16 QLoRA with and without autocast
     packed = (method, pp) == ("full", 2)  # ... and packed rows
-    results = launch("tests.parallel.apply_cases:step_memory_and_losses", world_size=2, timeout_s=400,
+    host_embedding = qlora_bf16  # ... and offload with the first stage's embedding table in host RAM
+    results = launch("tests.parallel.apply_cases:step_memory_and_losses", world_size=2, timeout_s=500,
                      kwargs=dict(checkpoint=checkpoint, method=method, tp=tp, pp=pp, qlora_bf16=qlora_bf16,
-                                 packed=packed, **STEP))
+                                 packed=packed, host_embedding=host_embedding, **STEP))
     qlora = [by_ac.pop("qlora_bf16") for by_ac in results] if qlora_bf16 else None
+    if host_embedding:
+        _check_host_embedding([by_ac.pop("host embedding") for by_ac in results],
+                              offload=[by_ac["offload"] for by_ac in results])
     if packed:
         _check_packed([by_ac.pop("packed") for by_ac in results], unpacked=results)
     for rank, by_ac in enumerate(results):  # every figure printed before any is asserted
@@ -66,6 +70,30 @@ def _check_packed(results: list[dict], *, unpacked: list[dict]) -> None:
             assert planned_cost > 0, (rank, ac)
             assert r["measured"] - plain[ac]["measured"] >= 0.7 * planned_cost, (rank, ac, r["measured"],
                                                                                plain[ac]["measured"], planned_cost)
+def _check_host_embedding(results: list[dict], *, offload: list[dict]) -> None:
+    """Offload with `--host-embedding on` (LoRA pp=2): the run holds in host RAM exactly the table the plan moved
+    there (the first rank's embedding weight, on `ctx.host`; nothing on the last rank), the measured device peak
+    without it is the plan's within ±15% (its figure without the table) and falls by the table as the plan's does
+    (measured 0.966 / 1.099 of the plan), and the losses are offload's own."""
+    for rank, (r, plain) in enumerate(zip(results, offload)):
+        print(f"rank {rank} host embedding: planned {r['planned']} measured {r['measured']} "
+              f"({r['measured'] / r['planned']:.3f}); host weights planned {r['planned_host_weights']} "
+              f"held {r['host_weights']} on {r['host']}")
+    for rank, (r, plain) in enumerate(zip(results, offload)):
+        assert r["applied"] == r["steps"] and any(step.kind == "host_embedding" for step in r["applied"]), r["applied"]
+        assert r["host_weights"] == r["planned_host_weights"] == (MODEL["vocab"] * MODEL["hidden"] * 4 if rank == 0
+                                                                  else 0), (rank, r["host_weights"])
+        assert plain["planned"] - r["planned"] == r["planned_host_weights"]  # the table left the device's figure
+        # ... and the device's measured peak (measured: exactly the table's 131,072 bytes on rank 0)
+        saved = plain["measured"] - r["measured"]
+        assert saved >= 0.7 * r["planned_host_weights"], (rank, plain["measured"], r["measured"])
+        ratio = r["measured"] / r["planned"]
+        assert 0.85 <= ratio <= 1.15, f"rank {rank} host embedding: measured/planned = {ratio:.3f}"
+        assert r["growth"] == 0, f"rank {rank} host embedding: each step leaks {r['growth']} bytes"
+    curves = [next(r["losses"] for r in runs if r["losses"][0] is not None) for runs in (results, offload)]
+    assert curves[0] == pytest.approx(curves[1], rel=1e-6)
+
+
 def _check_offload(rank: int, ac, r: dict) -> None:
     """Offloaded checkpointing holds in host memory what the plan says (±15%), and only then."""
     if ac != "offload":

@@ -11,7 +11,9 @@ pytestmark = pytest.mark.slow
 
 SPLITS = {
     # name: (arch, tied, ranks, split options)
-    "llama-pp2-gpipe-uneven": ("llama", False, 2, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)], schedule="GPipe")),
+    # the first stage's embedding table in host RAM, looked up there (hfsplit.apply.host_embedding)
+    "llama-pp2-gpipe-uneven-host-embedding": ("llama", False, 2, dict(tp=1, pp=2, layers=[(0, 1), (1, 4)],
+                                                                      schedule="GPipe", host_embedding=True)),
     "mistral-tp2": ("mistral", False, 2, dict(tp=2, pp=1, layers=[(0, 4)], schedule="GPipe")),
     "qwen2-tied-pp2xtp2-1f1b-uneven": ("qwen2", True, 4, dict(tp=2, pp=2, layers=[(0, 3), (3, 4)], schedule="1F1B")),
     "mistral-pp2-interleaved1f1b": ("mistral", False, 2,
@@ -40,6 +42,12 @@ def check_split_matches_transformers(arch: str, tied: bool, ranks: int, split: d
     results = launch("tests.parallel.cases:split_matches_transformers", world_size=ranks,
                      kwargs=dict(checkpoint=checkpoint, **split))
     assert_split_matches(results, checkpoint=checkpoint, tp=split["tp"], tied=tied)
+    on_host = split.get("host_embedding", False)
+    first = next(r for r in results if r["coords"] == (0, 0))
+    # the plan's decision ran (its step applied), and the table lives where it says: marked for the host, read there
+    assert ("host_embedding" in first["applied"]) == on_host
+    if on_host:
+        assert first["embedding_at"] == [(first["host"], first["host"])], first["embedding_at"]
 
 
 def assert_split_matches(results: list, *, checkpoint: str, tp: int, tied: bool, declared: bool = True,

@@ -38,9 +38,11 @@ def test_flagship_qlora_targets_fit_with_3_percent_headroom_on_every_card(name):
     plan = make_plan(model, budget, spec=spec, headroom=0.03, **options)
     assert max(device_use(plan)) <= 0.97, device_use(plan)
     assert plan.tp == 1 and plan.world_size == int(budget.split("x")[0]) if "x" in budget else 1
-    # none of these fits on the device alone: every stage recomputes, at least one offloads (a stage whose MLP is
-    # tiled may keep its inputs on the device: issue 30's knobs)
-    assert "offload" in {s.checkpointing for s in plan.stages} <= {"on", "offload"}
+    # none of these fits on the device alone: every stage recomputes, and at least one offloads its blocks' inputs or
+    # keeps its embedding table in host RAM (a stage whose MLP is tiled may keep its inputs on the device: issue 30's
+    # knobs)
+    assert {s.checkpointing for s in plan.stages} <= {"on", "offload"}
+    assert "offload" in {s.checkpointing for s in plan.stages} or plan.stages[0].host_embedding
     assert Plan.from_json(plan.to_json()) == plan  # each stage's decisions travel with the plan
     tight = make_plan(model, budget, spec=spec, **options)  # without the margin: the fastest that fits, never slower
     assert tight.step_time_s <= plan.step_time_s and max(device_use(tight)) <= 1.0

@@ -56,6 +56,8 @@ class PartCost:
         trainable_numel: values of the part's trainable tensors (the optimizer's step temporaries follow them).
         optimizer_shared_bytes: what the optimizer of a stage holding this part keeps once, whatever the number
             of such parts (bitsandbytes' 8-bit code maps): counted once per stage, not in `optimizer_bytes`.
+        host_bytes: weights the part keeps in host RAM instead of `param_bytes` (the input embedding table under
+            `TrainingSpec.host_embedding`): not device memory.
     """
 
     param_bytes: int
@@ -69,6 +71,7 @@ class PartCost:
     offload_bytes: int = 0
     trainable_numel: int = 0
     optimizer_shared_bytes: int = 0
+    host_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -329,8 +332,8 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
         block_flops += _tiled_dequantize_flops(layout, spec)
         split = split_lora_activation_bytes(config, spec, itemsize=size)  # kept per micro-batch, recomputed if ckpt
         block_acts, block_ws = (block_acts, block_ws + split) if ckpt else (block_acts + split, block_ws)
-    embed = PartCost(**state("embed"), activation_bytes=ends.embed_activations,
-                     workspace_bytes=ends.embed_workspace, flops=0.0)
+    embed = _on_host(PartCost(**state("embed"), activation_bytes=ends.embed_activations,
+                              workspace_bytes=ends.embed_workspace, flops=0.0), spec, tp)
     block = PartCost(**state("block"), activation_bytes=block_acts, workspace_bytes=block_ws, flops=block_flops,
                      comm_bytes=comm, offload_bytes=offload)
     head = PartCost(**state("head"), activation_bytes=ends.head_activations, workspace_bytes=ends.head_workspace,
@@ -341,6 +344,15 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
                                            logits_bytes=tokens * (config.vocab_size // tp) * size,
                                            kv_bytes=kv_cache_bytes(config, spec, tp) if spec.counts.generation else 0),
                                 layout, config)
+
+
+def _on_host(embed: PartCost, spec: TrainingSpec, tp: int) -> PartCost:
+    """The embeddings' costs where their table stays in host RAM (`TrainingSpec.host_embedding`): its bytes leave the
+    device; the looked-up rows (the part's workspace) still reach it. Under TP the table is a DTensor sharded over the
+    devices' mesh, and stays there (the search never plans it on the host: `search.best_plan`)."""
+    if not spec.host_embedding or tp > 1:
+        return embed
+    return replace(embed, param_bytes=0, host_bytes=embed.param_bytes)
 
 
 def _mlp_linears(layout: Layout) -> list[Linear]:
@@ -513,12 +525,13 @@ def _routed_lora_numel(lora_numel: int, config, spec: TrainingSpec) -> int:
 
 def weight_bytes(config, spec: TrainingSpec) -> int:
     """Bytes of the model's weights held once, without a trace: every split of a `spec` run holds at least
-    this much across its devices (TP replicates norms, adapters and optimizer state come on top)."""
+    this much across its devices (TP replicates norms, adapters and optimizer state come on top; an input embedding
+    table in host RAM, `TrainingSpec.host_embedding`, is not on them)."""
     layout = layout_of(keyed(config))
     kinds = layer_kinds(config)
     blocks = ([_block_weight_bytes(kind_config(config, k), spec) for k in kinds] if kinds
               else [_block_weight_bytes(config, spec)] * config.num_hidden_layers)
-    ends = layout.embed_numel + layout.head_numel - (layout.embed_numel if layout.tied else 0)
+    ends = layout.embed_numel + layout.head_numel - (layout.embed_numel if layout.tied or spec.host_embedding else 0)
     return sum(blocks) + ends * dtype_of(spec.dtype).itemsize
 
 

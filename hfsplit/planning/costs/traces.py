@@ -29,7 +29,7 @@ def trace_spec(spec):
     # objective changes the head only
     return replace(spec, activation_checkpointing=False, reserve_bytes=None, optim="adamw_torch",
                    lora_r=spec.lora_r if lora else 0, lora_targets=spec.lora_targets if lora else None,
-                   reference=None, reference_pairs=None, rollout_rows=0, rollout_tokens=0)
+                   reference=None, reference_pairs=None, rollout_rows=0, rollout_tokens=0, host_embedding=False)
 
 
 def block_trace(key: str, spec, tp: int):
@@ -49,7 +49,7 @@ def ends_trace(key: str, spec):
 _MEMO: dict[str, object] = {}
 _UNTRACED = ("optim", "lora_alpha", "lora_dropout")
 _NEWER = {"objective": "sft", "reference": None, "reference_pairs": None, "rollout_rows": 0,
-          "rollout_tokens": 0, "tiled_mlp": 0}  # keyed only where they differ from these
+          "rollout_tokens": 0, "tiled_mlp": 0, "host_embedding": False}  # keyed only where they differ from these
 
 
 def _cached(kind: str, key: str, spec, tp: Optional[int], trace, cls):
