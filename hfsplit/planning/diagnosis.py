@@ -13,7 +13,7 @@ from hfsplit.budget import format_bytes
 from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.plan import Plan, TrainingSpec, is_8bit
 from hfsplit.planning.costs.model import model_costs, weight_bytes
-from hfsplit.planning.knobs import FEWER_MICRO_BATCHES, any_count_fits, knob_fixes
+from hfsplit.planning.knobs import FEWER_MICRO_BATCHES, any_count_fits, figures, knob_fixes
 from hfsplit.planning.max_seq import MULTIPLE, longest_length, top_length
 from hfsplit.planning.memory_choices import Choice, frugal_choices, mlp_tiles
 from hfsplit.schedules import AUTO, virtual_stages
@@ -51,8 +51,8 @@ def explain_no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name:
                          + (f" ({format_bytes(s.budget)} less the {headroom:.0%} headroom)" if headroom else "")
                          + (f" ({format_bytes(over)} over)" if over > 0 else ""))
     frugal = _frugal_spec(spec, choices, losses)
-    fixes = (_fixes_that_fit(config, budgets, frugal, options, host_table=host_table)
-             + _sizes_that_fit(config, budgets, spec, search))
+    fixes = (_host_table_fix(budgets, spec, search) if host_table else []) + _fixes_that_fit(
+        config, budgets, frugal, options) + _sizes_that_fit(config, budgets, spec, search)
     if fixes:
         lines.append("changes that fit: " + "; ".join(fixes))
     else:
@@ -155,8 +155,14 @@ def _sizes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, search:
     return fixes
 
 
-def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict, *,
-                    host_table: bool = False) -> list[str]:
+def _host_table_fix(budgets: dict[str, int], spec: TrainingSpec, search: Search) -> list[str]:
+    """The embedding table the caller held on the card, in host RAM, with every other knob as make_plan turns them
+    (alone, from the frugal spec, it may not fit where it does with the tiled MLP and fewer micro-batches)."""
+    plan = search(budgets, spec, host_embedding="on")
+    return [f"the first stage's embedding table in host RAM (--host-embedding on): {figures(plan)}"] if plan else []
+
+
+def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options: dict) -> list[str]:
     """The one-knob changes (LoRA, QLoRA, the experts in 4 bits, checkpointing, offload, 8-bit moments, host RAM, the
     knobs the caller fixed), each planned from `spec`, the frugal one (`_frugal_spec`)."""
     def fits(b, s) -> bool:
@@ -182,7 +188,7 @@ def _fixes_that_fit(config, budgets: dict[str, int], spec: TrainingSpec, options
         fixes += _host_fix(config, budgets, spec, options)
     fixes += knob_fixes(lambda s, extra: best_plan(config, budgets, s, name="", **{**options, **extra})
                         if could_fit(config, budgets, s) else None, spec, tiles=mlp_tiles(config, spec),
-                        micro_batches=options["micro_batches"], host_table=host_table)
+                        micro_batches=options["micro_batches"])
     return fixes
 
 

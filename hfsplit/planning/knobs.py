@@ -127,15 +127,12 @@ def any_count_fits(fits: Callable[[dict], bool], options: dict, *, devices: int)
 
 
 def knob_fixes(plan_of: Callable[[TrainingSpec, dict], Optional[Plan]], spec: TrainingSpec, *, tiles: int,
-               micro_batches, host_table: bool = False) -> list[str]:
+               micro_batches) -> list[str]:
     """The knobs a caller held fixed that would make `spec` fit, each with its plan's figures (`figures`): the
-    chunked loss, a tiled MLP (`tiles` slices, on checkpointed blocks), the embedding table in host RAM (`host_table`:
-    held off where it is offered), fewer micro-batches than the `micro_batches` given. `plan_of(spec, make_plan
+    chunked loss, a tiled MLP (`tiles` slices, on checkpointed blocks), fewer micro-batches than the `micro_batches`
+    given (the embedding table held off the host: `diagnosis`, with every other knob turned). `plan_of(spec, make_plan
     options)` plans one, or None."""
     trials = []
-    if host_table and not spec.host_embedding:
-        trials.append(("the first stage's embedding table in host RAM (--host-embedding on)",
-                       replace(spec, host_embedding=True), {}))
     if not spec.chunked_loss and _chunked_values(spec, AUTO)[-1]:
         trials.append(("the chunked loss (--chunked-loss on)", replace(spec, chunked_loss=True), {}))
     if tiles > 1 and spec.tiled_mlp <= 1 and spec.checkpointing != "off":
