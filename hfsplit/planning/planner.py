@@ -62,12 +62,11 @@ def make_plan(
         device_speeds: relative speed per device key (default 1 each; a GPU kind's: `hfsplit.planning.kind_rates`).
         link: pipeline sends', TP all-reduces' and offload's host link (`DEFAULT_LINK` or the kinds'; runs: probed).
         tp, pp, dp, world_size: force a degree (tp=1 for single-process use), or exactly so many devices in all.
-        single_process: plan for one process (the model's own forward; any causal LM), not the split. gpus: the
-            numbered budgets are GPUs; False: CPU ranks, charged no reserve (`hfsplit.planning.reserve`).
+        single_process: plan for one process (the model's own forward), not the split. gpus: the numbered budgets
+            are GPUs; False: CPU ranks, charged no reserve (`hfsplit.planning.reserve`).
         tiled_mlp: "auto" (tiled where nothing else fits a rank: `memory_choices.ladder`), "on" or "off".
         chunked_loss: "auto" (the spec's, or on where that fits faster: `knobs.turn_knobs`), True / "on", False / "off".
-        host_embedding: "auto" (the first stage's frozen input embedding table in host RAM where its card fits no
-            other way: `memory_choices.ladder`), "on" or "off"; never under full fine-tuning or tied embeddings.
+        host_embedding: "auto" (a frozen, untied input embedding table in host RAM where nothing else fits), "on", "off".
         explain: False: a no-fit raises at once, without the diagnosis's re-plans (`max_seq` probes so).
 
     Raises:
@@ -76,8 +75,7 @@ def make_plan(
     config, name = _config_and_name(model, single_process=single_process)
     spec, chunked_loss = spec or TrainingSpec(), "off" if single_process else chunked_loss  # one process: its own loss
     budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
-    kinds = budget_kinds(max_memory)
-    rates = kind_rates(kinds, unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
+    rates = kind_rates(kinds := budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
                        link_given=link is not None)
     given_reserve, spec = spec.reserve_bytes, _with_reserve(spec, budgets, gpus=gpus, distributed=(
         world_size or len(budgets)) > 1 and not single_process)
@@ -90,13 +88,10 @@ def make_plan(
     found = _with_knobs(config, budgets, spec, name=name, options=options, chunked_loss=chunked_loss,
                         choices=_ladder(config, spec, knobs, single_process=single_process))
     if found is not None:  # a multimodal checkpoint's towers: what the plan of its language model leaves out
-        found = replace(found, notes=found.notes + rates.notes, left_out=LeftOut.of(left_out_of(config)))
-        return _with_host_note(found, host, options["link"])
-    # a table the caller held off the card that could stay in host RAM: a change the diagnosis lists
-    held_off = host_embedding in (False, "off") and host_embedding_offered(config, spec, single_process=single_process)
-    raise _no_fit(config, budgets, spec, name=name, knobs=knobs, options=options, explain=explain, host_table=held_off,
-                  launch=dict(kinds=kinds, reserve=given_reserve, gpus=gpus, single_process=single_process,
-                              speeds=device_speeds, link=link))
+        return _with_host_note(replace(found, notes=found.notes + rates.notes, left_out=LeftOut.of(left_out_of(
+            config))), host, options["link"])
+    raise _no_fit(config, budgets, spec, name=name, knobs=knobs, options=options, explain=explain, launch=dict(
+        kinds=kinds, reserve=given_reserve, gpus=gpus, single_process=single_process, speeds=device_speeds, link=link))
 
 
 def _check_request(config, budgets: dict[str, int], spec: TrainingSpec, options: dict, *,
@@ -110,11 +105,14 @@ def _check_request(config, budgets: dict[str, int], spec: TrainingSpec, options:
 
 
 def _no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, knobs: dict, options: dict,
-            launch: dict, explain: bool, host_table: bool = False) -> PlanError:
+            launch: dict, explain: bool) -> PlanError:
     """The no-fit error (`diagnosis.explain_no_fit`): the closest split over the knobs make_plan turns at their most
-    frugal, and each change of size planned by make_plan's own search (`_search_of`); no schedule search."""
+    frugal, and each change of size planned by make_plan's own search (`_search_of`); no schedule search. A table
+    the caller held on the card that could stay in host RAM is a change it lists."""
     if not explain:
         return PlanError(f"{name}: no split fits (not explained)")
+    host_table = knobs["host_embedding"] in (False, "off") and host_embedding_offered(
+        config, spec, single_process=launch["single_process"])
     search = _search_of(config, name=name, budgets=budgets, options=options, knobs=knobs, **launch)
     chunked_loss = knobs["chunked_loss"]
     schedule = diagnosis_schedule(options["schedule"], options["micro_batches"], len(budgets))
