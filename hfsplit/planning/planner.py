@@ -75,8 +75,8 @@ def make_plan(
     config, name = _config_and_name(model, single_process=single_process)
     spec, chunked_loss = spec or TrainingSpec(), "off" if single_process else chunked_loss  # one process: its own loss
     budgets, host = host_budget(parse_max_memory(max_memory), single_process=single_process)
-    rates = kind_rates(kinds := budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec, given=device_speeds,
-                       link_given=link is not None)
+    rates = kind_rates(kinds := budget_kinds(max_memory), unit=DEVICE_FLOPS, config=config, spec=spec,
+                       given=device_speeds, link_given=link is not None)
     given_reserve, spec = spec.reserve_bytes, _with_reserve(spec, budgets, gpus=gpus, distributed=(
         world_size or len(budgets)) > 1 and not single_process)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
