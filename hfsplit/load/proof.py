@@ -197,8 +197,9 @@ def run_split(stages: list[nn.Module], ids: torch.Tensor, position_ids: Optional
     return x
 
 
-def compared(whole: nn.Module, stages: list[nn.Module]) -> tuple[float, float, str]:
-    """(logits diff, gradient diff, "" or where they first differ)."""
+def both_backward(whole: nn.Module, stages: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, transformers' logits, the split's) of one seeded batch, each backward through the same random weighting
+    of its logits (every parameter then holds its gradient)."""
     vocab = whole.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (2, _SEQ), generator=torch.Generator().manual_seed(2))
     want = whole(input_ids=ids, use_cache=False).logits
@@ -206,6 +207,12 @@ def compared(whole: nn.Module, stages: list[nn.Module]) -> tuple[float, float, s
     weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
     (want * weights).sum().backward()
     (got * weights).sum().backward()
+    return ids, want, got
+
+
+def compared(whole: nn.Module, stages: list[nn.Module]) -> tuple[float, float, str]:
+    """(logits diff, gradient diff, "" or where they first differ)."""
+    ids, want, got = both_backward(whole, stages)
     logits_diff = (want - got).abs().max().item()
     grads = split_gradients(whole, stages)
     grad_diffs = {name: (p.grad - grads[name]).abs().max().item() if p.grad is not None and name in grads else

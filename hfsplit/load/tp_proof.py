@@ -26,7 +26,7 @@ from torch import nn
 
 from hfsplit.apply.tp import grad_summed_over_tp, shard_layout
 from hfsplit.load.proof import (
-    TOLERANCE, registered_types, run_split, split_gradients, split_stages, tiny_model, without_measures,
+    TOLERANCE, both_backward, registered_types, split_gradients, split_stages, tiny_model, without_measures,
 )
 from hfsplit.models.families import (
     PACKED_COLWISE, TP_PROVEN, TP_STYLES, expert_tp_params, tp_divides, tp_plan_of, tp_refused_flag,
@@ -35,7 +35,6 @@ from hfsplit.models.shrink import shrunk_config
 
 TP = 2
 PP = 2
-_SEQ = 12
 
 
 @dataclass(frozen=True)
@@ -120,13 +119,7 @@ def unshardable(config) -> Optional[str]:
 def compared_tp(whole: nn.Module, stages: list[nn.Module], mesh) -> tuple[float, float, str]:
     """(logits diff, relative gradient diff, "" or the first tensor that differs) of the sharded stages against
     `whole`; collective (every rank runs it)."""
-    vocab = whole.config.get_text_config().vocab_size
-    ids = torch.randint(3, vocab, (2, _SEQ), generator=torch.Generator().manual_seed(2))
-    want = whole(input_ids=ids, use_cache=False).logits
-    got = run_split(stages, ids)
-    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
-    (want * weights).sum().backward()
-    (got * weights).sum().backward()
+    _, want, got = both_backward(whole, stages)
     summed_over_tp(stages, mesh)
     logits_diff = (want - got).abs().max().item()
     grads = split_gradients(whole, stages)
