@@ -143,7 +143,8 @@ def _norms_tiled_apart():
         from hfsplit.planning.costs import model as costs_model, tp as costs_tp, trace, traces
 
         traces._MEMO.clear()
-        for cached in (trace.trace_block, trace.block_events, costs_tp.block_profile, costs_model._model_costs):
+        for cached in (trace.trace_block, trace.block_events, costs_tp.block_profile, costs_model._model_costs,
+                       costs_model._costs_of):
             cached.cache_clear()
 
     own, cache = tiled_mlp.mlp_neighbours, os.environ.get("HFSPLIT_CACHE")
