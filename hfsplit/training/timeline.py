@@ -1,6 +1,6 @@
 """A training step's pipeline timeline as the ranks ran it: each rank's forward and backward actions of one step,
-stamped around its stages' chunk calls (`StageTimer`, perf_counter only: nothing is synchronised and no number
-changes), put on one clock, and written to the run's folder beside the plan's own timeline (issue 33).
+stamped around its stages' chunk calls (`StageTimer`: perf_counter, after a GPU's queued kernels while recording;
+no number changes), put on one clock, and written to the run's folder beside the plan's own timeline (issue 33).
 
 The clocks: ranks on rank 0's host read the same monotonic clock (perf_counter is CLOCK_MONOTONIC on Linux,
 mach_absolute_time on macOS), so their stamps need no correction. A rank on another host reads its clock right after
@@ -45,8 +45,7 @@ def measured_timeline(model, raw: list[tuple]) -> Optional[Timeline]:
     actions = [Action(pp, stage, kind, mb, start - offset, end - offset)
                for (pp, kept, _, _, rows), offset in zip(gathered, offsets) if kept
                for stage, kind, mb, start, end in rows]
-    return Timeline(model.plan.schedule, model.plan.pp, 1 + max(a.micro_batch for a in actions),
-                    from_zero(actions))
+    return Timeline(model.plan.schedule, model.plan.pp, model.plan.micro_batches, from_zero(actions))
 
 
 def clock_offsets(hosts: list[str], stamps: list[float]) -> list[float]:
