@@ -29,7 +29,7 @@ from hfsplit.load.proof import (
     TOLERANCE, both_backward, registered_types, split_gradients, split_stages, tiny_model, without_measures,
 )
 from hfsplit.models.families import (
-    PACKED_COLWISE, TP_PROVEN, TP_STYLES, expert_tp_params, tp_divides, tp_plan_of, tp_refused_flag,
+    TP_PROVEN, TP_STYLES, tp_divides, tp_plan_of, tp_refused_flag, unplaced_packed,
 )
 from hfsplit.models.shrink import shrunk_config
 
@@ -106,8 +106,7 @@ def unshardable(config) -> Optional[str]:
         return "it declares no tensor-parallel plan (base_model_tp_plan)"
     if other := sorted(set(plan.values()) - set(TP_STYLES)):
         return f"its tensor-parallel plan uses {', '.join(other)}, which hfsplit does not shard"
-    inside = {f"{m}.{p}" for m, params in expert_tp_params(config).items() for p in params}
-    if packed := next((k for k, s in plan.items() if s == PACKED_COLWISE and k not in inside), None):
+    if packed := unplaced_packed(config):
         return f"its tensor-parallel plan packs {packed} column-wise outside fused experts"
     if flag := tp_refused_flag(config):
         return f"its plan is wrong under {flag}=True"

@@ -213,7 +213,7 @@ def tp_plan_shardable(config) -> bool:
     inside fused experts), and no flag its family declares the plan wrong under (`Family.tp_refused_flags`)."""
     styles = set(tp_plan_of(config).values())
     return (bool(styles) and styles <= set(TP_STYLES) and tp_refused_flag(config) is None
-            and _unplaced_packed(config) is None)
+            and unplaced_packed(config) is None)
 
 
 # The tp=2 sweep's findings, by transformers version (written by `python scripts/families_table.py`,
@@ -252,7 +252,7 @@ def expert_tp_params(config) -> dict[str, dict[str, str]]:
             for module, style in plan.items() if style == MOE_EXPERTS}
 
 
-def _unplaced_packed(config) -> Optional[str]:
+def unplaced_packed(config) -> Optional[str]:
     """A `packed_colwise` pattern outside every fused experts module (hfsplit packs only experts), or None."""
     inside = {f"{module}.{name}" for module, params in expert_tp_params(config).items() for name in params}
     return next((k for k, s in tp_plan_of(config).items() if s == PACKED_COLWISE and k not in inside), None)
@@ -306,7 +306,7 @@ def tp_degree_error(config, tp: int) -> Optional[str]:
                 f"is {why}; use tp=1 (pipeline stages split it)")
     if tp > 1 and not tp_supported(config):
         styles = sorted(set(tp_plan_of(config).values()) - set(TP_STYLES))
-        packed = _unplaced_packed(config)
+        packed = unplaced_packed(config)
         what = ", ".join(styles) or (f"{PACKED_COLWISE} on {packed} outside fused experts" if packed else "no styles")
         return (f"tp={tp}: {config.model_type}'s tensor-parallel plan uses {what}, "
                 f"which hfsplit does not shard yet (it shards {', '.join(TP_STYLES)}); use tp=1")
