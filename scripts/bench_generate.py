@@ -89,7 +89,8 @@ class Busy:
         return wrapped
 
 
-def worker(checkpoint: str, *, sequences: int, new_tokens: int, prompt: int, cuts: list[int], repeats: int) -> None:
+def worker(checkpoint: str, *, sequences: int, new_tokens: int, prompt: int, cuts: list[int], repeats: int,
+           schedule: str = "GPipe") -> None:
     """One rank: load the split, time the relay and each cut alternately, print the medians and each rank's busy
     share (rank 0)."""
     import torch
@@ -98,7 +99,7 @@ def worker(checkpoint: str, *, sequences: int, new_tokens: int, prompt: int, cut
     from hfsplit.load.launch import split_from_pretrained
 
     torch.set_num_threads(1)
-    model = split_from_pretrained(checkpoint, "2x8GiB", pp=2, tp=1, dp=1, schedule="GPipe", dtype=torch.float32)
+    model = split_from_pretrained(checkpoint, "2x8GiB", pp=2, tp=1, dp=1, schedule=schedule, dtype=torch.float32)
     ids, mask = prompts(sequences=sequences, vocab=model.config.vocab_size, longest=prompt)
     greedy = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     times: dict[int, list[float]] = {cut: [] for cut in [1, *cuts]}
@@ -132,7 +133,7 @@ def run_ranks(checkpoint: str, args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            __file__, "--worker", checkpoint, "--sequences", str(args.sequences), "--new-tokens", str(args.new_tokens),
-           "--prompt-length", str(args.prompt_length),
+           "--prompt-length", str(args.prompt_length), "--schedule", args.schedule,
            "--repeats", str(args.repeats), "--micro-batches", *map(str, args.micro_batches)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     for line in out.stdout.splitlines():
@@ -158,12 +159,14 @@ def main() -> None:
                         help="the longest prompt; prompts are half that to all of it, left-padded")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4], help="the pipelined cuts to time")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--schedule", default="GPipe",
+                        help="the training schedule the split is planned for (Interleaved1F1B: two stages a rank)")
     parser.add_argument("--small", action="store_true", help="a tiny model: a smoke run in seconds, not a figure")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, sequences=args.sequences, new_tokens=args.new_tokens, prompt=args.prompt_length,
-                      cuts=args.micro_batches, repeats=args.repeats)
+                      cuts=args.micro_batches, repeats=args.repeats, schedule=args.schedule)
 
     from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
 
