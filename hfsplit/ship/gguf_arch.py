@@ -78,10 +78,11 @@ ARCHITECTURES = {
 }
 # Architectures transformers' reader cannot read back, and why (the test checks each why against transformers).
 NOT_READ_BACK = {
-    "gpt_oss": "it maps no GGUF tensor to GPT-OSS's fused experts (gate_up_proj and its bias) or to the experts' "
-               "down_proj bias, so they would load uninitialised: its GPT-OSS tensor processor is registered as "
-               "'gpt_oss' while the file's architecture is llama.cpp's 'gpt-oss', and it writes per-expert "
-               "block_sparse_moe.experts.N names that transformers' GPT-OSS does not have",
+    "gpt_oss": "in a file with llama.cpp's architecture name 'gpt-oss' it maps no GGUF tensor to GPT-OSS's fused "
+               "experts (gate_up_proj and its bias) nor to the experts' down_proj bias, and maps the experts' "
+               "down_proj and the attention sinks without the .weight llama.cpp writes them with (blk.N.ffn_down_exps, "
+               "blk.N.attn_sinks), so all of them would load uninitialised; its GPT-OSS tensor processor is "
+               "registered as 'gpt_oss', and reads blk.N.ffn_*_projs tensors llama.cpp does not write",
     "gemma3n_text": "it has no gemma3n architecture",
     "falcon_h1": "it has no falcon-h1 architecture",
 }
