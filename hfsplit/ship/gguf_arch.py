@@ -204,9 +204,11 @@ def _add_gemma4_keys(writer, config) -> None:
 
 def _kv_heads(config) -> int:
     """The key/value heads attention runs with: Falcon's multi-query attention has one, whatever `num_kv_heads`
-    says (transformers' FalconAttention)."""
+    says (transformers' FalconAttention); Gemma 4's config value."""
     if config.model_type == "falcon":
         return config.num_kv_heads if config.new_decoder_architecture or not config.multi_query else 1
+    if config.model_type == "gemma4_text":  # the sliding layers' (full ones may differ: `config.num_key_value_heads`
+        return config.to_dict()["num_key_value_heads"]  # is then ambiguous); the reader reads one count back
     return config.num_key_value_heads or config.num_attention_heads
 
 

@@ -62,7 +62,7 @@ def rope_freqs(config) -> Optional[torch.Tensor]:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":
         return llama3_rope_freqs(config)
-    if config.model_type == "gemma4_text" and rope["full_attention"].get("rope_type") == "proportional":
+    if config.model_type == "gemma4_text" and (rope.get("full_attention") or {}).get("rope_type") == "proportional":
         return proportional_rope_freqs(config)
     return None
 

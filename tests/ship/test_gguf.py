@@ -240,9 +240,14 @@ def test_config_values_the_reader_would_not_read_back_are_refused(tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"'moe_intermediate_size': \(64, 1408\)"):
         export_gguf(folder, folder / "x.gguf")
     # Gemma 4: the reader reads no per-layer-input width (nor head_dim, soft-cap, KV sharing, ...)
-    folder, _ = fp16_model(tmp_path / "gemma4", "gemma4_text", hidden_size_per_layer_input=8,
-                           vocab_size_per_layer_input=64)
+    small = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=64)
+    folder, _ = fp16_model(tmp_path / "gemma4", "gemma4_text", **small)
     with pytest.raises(UnsupportedModelError, match=r"'gemma4_text' .*'hidden_size_per_layer_input': \(8, 256\)"):
+        export_gguf(folder, folder / "x.gguf")
+    # and its keys shared with values, whose full layers' key/value head count differs from the sliding layers'
+    folder, _ = fp16_model(tmp_path / "gemma4_kv", "gemma4_text", attention_k_eq_v=True, num_global_key_value_heads=2,
+                           **small)
+    with pytest.raises(UnsupportedModelError, match=r"'attention_k_eq_v': \(True, False\)"):
         export_gguf(folder, folder / "x.gguf")
     assert [p.name for p in tmp_path.glob("*/*.gguf")] == []
 
