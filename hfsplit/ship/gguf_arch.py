@@ -32,6 +32,8 @@ class GgufArch:
         extra_keys: the optional key groups of `add_hyperparameters` the architecture has.
         renames: (source name ending, the ending gguf's tensor map knows it by).
         ffn_tensor: a weight whose rows are the FFN width, where the config only implies the width (LFM2's).
+        reader_skips: source tensor-name endings transformers' reader does not load, leaving them at their initial
+            ones: exported only while they hold ones (gguf_tensors.refuse_reader_skipped).
     """
 
     name: str
@@ -42,6 +44,7 @@ class GgufArch:
     extra_keys: tuple[str, ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
     ffn_tensor: str = ""
+    reader_skips: tuple[str, ...] = ()
 
 
 # transformers model_type → GGUF architecture; each proven by tests/ship/test_gguf.py against transformers' reader.
@@ -55,6 +58,11 @@ ARCHITECTURES = {
     "phi3": GgufArch("phi3"),
     "gemma2": GgufArch("gemma2", norm_offset=1.0, extra_keys=("softcaps", "sliding_window")),
     "gemma3_text": GgufArch("gemma3", norm_offset=1.0, extra_keys=("sliding_window",)),
+    # Gemma 4 as llama.cpp's converter writes it: norms as they are (Gemma4RMSNorm scales by w), the full-attention
+    # layers' key length and rope width in the plain keys, the sliding layers' in the _swa ones, proportional rope as
+    # rope_freqs. The reader maps the layer scalar as blk.N.layer_output_scale, the converter writes it with .weight.
+    "gemma4_text": GgufArch("gemma4", extra_keys=("sliding_window", "softcaps", "gemma4"),
+                            reader_skips=("layer_scalar",)),
     "starcoder2": GgufArch("starcoder2", extra_keys=("layer_norm",)),
     "lfm2": GgufArch("lfm2", per_layer_kv_heads=True, squeeze=("conv.conv.weight",), extra_keys=("short_conv",),
                      ffn_tensor="feed_forward.w1.weight"),
@@ -70,14 +78,11 @@ ARCHITECTURES = {
 }
 # Architectures transformers' reader cannot read back, and why (the test checks each why against transformers).
 NOT_READ_BACK = {
-    "gpt_oss": "it maps no GGUF tensor to GPT-OSS's fused experts (gate_up_proj and its bias) or to the experts' "
-               "down_proj bias, so they would load uninitialised: its GPT-OSS tensor processor is registered as "
-               "'gpt_oss' while the file's architecture is llama.cpp's 'gpt-oss', and it writes per-expert "
-               "block_sparse_moe.experts.N names that transformers' GPT-OSS does not have",
-    "gemma4_text": "its gemma4 config mapping reads no head_dim (always 256), final_logit_softcapping, "
-                   "hidden_size_per_layer_input, vocab_size_per_layer_input, num_kv_shared_layers, "
-                   "use_double_wide_mlp, enable_moe_block, attention_k_eq_v nor rope parameters: it rebuilds Gemma4TextConfig's defaults "
-                   "for them, so it reads back only a model that has exactly those",
+    "gpt_oss": "in a file with llama.cpp's architecture name 'gpt-oss' it maps no GGUF tensor to GPT-OSS's fused "
+               "experts (gate_up_proj and its bias) nor to the experts' down_proj bias, and maps the experts' "
+               "down_proj and the attention sinks without the .weight llama.cpp writes them with (blk.N.ffn_down_exps, "
+               "blk.N.attn_sinks), so all of them would load uninitialised; its GPT-OSS tensor processor is "
+               "registered as 'gpt_oss', and reads blk.N.ffn_*_projs tensors llama.cpp does not write",
     "gemma3n_text": "it has no gemma3n architecture",
     "falcon_h1": "it has no falcon-h1 architecture",
 }
@@ -107,7 +112,7 @@ def gguf_arch(config) -> GgufArch:
                                     f"{', '.join(sorted(ARCHITECTURES))}): no round trip through transformers' GGUF "
                                     "reader proves it; llama.cpp's convert_hf_to_gguf.py may convert the folder")
     for rope in _rope_parameters(config):
-        if rope.get("rope_type", "default") == "llama3" and model_type == "llama":
+        if (rope.get("rope_type", "default"), model_type) in (("llama3", "llama"), ("proportional", "gemma4_text")):
             continue  # llama.cpp's rope_freqs tensor (gguf_tensors.py)
         if rope.get("rope_type", "default") != "default":
             raise UnsupportedModelError(f"export-gguf: rope scaling {rope.get('rope_type')!r} of {model_type!r} is "
@@ -126,8 +131,9 @@ def _rope_parameters(config) -> list[dict]:
 
 def add_hyperparameters(writer, config, arch: GgufArch, ffn_width: int) -> None:
     """The keys llama.cpp (and transformers' reader) take the model's shape from; `ffn_width` is the FFN's."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = full_head_dim(config)
     rope = (getattr(config, "rope_parameters", None) or {}).get("full_attention") or _rope_parameters(config)[0]
+    rotary = head_dim if "gemma4" in arch.extra_keys else int(head_dim * rope.get("partial_rotary_factor", 1.0))
     # No general.name: transformers' reader takes a file named exactly "mistral" for its own Mistral layout.
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -141,7 +147,7 @@ def add_hyperparameters(writer, config, arch: GgufArch, ffn_width: int) -> None:
         writer.add_head_count_kv(_kv_heads(config))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_dimension_count(rotary)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     if "layer_norm" in arch.extra_keys:
         writer.add_layer_norm_eps(next(getattr(config, k) for k in ("norm_epsilon", "layer_norm_eps", "norm_eps",
@@ -169,13 +175,40 @@ def add_hyperparameters(writer, config, arch: GgufArch, ffn_width: int) -> None:
                 getattr(writer, f"add_{key}")(getattr(config, key))
     if "short_conv" in arch.extra_keys:
         writer.add_shortconv_l_cache(config.conv_L_cache)
+    if "gemma4" in arch.extra_keys:
+        _add_gemma4_keys(writer, config)
+
+
+def full_head_dim(config) -> int:
+    """The head size of the full-attention layers: Gemma 4's global one (its per-layer config), else head_dim."""
+    full = [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == "full_attention"]
+    if config.model_type == "gemma4_text" and full:
+        return config.per_layer_config[full[0]].head_dim
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _add_gemma4_keys(writer, config) -> None:
+    """Gemma 4's keys beyond Gemma 3's, as llama.cpp's converter writes them: the sliding layers' head size, rope
+    width and base (the plain keys hold the full layers'), which layers slide, the KV-sharing layer count and the
+    per-layer-input width (0 without per-layer inputs)."""
+    sliding = config.rope_parameters["sliding_attention"]
+    head_dim = config.to_dict()["head_dim"]  # the config's own: `config.head_dim` is ambiguous, full layers differ
+    writer.add_key_length_swa(head_dim)
+    writer.add_value_length_swa(head_dim)
+    writer.add_rope_dimension_count_swa(int(head_dim * sliding.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base_swa(float(sliding["rope_theta"]))
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+    writer.add_shared_kv_layers(config.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
 
 
 def _kv_heads(config) -> int:
     """The key/value heads attention runs with: Falcon's multi-query attention has one, whatever `num_kv_heads`
-    says (transformers' FalconAttention)."""
+    says (transformers' FalconAttention); Gemma 4's config value."""
     if config.model_type == "falcon":
         return config.num_kv_heads if config.new_decoder_architecture or not config.multi_query else 1
+    if config.model_type == "gemma4_text":  # the sliding layers' (full ones may differ: `config.num_key_value_heads`
+        return config.to_dict()["num_key_value_heads"]  # is then ambiguous); the reader reads one count back
     return config.num_key_value_heads or config.num_attention_heads
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from hfsplit.errors import CheckpointError, UnsupportedModelError
 from hfsplit.ship.base import open_base
 from hfsplit.ship.gguf_arch import add_hyperparameters, ffn_width, gguf_arch, reader_mismatch
-from hfsplit.ship.gguf_tensors import gguf_tensors, nbytes, tensor_bytes
+from hfsplit.ship.gguf_tensors import gguf_tensors, nbytes, refuse_reader_skipped, tensor_bytes
 from hfsplit.ship.gguf_vocab import add_tokenizer
 
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -44,6 +44,7 @@ def export_gguf(model: Union[str, os.PathLike], out: Union[str, os.PathLike], *,
     source = open_base(str(model))
     arch = gguf_arch(source.config)
     tensors = gguf_tensors(source, arch, tensor_type)
+    refuse_reader_skipped(source, arch)
     width = ffn_width(source.config, arch, {name: tuple(source.spec(name).shape) for name in source.names()})
 
     def add_keys(writer):

@@ -10,7 +10,7 @@ import torch
 
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.ship.base import BaseCheckpoint
-from hfsplit.ship.gguf_arch import GgufArch
+from hfsplit.ship.gguf_arch import GgufArch, full_head_dim
 
 
 @dataclass(frozen=True)
@@ -50,14 +50,40 @@ def gguf_tensors(source: BaseCheckpoint, arch: GgufArch, tensor_type: str) -> li
             block = gguf.GGML_QUANT_SIZES[wanted][0]
             qtype = wanted if len(shape) >= 2 and shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
             out.append(GgufTensor(gguf_name, name, tuple(shape), qtype, rows))
-    if _rope_type(source.config) == "llama3":
-        out.append(GgufTensor("rope_freqs.weight", "", (len(llama3_rope_freqs(source.config)),),
-                              gguf.GGMLQuantizationType.F32))
+    freqs = rope_freqs(source.config)
+    if freqs is not None:
+        out.append(GgufTensor("rope_freqs.weight", "", (len(freqs),), gguf.GGMLQuantizationType.F32))
     return out
 
 
-def _rope_type(config) -> str:
-    return (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+def rope_freqs(config) -> Optional[torch.Tensor]:
+    """llama.cpp's `rope_freqs` tensor of `config`, None where its rope needs none: Llama 3's rope scaling, or Gemma
+    4's proportional rope of its full-attention layers."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":
+        return llama3_rope_freqs(config)
+    if config.model_type == "gemma4_text" and (rope.get("full_attention") or {}).get("rope_type") == "proportional":
+        return proportional_rope_freqs(config)
+    return None
+
+
+def proportional_rope_freqs(config) -> torch.Tensor:
+    """llama.cpp's `rope_freqs` for Gemma 4's proportional rope: its full-attention heads rotate only the first
+    `partial_rotary_factor` of their pairs, each at plain rope's frequency over the whole head; llama.cpp rotates every
+    pair and divides the unrotated ones' frequency by 1e30, turning them to angle 0 (as its converter writes it)."""
+    pairs = full_head_dim(config) // 2
+    rotated = int(full_head_dim(config) * config.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    return torch.tensor([1.0] * rotated + [1e30] * (pairs - rotated))
+
+
+def refuse_reader_skipped(source: BaseCheckpoint, arch: GgufArch) -> None:
+    """Refuse a model whose tensors that transformers' reader does not load (`arch.reader_skips`, left at their
+    initial ones) hold anything but ones: the reader would not read it back."""
+    for name in source.names():
+        if name.endswith(arch.reader_skips or ("\0",)) and not torch.all(source.read(name) == 1):
+            raise UnsupportedModelError(f"export-gguf: {name} of {source.config.model_type!r} is not 1 "
+                                        f"({source.read(name).flatten()[:4].tolist()}): transformers' GGUF reader, the "
+                                        "proof of the export, does not load it (it leaves it at 1)")
 
 
 def llama3_rope_freqs(config) -> torch.Tensor:
@@ -86,7 +112,7 @@ def tensor_bytes(source: BaseCheckpoint, arch: GgufArch, t: GgufTensor) -> np.nd
     import gguf
 
     if t.name == "rope_freqs.weight":
-        return llama3_rope_freqs(source.config).float().numpy()
+        return rope_freqs(source.config).float().numpy()
     value = source.read(t.source)
     if t.rows is not None:
         value = value.narrow(1, *t.rows).contiguous()

@@ -34,6 +34,13 @@ READER_DEFAULTS = {
     "nemotron": dict(num_key_value_heads=4),
     "falcon": dict(ffn_hidden_size=256, tied=True),  # the reader ties Falcon's head always; 4 x hidden
 }
+# Gemma 4 is built whole rather than through tiny_config's shrunk defaults: its __post_init__ derives the layer kinds,
+# the full layers' head size and rope from these. The reader reads its widths, heads, eps, window and the full layers'
+# head size (global_head_dim, from key_length); everything else at Gemma4TextConfig's defaults, which the tiny model
+# keeps: head_dim 256 and the per-layer-input table of 262144 rows x 2 layers x 256 (134M parameters, 256 MiB in f16).
+GEMMA4 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              global_head_dim=32, sliding_window=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+              layer_types=["sliding_attention", "full_attention"])
 # (transformers model_type, the byte-level pre-tokenizer its family's tokenizers use)
 ROUND_TRIPS = [("llama", "llama-bpe"), ("qwen2", "qwen2"), ("qwen3", "qwen2"), ("mistral", "gpt-2"),
                ("gemma2", "llama-bpe"), ("qwen3_moe", "qwen2"), ("qwen2_moe", "qwen2"), ("phi3", "gpt-2"),
@@ -44,14 +51,18 @@ ROUND_TRIPS = [("llama", "llama-bpe"), ("qwen2", "qwen2"), ("qwen3", "qwen2"), (
 def fp16_model(folder, arch, split="llama-bpe", **overrides):
     """An fp16 tiny `arch` with random norm weights (Gemma's are stored as 1 + w) and a trained byte-level BPE
     tokenizer (the vocabulary a little larger than the tokenizer)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfsplit.checkpoint.synthetic import tiny_config
 
     tokenizer = write_bpe_tokenizer(folder, split=split)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, num_layers=2, vocab_size=len(tokenizer) + 3,
-                                                         **{**READER_DEFAULTS.get(arch, {}), **overrides}))
+    if arch == "gemma4_text":
+        config = AutoConfig.for_model(arch, vocab_size=len(tokenizer) + 3, **{**GEMMA4, **overrides})
+    else:
+        config = tiny_config(arch, num_layers=2, vocab_size=len(tokenizer) + 3,
+                             **{**READER_DEFAULTS.get(arch, {}), **overrides})
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -118,25 +129,12 @@ def test_a_merged_folder_exports_to_the_merged_models_logits(tmp_path):
 
 def test_architectures_without_a_proof_are_refused_by_name(tiny_checkpoint, tmp_path):
     import gguf
-    from transformers import AutoModelForCausalLM
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    # why GPT-OSS is refused: transformers' reader maps no GGUF tensor to its fused experts
-    gpt_oss = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("gpt_oss"))
-    mapped = set(get_gguf_hf_weights_map(gpt_oss, TENSOR_PROCESSORS.get("gpt-oss", TensorProcessor)()).values())
-    assert "model.layers.0.mlp.experts.gate_up_proj" not in mapped
-    assert "gpt-oss" not in TENSOR_PROCESSORS and gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS] == "gpt-oss"
-    with pytest.raises(UnsupportedModelError, match="'gpt_oss' is not exported: transformers' GGUF reader, the proof "
-                                                    "of the export, cannot read it back"):
-        export_gguf(tiny_checkpoint("gpt_oss"), tmp_path / "x.gguf")
-    # why Gemma 4, Gemma 3n and Falcon-H1 are refused: what the reader's config mapping reads of them
+    # why Gemma 3n and Falcon-H1 are refused: the reader has no mapping for them
     read = {key: set(keys.values()) for key, keys in GGUF_CONFIG_MAPPING.items()}
-    assert read["gemma4"].isdisjoint({"head_dim", "final_logit_softcapping", "hidden_size_per_layer_input",
-                                      "vocab_size_per_layer_input", "num_kv_shared_layers", "use_double_wide_mlp",
-                                      "enable_moe_block", "attention_k_eq_v", "rope_parameters"})
     assert "gemma3n" not in read and "falcon-h1" not in read and "falcon_h1" not in read
-    for model_type, gguf_name in [("gemma4_text", "gemma4"), ("gemma3n_text", "gemma3n"), ("falcon_h1", "falcon-h1")]:
+    for model_type, gguf_name in [("gemma3n_text", "gemma3n"), ("falcon_h1", "falcon-h1")]:
         assert gguf_name in gguf.MODEL_ARCH_NAMES.values()  # gguf-py declares it: llama.cpp has the layout
         with pytest.raises(UnsupportedModelError, match=f"'{model_type}' is not exported: transformers' GGUF reader"):
             export_gguf(tiny_checkpoint(model_type), tmp_path / "x.gguf")
@@ -146,14 +144,110 @@ def test_architectures_without_a_proof_are_refused_by_name(tiny_checkpoint, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_gpt_oss_is_refused_for_the_tensors_the_reader_would_not_load(tiny_checkpoint, tmp_path):
+    """The recorded reason, checked against transformers: in a file with llama.cpp's architecture name 'gpt-oss' (its
+    GptOssTensorProcessor is registered under 'gpt_oss', and changes no name anyway), the reader maps nothing to the
+    fused experts and the experts' down_proj bias, and maps the experts' down_proj and the attention sinks without the
+    .weight llama.cpp's converter writes them with: all of them would load uninitialised."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, GptOssTensorProcessor, TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+
+    assert gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS] == "gpt-oss" and "gpt-oss" not in TENSOR_PROCESSORS
+    assert not GptOssTensorProcessor.GGUF_MOE_WEIGHTS_PATTERN.match("blk.0.ffn_gate_exps.weight")
+    config = AutoConfig.from_pretrained(tiny_checkpoint("gpt_oss"))
+    with torch.device("meta"):
+        gpt_oss = AutoModelForCausalLM.from_config(config)
+    for processor in (TENSOR_PROCESSORS.get("gpt-oss", TensorProcessor)(), GptOssTensorProcessor()):
+        mapped = get_gguf_hf_weights_map(gpt_oss, processor)
+        unloaded = {f"model.layers.0.mlp.experts.{n}" for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj_bias")}
+        assert unloaded.isdisjoint(mapped.values())
+        for name in ("blk.0.ffn_down_exps", "blk.0.attn_sinks"):
+            assert name in mapped and f"{name}.weight" not in mapped
+    with pytest.raises(UnsupportedModelError, match="'gpt_oss' is not exported: transformers' GGUF reader, the proof "
+                                                    "of the export, cannot read it back"):
+        export_gguf(tiny_checkpoint("gpt_oss"), tmp_path / "x.gguf")
+
+
+def test_gemma4_is_written_as_llama_cpp_converts_it_and_reads_back_to_equal_logits(tmp_path):
+    """Gemma 4 at the reader's defaults (GEMMA4): exact logits and the same tokens through transformers' reader; the
+    keys llama.cpp's converter writes beyond those the reader reads hold the model's values; rope_freqs turns plain
+    rope over the full layers' heads into the model's own proportional rope (llama.cpp divides each rotary pair's
+    frequency by it; transformers' reader skips it and rebuilds proportional rope)."""
+    import gguf
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    folder, tokenizer = fp16_model(tmp_path / "gemma4", "gemma4_text")
+    export_gguf(folder, folder / "model.gguf")
+    expected, _ = logits_and_tokenizer(folder)
+    got, rebuilt = logits_and_tokenizer(folder, "model.gguf")
+    assert torch.equal(expected, got)
+    assert rebuilt.encode(TEXT, add_special_tokens=False) == tokenizer.encode(TEXT, add_special_tokens=False)
+
+    reader = gguf.GGUFReader(folder / "model.gguf")
+    keys = {k[len("gemma4."):]: f.contents() for k, f in reader.fields.items() if k.startswith("gemma4.")}
+    assert {k: keys[k] for k in ("attention.key_length", "attention.key_length_swa", "rope.dimension_count",
+                                 "rope.dimension_count_swa", "rope.freq_base", "rope.freq_base_swa",
+                                 "attention.sliding_window_pattern", "attention.shared_kv_layers",
+                                 "embedding_length_per_layer_input")} == {
+        "attention.key_length": 32, "attention.key_length_swa": 256, "rope.dimension_count": 32,
+        "rope.dimension_count_swa": 256, "rope.freq_base": 1e6, "rope.freq_base_swa": 1e4,
+        "attention.sliding_window_pattern": [True, False], "attention.shared_kv_layers": 0,
+        "embedding_length_per_layer_input": 256}
+    names = {t.name for t in reader.tensors}
+    assert {"per_layer_token_embd.weight", "blk.1.layer_output_scale.weight"} <= names
+    freqs = torch.from_numpy(next(t for t in reader.tensors if t.name == "rope_freqs.weight").data.copy())
+    config = AutoConfig.from_pretrained(folder)
+    proportional, _ = ROPE_INIT_FUNCTIONS["proportional"](config, layer_type="full_attention")
+    plain = 1.0 / (1e6 ** (torch.arange(0, 32, 2).float() / 32))
+    assert not torch.allclose(plain, proportional)  # three quarters of the pairs do not rotate
+    torch.testing.assert_close(plain / freqs, proportional, rtol=1e-6, atol=1e-29)
+
+
+def test_a_gemma4_layer_scalar_the_reader_would_leave_at_one_is_refused(tmp_path):
+    """transformers' reader maps Gemma 4's layer scalar as blk.N.layer_output_scale while llama.cpp's converter writes
+    blk.N.layer_output_scale.weight: the reader leaves it at its initial 1, so a model whose scalars differ is
+    refused, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    small = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=64)
+    folder, _ = fp16_model(tmp_path / "gemma4", "gemma4_text", **small)
+    with torch.device("meta"):
+        mapped = get_gguf_hf_weights_map(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)),
+                                         TensorProcessor())
+    assert mapped["blk.0.layer_output_scale"] == "model.layers.0.layer_scalar"
+    assert "blk.0.layer_output_scale.weight" not in mapped
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.layer_scalar"] = torch.tensor([0.5], dtype=torch.float16)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"layers.0.layer_scalar of 'gemma4_text' is not 1 \(\[0.5\]\)"):
+        export_gguf(folder, folder / "x.gguf")
+    assert not list(folder.glob("*.gguf"))
+
+
 def test_config_values_the_reader_would_not_read_back_are_refused(tmp_path):
-    """transformers' reader takes Gemma 2's soft-caps at 50 and 30 and Qwen2-MoE's expert width at 1408: other values
-    are refused, naming the model's value and the one the reader would rebuild."""
+    """transformers' reader takes Gemma 2's soft-caps at 50 and 30, Qwen2-MoE's expert width at 1408 and Gemma 4's
+    per-layer-input width at 256: other values are refused, naming the model's value and the one the reader would
+    rebuild."""
     folder, _ = fp16_model(tmp_path / "gemma2", "gemma2", attn_logit_softcapping=20.0)
     with pytest.raises(UnsupportedModelError, match=r"'gemma2' .*'attn_logit_softcapping': \(20.0, 50.0\)"):
         export_gguf(folder, folder / "x.gguf")
     folder, _ = fp16_model(tmp_path / "qwen2_moe", "qwen2_moe", moe_intermediate_size=64)
     with pytest.raises(UnsupportedModelError, match=r"'moe_intermediate_size': \(64, 1408\)"):
+        export_gguf(folder, folder / "x.gguf")
+    # Gemma 4: the reader reads no per-layer-input width (nor head_dim, soft-cap, KV sharing, ...)
+    small = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=64)
+    folder, _ = fp16_model(tmp_path / "gemma4", "gemma4_text", **small)
+    with pytest.raises(UnsupportedModelError, match=r"'gemma4_text' .*'hidden_size_per_layer_input': \(8, 256\)"):
+        export_gguf(folder, folder / "x.gguf")
+    # and its keys shared with values, whose full layers' key/value head count differs from the sliding layers'
+    folder, _ = fp16_model(tmp_path / "gemma4_kv", "gemma4_text", attention_k_eq_v=True, num_global_key_value_heads=2,
+                           **small)
+    with pytest.raises(UnsupportedModelError, match=r"'attention_k_eq_v': \(True, False\)"):
         export_gguf(folder, folder / "x.gguf")
     assert [p.name for p in tmp_path.glob("*/*.gguf")] == []
 
