@@ -14,7 +14,7 @@ VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_att
 
 def multimodal_config(kind: str):
     """gemma3: Gemma 3 (SigLIP tower, sliding and full layers, tied head); mistral3: Mistral 3 (Pixtral tower, its
-    head tied by the outer config's flag, not the text config's)."""
+    head tied by the outer config's flag, not the text config's); qwen3_5, llama4, gemma4 as commented below."""
     import transformers
 
     if kind == "gemma3":
@@ -33,6 +33,17 @@ def multimodal_config(kind: str):
             text_config=dict(TEXT, num_local_experts=2, intermediate_size_mlp=64, interleave_moe_layer_step=2,
                              attention_chunk_size=4, dtype="float32"), dtype="float32",
             vision_config=dict(VISION, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32))
+    if kind == "gemma4":  # per-layer inputs, sliding and full layers (the full one with its own wider head dim),
+        # beside a vision and an audio tower (`model.vision_tower`, `model.audio_tower`, their embedders)
+        return transformers.Gemma4Config(
+            text_config=dict(TEXT, sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                             per_layer_config={"3": {"head_dim": 16}}, vocab_size_per_layer_input=128,
+                             hidden_size_per_layer_input=8),
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=2,
+                               position_embedding_size=64),
+            audio_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, conv_kernel_size=3,
+                              subsampling_conv_channels=[8, 4], output_proj_dims=16), dtype="float32")
     raise ValueError(kind)
 
 
@@ -42,7 +53,8 @@ def multimodal_class(kind: str):
     return {"gemma3": transformers.Gemma3ForConditionalGeneration,
             "mistral3": transformers.Mistral3ForConditionalGeneration,
             "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
-            "llama4": transformers.Llama4ForConditionalGeneration}[kind]
+            "llama4": transformers.Llama4ForConditionalGeneration,
+            "gemma4": transformers.Gemma4ForConditionalGeneration}[kind]
 
 
 def write_multimodal(folder: Path, kind: str) -> Path:

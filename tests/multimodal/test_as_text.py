@@ -7,7 +7,7 @@ import torch
 
 from hfsplit.cli import main
 
-KINDS = ["gemma3", "mistral3", "qwen3_5", "llama4"]
+KINDS = ["gemma3", "mistral3", "qwen3_5", "llama4", "gemma4"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -33,7 +33,7 @@ def test_reader_opens_only_the_language_models_tensors(multimodal, kind):
     with CheckpointReader.open(folder, model=text) as reader:
         assert set(reader.keys()) == set(text.state_dict())
         stored = {reader.checkpoint_name(n) for n in reader.keys()}
-    assert not any("vision" in key or "projector" in key for key in stored)
+    assert not any(tower in key for key in stored for tower in ("vision", "audio", "projector"))
     assert all("language_model" in key for key in stored if not key.startswith("lm_head"))
 
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 PROBE = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(7))
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "qwen3_5", "llama4"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "qwen3_5", "llama4", "gemma4"])
 def test_lora_split_saves_what_the_original_class_loads(multimodal, kind, tmp_path):
     from peft import PeftModel
 
