@@ -33,12 +33,26 @@ def meta_model(config, *, dtype: Optional[torch.dtype] = None, attn_implementati
         return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
+def rebuilt_quietly(config_class, data: dict):
+    """`config_class.from_dict(data)` without transformers' warnings: a config of one layer kind (all sliding, say)
+    makes Gemma 4's post-init warn that it forces the last layer to full attention, once per kind and plan, though
+    `one_layer_config` then sets the one block's type itself."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return config_class.from_dict(data)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def one_layer_config(config):
     """A copy of `config` with one decoder block (all blocks alike; 1 block builds ~80× faster than 80)."""
     data = config.to_dict()
     if isinstance(data.get("per_layer_config"), dict):  # Gemma 4: overrides by layer index, the first block's kept
         data["per_layer_config"] = {k: v for k, v in data["per_layer_config"].items() if int(k) == 0}
-    cfg = config.__class__.from_dict(data)
+    cfg = rebuilt_quietly(config.__class__, data)
     cfg.num_hidden_layers = 1
     layer_types = getattr(cfg, "layer_types", None)
     if isinstance(layer_types, (list, tuple)) and len(layer_types) > 1:  # (Falcon-H1's derives its own: a property)
