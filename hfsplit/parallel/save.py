@@ -11,7 +11,6 @@ finished, so a crash mid-save leaves the previous checkpoint as it was.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,7 +20,6 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from hfsplit.apply.lora import lora_layers
 from hfsplit.apply.quantize import dequantized
 from hfsplit.apply.tp import full_tensor, local_tensor, tp_shard_dim
 from hfsplit.checkpoint.writer import (DEFAULT_MAX_SHARD_SIZE, StreamingWriter, TensorSpec, shard_layout,

@@ -19,7 +19,7 @@ import torch
 
 from hfsplit.checkpoint.multimodal import Wrapper
 from hfsplit.checkpoint.resolve import resolve_file
-from hfsplit.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, StreamingWriter, TensorSpec
+from hfsplit.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, StreamingWriter
 from hfsplit.errors import CheckpointError
 from hfsplit.ship.adapter import LoraDelta, adapter_deltas, read_adapter
 from hfsplit.ship.base import BaseCheckpoint, StoredLayout, open_base

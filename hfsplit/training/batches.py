@@ -2,7 +2,7 @@
 on every rank)."""
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 import torch

@@ -19,7 +19,7 @@ from hfsplit.errors import PlanError
 from hfsplit.models.boundary import boundary_width
 from hfsplit.models.expert_lora import default_lora_targets, expert_lora_numel, expert_parameters
 from hfsplit.models.families import tp_degree_error
-from hfsplit.models.layer_kinds import DENSE, SPARSE, kind_config, layer_kinds
+from hfsplit.models.layer_kinds import kind_config, layer_kinds
 from hfsplit.models.layout import block_linear_names, meta_model, one_layer_config, routed_expert_numel
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.cache import read_cache, write_cache
