@@ -138,14 +138,21 @@ def family_of(config) -> Family:
     return family
 
 
-# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1. The third kind
-# stays whole on every rank, its gradient summed over the TP group. The MoE kinds: a fused experts module
-# (`moe_tp_experts`) whose `gate_up_proj` is packed column-wise and `down_proj` row-wise (apply/tp_experts.py);
-# "packed_colwise" is accepted only there.
+# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1. Besides plain
+# column- and row-wise linears: a column-wise one whose output is gathered whole on every rank (what follows it needs
+# the full width: OLMo 2's q/k norms over all heads, Phi-3's fused [q; k; v] split after it), a row-wise one whose
+# input arrives whole and is sliced on each rank (the linear after a gathered one), and the vocabulary-sharded input
+# embedding the plan names. The REPLICATED_SUMMED kind stays whole on every rank, its gradient summed over the TP
+# group. The MoE kinds: a fused experts module (`moe_tp_experts`) whose `gate_up_proj` is packed column-wise and
+# `down_proj` row-wise (apply/tp_experts.py); "packed_colwise" is accepted only there.
+COLWISE_GATHERED = "colwise_gather_output"
+ROWWISE_WHOLE_INPUT = "rowwise_split_input"
+EMBEDDING_ROWWISE = "embedding_rowwise"
 REPLICATED_SUMMED = "replicated_with_grad_allreduce"
 MOE_EXPERTS = "moe_tp_experts"
 PACKED_COLWISE = "packed_colwise"
-TP_STYLES = ("colwise", "rowwise", REPLICATED_SUMMED, MOE_EXPERTS, PACKED_COLWISE)
+TP_STYLES = ("colwise", "rowwise", COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, EMBEDDING_ROWWISE, REPLICATED_SUMMED,
+             MOE_EXPERTS, PACKED_COLWISE)
 # The pipeline plan a stage builder follows: embeddings → blocks → final norm.
 PP_PLAN = ["embed_tokens", "layers", "norm"]
 
