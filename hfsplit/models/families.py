@@ -265,6 +265,24 @@ def unplaced_packed(config) -> Optional[str]:
     return next((k for k, s in tp_plan_of(config).items() if s == PACKED_COLWISE and k not in inside), None)
 
 
+def tp_whole_parts(config) -> frozenset[str]:
+    """Which of "attention" and "mlp" run at full width on every TP rank: those whose column-wise projections'
+    outputs the plan gathers (`colwise_gather_output`: OLMo 2's attention, all of Phi-3's block). Their matmuls are
+    still split, but what follows the gather (every head's attention, the MLP's activation) is whole on each rank. A
+    gathered block pattern naming neither counts as both (the cost model then counts the whole width, never less)."""
+    whole = set()
+    for pattern, style in tp_plan_of(config).items():
+        if style != COLWISE_GATHERED or not pattern.startswith("layers."):
+            continue
+        if "attn" in pattern or "attention" in pattern:
+            whole.add("attention")
+        elif "mlp" in pattern or "feed_forward" in pattern:
+            whole.add("mlp")
+        else:
+            whole |= {"attention", "mlp"}
+    return frozenset(whole)
+
+
 def tp_refused_flag(config) -> Optional[str]:
     """The config flag set on `config` under which its family's TP plan is wrong (None when there is none)."""
     family = FAMILIES.get(getattr(config, "model_type", None))

@@ -18,7 +18,7 @@ from hfsplit.checkpoint.quantized import quantized_experts_bytes, quantized_line
 from hfsplit.errors import PlanError
 from hfsplit.models.boundary import boundary_width
 from hfsplit.models.expert_lora import default_lora_targets, expert_lora_numel, expert_parameters
-from hfsplit.models.families import tp_degree_error
+from hfsplit.models.families import tp_degree_error, tp_whole_parts
 from hfsplit.models.layer_kinds import DENSE, SPARSE, kind_config, layer_kinds
 from hfsplit.models.layout import block_linear_names, meta_model, one_layer_config, routed_expert_numel
 from hfsplit.plan import TrainingSpec
@@ -29,6 +29,7 @@ from hfsplit.planning.costs.layout import (
 )
 from hfsplit.planning.costs.masks import attended_positions, stage_mask_bytes
 from hfsplit.planning.costs.trace import BlockTrace
+from hfsplit.planning.costs.tp import gather_bytes, rank_out_features
 from hfsplit.planning.costs.traces import block_trace, ends_trace
 
 
@@ -311,7 +312,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     matmul_numel = sum(
         lin.in_features * lin.out_features // (tp if lin.shard else 1) for lin in layout.linears
     ) + _routed_lora_numel(lora_numel, config, spec) + routed_expert_numel(config) // tp  # MoE: the top-k experts
-    heads_dim = config.num_attention_heads // tp * head_dim(config)
+    heads_dim = config.num_attention_heads // _head_split(config, tp) * head_dim(config)
     # QKᵀ and AV over the pairs a row attends: seq² (a mask or sdpa's causal flag), or each packed example's l²
     # where packed rows run example by example (sdpa: hfsplit.models.varlen)
     pairs = attended_positions(_attention_config(key), seq=spec.seq_len, packed=spec.packing)
@@ -320,7 +321,9 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * (passes + spec.chunked_loss)  # + recompute
     # Two all-reduces (after attention and after the MLP) each way; recompute repeats the forward ones.
     all_reduces = 2 if spec.method == "inference" else 4 + (2 if ckpt else 0)
-    comm = all_reduces * hidden_bytes if tp > 1 else 0
+    # Plans gathering outputs whole add all-gathers (`gather_bytes`).
+    comm = 0 if tp == 1 else all_reduces * hidden_bytes + gather_bytes(
+        layout, config, feature_bytes=tokens * size, forwards=1 + (passes > 1 and ckpt), backwards=int(passes > 1))
 
     block_acts, block_ws, offload = _block_memory(trace, spec, hidden_bytes=hidden_bytes, tp=tp)
     if spec.method == "inference":  # what generation keeps per block: held, like kept activations, per micro-batch
@@ -384,8 +387,13 @@ def kv_cache_bytes(config, spec: TrainingSpec, tp: int) -> int:
     and values of every position for this rank's key-value heads, in `spec.dtype` (transformers' DynamicCache;
     sliding-window layers are counted whole, an upper bound)."""
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_rank = max(1, kv_heads // tp)
+    per_rank = max(1, kv_heads // _head_split(config, tp))
     return 2 * spec.micro_batch_size * spec.seq_len * per_rank * head_dim(config) * dtype_of(spec.dtype).itemsize
+
+
+def _head_split(config, tp: int) -> int:
+    """Over how many ranks a block's attention heads are split (1 where the plan gathers them whole)."""
+    return 1 if "attention" in tp_whole_parts(config) else tp
 
 
 def _stage_inputs(key: str, spec: TrainingSpec, ckpt: bool) -> PartCost:
@@ -452,7 +460,7 @@ def _deferred_grad_bytes(layout: Layout, spec: TrainingSpec, config, tp: int) ->
     tokens, hidden = spec.micro_batch_size * spec.seq_len, config.hidden_size
 
     def out(lin: Linear) -> int:
-        return lin.out_features // tp if lin.shard == "col" else lin.out_features
+        return rank_out_features(lin, config, tp)
 
     if spec.method != "full":  # LoRA: B's output is its base layer's, A's is the rank; adapters in their dtype
         adapters = sum(out(lin) + spec.lora_r for lin in lora_targets(layout, spec, expert_parameters(config)))

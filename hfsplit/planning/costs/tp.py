@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
-from hfsplit.models.families import valid_tp_degrees
+from hfsplit.models.families import COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, tp_style_of, valid_tp_degrees
 from hfsplit.planning.costs import trace  # its functions looked up when called: tests count the traces
 from hfsplit.planning.costs.cache import read_cache, write_cache
-from hfsplit.planning.costs.layout import CONFIGS
+from hfsplit.planning.costs.layout import CONFIGS, Layout, Linear
 
 Pair = tuple[int, int]  # (F, S): bytes whole on every rank, bytes cut by the TP degree
 
@@ -138,3 +138,23 @@ def block_trace_at(key: str, spec, tp: int):
         write_cache("tp-profile", name, profile.to_record())
     derived = profile.at(tp) if profile is not None else None
     return derived if derived is not None else trace.trace_block(key, spec, tp)
+
+
+def gathered_out(lin: Linear, config) -> bool:
+    """Whether the plan gathers `lin`'s column-wise output whole on every rank (`colwise_gather_output`)."""
+    return tp_style_of(config, f"layers.0.{lin.name}") == COLWISE_GATHERED
+
+
+def rank_out_features(lin: Linear, config, tp: int) -> int:
+    """The width of `lin`'s output on one TP rank: split where its columns are and its output is not gathered."""
+    return lin.out_features // tp if lin.shard == "col" and not gathered_out(lin, config) else lin.out_features
+
+
+def gather_bytes(layout: Layout, config, *, feature_bytes: int, forwards: int, backwards: int) -> int:
+    """All-reduce-equivalent bytes of one block's TP all-gathers (`feature_bytes`: one feature over a micro-batch's
+    tokens): each gathered column-wise output in each forward, each whole-input row-wise linear's input gradient in
+    each backward (its pieces joined). An all-gather moves half the bytes an all-reduce of the same tensor moves."""
+    whole_in = (lin.in_features for lin in layout.linears
+                if tp_style_of(config, f"layers.0.{lin.name}") == ROWWISE_WHOLE_INPUT)
+    gathered = sum(lin.out_features for lin in layout.linears if gathered_out(lin, config))
+    return (gathered * forwards + sum(whole_in) * backwards) * feature_bytes // 2
