@@ -232,3 +232,18 @@ def test_tensor_parallel_of_an_undeclared_family_is_what_the_tp2_sweep_proved(mo
     assert tp_degree_error(proven, 2) == ("tp=2: starcoder2's split follows the model's own forward, and its "
                                           "tensor-parallel split is not proven at tp=2 on transformers 99.0.0; use "
                                           "tp=1 (pipeline stages split it)")
+
+
+@pytest.mark.parametrize("arch, whole", [("phi3", {"attention", "mlp"}), ("olmo2", {"attention"}), ("llama", set())])
+def test_a_rank_runs_whole_what_its_plan_gathers_and_the_cost_model_traces_it_so(arch, whole):
+    """Phi-3 gathers its fused qkv and gate_up outputs, OLMo 2 its q/k/v (its q/k norms span every head): each rank
+    then runs every head (and Phi-3 the whole MLP width), so the block the cost model traces at tp=2 keeps those."""
+    from hfsplit.checkpoint.synthetic import tiny_config
+    from hfsplit.models.families import tp_whole_parts
+    from hfsplit.planning.costs.layout import rank_layer_config
+
+    config = tiny_config(arch)
+    assert tp_whole_parts(config) == whole
+    rank = rank_layer_config(config, tp=2)
+    assert rank.num_attention_heads == config.num_attention_heads // (1 if "attention" in whole else 2)
+    assert rank.intermediate_size == config.intermediate_size // (1 if "mlp" in whole else 2)
