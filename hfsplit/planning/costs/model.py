@@ -319,11 +319,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * pairs * heads_dim
     block_flops = block_fwd * (passes + (1 if ckpt else 0)) + _tiled_mlp_flops(layout, spec, tp, tokens)
     head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * (passes + spec.chunked_loss)  # + recompute
-    # Two all-reduces (after attention and after the MLP) each way; recompute repeats the forward ones.
-    all_reduces = 2 if spec.method == "inference" else 4 + (2 if ckpt else 0)
-    # Plans gathering outputs whole add all-gathers (`gather_bytes`).
-    comm = 0 if tp == 1 else all_reduces * hidden_bytes + gather_bytes(
-        layout, config, feature_bytes=tokens * size, forwards=1 + (passes > 1 and ckpt), backwards=int(passes > 1))
+    comm = _block_comm_bytes(layout, config, spec, tp, hidden_bytes=hidden_bytes, feature_bytes=tokens * size)
 
     block_acts, block_ws, offload = _block_memory(trace, spec, hidden_bytes=hidden_bytes, tp=tp)
     if spec.method == "inference":  # what generation keeps per block: held, like kept activations, per micro-batch
@@ -389,6 +385,19 @@ def kv_cache_bytes(config, spec: TrainingSpec, tp: int) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     per_rank = max(1, kv_heads // _head_split(config, tp))
     return 2 * spec.micro_batch_size * spec.seq_len * per_rank * head_dim(config) * dtype_of(spec.dtype).itemsize
+
+
+def _block_comm_bytes(layout: Layout, config, spec: TrainingSpec, tp: int, *, hidden_bytes: int,
+                      feature_bytes: int) -> int:
+    """All-reduce-equivalent bytes one block's TP collectives move per micro-batch: two all-reduces of the hidden
+    state (after attention and after the MLP) each way, recompute repeating the forward ones; and where the plan
+    gathers outputs whole, their all-gathers (`gather_bytes`)."""
+    if tp == 1:
+        return 0
+    training, ckpt = spec.method != "inference", spec.checkpointing != "off"
+    forwards = 1 + (training and ckpt)
+    return (2 * forwards + 2 * training) * hidden_bytes + gather_bytes(
+        layout, config, feature_bytes=feature_bytes, forwards=forwards, backwards=int(training))
 
 
 def _head_split(config, tp: int) -> int:
