@@ -33,7 +33,7 @@ from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.apply.tp import mark_tp_sharded, tp_shard_dim
 from hfsplit.errors import HfsplitError
 from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
-from hfsplit.models.families import COLWISE_GATHERED, ROWWISE_WHOLE_INPUT
+from hfsplit.models.families import COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, tp_plan_of
 from hfsplit.plan import Plan
 from hfsplit.plan.steps import Step, lora_step
 
@@ -78,7 +78,7 @@ def apply_lora(modules: Sequence[nn.Module], lora: LoraSetup, *, plan: Plan, ctx
     tp_group = ctx.tp_mesh.get_group() if plan.tp > 1 else None
     for module in modules:
         add_lora(module, lora.config, seed=lora.seed, tp_group=tp_group, tp_rank=ctx.coords.tp, tp_size=plan.tp,
-                 tp_plan=getattr(module.config, "base_model_tp_plan", None))
+                 tp_plan=tp_plan_of(module.config))
 
 
 def lora_config_of(spec, model_config):

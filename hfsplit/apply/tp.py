@@ -37,7 +37,7 @@ from hfsplit.plan.steps import Step
 def block_styles(config) -> dict[str, object]:
     """ParallelStyles of one stage keyed by module path pattern, from `config.base_model_tp_plan`; the input
     embedding's under the plan's own name (`embedding_rowwise`), else under "embed_tokens" (see `embedding_patterns`)."""
-    tp_plan = getattr(config, "base_model_tp_plan", None)
+    tp_plan = tp_plan_of(config)
     if not tp_plan:
         raise UnsupportedModelError(f"{type(config).__name__} declares no base_model_tp_plan; use tp=1")
     styles, experts = {}, expert_tp_params(config)
@@ -102,7 +102,7 @@ def mark_grad_summed(body: nn.Module, config) -> None:
     TP group (Qwen3's per-head q/k norms see only this rank's heads); `SplitModel.sync_grads` sums them."""
     import fnmatch
 
-    patterns = [p for p, kind in (getattr(config, "base_model_tp_plan", None) or {}).items() if kind == REPLICATED_SUMMED]
+    patterns = [p for p, kind in tp_plan_of(config).items() if kind == REPLICATED_SUMMED]
     for name, sub in body.named_modules():
         if any(fnmatch.fnmatchcase(name, p) for p in patterns):
             _GRAD_SUMMED.add(sub)

@@ -202,8 +202,20 @@ def check_pp_plan(base: nn.Module) -> None:
 
 
 def tp_plan_of(config) -> dict[str, str]:
-    """The model's `base_model_tp_plan` ({module pattern: style}), empty when it has none."""
-    return dict(getattr(config, "base_model_tp_plan", None) or {})
+    """The model's `base_model_tp_plan` ({module pattern: style}) with hfsplit's amendments (`TP_PLAN_AMENDS`), empty
+    when it has none."""
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    return {**plan, **TP_PLAN_AMENDS.get(getattr(config, "model_type", None), {})} if plan else plan
+
+
+# Replicated modules transformers' TP plans leave out whose gradient is partial on each rank, found by the tp=2 sweep
+# (`hfsplit.load.tp_proof`): Apertus's xIELU activation holds two scalars applied across the sharded MLP width, and
+# Sarvam-MoE's q/k norms a weight per head over this rank's heads; each rank's gradient is its share of the sum.
+_XIELU_SUMMED = {"layers.*.mlp.act_fn": REPLICATED_SUMMED}
+TP_PLAN_AMENDS: dict[str, dict[str, str]] = {
+    "apertus": _XIELU_SUMMED, "apertus1p5_text": _XIELU_SUMMED,
+    "sarvam_moe": {"layers.*.self_attn.q_norm": REPLICATED_SUMMED, "layers.*.self_attn.k_norm": REPLICATED_SUMMED},
+}
 
 
 def tp_supported(config) -> bool:
