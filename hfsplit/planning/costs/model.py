@@ -29,7 +29,7 @@ from hfsplit.planning.costs.layout import (
 )
 from hfsplit.planning.costs.masks import attended_positions, stage_mask_bytes
 from hfsplit.planning.costs.trace import BlockTrace
-from hfsplit.planning.costs.tp import gather_bytes, rank_out_features
+from hfsplit.planning.costs.tp import block_comm_bytes, gather_transient_bytes, rank_out_features
 from hfsplit.planning.costs.traces import block_trace, ends_trace
 
 
@@ -319,9 +319,10 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * pairs * heads_dim
     block_flops = block_fwd * (passes + (1 if ckpt else 0)) + _tiled_mlp_flops(layout, spec, tp, tokens)
     head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * (passes + spec.chunked_loss)  # + recompute
-    comm = _block_comm_bytes(layout, config, spec, tp, hidden_bytes=hidden_bytes, feature_bytes=tokens * size)
+    comm = block_comm_bytes(layout, config, spec, tp, hidden_bytes=hidden_bytes, feature_bytes=tokens * size)
 
-    block_acts, block_ws, offload = _block_memory(trace, spec, hidden_bytes=hidden_bytes, tp=tp)
+    block_acts, block_ws, offload = _block_memory(trace, spec, hidden_bytes=hidden_bytes, tp=tp,
+                                                  gathered=gather_transient_bytes(layout, config, tp, tokens * size))
     if spec.method == "inference":  # what generation keeps per block: held, like kept activations, per micro-batch
         block_acts = kv_cache_bytes(config, spec, tp)
     if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
@@ -387,19 +388,6 @@ def kv_cache_bytes(config, spec: TrainingSpec, tp: int) -> int:
     return 2 * spec.micro_batch_size * spec.seq_len * per_rank * head_dim(config) * dtype_of(spec.dtype).itemsize
 
 
-def _block_comm_bytes(layout: Layout, config, spec: TrainingSpec, tp: int, *, hidden_bytes: int,
-                      feature_bytes: int) -> int:
-    """All-reduce-equivalent bytes one block's TP collectives move per micro-batch: two all-reduces of the hidden
-    state (after attention and after the MLP) each way, recompute repeating the forward ones; and where the plan
-    gathers outputs whole, their all-gathers (`gather_bytes`)."""
-    if tp == 1:
-        return 0
-    training, ckpt = spec.method != "inference", spec.checkpointing != "off"
-    forwards = 1 + (training and ckpt)
-    return (2 * forwards + 2 * training) * hidden_bytes + gather_bytes(
-        layout, config, feature_bytes=feature_bytes, forwards=forwards, backwards=int(training))
-
-
 def _head_split(config, tp: int) -> int:
     """Over how many ranks a block's attention heads are split (1 where the plan gathers them whole)."""
     return 1 if "attention" in tp_whole_parts(config) else tp
@@ -435,15 +423,20 @@ def _attention_config(key: str):
     return config
 
 
-def _block_memory(trace: BlockTrace, spec: TrainingSpec, *, hidden_bytes: int, tp: int) -> tuple[int, int, int]:
-    """A block's (kept activations, workspace, host bytes) from its trace, before QLoRA's dequantized weight."""
+def _block_memory(trace: BlockTrace, spec: TrainingSpec, *, hidden_bytes: int, tp: int,
+                  gathered: int = 0) -> tuple[int, int, int]:
+    """A block's (kept activations, workspace, host bytes) from its trace, before QLoRA's dequantized weight;
+    `gathered`: what a gathered output's all-gather holds beyond the trace (`gather_transient_bytes`)."""
     if spec.method == "inference":
         return 0, trace.inference_peak, 0
     # The single-process trace has no collectives: backward's input-gradient all-reduce
     # (`_c10d_functional.all_reduce`, DTensor's Partial -> Replicate) copies the partial sum out of place, and
     # both are alive at once (measured: +1 hidden state at that op, LoRA tp=2 with checkpointing).
     reduce_copy = hidden_bytes if tp > 1 else 0
-    recompute = trace.activations + trace.workspace + reduce_copy
+    # A gathered output's all-gather buffers add to the recompute's peak; without recompute backward's peak stays
+    # above them (measured, Phi-3 LoRA tp=2: the run held 1.19 of the plan with checkpointing before they were
+    # counted, 0.92 without; see tests/parallel/test_apply.py).
+    recompute = trace.activations + trace.workspace + gathered + reduce_copy
     if spec.checkpointing == "on":  # only the block input is kept; backward recomputes the block's activations
         return hidden_bytes, recompute, 0
     if spec.checkpointing == "offload":  # the input waits in host memory; on the device while the block

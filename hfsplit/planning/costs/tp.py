@@ -18,6 +18,7 @@ from fractions import Fraction
 from typing import Optional
 
 from hfsplit.models.families import COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, tp_style_of, valid_tp_degrees
+from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs import trace  # its functions looked up when called: tests count the traces
 from hfsplit.planning.costs.cache import read_cache, write_cache
 from hfsplit.planning.costs.layout import CONFIGS, Layout, Linear
@@ -158,3 +159,24 @@ def gather_bytes(layout: Layout, config, *, feature_bytes: int, forwards: int, b
                 if tp_style_of(config, f"layers.0.{lin.name}") == ROWWISE_WHOLE_INPUT)
     gathered = sum(lin.out_features for lin in layout.linears if gathered_out(lin, config))
     return (gathered * forwards + sum(whole_in) * backwards) * feature_bytes // 2
+
+
+def block_comm_bytes(layout: Layout, config, spec: TrainingSpec, tp: int, *, hidden_bytes: int,
+                     feature_bytes: int) -> int:
+    """All-reduce-equivalent bytes one block's TP collectives move per micro-batch: two all-reduces of the hidden
+    state (after attention and after the MLP) each way, recompute repeating the forward ones; and where the plan
+    gathers outputs whole, their all-gathers (`gather_bytes`)."""
+    if tp == 1:
+        return 0
+    training, ckpt = spec.method != "inference", spec.checkpointing != "off"
+    forwards = 1 + (training and ckpt)
+    return (2 * forwards + 2 * training) * hidden_bytes + gather_bytes(
+        layout, config, feature_bytes=feature_bytes, forwards=forwards, backwards=int(training))
+
+
+def gather_transient_bytes(layout: Layout, config, tp: int, feature_bytes: int) -> int:
+    """What the widest gathered output's all-gather holds at once beyond the whole output a single-process trace
+    counts: this rank's piece and the gathered buffer (DTensor gathers along the first dim, then joins the pieces
+    along the last into the output). Measured: Phi-3 tp=2 held 1.5 × its gate_up output above the plan without it."""
+    widest = max((lin.out_features for lin in layout.linears if gathered_out(lin, config)), default=0)
+    return 0 if tp == 1 else widest * feature_bytes * (tp + 1) // tp
