@@ -5,9 +5,11 @@ peft builds the adapters (`inject_adapter_in_model`) on the rank's local pieces 
 sharded layers, so their shapes follow the base layer's sharding:
 - colwise layer (q/k/v, gate/up): A is whole (replicated), B holds this rank's output rows;
 - rowwise layer (o, down): A holds this rank's input columns, B is whole.
-Two small autograd functions make the adapter branch exact under TP (as Megatron's
+Small autograd functions make the adapter branch exact under TP (as Megatron's
 copy-to / reduce-from tensor-parallel region): after a colwise A the gradient is summed
-over the TP group; after a rowwise A the partial activations are summed in forward.
+over the TP group; after a rowwise A the partial activations are summed in forward. Where the
+base layer gathers its output (`colwise_gather_output`) B's output is gathered too; where it
+takes its input whole and slices it (`rowwise_split_input`) A's input is sliced too.
 
 A matrices are drawn from a generator keyed by (seed, checkpoint name) at full size and
 sliced, so the unsplit model and every split start from the same adapters.
@@ -31,6 +33,7 @@ from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.apply.tp import mark_tp_sharded, tp_shard_dim
 from hfsplit.errors import HfsplitError
 from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
+from hfsplit.models.families import COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, tp_plan_of
 from hfsplit.plan import Plan
 from hfsplit.plan.steps import Step, lora_step
 
@@ -75,7 +78,7 @@ def apply_lora(modules: Sequence[nn.Module], lora: LoraSetup, *, plan: Plan, ctx
     tp_group = ctx.tp_mesh.get_group() if plan.tp > 1 else None
     for module in modules:
         add_lora(module, lora.config, seed=lora.seed, tp_group=tp_group, tp_rank=ctx.coords.tp, tp_size=plan.tp,
-                 tp_plan=getattr(module.config, "base_model_tp_plan", None))
+                 tp_plan=tp_plan_of(module.config))
 
 
 def lora_config_of(spec, model_config):
@@ -156,15 +159,59 @@ def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: in
     cast_adapter_dtype(module, "default")
     for name, sub in lora_layers(module):
         style = _tp_style(name, tp_plan) if tp_size > 1 else None
-        a, b = sub.lora_A["default"], sub.lora_B["default"]
-        if style == "colwise":
-            mark_tp_sharded(b.weight, dim=0)
-            a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumGradOverTP.apply(out, g))
-        elif style == "rowwise":
-            mark_tp_sharded(a.weight, dim=1)
-            a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumOverTP.apply(out, g))
+        shard_adapter(sub.lora_A["default"], sub.lora_B["default"], style=style, tp_group=tp_group)
     seed_lora_weights(module, seed=seed, tp_rank=tp_rank, tp_size=tp_size)
     return module
+
+
+def shard_adapter(a: nn.Linear, b: nn.Linear, *, style: Optional[str], tp_group) -> None:
+    """Make one layer's adapter (A, then B; peft shaped them as the base layer's local piece) compute what the
+    unsharded adapter does, under base layer style `style` (None: not sharded, nothing to do)."""
+    if style in ("colwise", COLWISE_GATHERED):  # B holds this rank's output rows, A is whole
+        mark_tp_sharded(b.weight, dim=0)
+        a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumGradOverTP.apply(out, g))
+        if style == COLWISE_GATHERED:  # the base layer's output is gathered whole: B's too
+            b.register_forward_hook(lambda _m, _i, out, g=tp_group: _GatherOverTP.apply(out, g))
+    elif style in ("rowwise", ROWWISE_WHOLE_INPUT):  # A holds this rank's input columns, B is whole
+        mark_tp_sharded(a.weight, dim=1)
+        if style == ROWWISE_WHOLE_INPUT:  # the input arrives whole: A reads its own columns of it
+            a.register_forward_pre_hook(lambda _m, args, g=tp_group: (_SliceOverTP.apply(args[0], g), *args[1:]))
+        a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumOverTP.apply(out, g))
+
+
+class _GatherOverTP(torch.autograd.Function):
+    """Forward: this rank's piece of the last dim joined with the other ranks' (all-gather); backward: the gradient
+    of this rank's piece (the gathered output's gradient is whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _joined_over_tp(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(dist.get_world_size(ctx.group), dim=-1)[dist.get_rank(ctx.group)], None
+
+
+class _SliceOverTP(torch.autograd.Function):
+    """Forward: this rank's piece of the last dim of a tensor whole on every rank; backward: the pieces' gradients
+    joined (all-gather), so the whole input's gradient is whole on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _joined_over_tp(grad, ctx.group), None
+
+
+def _joined_over_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's `x` joined along the last dim, in rank order."""
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, x.contiguous(), group=group)
+    return torch.cat(pieces, dim=-1)
 
 
 def seed_lora_weights(module: nn.Module, *, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:

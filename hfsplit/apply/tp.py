@@ -6,8 +6,8 @@ materialised as `DTensor.from_local(this rank's slice)`, so a rank never reads a
 rank's slice. Activations between modules are plain tensors (the styles' default
 `use_local_output=True`), so the pipeline only ever sees ordinary tensors.
 
-Beyond the block plan: the input embedding is sharded over the vocabulary
-(RowwiseParallel on nn.Embedding: masked lookup + all-reduce) and lm_head over the
+Beyond the block plan: the input embedding is sharded over the vocabulary, whether or not the plan
+names it (RowwiseParallel on nn.Embedding: masked lookup + all-reduce) and lm_head over the
 vocabulary with its output gathered (the model's own `colwise_gather_output`), so
 both ends of a tied pair hold matching `Shard(0)` pieces.
 
@@ -27,37 +27,64 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hfsplit.apply.tp_experts import ExpertsParallel
 from hfsplit.errors import UnsupportedModelError
-from hfsplit.models.families import MOE_EXPERTS, REPLICATED_SUMMED, expert_tp_params
+from hfsplit.models.families import (
+    COLWISE_GATHERED, EMBEDDING_ROWWISE, MOE_EXPERTS, REPLICATED_SUMMED, ROWWISE_WHOLE_INPUT, expert_tp_params,
+    tp_plan_of,
+)
 from hfsplit.plan.steps import Step
 
 
 def block_styles(config) -> dict[str, object]:
-    """ParallelStyles of one stage keyed by module path pattern, from `config.base_model_tp_plan`."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    tp_plan = getattr(config, "base_model_tp_plan", None)
+    """ParallelStyles of one stage keyed by module path pattern, from `config.base_model_tp_plan`; the input
+    embedding's under the plan's own name (`embedding_rowwise`), else under "embed_tokens" (see `embedding_patterns`)."""
+    tp_plan = tp_plan_of(config)
     if not tp_plan:
         raise UnsupportedModelError(f"{type(config).__name__} declares no base_model_tp_plan; use tp=1")
     styles, experts = {}, expert_tp_params(config)
     inside = {f"{module}.{name}" for module, params in experts.items() for name in params}
     for pattern, kind in tp_plan.items():
-        if pattern in inside:
-            continue  # a fused experts module's own parameter: its module's style shards it
+        if pattern in inside or kind == REPLICATED_SUMMED:
+            continue  # a fused experts module's own parameter (its module's style shards it), or one kept whole
         if kind == MOE_EXPERTS:
             styles[pattern] = expert_style(config, pattern, experts[pattern])
-        elif kind == "colwise":
-            styles[pattern] = ColwiseParallel()
-        elif kind == "rowwise":
-            styles[pattern] = RowwiseParallel()
-        elif kind == REPLICATED_SUMMED:
-            continue  # stays whole on every rank; `mark_grad_summed` sees to its gradient
+        elif kind in LINEAR_STYLES:
+            styles[pattern] = linear_style(kind)
         else:
             raise UnsupportedModelError(
                 f"{type(config).__name__}: tensor-parallel style {kind!r} of {pattern} is not supported yet; use tp=1"
             )
-    styles["embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+    for pattern in embedding_patterns(config):
+        styles[pattern] = linear_style(EMBEDDING_ROWWISE)
     return styles
+
+
+# The plan's styles of single modules, as torch's ParallelStyles (`linear_style`).
+LINEAR_STYLES = ("colwise", "rowwise", COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, EMBEDDING_ROWWISE)
+
+
+def linear_style(kind: str):
+    """The torch ParallelStyle of plan style `kind` (one of LINEAR_STYLES). A gathered column-wise output is every
+    column on every rank, so a fused projection split after it ([q; k; v]) needs no per-part row split; a whole input
+    is sliced on each rank to the rows its row-wise shard holds. The embedding: a masked lookup of this rank's
+    vocabulary rows, summed over the ranks."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            COLWISE_GATHERED: lambda: ColwiseParallel(output_layouts=Replicate()),
+            ROWWISE_WHOLE_INPUT: lambda: RowwiseParallel(input_layouts=Replicate()),
+            EMBEDDING_ROWWISE: lambda: RowwiseParallel(input_layouts=Replicate())}[kind]()
+
+
+def embedding_patterns(config) -> tuple[str, ...]:
+    """The input embedding's patterns in the plan (`embedding_rowwise`: GPT-NeoX's "embed_in", GPT-J's "wte"), or
+    ("embed_tokens",) when the plan names none: hfsplit shards the input embedding over the vocabulary either way,
+    so that a tied lm_head's `Shard(0)` pieces match it."""
+    named = tuple(p for p, kind in tp_plan_of(config).items() if kind == EMBEDDING_ROWWISE)
+    return named or (DEFAULT_EMBEDDING,)
+
+
+DEFAULT_EMBEDDING = "embed_tokens"
 
 
 def expert_style(config, pattern: str, params: dict[str, str]):
@@ -75,7 +102,7 @@ def mark_grad_summed(body: nn.Module, config) -> None:
     TP group (Qwen3's per-head q/k norms see only this rank's heads); `SplitModel.sync_grads` sums them."""
     import fnmatch
 
-    patterns = [p for p, kind in (getattr(config, "base_model_tp_plan", None) or {}).items() if kind == REPLICATED_SUMMED]
+    patterns = [p for p, kind in tp_plan_of(config).items() if kind == REPLICATED_SUMMED]
     for name, sub in body.named_modules():
         if any(fnmatch.fnmatchcase(name, p) for p in patterns):
             _GRAD_SUMMED.add(sub)
@@ -118,11 +145,12 @@ def apply_tp(module: nn.Module, *, tp_mesh, body_name: str) -> nn.Module:
 
     body = getattr(module, body_name)
     plan = {}
+    embeddings = embedding_patterns(module.config)
     for pattern, style in block_styles(module.config).items():
         # Skip patterns this stage has nothing for (parallelize_module warns on unmatched ones).
-        if pattern == "embed_tokens":
+        if pattern in embeddings:
             if module.has_embed:
-                plan[f"{body_name}.{embedding_path(module, body)}"] = style
+                plan[f"{body_name}.{embedding_path(module, body, named=pattern)}"] = style
             continue
         if pattern.startswith("layers.") and module.layer_range[0] == module.layer_range[1]:
             continue
@@ -137,14 +165,17 @@ def apply_tp(module: nn.Module, *, tp_mesh, body_name: str) -> nn.Module:
     return module
 
 
-def embedding_path(module: nn.Module, body: nn.Module) -> str:
+def embedding_path(module: nn.Module, body: nn.Module, *, named: str = DEFAULT_EMBEDDING) -> str:
     """Where the stage's input embedding sits under `body` ("embed_tokens"; a followed stage's model may name it
-    otherwise)."""
+    otherwise); `named`, the plan's own name for it, must be that module (a tied lm_head is sharded as it is)."""
     embedding = module.body.embed_tokens
     found = next((name for name, sub in body.named_modules() if sub is embedding), None)
     if found is None:
         raise UnsupportedModelError(f"{type(module.config).__name__}: its input embedding is not under "
                                     f"{module.body_name}, where tensor parallelism shards it; use tp=1")
+    if named != DEFAULT_EMBEDDING and found != named:
+        raise UnsupportedModelError(f"{type(module.config).__name__}: its tensor-parallel plan shards {named} over "
+                                    f"the vocabulary, not its input embedding {found}; use tp=1")
     return found
 
 

@@ -110,6 +110,8 @@ def unshardable(config) -> Optional[str]:
         return f"its tensor-parallel plan packs {packed} column-wise outside fused experts"
     if flag := tp_refused_flag(config):
         return f"its plan is wrong under {flag}=True"
+    if getattr(config, "num_attention_heads", None) is None:  # a composite config (Llama 4's text model is inside)
+        return "its config gives no attention heads to divide (num_attention_heads)"
     if not tp_divides(config, TP):
         return "2 does not divide its attention heads, key-value heads and MLP widths (shrunk)"
     return None

@@ -138,14 +138,21 @@ def family_of(config) -> Family:
     return family
 
 
-# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1. The third kind
-# stays whole on every rank, its gradient summed over the TP group. The MoE kinds: a fused experts module
-# (`moe_tp_experts`) whose `gate_up_proj` is packed column-wise and `down_proj` row-wise (apply/tp_experts.py);
-# "packed_colwise" is accepted only there.
+# `base_model_tp_plan` styles hfsplit shards; a model whose plan has others runs with tp=1. Besides plain
+# column- and row-wise linears: a column-wise one whose output is gathered whole on every rank (what follows it needs
+# the full width: OLMo 2's q/k norms over all heads, Phi-3's fused [q; k; v] split after it), a row-wise one whose
+# input arrives whole and is sliced on each rank (the linear after a gathered one), and the vocabulary-sharded input
+# embedding the plan names. The REPLICATED_SUMMED kind stays whole on every rank, its gradient summed over the TP
+# group. The MoE kinds: a fused experts module (`moe_tp_experts`) whose `gate_up_proj` is packed column-wise and
+# `down_proj` row-wise (apply/tp_experts.py); "packed_colwise" is accepted only there.
+COLWISE_GATHERED = "colwise_gather_output"
+ROWWISE_WHOLE_INPUT = "rowwise_split_input"
+EMBEDDING_ROWWISE = "embedding_rowwise"
 REPLICATED_SUMMED = "replicated_with_grad_allreduce"
 MOE_EXPERTS = "moe_tp_experts"
 PACKED_COLWISE = "packed_colwise"
-TP_STYLES = ("colwise", "rowwise", REPLICATED_SUMMED, MOE_EXPERTS, PACKED_COLWISE)
+TP_STYLES = ("colwise", "rowwise", COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, EMBEDDING_ROWWISE, REPLICATED_SUMMED,
+             MOE_EXPERTS, PACKED_COLWISE)
 # The pipeline plan a stage builder follows: embeddings → blocks → final norm.
 PP_PLAN = ["embed_tokens", "layers", "norm"]
 
@@ -195,8 +202,24 @@ def check_pp_plan(base: nn.Module) -> None:
 
 
 def tp_plan_of(config) -> dict[str, str]:
-    """The model's `base_model_tp_plan` ({module pattern: style}), empty when it has none."""
-    return dict(getattr(config, "base_model_tp_plan", None) or {})
+    """The model's `base_model_tp_plan` ({module pattern: style}) with hfsplit's amendments (`TP_PLAN_AMENDS`), empty
+    when it has none."""
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    return {**plan, **TP_PLAN_AMENDS.get(getattr(config, "model_type", None), {})} if plan else plan
+
+
+# Where transformers' TP plans are wrong, found by the tp=2 sweep (`hfsplit.load.tp_proof`). Replicated modules the
+# plans leave out whose gradient is partial on each rank (each rank's is its share of the sum): Apertus's xIELU
+# activation holds two scalars applied across the sharded MLP width, Sarvam-MoE's q/k norms a weight per head over
+# this rank's heads. Gemma 3n's activation sparsity takes the mean and deviation of the gate's output over the whole
+# MLP width, so its MLP runs whole on every rank (the gate and up outputs gathered, the down projection's input sliced).
+_XIELU_SUMMED = {"layers.*.mlp.act_fn": REPLICATED_SUMMED}
+TP_PLAN_AMENDS: dict[str, dict[str, str]] = {
+    "apertus": _XIELU_SUMMED, "apertus1p5_text": _XIELU_SUMMED,
+    "sarvam_moe": {"layers.*.self_attn.q_norm": REPLICATED_SUMMED, "layers.*.self_attn.k_norm": REPLICATED_SUMMED},
+    "gemma3n_text": {"layers.*.mlp.gate_proj": COLWISE_GATHERED, "layers.*.mlp.up_proj": COLWISE_GATHERED,
+                     "layers.*.mlp.down_proj": ROWWISE_WHOLE_INPUT},
+}
 
 
 def tp_supported(config) -> bool:
@@ -256,6 +279,24 @@ def unplaced_packed(config) -> Optional[str]:
     """A `packed_colwise` pattern outside every fused experts module (hfsplit packs only experts), or None."""
     inside = {f"{module}.{name}" for module, params in expert_tp_params(config).items() for name in params}
     return next((k for k, s in tp_plan_of(config).items() if s == PACKED_COLWISE and k not in inside), None)
+
+
+def tp_whole_parts(config) -> frozenset[str]:
+    """Which of "attention" and "mlp" run at full width on every TP rank: those whose column-wise projections'
+    outputs the plan gathers (`colwise_gather_output`: OLMo 2's attention, all of Phi-3's block). Their matmuls are
+    still split, but what follows the gather (every head's attention, the MLP's activation) is whole on each rank. A
+    gathered block pattern naming neither counts as both (the cost model then counts the whole width, never less)."""
+    whole = set()
+    for pattern, style in tp_plan_of(config).items():
+        if style != COLWISE_GATHERED or not pattern.startswith("layers."):
+            continue
+        if "attn" in pattern or "attention" in pattern:
+            whole.add("attention")
+        elif "mlp" in pattern or "feed_forward" in pattern:
+            whole.add("mlp")
+        else:
+            whole |= {"attention", "mlp"}
+    return frozenset(whole)
 
 
 def tp_refused_flag(config) -> Optional[str]:

@@ -203,8 +203,8 @@ def test_tensor_parallel_is_refused_where_the_family_tp_plan_is_wrong(tiny_check
 def test_tensor_parallel_of_an_undeclared_family_is_what_the_tp2_sweep_proved(monkeypatch):
     """A family no one declared (its stages run its own forward) shards only where the tp=2 sweep
     (hfsplit/load/tp_proof.py, its findings in hfsplit/models/tp_proven.json) proved it on the installed
-    transformers: StarCoder2 plans at tp=2; Sarvam-MoE, whose per-head q norms the plan leaves whole, is refused in one
-    line naming the type, the version and the reason, and so is every type on a transformers the sweep never ran on."""
+    transformers: StarCoder2 plans at tp=2; Gemma 3n, whose sharded gradients differ, is refused in one line naming the
+    type, the version and the reason, and so is every type on a transformers the sweep never ran on."""
     import re
 
     import transformers
@@ -221,14 +221,29 @@ def test_tensor_parallel_of_an_undeclared_family_is_what_the_tp2_sweep_proved(mo
     assert "starcoder2" in tp_findings(version)["proven"] and "starcoder2" not in FAMILIES_DECLARED
     assert tp_degree_error(proven, 2) is None and 2 in valid_tp_degrees(proven, 2)
     assert make_plan(proven, "2x1GiB", spec=spec, tp=2).tp == 2
-    refused = shrunk_config(AutoConfig.for_model("sarvam_moe"))
-    with pytest.raises(PlanError, match=rf"tp=2: sarvam_moe's split follows the model's own forward, and its "
+    refused = shrunk_config(AutoConfig.for_model("gemma3n_text"))
+    with pytest.raises(PlanError, match=rf"tp=2: gemma3n_text's split follows the model's own forward, and its "
                                         rf"tensor-parallel split is not proven at tp=2 on transformers "
                                         rf"{re.escape(version)}: its shards differ from transformers: "
-                                        r"model\.layers\.0\.self_attn\.q_norm\.weight's gradient off .*; use tp=1"):
+                                        r"model\.embed_tokens\.weight's gradient off .*; use tp=1"):
         make_plan(refused, "2x1GiB", spec=spec, tp=2)
     assert make_plan(refused, "2x1GiB", spec=spec).tp == 1
     monkeypatch.setattr(transformers, "__version__", "99.0.0")
     assert tp_degree_error(proven, 2) == ("tp=2: starcoder2's split follows the model's own forward, and its "
                                           "tensor-parallel split is not proven at tp=2 on transformers 99.0.0; use "
                                           "tp=1 (pipeline stages split it)")
+
+
+@pytest.mark.parametrize("arch, whole", [("phi3", {"attention", "mlp"}), ("olmo2", {"attention"}), ("llama", set())])
+def test_a_rank_runs_whole_what_its_plan_gathers_and_the_cost_model_traces_it_so(arch, whole):
+    """Phi-3 gathers its fused qkv and gate_up outputs, OLMo 2 its q/k/v (its q/k norms span every head): each rank
+    then runs every head (and Phi-3 the whole MLP width), so the block the cost model traces at tp=2 keeps those."""
+    from hfsplit.checkpoint.synthetic import tiny_config
+    from hfsplit.models.families import tp_whole_parts
+    from hfsplit.planning.costs.layout import rank_layer_config
+
+    config = tiny_config(arch)
+    assert tp_whole_parts(config) == whole
+    rank = rank_layer_config(config, tp=2)
+    assert rank.num_attention_heads == config.num_attention_heads // (1 if "attention" in whole else 2)
+    assert rank.intermediate_size == config.intermediate_size // (1 if "mlp" in whole else 2)

@@ -49,16 +49,16 @@ def test_bundled_gpt_oss_configs_are_the_published_ones(name, layers, experts):
     assert raw["quantization_config"]["quant_method"] == "mxfp4"  # the file is the hub's, unedited
 
 
-def test_gpt_oss_splits_over_stages_and_refuses_tensor_parallel_by_name(tiny_checkpoint):
-    """Its TP plan shards only the embeddings (`embedding_rowwise`), so the planner keeps tp=1 and splits it over
-    pipeline stages; tp=2 asked for is refused in one line naming the style and the fix."""
+def test_gpt_oss_splits_over_stages_and_shards_only_its_embeddings_under_tensor_parallel(tiny_checkpoint):
+    """Its TP plan shards only the embeddings (`embedding_rowwise`), so the planner splits it over pipeline stages
+    (tp=2 would hold every block whole on both ranks); tp=2 asked for plans, sharding the embedding alone (the tp=2
+    sweep proves its logits and gradients, hfsplit/models/tp_proven.json)."""
     config = load_config(tiny_checkpoint("gpt_oss", mxfp4=True))
     spec = TrainingSpec(method="lora", seq_len=64, dtype="float32", reserve_bytes=0)
     plan = make_plan(config, "2x1GiB", spec=spec, pp=2)
     assert (plan.tp, plan.pp) == (1, 2)
-    with pytest.raises(PlanError, match=r"tp=2: gpt_oss's tensor-parallel plan uses embedding_rowwise, which hfsplit "
-                                        r"does not shard yet .* use tp=1"):
-        make_plan(config, "2x1GiB", spec=spec, tp=2)
+    one, two = make_plan(config, "1GiB", spec=spec), make_plan(config, "2x1GiB", spec=spec, tp=2)
+    assert two.tp == 2 and 0 < one.stages[0].memory.weights - two.stages[0].memory.weights
 
 
 # Issue 22's gpt-oss targets: QLoRA r=16, seq 2048, micro-batch 1, bf16, planned on the meta device. They need the

@@ -8,10 +8,13 @@ STEP = dict(seq_len=512, micro_batch_size=2, micro_batches=2, steps=3)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["lora", "full"])
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)], ids=["pp2", "tp2"])
-def test_run_keeps_the_plan(method, tp, pp, launch, tiny_checkpoint):
-    checkpoint = str(tiny_checkpoint("llama", **MODEL))
+# (Phi-3: its plan gathers the fused qkv and gate_up outputs whole on every rank, whose all-gathers the plan counts)
+@pytest.mark.parametrize("arch, method, tp, pp", [
+    ("llama", "lora", 1, 2), ("llama", "full", 1, 2), ("llama", "lora", 2, 1), ("llama", "full", 2, 1),
+    ("phi3", "lora", 2, 1),
+], ids=["lora-pp2", "full-pp2", "lora-tp2", "full-tp2", "phi3-lora-tp2"])
+def test_run_keeps_the_plan(arch, method, tp, pp, launch, tiny_checkpoint):
+    checkpoint = str(tiny_checkpoint(arch, **MODEL))
     qlora_bf16 = (method, pp) == ("lora", 2)  # the same launch also runs bf16 QLoRA with and without autocast
     packed = (method, pp) == ("full", 2)  # ... and packed rows
     host_embedding = qlora_bf16  # ... and offload with the first stage's embedding table in host RAM

@@ -78,6 +78,14 @@ CASES = {
     "cohere-tp2": ("cohere", TP_ONLY, dict(tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")),
     # q/k norms replicated over the TP ranks, their gradients summed
     "gemma3_text-tp2": ("gemma3_text", TP_ONLY, dict(tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")),
+    # plans gathering column-wise outputs whole (colwise_gather_output) and slicing the next row-wise input
+    # (rowwise_split_input), LoRA adapters on both: Phi-3's fused qkv_proj and gate_up_proj split after the gather,
+    # OLMo 2's q/k norms over every head beside a plain column/row-wise MLP
+    "phi3-tp2": ("phi3", TP_ONLY, dict(tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")),
+    "olmo2-tp2": ("olmo2", TP_ONLY, dict(tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")),
+    # ... on two stages of two TP ranks, the trained adapters and model saved (gathered adapters joined) and loaded back
+    "phi3-tied-pp2xtp2-1f1b": ("phi3", dict(TP_ONLY, tied=True), dict(tp=2, pp=2, layers=[(0, 1), (1, 2)],
+                                                                     schedule="1F1B")),
     # per-type rope and masks on 4 ranks, two stages of two TP ranks
     "gemma3_text-pp2xtp2-1f1b": ("gemma3_text", {}, dict(tp=2, pp=2, layers=[(0, 1), (1, 4)], schedule="1F1B")),
     # soft-capping and sliding masks on 4 ranks: two stages of two TP ranks
@@ -93,6 +101,8 @@ CASES = {
                                                                            schedule="1F1B")),
 }
 DECLARED = ("gemma", "gemma2", "gemma3_text", "granite", "cohere", "cohere2")  # the others: pp=2 only
+# declared, no work outside their blocks: under TP only, for their plans' styles (Phi-3 on pp2×tp2 too)
+GATHERING_AT_TP2 = ("phi3", "olmo2")
 # undeclared families whose pp=2 LoRA and full outputs are saved and loaded back (the declared ones' are, under pp×tp):
 # linear attention and Mamba2 layers, whose adapters peft targets by the names hfsplit gives; the families whose
 # first stage sends more than the hidden state (Gemma 3n, Gemma 4) and Falcon-H1's parallel Mamba2 and attention
@@ -153,7 +163,9 @@ def test_families_split_equal_transformers_and_train_as_one_process(shape, launc
                   save=tp > 1 and pp > 1 or family in SAVED_AT_PP2, **split)
              for name, (family, options, split) in CASES.items() if (split["tp"], split["pp"]) == (tp, pp)]
     assert {c["name"].split("-")[0] for c in cases} == {family for family, _, _ in CASES.values()
-                                                        if family in DECLARED or shape == "pp2"}
+                                                        if family in DECLARED or shape == "pp2"
+                                                        and family not in GATHERING_AT_TP2} | (
+        {"tp2": set(GATHERING_AT_TP2), "pp2xtp2": {"phi3"}}.get(shape, set()))
     training = training_of(tp, pp)
     results = launch("tests.parallel.family_cases:families_on_split", world_size=tp * pp, timeout_s=900,
                      kwargs=dict(cases=cases, training=training, probe=PROBE.tolist(), out_dir=str(tmp_path)))

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 # Declared families the split model's TP tests prove on their own (tests/parallel/test_families_split.py): the sweep
 # must find them equal too, or the sweep itself is wrong.
 DECLARED_AT_TP2 = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "granite", "cohere",
-                   "cohere2", "mixtral", "qwen3_moe")
+                   "cohere2", "mixtral", "qwen3_moe", "phi3", "olmo2")
 
 
 def test_the_tp2_sweep_finds_what_the_committed_findings_say(launch, tiny_checkpoint):

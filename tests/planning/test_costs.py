@@ -287,3 +287,24 @@ def test_moe_flops_count_the_routed_experts_only(name, experts_in_flops):
     routed = model_costs(wider, spec).block.flops - model_costs(config, spec).block.flops
     assert routed == pytest.approx(2.0 * experts_in_flops * tokens * passes)
     assert model_costs(wider, spec).block.param_bytes == model_costs(config, spec).block.param_bytes
+
+
+@pytest.mark.parametrize("arch, gathered, whole_in", [
+    ("phi3", ("self_attn.qkv_proj", "mlp.gate_up_proj"), ("self_attn.o_proj", "mlp.down_proj")),
+    ("olmo2", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",)),
+])
+def test_tp_collectives_count_the_all_gathers_of_gathered_outputs(arch, gathered, whole_in):
+    """Beyond the two hidden-state all-reduces each way, a plan gathering outputs whole (colwise_gather_output)
+    all-gathers each such output in forward, and each whole-input row-wise linear's (rowwise_split_input) input
+    gradient in backward; an all-gather counts half an all-reduce of its tensor. Sizes read off transformers' block."""
+    from hfsplit.checkpoint.synthetic import tiny_config
+
+    config = tiny_config(arch)
+    spec = TrainingSpec(method="lora", seq_len=64, micro_batch_size=1, dtype="float32", activation_checkpointing=False)
+    with torch.device("meta"):
+        block = AutoModelForCausalLM.from_config(config).model.layers[0]
+    feature_bytes = 64 * 4  # one feature over the micro-batch's tokens, fp32
+    outs = sum(block.get_submodule(name).out_features for name in gathered)
+    ins = sum(block.get_submodule(name).in_features for name in whole_in)
+    want = 4 * config.hidden_size * feature_bytes + (outs + ins) * feature_bytes // 2
+    assert model_costs(config, spec, tp=2).block.comm_bytes == want

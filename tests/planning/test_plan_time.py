@@ -27,13 +27,11 @@ def _key(arch: str) -> str:
     return key
 
 
-NO_TP = ("phi3", "olmo2")  # hfsplit does not shard them: only tp=1 is ever traced
-
-
 # Blocks that differ: biases (qwen2), q/k norms (qwen3), soft-capping and sliding windows (gemma2, gemma3),
-# a parallel attention + MLP block (cohere), fused experts split per expert (mixtral, qwen3_moe); the other
-# declared families share Llama's block.
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "cohere", "mixtral", "qwen3_moe"])
+# a parallel attention + MLP block (cohere), fused experts split per expert (mixtral, qwen3_moe), outputs gathered
+# whole on every rank (phi3: attention and MLP, olmo2: attention); the other declared families share Llama's block.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "cohere", "mixtral", "qwen3_moe",
+                                  "phi3", "olmo2"])
 def test_derived_tp_traces_equal_real_traces(arch):
     key = _key(arch)
     for spec in SPECS if arch == "llama" else SPECS[:1]:

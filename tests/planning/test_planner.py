@@ -117,12 +117,17 @@ def test_tied_matrix_counted_once_on_a_single_stage():
 
 
 def test_a_model_whose_tp_plan_hfsplit_cannot_shard_is_planned_at_tp_1():
+    """Phi-3's plan gathers its fused projections' outputs (colwise_gather_output, then rowwise_split_input): tp=2
+    plans. The same plan with a style hfsplit does not shard plans at tp=1, and tp=2 asked for is refused by name."""
     from hfsplit.checkpoint.synthetic import tiny_config
 
-    config = tiny_config("phi3")  # fused qkv_proj: "colwise_gather_output", not sharded yet
-    assert make_plan(config, "2x1GiB", spec=TrainingSpec(method="full", seq_len=64, dtype="float32", reserve_bytes=0)).tp == 1
-    with pytest.raises(PlanError, match=r"tp=2.*colwise_gather_output.*use tp=1"):
-        make_plan(config, "2x1GiB", spec=TrainingSpec(method="full", seq_len=64, dtype="float32", reserve_bytes=0), tp=2)
+    spec = TrainingSpec(method="full", seq_len=64, dtype="float32", reserve_bytes=0)
+    config = tiny_config("phi3")
+    assert make_plan(config, "2x1GiB", spec=spec, tp=2).tp == 2
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.self_attn.qkv_proj": "mla_kv_a_proj"}
+    assert make_plan(config, "2x1GiB", spec=spec).tp == 1
+    with pytest.raises(PlanError, match=r"tp=2.*mla_kv_a_proj.*use tp=1"):
+        make_plan(config, "2x1GiB", spec=spec, tp=2)
 
 
 # --- schedule auto ------------------------------------------------------------------------------

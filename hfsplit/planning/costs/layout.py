@@ -13,7 +13,7 @@ import torch
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from hfsplit.errors import PlanError
-from hfsplit.models.families import tp_style_of
+from hfsplit.models.families import tp_style_of, tp_whole_parts
 from hfsplit.models.layout import block_linears, decoder_layout, meta_model, one_layer_config
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.cache import read_cache, write_cache
@@ -46,16 +46,19 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def rank_layer_config(config, *, tp: int = 1):
-    """A copy of `config` with one decoder block whose heads and MLP width are those of one TP rank."""
+    """A copy of `config` with one decoder block whose heads and MLP width are those of one TP rank (whole where the
+    plan gathers them on every rank, `tp_whole_parts`)."""
     cfg = one_layer_config(config)
-    if tp > 1:
+    whole = tp_whole_parts(config)
+    if tp > 1 and "attention" not in whole:
         heads = config.num_attention_heads
         cfg.num_attention_heads = heads // tp
         cfg.num_key_value_heads = (getattr(config, "num_key_value_heads", None) or heads) // tp
+        cfg.head_dim = head_dim(config)  # hidden_size // heads would change once heads are divided
+    if tp > 1 and "mlp" not in whole:
         cfg.intermediate_size = config.intermediate_size // tp
         if getattr(config, "moe_intermediate_size", None):  # each expert's width, split as the dense MLP's
             cfg.moe_intermediate_size = config.moe_intermediate_size // tp
-        cfg.head_dim = head_dim(config)  # hidden_size // heads would change once heads are divided
     return cfg  # attention as transformers picks it by default (sdpa where the class supports it)
 
 

@@ -18,7 +18,7 @@ from hfsplit.checkpoint.quantized import quantized_experts_bytes, quantized_line
 from hfsplit.errors import PlanError
 from hfsplit.models.boundary import boundary_width
 from hfsplit.models.expert_lora import default_lora_targets, expert_lora_numel, expert_parameters
-from hfsplit.models.families import tp_degree_error
+from hfsplit.models.families import tp_degree_error, tp_whole_parts
 from hfsplit.models.layer_kinds import kind_config, layer_kinds
 from hfsplit.models.layout import block_linear_names, meta_model, one_layer_config, routed_expert_numel
 from hfsplit.plan import TrainingSpec
@@ -29,6 +29,7 @@ from hfsplit.planning.costs.layout import (
 )
 from hfsplit.planning.costs.masks import attended_positions, stage_mask_bytes
 from hfsplit.planning.costs.trace import BlockTrace
+from hfsplit.planning.costs.tp import block_comm_bytes, gather_transient_bytes, rank_out_features
 from hfsplit.planning.costs.traces import block_trace, ends_trace
 
 
@@ -311,18 +312,17 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     matmul_numel = sum(
         lin.in_features * lin.out_features // (tp if lin.shard else 1) for lin in layout.linears
     ) + _routed_lora_numel(lora_numel, config, spec) + routed_expert_numel(config) // tp  # MoE: the top-k experts
-    heads_dim = config.num_attention_heads // tp * head_dim(config)
+    heads_dim = config.num_attention_heads // _head_split(config, tp) * head_dim(config)
     # QKᵀ and AV over the pairs a row attends: seq² (a mask or sdpa's causal flag), or each packed example's l²
     # where packed rows run example by example (sdpa: hfsplit.models.varlen)
     pairs = attended_positions(_attention_config(key), seq=spec.seq_len, packed=spec.packing)
     block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * pairs * heads_dim
     block_flops = block_fwd * (passes + (1 if ckpt else 0)) + _tiled_mlp_flops(layout, spec, tp, tokens)
     head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * (passes + spec.chunked_loss)  # + recompute
-    # Two all-reduces (after attention and after the MLP) each way; recompute repeats the forward ones.
-    all_reduces = 2 if spec.method == "inference" else 4 + (2 if ckpt else 0)
-    comm = all_reduces * hidden_bytes if tp > 1 else 0
+    comm = block_comm_bytes(layout, config, spec, tp, hidden_bytes=hidden_bytes, feature_bytes=tokens * size)
 
-    block_acts, block_ws, offload = _block_memory(trace, spec, hidden_bytes=hidden_bytes, tp=tp)
+    block_acts, block_ws, offload = _block_memory(trace, spec, hidden_bytes=hidden_bytes, tp=tp,
+                                                  gathered=gather_transient_bytes(layout, config, tp, tokens * size))
     if spec.method == "inference":  # what generation keeps per block: held, like kept activations, per micro-batch
         block_acts = kv_cache_bytes(config, spec, tp)
     if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
@@ -384,8 +384,13 @@ def kv_cache_bytes(config, spec: TrainingSpec, tp: int) -> int:
     and values of every position for this rank's key-value heads, in `spec.dtype` (transformers' DynamicCache;
     sliding-window layers are counted whole, an upper bound)."""
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_rank = max(1, kv_heads // tp)
+    per_rank = max(1, kv_heads // _head_split(config, tp))
     return 2 * spec.micro_batch_size * spec.seq_len * per_rank * head_dim(config) * dtype_of(spec.dtype).itemsize
+
+
+def _head_split(config, tp: int) -> int:
+    """Over how many ranks a block's attention heads are split (1 where the plan gathers them whole)."""
+    return 1 if "attention" in tp_whole_parts(config) else tp
 
 
 def _stage_inputs(key: str, spec: TrainingSpec, ckpt: bool) -> PartCost:
@@ -418,15 +423,20 @@ def _attention_config(key: str):
     return config
 
 
-def _block_memory(trace: BlockTrace, spec: TrainingSpec, *, hidden_bytes: int, tp: int) -> tuple[int, int, int]:
-    """A block's (kept activations, workspace, host bytes) from its trace, before QLoRA's dequantized weight."""
+def _block_memory(trace: BlockTrace, spec: TrainingSpec, *, hidden_bytes: int, tp: int,
+                  gathered: int = 0) -> tuple[int, int, int]:
+    """A block's (kept activations, workspace, host bytes) from its trace, before QLoRA's dequantized weight;
+    `gathered`: what a gathered output's all-gather holds beyond the trace (`gather_transient_bytes`)."""
     if spec.method == "inference":
         return 0, trace.inference_peak, 0
     # The single-process trace has no collectives: backward's input-gradient all-reduce
     # (`_c10d_functional.all_reduce`, DTensor's Partial -> Replicate) copies the partial sum out of place, and
     # both are alive at once (measured: +1 hidden state at that op, LoRA tp=2 with checkpointing).
     reduce_copy = hidden_bytes if tp > 1 else 0
-    recompute = trace.activations + trace.workspace + reduce_copy
+    # A gathered output's all-gather buffers add to the recompute's peak; without recompute backward's peak stays
+    # above them (measured, Phi-3 LoRA tp=2: the run held 1.19 of the plan with checkpointing before they were
+    # counted, 0.92 without; see tests/parallel/test_apply.py).
+    recompute = trace.activations + trace.workspace + gathered + reduce_copy
     if spec.checkpointing == "on":  # only the block input is kept; backward recomputes the block's activations
         return hidden_bytes, recompute, 0
     if spec.checkpointing == "offload":  # the input waits in host memory; on the device while the block
@@ -452,7 +462,7 @@ def _deferred_grad_bytes(layout: Layout, spec: TrainingSpec, config, tp: int) ->
     tokens, hidden = spec.micro_batch_size * spec.seq_len, config.hidden_size
 
     def out(lin: Linear) -> int:
-        return lin.out_features // tp if lin.shard == "col" else lin.out_features
+        return rank_out_features(lin, config, tp)
 
     if spec.method != "full":  # LoRA: B's output is its base layer's, A's is the rank; adapters in their dtype
         adapters = sum(out(lin) + spec.lora_r for lin in lora_targets(layout, spec, expert_parameters(config)))

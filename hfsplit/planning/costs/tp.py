@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
-from hfsplit.models.families import valid_tp_degrees
+from hfsplit.models.families import COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, tp_style_of, valid_tp_degrees
+from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs import trace  # its functions looked up when called: tests count the traces
 from hfsplit.planning.costs.cache import read_cache, write_cache
-from hfsplit.planning.costs.layout import CONFIGS
+from hfsplit.planning.costs.layout import CONFIGS, Layout, Linear
 
 Pair = tuple[int, int]  # (F, S): bytes whole on every rank, bytes cut by the TP degree
 
@@ -138,3 +139,44 @@ def block_trace_at(key: str, spec, tp: int):
         write_cache("tp-profile", name, profile.to_record())
     derived = profile.at(tp) if profile is not None else None
     return derived if derived is not None else trace.trace_block(key, spec, tp)
+
+
+def gathered_out(lin: Linear, config) -> bool:
+    """Whether the plan gathers `lin`'s column-wise output whole on every rank (`colwise_gather_output`)."""
+    return tp_style_of(config, f"layers.0.{lin.name}") == COLWISE_GATHERED
+
+
+def rank_out_features(lin: Linear, config, tp: int) -> int:
+    """The width of `lin`'s output on one TP rank: split where its columns are and its output is not gathered."""
+    return lin.out_features // tp if lin.shard == "col" and not gathered_out(lin, config) else lin.out_features
+
+
+def gather_bytes(layout: Layout, config, *, feature_bytes: int, forwards: int, backwards: int) -> int:
+    """All-reduce-equivalent bytes of one block's TP all-gathers (`feature_bytes`: one feature over a micro-batch's
+    tokens): each gathered column-wise output in each forward, each whole-input row-wise linear's input gradient in
+    each backward (its pieces joined). An all-gather moves half the bytes an all-reduce of the same tensor moves."""
+    whole_in = (lin.in_features for lin in layout.linears
+                if tp_style_of(config, f"layers.0.{lin.name}") == ROWWISE_WHOLE_INPUT)
+    gathered = sum(lin.out_features for lin in layout.linears if gathered_out(lin, config))
+    return (gathered * forwards + sum(whole_in) * backwards) * feature_bytes // 2
+
+
+def block_comm_bytes(layout: Layout, config, spec: TrainingSpec, tp: int, *, hidden_bytes: int,
+                     feature_bytes: int) -> int:
+    """All-reduce-equivalent bytes one block's TP collectives move per micro-batch: two all-reduces of the hidden
+    state (after attention and after the MLP) each way, recompute repeating the forward ones; and where the plan
+    gathers outputs whole, their all-gathers (`gather_bytes`)."""
+    if tp == 1:
+        return 0
+    training, ckpt = spec.method != "inference", spec.checkpointing != "off"
+    forwards = 1 + (training and ckpt)
+    return (2 * forwards + 2 * training) * hidden_bytes + gather_bytes(
+        layout, config, feature_bytes=feature_bytes, forwards=forwards, backwards=int(training))
+
+
+def gather_transient_bytes(layout: Layout, config, tp: int, feature_bytes: int) -> int:
+    """What the widest gathered output's all-gather holds at once beyond the whole output a single-process trace
+    counts: this rank's piece and the gathered buffer (DTensor gathers along the first dim, then joins the pieces
+    along the last into the output). Measured: Phi-3 tp=2 held 1.5 × its gate_up output above the plan without it."""
+    widest = max((lin.out_features for lin in layout.linears if gathered_out(lin, config)), default=0)
+    return 0 if tp == 1 else widest * feature_bytes * (tp + 1) // tp
