@@ -97,7 +97,7 @@ def test_the_verdict_is_cached_by_the_config_hash(tmp_path, monkeypatch):
 def test_hfsplit_check_prints_the_verdict_and_refuses_with_exit_2(tmp_path, capsys):
     from hfsplit.cli.plan import main
 
-    for kind, code in (("olmo3", 0), ("starcoder2", 0), ("zaya", 2)):
+    for kind, code in (("olmo3", 0), ("qwen3_next", 0), ("zaya", 2)):
         folder = tmp_path / kind
         folder.mkdir()
         AutoConfig.for_model(kind).save_pretrained(folder)
@@ -105,9 +105,9 @@ def test_hfsplit_check_prints_the_verdict_and_refuses_with_exit_2(tmp_path, caps
     out = capsys.readouterr().out
     assert "olmo3: split equals transformers (pp=2" in out and "zaya: refused: the split differs" in out
     # tensor parallelism as the tp=2 sweep found it (hfsplit/models/tp_proven.json): one line each
-    assert "\nstarcoder2: tp=2 shards it\n" in out
-    assert "\nolmo3: tp=2: olmo3's split follows the model's own forward, and its tensor-parallel split is not proven " \
-           "at tp=2 on transformers" in out
+    assert "\nolmo3: tp=2 shards it\n" in out  # its gathered q/k/v (colwise_gather_output) proven by the sweep
+    assert "\nqwen3_next: tp=2: qwen3_next's split follows the model's own forward, and its tensor-parallel split is " \
+           "not proven at tp=2 on transformers 5.24.0: its shards differ from transformers: " in out
 
 
 def test_a_followed_stage_keeps_checkpoint_names_and_holds_only_its_part():
