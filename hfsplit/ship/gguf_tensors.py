@@ -71,18 +71,21 @@ def proportional_rope_freqs(config) -> torch.Tensor:
     """llama.cpp's `rope_freqs` for Gemma 4's proportional rope: its full-attention heads rotate only the first
     `partial_rotary_factor` of their pairs, each at plain rope's frequency over the whole head; llama.cpp rotates every
     pair and divides the unrotated ones' frequency by 1e30, turning them to angle 0 (as its converter writes it)."""
-    pairs = full_head_dim(config) // 2
-    rotated = int(full_head_dim(config) * config.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    head_dim = full_head_dim(config)
+    pairs = head_dim // 2
+    rotated = int(head_dim * config.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
     return torch.tensor([1.0] * rotated + [1e30] * (pairs - rotated))
 
 
 def refuse_reader_skipped(source: BaseCheckpoint, arch: GgufArch) -> None:
     """Refuse a model whose tensors that transformers' reader does not load (`arch.reader_skips`, left at their
     initial ones) hold anything but ones: the reader would not read it back."""
+    if not arch.reader_skips:
+        return
     for name in source.names():
-        if name.endswith(arch.reader_skips or ("\0",)) and not torch.all(source.read(name) == 1):
+        if name.endswith(arch.reader_skips) and not torch.all((value := source.read(name)) == 1):
             raise UnsupportedModelError(f"export-gguf: {name} of {source.config.model_type!r} is not 1 "
-                                        f"({source.read(name).flatten()[:4].tolist()}): transformers' GGUF reader, the "
+                                        f"({value.flatten()[:4].tolist()}): transformers' GGUF reader, the "
                                         "proof of the export, does not load it (it leaves it at 1)")
 
 
