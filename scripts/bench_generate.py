@@ -90,16 +90,22 @@ class Busy:
 
 
 def worker(checkpoint: str, *, sequences: int, new_tokens: int, prompt: int, cuts: list[int], repeats: int,
-           schedule: str = "GPipe") -> None:
+           schedule: str = "GPipe", split_for: str = "generation") -> None:
     """One rank: load the split, time the relay and each cut alternately, print the medians and each rank's busy
     share (rank 0)."""
     import torch
     import torch.distributed as dist
 
     from hfsplit.load.launch import split_from_pretrained
+    from hfsplit.plan import TrainingSpec
 
     torch.set_num_threads(1)
-    model = split_from_pretrained(checkpoint, "2x8GiB", pp=2, tp=1, dp=1, schedule=schedule, dtype=torch.float32)
+    # planned for what it runs: `new_tokens` generated after the prompts (the head on the new positions only), or
+    # (--split-for forward) a forward scoring every position, which gives the head's stage fewer blocks
+    spec = TrainingSpec(method="inference", dtype="float32", seq_len=prompt + new_tokens, micro_batch_size=sequences,
+                        rollout_tokens=new_tokens if split_for == "generation" else 0)
+    model = split_from_pretrained(checkpoint, "2x8GiB", pp=2, tp=1, dp=1, schedule=schedule, dtype=torch.float32,
+                                  spec=spec)
     ids, mask = prompts(sequences=sequences, vocab=model.config.vocab_size, longest=prompt)
     greedy = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     times: dict[int, list[float]] = {cut: [] for cut in [1, *cuts]}
@@ -133,7 +139,7 @@ def run_ranks(checkpoint: str, args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            __file__, "--worker", checkpoint, "--sequences", str(args.sequences), "--new-tokens", str(args.new_tokens),
-           "--prompt-length", str(args.prompt_length), "--schedule", args.schedule,
+           "--prompt-length", str(args.prompt_length), "--schedule", args.schedule, "--split-for", args.split_for,
            "--repeats", str(args.repeats), "--micro-batches", *map(str, args.micro_batches)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     for line in out.stdout.splitlines():
@@ -161,12 +167,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--schedule", default="GPipe",
                         help="the training schedule the split is planned for (Interleaved1F1B: two stages a rank)")
+    parser.add_argument("--split-for", choices=["generation", "forward"], default="generation",
+                        help="what the split is balanced for: generating --new-tokens (the head on the new positions "
+                             "only), or a forward scoring every position (the head's stage takes fewer blocks)")
     parser.add_argument("--small", action="store_true", help="a tiny model: a smoke run in seconds, not a figure")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, sequences=args.sequences, new_tokens=args.new_tokens, prompt=args.prompt_length,
-                      cuts=args.micro_batches, repeats=args.repeats, schedule=args.schedule)
+                      cuts=args.micro_batches, repeats=args.repeats, schedule=args.schedule, split_for=args.split_for)
 
     from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
 

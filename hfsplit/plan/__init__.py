@@ -113,7 +113,9 @@ class TrainingSpec:
         reference_pairs: DPO with a precomputed reference: the pairs of the data set whose log-probs the last stage
             keeps (None: not known where the plan was made, counted as one step's pairs).
         rollout_rows, rollout_tokens: an objective that generates (GRPO): the sequences one replica generates per
-            step (prompts × generations) and the new tokens of each; 0 otherwise.
+            step (prompts × generations) and the new tokens of each; 0 otherwise. An inference plan with
+            `rollout_tokens` is for generating that many new tokens of each `seq_len` positions: its head runs on
+            those positions only, as `generate` runs it, so the head's stage takes as many blocks as the others.
         tiled_mlp: the slices of the sequence each block's MLP and its own norms run in, forward and
             recompute-backward, so the MLP's intermediates and the norms' fp32 copies never exist for the whole
             sequence (`hfsplit.apply.tiled_mlp`); 0: untiled. In a Plan, the

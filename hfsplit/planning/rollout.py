@@ -9,8 +9,11 @@ trains on them: one replica's rows (`micro_batch_size` × its micro-batches) are
   cache of its layers for all the replica's rows (`kv_cache_bytes` per block and micro-batch), the prefill's block
   workspace, and on the last stage one decode step's logits of every row with their fp32 copy and sampling
   probabilities;
-- time: the prefill, a no-grad forward of the rows (the reference pass's figure), then each new token a decode
-  step whose compute is that forward's over `seq_len` and whose hidden states go through every pipeline link once.
+- time: every position through the stages' blocks once, a no-grad forward's share of their training compute (the
+  prompt's prefill, then a decode step a new token), the head on the new positions only (generation keeps one
+  position's logits a step), and each new token's hidden states through every pipeline link once. Balanced for
+  the update alone, the stage holding the head takes fewer blocks and the rollout waits on the others, so the
+  split search also tries splits balanced for the rollout (`search.balanced_times`) and keeps the fastest step.
 """
 from __future__ import annotations
 
@@ -36,9 +39,11 @@ def rollout_bytes(costs, layers: int, *, has_head: bool, micro_batches: int) -> 
     return kv + costs.block.workspace_bytes + rows * per_token * (1 + 2 * FP32 // itemsize)
 
 
-def rollout_seconds(prefill_s: float, *, spec, step_message_s: float) -> float:
-    """Seconds of the step's rollout: the prefill (`prefill_s`, a no-grad forward of the rows), and each new token
-    a decode step of that forward's compute over `seq_len` plus `step_message_s` of pipeline messages."""
+def rollout_seconds(compute_s: float, *, spec, step_message_s: float) -> float:
+    """Seconds of the step's rollout: `compute_s` of the stages' forwards (every position through the blocks once,
+    the prompt's prefill and a decode step a new token, the head on the new positions only:
+    `hfsplit.planning.stage_costs.generation_forward_s`), and each new token `step_message_s` of pipeline
+    messages."""
     if not spec.counts.generation:
         return 0.0
-    return prefill_s + spec.rollout_tokens * (prefill_s / spec.seq_len + step_message_s)
+    return compute_s + spec.rollout_tokens * step_message_s

@@ -29,7 +29,8 @@ from hfsplit.planning.rollout import rollout_seconds
 from hfsplit.planning.memory_choices import Choice, host_share, plan_spec
 from hfsplit.schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages
 from hfsplit.planning.stage_costs import (
-    Slot, bubble_fraction, device_speed, in_flight, recompute_kept, reference_forward_s, slot_time, slots_fit, stage_layers, stage_memory,
+    Slot, balanced_time, bubble_fraction, device_speed, generation_forward_s, in_flight, recompute_kept,
+    reference_forward_s, slot_time, slots_fit, stage_layers, stage_memory,
 )
 
 
@@ -136,11 +137,23 @@ def plans_for_shape(variants: "Variants", budgets: dict[str, int], speeds: dict,
     for groups in device_orders(budgets, t=t, count=p * d, speeds=speeds):
         slots = stage_slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule, link=link,
                        host_budget=host_budget, headroom=headroom)
-        found = split_with_choices(variants, slots)
-        if found is None:
-            continue
-        yield plan_of_split(variants, slots, found[0], levels=found[1], choices=variants.choices, name=name, config=config,
-                    t=t, p=p, d=d, v=v, m=m, schedule=schedule)
+        tried = set()
+        for balanced in balanced_times(variants.spec):
+            found = split_with_choices(variants, slots, balanced)
+            if found is None or tuple(found[0]) in tried:
+                continue
+            tried.add(tuple(found[0]))
+            yield plan_of_split(variants, slots, found[0], levels=found[1], choices=variants.choices, name=name,
+                                config=config, t=t, p=p, d=d, v=v, m=m, schedule=schedule)
+
+
+def balanced_times(spec: TrainingSpec) -> tuple:
+    """What the split may even out between ranks, each giving a candidate (the fastest step wins): a slot's
+    training time; where the objective generates, also its generation alone and the two together. A step runs the
+    rollout, then the update, each a pipeline as slow as its slowest rank, and the head weighs on every position
+    in the update but on the new ones only in generation: no one split is best for both, so the search tries the
+    three (measured: docs/benchmarks/generate.md)."""
+    return (slot_time, generation_forward_s, balanced_time) if spec.counts.generation else (slot_time,)
 
 
 class Variants:
@@ -166,8 +179,10 @@ def split_layers(costs: ModelCosts, slots: Sequence[Slot]) -> Optional[list[int]
     return None if found is None else found[0]
 
 
-def split_with_choices(variants: Sequence[ModelCosts], slots: Sequence[Slot]) -> Optional[tuple[list[int], list[int]]]:
-    """(layer counts per slot, the variant each slot runs) minimising the slowest pipeline rank within memory caps.
+def split_with_choices(variants: Sequence[ModelCosts], slots: Sequence[Slot],
+                       balanced=slot_time) -> Optional[tuple[list[int], list[int]]]:
+    """(layer counts per slot, the variant each slot runs) minimising the slowest pipeline rank within memory caps,
+    its time `balanced(costs, slot, layers)` (the training time per micro-batch unless given).
 
     `variants` are the model's costs under each memory choice a rank may make, fastest first
     (`memory_choices.ladder`); every rank runs the first variant under which its layers fit, and a layer goes to
@@ -186,7 +201,7 @@ def split_with_choices(variants: Sequence[ModelCosts], slots: Sequence[Slot]) ->
         return None
     heap: list[tuple[float, int]] = []
     for s in slots:
-        _push_next(heap, variants, slots, by_rank, counts, levels, s.index)
+        _push_next(heap, variants, slots, by_rank, counts, levels, s.index, balanced)
     for _ in range(L - len(slots)):
         while heap:
             _, k = heapq.heappop(heap)
@@ -196,7 +211,7 @@ def split_with_choices(variants: Sequence[ModelCosts], slots: Sequence[Slot]) ->
             now = {r: _level(variants, by_rank[r], counts, levels[r]) for r in ranks}
             if all(level is not None for level in now.values()):
                 levels.update(now)
-                _push_next(heap, variants, slots, by_rank, counts, levels, k)
+                _push_next(heap, variants, slots, by_rank, counts, levels, k, balanced)
                 break
             counts[k] -= 1  # full: this slot takes no more layers
         else:
@@ -204,14 +219,14 @@ def split_with_choices(variants: Sequence[ModelCosts], slots: Sequence[Slot]) ->
     return counts, [levels[s.pp_rank] for s in slots]
 
 
-def _push_next(heap, variants, slots, by_rank, counts, levels, k: int) -> None:
+def _push_next(heap, variants, slots, by_rank, counts, levels, k: int, balanced) -> None:
     """Queue slot `k` with its time after one more layer, at the first variant (from its rank's) that holds it."""
     slot = slots[k]
     counts[k] += 1
     level = _level(variants, by_rank[slot.pp_rank], counts, levels[slot.pp_rank])
     counts[k] -= 1
     if level is not None:
-        heapq.heappush(heap, (slot_time(variants[level], slot, stage_layers(variants[level], counts, k, 1)), k))
+        heapq.heappush(heap, (balanced(variants[level], slot, stage_layers(variants[level], counts, k, 1)), k))
 
 
 def _level(variants: Sequence[ModelCosts], mine: Sequence[Slot], counts: Sequence[int], start: int) -> Optional[int]:
@@ -281,12 +296,12 @@ def _rollout_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels: S
         return 0.0
     ranks: dict[int, float] = {}
     for slot, level in zip(slots, levels):
-        seconds = reference_forward_s(variants[level], slot, stage_layers(variants[level], counts, slot.index))
+        seconds = generation_forward_s(variants[level], slot, stage_layers(variants[level], counts, slot.index))
         ranks[slot.pp_rank] = ranks.get(slot.pp_rank, 0.0) + seconds
-    prefill = max(ranks.values()) * m / (1 - bubble)
+    compute = max(ranks.values()) * m / (1 - bubble)
     per_token = variants[0].boundary_bytes * m / spec.seq_len  # every row's boundary (hidden state) of one position
     messages = sum(slot.sends for slot in slots) / 2 * slots[0].link.send_s(per_token)
-    return rollout_seconds(prefill, spec=spec, step_message_s=messages)
+    return rollout_seconds(compute, spec=spec, step_message_s=messages)
 
 
 def stage_slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: dict, *, p: int, d: int, v: int,

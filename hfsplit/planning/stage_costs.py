@@ -180,6 +180,27 @@ def reference_forward_s(costs: ModelCosts, slot: Slot, layers: Union[int, range]
     return compute + (slot.sends * slot.link.send_s(costs.boundary_bytes) if costs.boundary_bytes else 0.0)
 
 
+def generation_forward_s(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float:
+    """Seconds of one micro-batch's generation through `slot`'s stage, for an objective that generates (0 else):
+    every position through its blocks once (the prompt's prefill, then a decode step a new token), a no-grad
+    forward's share of their training compute, and the head on the `rollout_tokens` new positions only, as
+    `generate` runs it (one position's logits a step), not on every position as the update does."""
+    spec = costs.spec
+    if not spec.counts.generation:
+        return 0.0
+    parts = _parts(costs, slot, layers)
+    flops = sum(c.flops * k for c, k in parts)
+    if slot.has_head:
+        flops -= costs.head.flops * (1 - min(spec.rollout_tokens, spec.seq_len) / spec.seq_len)
+    return flops / (DEVICE_FLOPS * slot.speed) * forward_fraction(costs)
+
+
+def balanced_time(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float:
+    """A slot's training time per micro-batch with its generation of the micro-batch (an objective that generates):
+    one of the times the split search evens out between ranks (`search.balanced_times`)."""
+    return slot_time(costs, slot, layers) + generation_forward_s(costs, slot, layers)
+
+
 def _offload_time(costs: ModelCosts, slot: Slot, layers, parts, *, compute: float) -> float:
     """Seconds per micro-batch the host copies of offloaded block inputs add: each goes out in forward and comes
     back before its recompute, over the host link, beside `compute` seconds of the stage's work."""

@@ -10,6 +10,7 @@ from hfsplit.checkpoint.resolve import load_config
 from hfsplit.cli.plan import main
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.costs.model import model_costs
+from hfsplit.planning.search import plan_of_split, stage_slots
 from hfsplit.planning.stage_costs import Slot, stage_memory
 from hfsplit.planning.planner import make_plan
 from hfsplit.planning.rollout import rollout_bytes
@@ -60,3 +61,38 @@ def test_hfsplit_plan_objective_grpo_plans_the_rollout(capsys):
                  str(SEQ), "--max-completion-length", "256", "--json"]) == 0
     beta = json.loads(capsys.readouterr().out)
     assert beta["spec"]["reference"] == "adapters-off" and beta["reference_s"] > 0
+
+
+def test_a_generating_step_is_split_for_its_rollout_and_update_together():
+    """The head weighs on every position of the update but on the new ones only in the rollout, so the split
+    balanced for the update leaves the rollout waiting on rank 0; the plan is the fastest step of every cut."""
+    spec = replace(GRPO, seq_len=2048)
+    plan = make_plan(MODEL, "2x24GiB", spec=spec, pp=2, micro_batches=MICRO, schedule="1F1B", optim="adamw_torch")
+    sft = make_plan(MODEL, "2x24GiB", spec=replace(spec, objective="sft", rollout_tokens=0), pp=2,
+                    micro_batches=MICRO, schedule="1F1B", optim="adamw_torch")
+    costs = model_costs(load_config(MODEL), plan.spec)
+    slots = stage_slots([("0",), ("1",)], {"0": 24 << 30, "1": 24 << 30}, {}, p=2, d=1, v=1, m=MICRO,
+                        schedule="1F1B")
+    steps = {first: plan_of_split(costs, slots, [first, 24 - first], name=MODEL, config=load_config(MODEL), t=1, p=2,
+                                  d=1, v=1, m=MICRO, schedule="1F1B").step_time_s for first in range(1, 24)}
+    cut = plan.stages[0].layers[1]
+    assert cut < sft.stages[0].layers[1]  # more blocks beside the head than the update alone gives it
+    assert plan.step_time_s == pytest.approx(steps[cut], rel=1e-9) == pytest.approx(min(steps.values()), rel=1e-9)
+    assert steps[sft.stages[0].layers[1]] > plan.step_time_s
+
+
+def test_an_inference_plan_for_generating_counts_the_head_on_the_new_positions_only(tmp_path):
+    """`generate` runs the head on one position a step: a plan for generating 32 tokens after 512-token prompts
+    splits the layers evenly, where one scoring every position gives the head's stage fewer (the generation bench's
+    model, docs/benchmarks/generate.md)."""
+    from transformers import LlamaConfig
+    LlamaConfig(num_hidden_layers=8, hidden_size=768, num_attention_heads=12, num_key_value_heads=4,
+                intermediate_size=2048, vocab_size=16000).save_pretrained(tmp_path)
+    forward = TrainingSpec(method="inference", dtype="float32", seq_len=544, micro_batch_size=16, reserve_bytes=0)
+    options = dict(pp=2, tp=1, dp=1, schedule="GPipe", gpus=False)
+    scoring = make_plan(str(tmp_path), "2x8GiB", spec=forward, **options)
+    generating = make_plan(str(tmp_path), "2x8GiB", spec=replace(forward, rollout_tokens=32), **options)
+    assert [s.layers for s in scoring.stages] == [(0, 5), (5, 8)]
+    assert [s.layers for s in generating.stages] == [(0, 4), (4, 8)]
+    first, last = (s.time_s for s in generating.stages)
+    assert first < last < 1.05 * first  # four blocks each, the head's 32 positions of 544 little beside them

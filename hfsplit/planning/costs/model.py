@@ -318,7 +318,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     pairs = attended_positions(_attention_config(key), seq=spec.seq_len, packed=spec.packing)
     block_fwd = 2.0 * matmul_numel * tokens + 4.0 * spec.micro_batch_size * pairs * heads_dim
     block_flops = block_fwd * (passes + (1 if ckpt else 0)) + _tiled_mlp_flops(layout, spec, tp, tokens)
-    head_flops = 2.0 * config.hidden_size * config.vocab_size * tokens * (passes + spec.chunked_loss)  # + recompute
+    head_flops = 2.0 * config.hidden_size * config.vocab_size * head_tokens(spec) * (passes + spec.chunked_loss)
     comm = block_comm_bytes(layout, config, spec, tp, hidden_bytes=hidden_bytes, feature_bytes=tokens * size)
 
     block_acts, block_ws, offload = _block_memory(trace, spec, hidden_bytes=hidden_bytes, tp=tp,
@@ -449,6 +449,16 @@ def _with_deferred_grads(costs: ModelCosts, layout: Layout, config) -> ModelCost
     """`costs` with each part's `deferred_bytes` set."""
     deferred = _deferred_grad_bytes(layout, costs.spec, config, costs.tp)
     return replace(costs, **{name: replace(getattr(costs, name), deferred_bytes=deferred[name]) for name in deferred})
+
+
+def head_tokens(spec: TrainingSpec) -> int:
+    """Positions of a micro-batch the head runs on: every one, but where an inference plan is for generating
+    `rollout_tokens` new tokens a sequence, those only (`generate` keeps one position's logits a step: the prompt's
+    last, then each new one); counting the head on every position there split a model for generation as for
+    training, its last stage the lighter (docs/benchmarks/generate.md)."""
+    if spec.method == "inference" and spec.rollout_tokens:
+        return spec.micro_batch_size * min(spec.rollout_tokens, spec.seq_len)
+    return spec.micro_batch_size * spec.seq_len
 
 
 def _deferred_grad_bytes(layout: Layout, spec: TrainingSpec, config, tp: int) -> dict[str, int]:
