@@ -109,7 +109,8 @@ def tp_verdict(model_type: str, mesh) -> TpVerdict:
         return TpVerdict(model_type, False, f"its tp=2 forward or backward failed ({_short(error)}); likely cause: "
                                             "a module that reads its full width from the config")
     if where and equal_in_float64(whole, mesh):
-        return TpVerdict(model_type, True, "", logits_diff, grad_diff, rounding=where)
+        return TpVerdict(model_type, True, "", logits_diff, grad_diff,
+                         rounding=f"{where} in float32, equal in float64")
     return TpVerdict(model_type, not where, where, logits_diff, grad_diff)
 
 
@@ -212,9 +213,16 @@ def findings_of(verdicts: list[dict]) -> dict:
 
 
 def write_findings(verdicts: list[dict]) -> None:
-    """Record the sweep's findings under the installed transformers version (other versions' kept)."""
+    """Record the sweep's findings under the installed transformers version: the swept types' replace theirs, the
+    other types' and other versions' are kept (a sweep of a few types updates only those)."""
     import transformers
 
     data = json.loads(TP_PROVEN.read_text()) if TP_PROVEN.exists() else {}
-    data[transformers.__version__] = findings_of(verdicts)
+    old, new = data.get(transformers.__version__, {}), findings_of(verdicts)
+    swept = {v["model_type"] for v in verdicts}
+    merged = {part: {t: why for t, why in old.get(part, {}).items() if t not in swept} | new[part]
+              for part in ("refused", "rounding")}
+    data[transformers.__version__] = {
+        "proven": sorted({t for t in old.get("proven", []) if t not in swept} | set(new["proven"])),
+        **{part: dict(sorted(found.items())) for part, found in merged.items()}}
     TP_PROVEN.write_text(json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
