@@ -44,6 +44,7 @@ from hfsplit.models.shrink import shrunk_config
 
 TP = 2
 PP = 2
+DIFFER = "its shards differ from transformers: "  # how a verdict names the first tensor that differs
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def tp_verdict(model_type: str, mesh) -> TpVerdict:
                                             "a module that reads its full width from the config")
     if where and equal_in_float64(whole, mesh):
         return TpVerdict(model_type, True, "", logits_diff, grad_diff,
-                         rounding=f"{where} in float32, equal in float64")
+                         rounding=f"{where.removeprefix(DIFFER)} in float32, equal in float64")
     return TpVerdict(model_type, not where, where, logits_diff, grad_diff)
 
 
@@ -169,11 +170,11 @@ def compared_tp(whole: nn.Module, stages: list[nn.Module], mesh) -> tuple[float,
     diffs = {name: _relative(p.grad, grads.get(name)) for name, p in whole.named_parameters()}
     grad_diff = max(diffs.values(), default=0.0)
     if not logits_diff <= TOLERANCE:  # (`not <=`: a NaN differs)
-        return logits_diff, grad_diff, f"its shards differ from transformers: logits {logits_diff:.2g} off"
+        return logits_diff, grad_diff, f"{DIFFER}logits {logits_diff:.2g} off"
     name = next((n for n, d in diffs.items() if not d <= TOLERANCE), None)
     if name is None:
         return logits_diff, grad_diff, ""
-    return logits_diff, grad_diff, (f"its shards differ from transformers: {name}'s gradient {diffs[name]:.2g} "
+    return logits_diff, grad_diff, (f"{DIFFER}{name}'s gradient {diffs[name]:.2g} "
                                     "off (relative)")
 
 
