@@ -79,7 +79,12 @@ def proven_split(config) -> Verdict:
 def tp_line(config) -> str:
     """Whether tp=2 shards `config`'s model, as `hfsplit check` prints it: tensor parallelism is not in this
     one-process proof (a declared family's own TP tests or the tp=2 sweep, `hfsplit.load.tp_proof`, prove it)."""
-    return f"{config.model_type}: {tp_degree_error(config, 2) or 'tp=2 shards it'}"
+    import transformers
+
+    if why := tp_degree_error(config, 2):
+        return f"{config.model_type}: {why}"
+    rounding = tp_findings(transformers.__version__).get("rounding", {}).get(config.model_type)
+    return f"{config.model_type}: tp=2 shards it" + (f" (proven in float64: {rounding})" if rounding else "")
 
 
 def verdict_of(config) -> Verdict:
@@ -364,6 +369,8 @@ def families_markdown(verdicts: list[Verdict]) -> str:
         proven = v.split and v.model_type in tp["proven"]
         if v.split and not proven:
             whys.append(f"tp=2: {tp['refused'].get(v.model_type, 'not swept')}")
+        elif proven and (rounding := tp.get("rounding", {}).get(v.model_type)):
+            whys.append(f"tp=2 proven in float64: {rounding}")
         why = "; ".join(without_measures(w) for w in whys).replace("|", "\\|")
         rows.append(f"| `{v.model_type}` | {'✓' if v.split else 'refused'} | "
                     f"{'✓' if v.packing else '—' if v.split else ''} | {'✓' if proven else '—' if v.split else ''} "

@@ -11,10 +11,19 @@ and every parameter's gradient compared with transformers' unsplit model (logits
 with its reason (the first tensor that differs, or the exception), never stopping the sweep. The findings are
 written to `hfsplit/models/tp_proven.json` under the transformers version, which `tp_degree_error` reads.
 
+Where float32 differs, the same comparison runs again with both models in float64 (`in_float64`), and the type is
+proven when it passes there: a sharding fault (a gradient not summed, or summed twice, a layout that mismatches the
+weights) differs at any precision, while the rounding of a different summation order shrinks with it. Some models'
+gradients amplify float32 rounding past the tolerance in transformers' own model (Gated DeltaNet's decay parameters,
+Gemma 3n's embedding): there the split is no further from the exact answer than transformers' float32 model is, so
+the plain check cannot tell them apart (docs/design.md, "Tensor-parallel proof"). Such types are recorded with the
+float32 difference that float64 showed to be rounding.
+
     python scripts/families_table.py     # runs it (one launch of two gloo ranks) and writes the data and the table
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -35,6 +44,7 @@ from hfsplit.models.shrink import shrunk_config
 
 TP = 2
 PP = 2
+DIFFER = "its shards differ from transformers: "  # how a verdict names the first tensor that differs
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,9 @@ class TpVerdict:
         model_type: the registered model type.
         proven: its pp=2 stages sharded at tp=2 equal transformers (logits and gradients).
         reason: why not, in one line ("" when proven).
-        logits_diff: the largest absolute logits difference; grad_diff: the largest relative gradient difference.
+        logits_diff: the largest absolute logits difference; grad_diff: the largest relative gradient difference (both
+            in float32).
+        rounding: where float32 differed when float64 proved it ("" when float32 proved it).
     """
 
     model_type: str
@@ -53,6 +65,7 @@ class TpVerdict:
     reason: str = ""
     logits_diff: float = 0.0
     grad_diff: float = 0.0
+    rounding: str = ""
 
 
 def tp_sweep(types: Optional[list[str]] = None) -> list[dict]:
@@ -96,7 +109,37 @@ def tp_verdict(model_type: str, mesh) -> TpVerdict:
     except Exception as error:
         return TpVerdict(model_type, False, f"its tp=2 forward or backward failed ({_short(error)}); likely cause: "
                                             "a module that reads its full width from the config")
+    if where and equal_in_float64(whole, mesh):
+        return TpVerdict(model_type, True, "", logits_diff, grad_diff,
+                         rounding=f"{where.removeprefix(DIFFER)} in float32, equal in float64")
     return TpVerdict(model_type, not where, where, logits_diff, grad_diff)
+
+
+def equal_in_float64(whole: nn.Module, mesh) -> bool:
+    """Whether `whole`'s tp=2 stages equal it (`compared_tp`) with both in float64; collective. False also when
+    the model cannot run in float64."""
+    try:
+        whole64, stages64 = in_float64(whole, mesh)
+        return not compared_tp(whole64, stages64, mesh)[2]
+    except Exception:
+        return False
+
+
+def in_float64(whole: nn.Module, mesh) -> tuple[nn.Module, list[nn.Module]]:
+    """A float64 copy of `whole` (no gradients) and its pp=2 stages sharded over `mesh`, their recomputed buffers
+    (rotary tables, scales) in float64 as the copy's are; fused experts run one by one (`grouped_mm` has no float64)."""
+    whole64 = copy.deepcopy(whole)
+    for p in whole64.parameters():
+        p.grad = None
+    whole64.double()
+    whole64.config._experts_implementation = "eager"
+    stages = split_stages(whole64, pp=PP, tp_mesh=mesh)
+    for stage in stages:
+        for module in stage.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.double()
+    return whole64, stages
 
 
 def unshardable(config) -> Optional[str]:
@@ -127,11 +170,11 @@ def compared_tp(whole: nn.Module, stages: list[nn.Module], mesh) -> tuple[float,
     diffs = {name: _relative(p.grad, grads.get(name)) for name, p in whole.named_parameters()}
     grad_diff = max(diffs.values(), default=0.0)
     if not logits_diff <= TOLERANCE:  # (`not <=`: a NaN differs)
-        return logits_diff, grad_diff, f"its shards differ from transformers: logits {logits_diff:.2g} off"
+        return logits_diff, grad_diff, f"{DIFFER}logits {logits_diff:.2g} off"
     name = next((n for n, d in diffs.items() if not d <= TOLERANCE), None)
     if name is None:
         return logits_diff, grad_diff, ""
-    return logits_diff, grad_diff, (f"its shards differ from transformers: {name}'s gradient {diffs[name]:.2g} "
+    return logits_diff, grad_diff, (f"{DIFFER}{name}'s gradient {diffs[name]:.2g} "
                                     "off (relative)")
 
 
@@ -160,18 +203,27 @@ def _short(error: BaseException) -> str:
 # --- the findings, as data ----------------------------------------------------------------------------------------
 
 def findings_of(verdicts: list[dict]) -> dict:
-    """The sweep's verdicts as `tp_proven.json` keeps them for one transformers version: the proven types, and the
-    others' reasons without their measured gaps (so that the file changes only when a verdict does)."""
-    proven = sorted(v["model_type"] for v in verdicts if v["proven"])
-    refused = {v["model_type"]: without_measures(v["reason"]) for v in sorted(verdicts, key=lambda v: v["model_type"])
-               if not v["proven"]}
-    return {"proven": proven, "refused": refused}
+    """The sweep's verdicts as `tp_proven.json` keeps them for one transformers version: the proven types, the
+    others' reasons, and where the proven ones differed in float32 when float64 proved them (`rounding`), without
+    their measured gaps (so that the file changes only when a verdict does)."""
+    ordered = sorted(verdicts, key=lambda v: v["model_type"])
+    proven = [v["model_type"] for v in ordered if v["proven"]]
+    refused = {v["model_type"]: without_measures(v["reason"]) for v in ordered if not v["proven"]}
+    rounding = {v["model_type"]: without_measures(v["rounding"]) for v in ordered if v["proven"] and v.get("rounding")}
+    return {"proven": proven, "refused": refused, "rounding": rounding}
 
 
 def write_findings(verdicts: list[dict]) -> None:
-    """Record the sweep's findings under the installed transformers version (other versions' kept)."""
+    """Record the sweep's findings under the installed transformers version: the swept types' replace theirs, the
+    other types' and other versions' are kept (a sweep of a few types updates only those)."""
     import transformers
 
     data = json.loads(TP_PROVEN.read_text()) if TP_PROVEN.exists() else {}
-    data[transformers.__version__] = findings_of(verdicts)
+    old, new = data.get(transformers.__version__, {}), findings_of(verdicts)
+    swept = {v["model_type"] for v in verdicts}
+    merged = {part: {t: why for t, why in old.get(part, {}).items() if t not in swept} | new[part]
+              for part in ("refused", "rounding")}
+    data[transformers.__version__] = {
+        "proven": sorted({t for t in old.get("proven", []) if t not in swept} | set(new["proven"])),
+        **{part: dict(sorted(found.items())) for part, found in merged.items()}}
     TP_PROVEN.write_text(json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n")

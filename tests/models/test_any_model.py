@@ -106,8 +106,10 @@ def test_hfsplit_check_prints_the_verdict_and_refuses_with_exit_2(tmp_path, caps
     assert "olmo3: split equals transformers (pp=2" in out and "zaya: refused: the split differs" in out
     # tensor parallelism as the tp=2 sweep found it (hfsplit/models/tp_proven.json): one line each
     assert "\nolmo3: tp=2 shards it\n" in out  # its gathered q/k/v (colwise_gather_output) proven by the sweep
-    assert "\nqwen3_next: tp=2: qwen3_next's split follows the model's own forward, and its tensor-parallel split is " \
-           "not proven at tp=2 on transformers 5.24.0: its shards differ from transformers: " in out
+    # Gated DeltaNet's decay gradients amplify float32 rounding past the tolerance, in transformers' own model too: the
+    # sweep proved its shards equal in float64 and says so
+    assert "\nqwen3_next: tp=2 shards it (proven in float64: model.layers.2.linear_attn.dt_bias's gradient off " \
+           "(relative) in float32, equal in float64)\n" in out
 
 
 def test_a_followed_stage_keeps_checkpoint_names_and_holds_only_its_part():

@@ -13,3 +13,20 @@ def sweep_then_split(*, checkpoint: str, num_layers: int) -> dict:
     split = split_matches_transformers(checkpoint=checkpoint, tp=2, pp=1, layers=[(0, num_layers)], schedule="GPipe",
                                        micro_batches=1)
     return {"verdicts": verdicts, "split": split}
+
+
+def rounding_and_a_fault() -> dict:
+    """{"rounding": the sweep's verdicts of the types whose float32 gradients amplify rounding past the tolerance,
+    "fault": Apertus's verdict with the amendment that sums its activation's gradient over the ranks taken away}."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hfsplit.load.tp_proof import TP, tp_sweep, tp_verdict
+    from hfsplit.models.families import TP_PLAN_AMENDS
+
+    rounding = tp_sweep(["qwen3_next", "gemma3n_text"])
+    amends = TP_PLAN_AMENDS.pop("apertus")
+    try:
+        fault = tp_verdict("apertus", init_device_mesh("cpu", (TP,)))
+    finally:
+        TP_PLAN_AMENDS["apertus"] = amends
+    return {"rounding": rounding, "fault": fault}
