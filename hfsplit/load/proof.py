@@ -31,7 +31,8 @@ from hfsplit.planning.costs.cache import read_cache, write_cache
 
 TOLERANCE = 1e-5
 MAX_PARAMETERS = 20_000_000
-PROOF_VERSION = 2  # 2: per-layer inputs carried, decoder-level buffers (verdicts of 1 refused Gemma 3n/4, Falcon-H1)
+PROOF_VERSION = 3  # 2: per-layer inputs carried, decoder-level buffers (verdicts of 1 refused Gemma 3n/4, Falcon-H1);
+# 3: recurrent mixers run packed examples alone (verdicts of 2 turned packing off for Qwen3.5, Mamba2 hybrids)
 _SEQ = 12
 _PACKED = (6, 5, 5)  # examples of a packed row, each longer than the shrunk sliding windows
 

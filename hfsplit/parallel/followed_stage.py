@@ -34,6 +34,7 @@ from torch import nn
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.models.boundary import text_hidden_size
 from hfsplit.models.layout import decoder_layout, meta_model
+from hfsplit.models.packed_recurrence import run_examples_alone
 from hfsplit.plan import Stage
 
 
@@ -171,6 +172,8 @@ class FollowedStage(nn.Module):
             if not start <= i < stop:
                 role = "before" if i == start - 1 else "after" if i == stop else None
                 blocks[i] = SkippedBlock(i, relay=self._relay, role=role, arity=arity, like=blocks[i])
+            else:
+                run_examples_alone(blocks[i])  # a recurrent mixer's state restarts at each packed example
         absent = (() if stage.has_embed else layout.before) + (() if stage.has_head else (*layout.after,
                                                                                            *layout.outside))
         for path in absent:

@@ -143,9 +143,11 @@ def packed_matches_transformers(model, reference, config, *, tied: bool) -> dict
     out = {"packed_logits_diff": (logits - alone).abs().max().item(), "varlen_ran": varlen_ran,
            "attention": model.stages[0].config._attn_implementation,
            "block_mask_logits_diff": (block_logits - alone).abs().max().item()}
-    for name, batch in (("packed", (ids, labels, positions)), ("padded", padded_batch(config.vocab_size))):
-        out.update({f"{name}_{key}": value
-                    for key, value in step_matches_transformers(model, reference, config, *batch, tied=tied).items()})
+    for name, batch, alone_rows in (("packed", (ids, labels, positions), examples),
+                                    ("padded", padded_batch(config.vocab_size), None)):
+        out.update({f"{name}_{key}": value for key, value in step_matches_transformers(
+            model, reference, config, *batch, tied=tied, examples=alone_rows).items()})
+    out["packed_grad_spread"] = float64_spread(reference, config, labels, examples)
     # as under flash attention: each micro-batch runs as one row of its rows joined (run here under sdpa); rows whose
     # first label is not -100 (plain rows, labels = ids) must not let a row's last token learn the next one's first
     model.join_rows = True
@@ -156,12 +158,45 @@ def packed_matches_transformers(model, reference, config, *, tied: bool) -> dict
     finally:
         model.join_rows = False
     out.update({f"joined_{key}": value for key, value in steps.items()})
+    out["joined_grad_spread"] = float64_spread(reference, config, plain, [[row] for row in plain])
     return out
 
 
-def step_matches_transformers(model, reference, config, ids, labels, positions, *, tied: bool) -> dict:
+def float64_spread(reference, config, labels, examples) -> dict:
+    """Each parameter's relative gradient difference between transformers' fp32 model and a float64 copy of it, the
+    packed rows' examples each run alone: how far fp32 rounding moves transformers itself from (nearly) the exact
+    answer, which a recurrence amplifies in its decay parameters (Qwen3-Next: about 1e-3 on them)."""
+    import copy
+
+    from hfsplit.models.loss import causal_lm_loss
+    from hfsplit.models.packed_recurrence import recurrent_mixer
+    from hfsplit.training.packing import label_tokens
+
+    def gradients(model, dtype) -> dict:
+        for p in model.parameters():
+            p.grad = None
+        logits = torch.stack([torch.cat([model(input_ids=e[None], use_cache=False).logits[0] for e in row])
+                              for row in examples])
+        causal_lm_loss(config.vocab_size)(logits.to(dtype), labels, num_items_in_batch=label_tokens(labels)).backward()
+        return {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+
+    if not any(recurrent_mixer(block) is not None for block in reference.modules()):
+        return {}  # nothing amplifies: held to 1e-5
+    fp32 = gradients(reference, torch.float32)
+    double = copy.deepcopy(reference).double()
+    double.config._experts_implementation = "eager"  # grouped_mm has no float64
+    exact = gradients(double, torch.float64)
+    for p in reference.parameters():
+        p.grad = None
+    return {n: ((fp32[n] - exact[n]).abs().max() / exact[n].abs().max().clamp_min(1e-12)).item() for n in fp32}
+
+
+def step_matches_transformers(model, reference, config, ids, labels, positions, *, tied: bool,
+                              examples=None) -> dict:
     """One split step on the rows against transformers (+ its token-mean loss): the loss on the last stage and
-    each parameter's relative gradient difference."""
+    each parameter's relative gradient difference. With `examples` (each packed row's examples, filling it),
+    transformers runs each example alone, its logits laid out as the packed rows: transformers' own forward of a
+    packed row isolates attention by the position ids but lets a recurrent layer's state cross examples."""
     from hfsplit.apply.tp import full_tensor
     from hfsplit.training.packing import label_tokens
     from hfsplit.models.loss import causal_lm_loss
@@ -170,8 +205,13 @@ def step_matches_transformers(model, reference, config, ids, labels, positions, 
         p.grad = None
     loss_fn = causal_lm_loss(config.vocab_size)
     loss = model.step(ids, labels, loss_fn, position_ids=positions)  # the step counts the items itself
-    ref_loss = loss_fn(reference(input_ids=ids, position_ids=positions, use_cache=False).logits, labels,
-                       num_items_in_batch=label_tokens(labels))
+    if examples is None:
+        ref_logits = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+    else:
+        assert all(sum(len(e) for e in row) == ids.shape[1] for row in examples)
+        ref_logits = torch.stack([torch.cat([reference(input_ids=e[None], use_cache=False).logits[0] for e in row])
+                                  for row in examples])
+    ref_loss = loss_fn(ref_logits, labels, num_items_in_batch=label_tokens(labels))
     ref_loss.backward()
     out = {"loss_diff": (loss - ref_loss).abs().item()} if loss is not None else {}
     out["grad_rel_diff"] = {

@@ -72,8 +72,12 @@ def assert_split_matches(results: list, *, checkpoint: str, tp: int, tied: bool,
         assert not packs or r["joined_logits_diff"] <= 1e-5, r["joined_logits_diff"]  # a micro-batch one row (flash)
         # packed rows, padded rows of varying lengths, rows joined: the token-mean step's gradients as transformers'
         for layout in layouts:
-            bad = {n: d for n, d in r[f"{layout}_grad_rel_diff"].items() if d > 1e-5}
-            assert not bad, (layout, bad)
+            # packed or joined rows: within 1e-5 of transformers, or no further from it than its own fp32 model is
+            # from float64 (a recurrence amplifies fp32 rounding in its decay parameters: Qwen3-Next's split 1.7e-5
+            # from transformers there, transformers 1e-3 from float64; docs/design.md)
+            spread = r.get(f"{layout}_grad_spread", {})
+            bad = {n: d for n, d in r[f"{layout}_grad_rel_diff"].items() if d > max(1e-5, spread.get(n, 0.0))}
+            assert not bad, (layout, {n: (d, spread.get(n)) for n, d in bad.items()})
     for key in ("loss_diff", *(f"{layout}_loss_diff" for layout in layouts)):
         assert any(key in r and r[key] <= 1e-5 for r in results), key
     assert_every_parameter_once(results, checkpoint=checkpoint, tp=tp, tied=tied)
