@@ -144,15 +144,20 @@ def family_of(config) -> Family:
 # input arrives whole and is sliced on each rank (the linear after a gathered one), and the vocabulary-sharded input
 # embedding the plan names. The REPLICATED_SUMMED kind stays whole on every rank, its gradient summed over the TP
 # group. The MoE kinds: a fused experts module (`moe_tp_experts`) whose `gate_up_proj` is packed column-wise and
-# `down_proj` row-wise (apply/tp_experts.py); "packed_colwise" is accepted only there.
+# `down_proj` row-wise (apply/tp_experts.py), or, stored transposed (Llama 4's `[experts, in, out]`), `gate_up_proj`
+# packed row-wise and `down_proj` column-wise; "packed_colwise" and "packed_rowwise" are accepted only there. MLA's
+# `kv_a_proj_with_mqa` (DeepSeek-V3.2, GLM-4-MoE-Lite) stays whole on every rank, its output's rope part (which goes to
+# this rank's heads only, bypassing the column-wise kv_b_proj) getting its gradient summed over the TP group.
 COLWISE_GATHERED = "colwise_gather_output"
 ROWWISE_WHOLE_INPUT = "rowwise_split_input"
 EMBEDDING_ROWWISE = "embedding_rowwise"
 REPLICATED_SUMMED = "replicated_with_grad_allreduce"
 MOE_EXPERTS = "moe_tp_experts"
 PACKED_COLWISE = "packed_colwise"
+PACKED_ROWWISE = "packed_rowwise"
+MLA_KV_A = "mla_kv_a_proj"
 TP_STYLES = ("colwise", "rowwise", COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, EMBEDDING_ROWWISE, REPLICATED_SUMMED,
-             MOE_EXPERTS, PACKED_COLWISE)
+             MOE_EXPERTS, PACKED_COLWISE, PACKED_ROWWISE, MLA_KV_A)
 # The pipeline plan a stage builder follows: embeddings → blocks → final norm.
 PP_PLAN = ["embed_tokens", "layers", "norm"]
 
@@ -268,7 +273,7 @@ def tp_unproven(model_type: str) -> Optional[str]:
 
 
 def expert_tp_params(config) -> dict[str, dict[str, str]]:
-    """{fused experts module pattern ("layers.*.mlp.experts"): {its parameter: "packed_colwise" or "rowwise"}}
+    """{fused experts module pattern ("layers.*.mlp.experts"): {its parameter: its style ("packed_colwise", ...)}}
     from the TP plan's `moe_tp_experts` entries and the parameter entries below them."""
     plan = tp_plan_of(config)
     return {module: {key[len(module) + 1:]: style for key, style in plan.items() if key.startswith(module + ".")}
@@ -276,9 +281,10 @@ def expert_tp_params(config) -> dict[str, dict[str, str]]:
 
 
 def unplaced_packed(config) -> Optional[str]:
-    """A `packed_colwise` pattern outside every fused experts module (hfsplit packs only experts), or None."""
+    """A packed pattern outside every fused experts module (hfsplit packs only experts), or None."""
     inside = {f"{module}.{name}" for module, params in expert_tp_params(config).items() for name in params}
-    return next((k for k, s in tp_plan_of(config).items() if s == PACKED_COLWISE and k not in inside), None)
+    packed = (PACKED_COLWISE, PACKED_ROWWISE)
+    return next((k for k, s in tp_plan_of(config).items() if s in packed and k not in inside), None)
 
 
 def tp_whole_parts(config) -> frozenset[str]:
@@ -348,7 +354,7 @@ def tp_degree_error(config, tp: int) -> Optional[str]:
     if tp > 1 and not tp_supported(config):
         styles = sorted(set(tp_plan_of(config).values()) - set(TP_STYLES))
         packed = unplaced_packed(config)
-        what = ", ".join(styles) or (f"{PACKED_COLWISE} on {packed} outside fused experts" if packed else "no styles")
+        what = ", ".join(styles) or (f"{tp_plan_of(config)[packed]} on {packed} outside fused experts" if packed else "no styles")
         return (f"tp={tp}: {config.model_type}'s tensor-parallel plan uses {what}, "
                 f"which hfsplit does not shard yet (it shards {', '.join(TP_STYLES)}); use tp=1")
     valid = valid_tp_degrees(config, max(tp, 1))
