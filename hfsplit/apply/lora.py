@@ -33,7 +33,7 @@ from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.apply.tp import GradSummedOverTP, mark_tp_sharded, rope_grad_summed, tp_shard_dim
 from hfsplit.errors import HfsplitError
 from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
-from hfsplit.models.families import COLWISE_GATHERED, MLA_KV_A, ROWWISE_WHOLE_INPUT, tp_plan_of
+from hfsplit.models.families import COLWISE_GATHERED, MLA_KV_A, ROWWISE_OWN_OUTPUT, ROWWISE_WHOLE_INPUT, tp_plan_of
 from hfsplit.plan import Plan
 from hfsplit.plan.steps import Step, lora_step
 
@@ -162,7 +162,7 @@ def shard_adapter(a: nn.Linear, b: nn.Linear, *, style: Optional[str], tp_group,
         a.register_forward_hook(lambda _m, _i, out, g=tp_group: GradSummedOverTP.apply(out, g))
         if style == COLWISE_GATHERED:  # the base layer's output is gathered whole: B's too
             b.register_forward_hook(lambda _m, _i, out, g=tp_group: _GatherOverTP.apply(out, g))
-    elif style in ("rowwise", ROWWISE_WHOLE_INPUT):  # A holds this rank's input columns, B is whole
+    elif style in ("rowwise", ROWWISE_WHOLE_INPUT, ROWWISE_OWN_OUTPUT):  # A holds this rank's input columns, B is whole
         mark_tp_sharded(a.weight, dim=1)
         if style == ROWWISE_WHOLE_INPUT:  # the input arrives whole: A reads its own columns of it
             a.register_forward_pre_hook(lambda _m, args, g=tp_group: (_SliceOverTP.apply(args[0], g), *args[1:]))

@@ -30,7 +30,7 @@ from hfsplit.apply.tp_experts import ExpertsParallel
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.models.families import (
     COLWISE_GATHERED, EMBEDDING_ROWWISE, MLA_KV_A, MOE_EXPERTS, PACKED_COLWISE, PACKED_ROWWISE, REPLICATED_SUMMED,
-    ROWWISE_WHOLE_INPUT, expert_tp_params, tp_plan_of,
+    ROWWISE_OWN_OUTPUT, ROWWISE_WHOLE_INPUT, expert_tp_params, tp_plan_of,
 )
 from hfsplit.plan.steps import Step
 
@@ -62,7 +62,7 @@ def block_styles(config) -> dict[str, object]:
 
 
 # The plan's styles of single modules, as torch's ParallelStyles (`linear_style`).
-LINEAR_STYLES = ("colwise", "rowwise", COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, EMBEDDING_ROWWISE)
+LINEAR_STYLES = ("colwise", "rowwise", COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, EMBEDDING_ROWWISE, ROWWISE_OWN_OUTPUT)
 
 
 def linear_style(kind: str):
@@ -76,7 +76,20 @@ def linear_style(kind: str):
     return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
             COLWISE_GATHERED: lambda: ColwiseParallel(output_layouts=Replicate()),
             ROWWISE_WHOLE_INPUT: lambda: RowwiseParallel(input_layouts=Replicate()),
-            EMBEDDING_ROWWISE: lambda: RowwiseParallel(input_layouts=Replicate())}[kind]()
+            EMBEDDING_ROWWISE: lambda: RowwiseParallel(input_layouts=Replicate()),
+            ROWWISE_OWN_OUTPUT: RowwiseOwnOutput}[kind]()
+
+
+class RowwiseOwnOutput(ParallelStyle):
+    """torch's RowwiseParallel, its output then copied into a tensor of its own (`ROWWISE_OWN_OUTPUT`): the model adds
+    into it in place, which autograd refuses on the view of the summed DTensor RowwiseParallel returns."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        RowwiseParallel()._apply(module, device_mesh)
+        module.register_forward_hook(lambda _m, _i, out: out.clone())
+        return module
 
 
 def embedding_patterns(config) -> tuple[str, ...]:

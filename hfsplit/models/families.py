@@ -156,8 +156,11 @@ MOE_EXPERTS = "moe_tp_experts"
 PACKED_COLWISE = "packed_colwise"
 PACKED_ROWWISE = "packed_rowwise"
 MLA_KV_A = "mla_kv_a_proj"
+# hfsplit's own (TP_PLAN_AMENDS only): a row-wise linear whose output is a tensor of its own, not the view of the summed
+# DTensor torch's RowwiseParallel returns, for a model that adds into that output in place (Llama 4's shared expert).
+ROWWISE_OWN_OUTPUT = "rowwise_own_output"
 TP_STYLES = ("colwise", "rowwise", COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, EMBEDDING_ROWWISE, REPLICATED_SUMMED,
-             MOE_EXPERTS, PACKED_COLWISE, PACKED_ROWWISE, MLA_KV_A)
+             MOE_EXPERTS, PACKED_COLWISE, PACKED_ROWWISE, MLA_KV_A, ROWWISE_OWN_OUTPUT)
 # The pipeline plan a stage builder follows: embeddings → blocks → final norm.
 PP_PLAN = ["embed_tokens", "layers", "norm"]
 
@@ -218,12 +221,15 @@ def tp_plan_of(config) -> dict[str, str]:
 # activation holds two scalars applied across the sharded MLP width, Sarvam-MoE's q/k norms a weight per head over
 # this rank's heads. Gemma 3n's activation sparsity takes the mean and deviation of the gate's output over the whole
 # MLP width, so its MLP runs whole on every rank (the gate and up outputs gathered, the down projection's input sliced).
+# Llama 4's MoE adds the routed experts' sum into its shared expert's output in place (`out.add_`), which autograd
+# refuses on the view torch's row-wise style returns.
 _XIELU_SUMMED = {"layers.*.mlp.act_fn": REPLICATED_SUMMED}
 TP_PLAN_AMENDS: dict[str, dict[str, str]] = {
     "apertus": _XIELU_SUMMED, "apertus1p5_text": _XIELU_SUMMED,
     "sarvam_moe": {"layers.*.self_attn.q_norm": REPLICATED_SUMMED, "layers.*.self_attn.k_norm": REPLICATED_SUMMED},
     "gemma3n_text": {"layers.*.mlp.gate_proj": COLWISE_GATHERED, "layers.*.mlp.up_proj": COLWISE_GATHERED,
                      "layers.*.mlp.down_proj": ROWWISE_WHOLE_INPUT},
+    "llama4_text": {"layers.*.feed_forward.shared_expert.down_proj": ROWWISE_OWN_OUTPUT},
 }
 
 
