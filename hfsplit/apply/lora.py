@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
-from hfsplit.apply.tp import mark_tp_sharded, tp_shard_dim
+from hfsplit.apply.tp import GradSummedOverTP, mark_tp_sharded, rope_grad_summed, tp_shard_dim
 from hfsplit.errors import HfsplitError
 from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
-from hfsplit.models.families import COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, tp_plan_of
+from hfsplit.models.families import COLWISE_GATHERED, MLA_KV_A, ROWWISE_OWN_OUTPUT, ROWWISE_WHOLE_INPUT, tp_plan_of
 from hfsplit.plan import Plan
 from hfsplit.plan.steps import Step, lora_step
 
@@ -93,21 +93,6 @@ def default_lora(plan: Plan, model_config, *, seed: int = 0) -> LoraSetup:
     return LoraSetup(lora_config_of(plan.spec, model_config), seed=seed)
 
 
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; all-reduce (sum) of the gradient over the TP group."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class _SumOverTP(torch.autograd.Function):
     """All-reduce (sum) forward; identity backward (the downstream gradient is already whole)."""
 
@@ -159,20 +144,25 @@ def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: in
     cast_adapter_dtype(module, "default")
     for name, sub in lora_layers(module):
         style = _tp_style(name, tp_plan) if tp_size > 1 else None
-        shard_adapter(sub.lora_A["default"], sub.lora_B["default"], style=style, tp_group=tp_group)
+        shard_adapter(sub.lora_A["default"], sub.lora_B["default"], style=style, tp_group=tp_group,
+                      rope_dim=getattr(module.config, "qk_rope_head_dim", 0) if style == MLA_KV_A else 0)
     seed_lora_weights(module, seed=seed, tp_rank=tp_rank, tp_size=tp_size)
     return module
 
 
-def shard_adapter(a: nn.Linear, b: nn.Linear, *, style: Optional[str], tp_group) -> None:
+def shard_adapter(a: nn.Linear, b: nn.Linear, *, style: Optional[str], tp_group, rope_dim: int = 0) -> None:
     """Make one layer's adapter (A, then B; peft shaped them as the base layer's local piece) compute what the
-    unsharded adapter does, under base layer style `style` (None: not sharded, nothing to do)."""
-    if style in ("colwise", COLWISE_GATHERED):  # B holds this rank's output rows, A is whole
+    unsharded adapter does, under base layer style `style` (None: not sharded, nothing to do). `rope_dim`: MLA's
+    key rope width, for an adapter of the whole `mla_kv_a_proj` (its output's rope part goes to this rank's heads
+    only, as the base layer's does: that part's gradient is summed over the TP group)."""
+    if style == MLA_KV_A:
+        b.register_forward_hook(lambda _m, _i, out, g=tp_group: rope_grad_summed(out, rope_dim, g))
+    elif style in ("colwise", COLWISE_GATHERED):  # B holds this rank's output rows, A is whole
         mark_tp_sharded(b.weight, dim=0)
-        a.register_forward_hook(lambda _m, _i, out, g=tp_group: _SumGradOverTP.apply(out, g))
+        a.register_forward_hook(lambda _m, _i, out, g=tp_group: GradSummedOverTP.apply(out, g))
         if style == COLWISE_GATHERED:  # the base layer's output is gathered whole: B's too
             b.register_forward_hook(lambda _m, _i, out, g=tp_group: _GatherOverTP.apply(out, g))
-    elif style in ("rowwise", ROWWISE_WHOLE_INPUT):  # A holds this rank's input columns, B is whole
+    elif style in ("rowwise", ROWWISE_WHOLE_INPUT, ROWWISE_OWN_OUTPUT):  # A holds this rank's input columns, B is whole
         mark_tp_sharded(a.weight, dim=1)
         if style == ROWWISE_WHOLE_INPUT:  # the input arrives whole: A reads its own columns of it
             a.register_forward_pre_hook(lambda _m, args, g=tp_group: (_SliceOverTP.apply(args[0], g), *args[1:]))

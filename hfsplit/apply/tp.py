@@ -23,13 +23,14 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hfsplit.apply.tp_experts import ExpertsParallel
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.models.families import (
-    COLWISE_GATHERED, EMBEDDING_ROWWISE, MOE_EXPERTS, REPLICATED_SUMMED, ROWWISE_WHOLE_INPUT, expert_tp_params,
-    tp_plan_of,
+    COLWISE_GATHERED, EMBEDDING_ROWWISE, MLA_KV_A, MOE_EXPERTS, PACKED_COLWISE, PACKED_ROWWISE, REPLICATED_SUMMED,
+    ROWWISE_OWN_OUTPUT, ROWWISE_WHOLE_INPUT, expert_tp_params, tp_plan_of,
 )
 from hfsplit.plan.steps import Step
 
@@ -49,6 +50,8 @@ def block_styles(config) -> dict[str, object]:
             styles[pattern] = expert_style(config, pattern, experts[pattern])
         elif kind in LINEAR_STYLES:
             styles[pattern] = linear_style(kind)
+        elif kind == MLA_KV_A:
+            styles[pattern] = RopeGradSummed(config.qk_rope_head_dim)
         else:
             raise UnsupportedModelError(
                 f"{type(config).__name__}: tensor-parallel style {kind!r} of {pattern} is not supported yet; use tp=1"
@@ -59,7 +62,7 @@ def block_styles(config) -> dict[str, object]:
 
 
 # The plan's styles of single modules, as torch's ParallelStyles (`linear_style`).
-LINEAR_STYLES = ("colwise", "rowwise", COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, EMBEDDING_ROWWISE)
+LINEAR_STYLES = ("colwise", "rowwise", COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, EMBEDDING_ROWWISE, ROWWISE_OWN_OUTPUT)
 
 
 def linear_style(kind: str):
@@ -73,7 +76,20 @@ def linear_style(kind: str):
     return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
             COLWISE_GATHERED: lambda: ColwiseParallel(output_layouts=Replicate()),
             ROWWISE_WHOLE_INPUT: lambda: RowwiseParallel(input_layouts=Replicate()),
-            EMBEDDING_ROWWISE: lambda: RowwiseParallel(input_layouts=Replicate())}[kind]()
+            EMBEDDING_ROWWISE: lambda: RowwiseParallel(input_layouts=Replicate()),
+            ROWWISE_OWN_OUTPUT: RowwiseOwnOutput}[kind]()
+
+
+class RowwiseOwnOutput(ParallelStyle):
+    """torch's RowwiseParallel, its output then copied into a tensor of its own (`ROWWISE_OWN_OUTPUT`): the model adds
+    into it in place, which autograd refuses on the view of the summed DTensor RowwiseParallel returns."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        RowwiseParallel()._apply(module, device_mesh)
+        module.register_forward_hook(lambda _m, _i, out: out.clone())
+        return module
 
 
 def embedding_patterns(config) -> tuple[str, ...]:
@@ -88,13 +104,55 @@ DEFAULT_EMBEDDING = "embed_tokens"
 
 
 def expert_style(config, pattern: str, params: dict[str, str]):
-    """The ParallelStyle of fused experts `pattern` whose parameters the plan packs column-wise or splits row-wise."""
-    packed = tuple(name for name, kind in params.items() if kind == "packed_colwise")
-    rowwise = tuple(name for name, kind in params.items() if kind == "rowwise")
-    if len(packed) + len(rowwise) != len(params) or not packed or not rowwise:
-        raise UnsupportedModelError(f"{type(config).__name__}: fused experts {pattern} with parameter styles {params} "
-                                    "(hfsplit shards one packed_colwise and one rowwise parameter); use tp=1")
-    return ExpertsParallel(packed=packed, rowwise=rowwise)
+    """The ParallelStyle of fused experts `pattern` whose parameters the plan packs and splits: `[E, out, in]`
+    parameters packed column-wise and split row-wise, or `[E, in, out]` ones (Llama 4) packed row-wise and split
+    column-wise; either way the intermediate dim is split (dim 1 of `[E, 2I, H]`, dim 2 of `[E, H, 2I]`)."""
+    for packing, splitting, packed_dim, split_dim in ((PACKED_COLWISE, "rowwise", 1, 2),
+                                                     (PACKED_ROWWISE, "colwise", 2, 1)):
+        packed = {name: packed_dim for name, kind in params.items() if kind == packing}
+        split = {name: split_dim for name, kind in params.items() if kind == splitting}
+        if packed and split and len(packed) + len(split) == len(params):
+            return ExpertsParallel(packed=packed, split=split)
+    raise UnsupportedModelError(f"{type(config).__name__}: fused experts {pattern} with parameter styles {params} "
+                                "(hfsplit shards one packed_colwise and one rowwise parameter, or one packed_rowwise "
+                                "and one colwise); use tp=1")
+
+
+class RopeGradSummed(ParallelStyle):
+    """MLA's `kv_a_proj_with_mqa` (the plan's `mla_kv_a_proj`): whole on every rank, its output `[kv_pass; k_rot]`
+    as it is, the gradient of its last `rope_dim` columns summed over the TP group. kv_pass reaches this rank's heads
+    through the column-wise kv_b_proj, whose input gradient torch already sums; k_rot, the key's rope part shared by
+    every head, goes straight to this rank's heads, so each rank's backward gives only its heads' share of it."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        group, rope_dim = device_mesh.get_group(), self.rope_dim
+        module.register_forward_hook(lambda _m, _i, out: rope_grad_summed(out, rope_dim, group))
+        return module
+
+
+def rope_grad_summed(out: torch.Tensor, rope_dim: int, group) -> torch.Tensor:
+    """`out` as it is, the gradient of its last `rope_dim` columns summed over `group` (see `RopeGradSummed`)."""
+    kv_pass, k_rot = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+    return torch.cat([kv_pass, GradSummedOverTP.apply(k_rot, group)], dim=-1)
+
+
+class GradSummedOverTP(torch.autograd.Function):
+    """Identity forward; the gradient summed over the TP group (all-reduce) backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def mark_grad_summed(body: nn.Module, config) -> None:

@@ -35,18 +35,20 @@ class ExpertsParallel(ParallelStyle):
     """ParallelStyle for a fused experts module (a `parallelize_module` plan value).
 
     Args:
-        packed: the parameters packed column-wise (`gate_up_proj`: each half split along dim 1).
-        rowwise: the parameters split along their input dim (`down_proj`: dim 2).
+        packed: the parameters packed along one dim, each of their two halves split there ({name: dim}: `[E, 2I, H]`
+            `gate_up_proj` on dim 1, or Llama 4's transposed `[E, H, 2I]` on dim 2).
+        split: the parameters split along their intermediate dim ({name: dim}: `down_proj` `[E, H, I]` on dim 2, or
+            Llama 4's `[E, I, H]` on dim 1).
     """
 
-    def __init__(self, *, packed: tuple[str, ...], rowwise: tuple[str, ...]):
+    def __init__(self, *, packed: dict[str, int], split: dict[str, int]):
         super().__init__()
-        self.packed = tuple(packed)
-        self.rowwise = tuple(rowwise)
+        self.packed = dict(packed)
+        self.split = dict(split)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        placements = {**{name: packed_placement() for name in self.packed},
-                      **{name: Shard(getattr(module, name).dim() - 1) for name in self.rowwise}}
+        placements = {**{name: packed_placement(dim) for name, dim in self.packed.items()},
+                      **{name: Shard(dim) for name, dim in self.split.items()}}
 
         def partition(name, sub, mesh):
             if sub is module:  # only the experts' own 3-D parameters; nothing below them
@@ -54,8 +56,12 @@ class ExpertsParallel(ParallelStyle):
                     _distribute(sub, param_name, placement, mesh)
 
         def prepare_input(sub, inputs, mesh):
-            hidden, index, weights, *rest = inputs
-            return (_grad_summed(hidden, mesh), index, _grad_summed(weights, mesh), *rest)
+            # Mixtral's experts take (hidden, expert index, routing weights); Llama 4's the hidden states alone, each
+            # token already scaled by its router score.
+            hidden, *rest = inputs
+            if len(rest) >= 2:
+                rest[1] = _grad_summed(rest[1], mesh)
+            return (_grad_summed(hidden, mesh), *rest)
 
         def prepare_output(sub, output, mesh):
             return _summed(output, mesh)
@@ -71,9 +77,9 @@ class ExpertsParallel(ParallelStyle):
         return module
 
 
-def packed_placement():
-    """The DTensor placement of a packed column-wise expert parameter (`[E, 2I, H]`: both halves split on dim 1)."""
-    return _StridedShard(dim=1, split_factor=PACKED_HALVES)
+def packed_placement(dim: int = 1):
+    """The DTensor placement of a packed expert parameter (`[E, 2I, H]`: both halves split on dim 1)."""
+    return _StridedShard(dim=dim, split_factor=PACKED_HALVES)
 
 
 def _distribute(module: nn.Module, name: str, placement, mesh) -> None:

@@ -150,7 +150,7 @@ def unshardable(config) -> Optional[str]:
     if other := sorted(set(plan.values()) - set(TP_STYLES)):
         return f"its tensor-parallel plan uses {', '.join(other)}, which hfsplit does not shard"
     if packed := unplaced_packed(config):
-        return f"its tensor-parallel plan packs {packed} column-wise outside fused experts"
+        return f"its tensor-parallel plan packs {packed} outside fused experts"
     if flag := tp_refused_flag(config):
         return f"its plan is wrong under {flag}=True"
     if getattr(config, "num_attention_heads", None) is None:  # a composite config (Llama 4's text model is inside)

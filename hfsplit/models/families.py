@@ -144,15 +144,23 @@ def family_of(config) -> Family:
 # input arrives whole and is sliced on each rank (the linear after a gathered one), and the vocabulary-sharded input
 # embedding the plan names. The REPLICATED_SUMMED kind stays whole on every rank, its gradient summed over the TP
 # group. The MoE kinds: a fused experts module (`moe_tp_experts`) whose `gate_up_proj` is packed column-wise and
-# `down_proj` row-wise (apply/tp_experts.py); "packed_colwise" is accepted only there.
+# `down_proj` row-wise (apply/tp_experts.py), or, stored transposed (Llama 4's `[experts, in, out]`), `gate_up_proj`
+# packed row-wise and `down_proj` column-wise; "packed_colwise" and "packed_rowwise" are accepted only there. MLA's
+# `kv_a_proj_with_mqa` (DeepSeek-V3.2, GLM-4-MoE-Lite) stays whole on every rank, its output's rope part (which goes to
+# this rank's heads only, bypassing the column-wise kv_b_proj) getting its gradient summed over the TP group.
 COLWISE_GATHERED = "colwise_gather_output"
 ROWWISE_WHOLE_INPUT = "rowwise_split_input"
 EMBEDDING_ROWWISE = "embedding_rowwise"
 REPLICATED_SUMMED = "replicated_with_grad_allreduce"
 MOE_EXPERTS = "moe_tp_experts"
 PACKED_COLWISE = "packed_colwise"
+PACKED_ROWWISE = "packed_rowwise"
+MLA_KV_A = "mla_kv_a_proj"
+# hfsplit's own (TP_PLAN_AMENDS only): a row-wise linear whose output is a tensor of its own, not the view of the summed
+# DTensor torch's RowwiseParallel returns, for a model that adds into that output in place (Llama 4's shared expert).
+ROWWISE_OWN_OUTPUT = "rowwise_own_output"
 TP_STYLES = ("colwise", "rowwise", COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, EMBEDDING_ROWWISE, REPLICATED_SUMMED,
-             MOE_EXPERTS, PACKED_COLWISE)
+             MOE_EXPERTS, PACKED_COLWISE, PACKED_ROWWISE, MLA_KV_A, ROWWISE_OWN_OUTPUT)
 # The pipeline plan a stage builder follows: embeddings → blocks → final norm.
 PP_PLAN = ["embed_tokens", "layers", "norm"]
 
@@ -213,12 +221,15 @@ def tp_plan_of(config) -> dict[str, str]:
 # activation holds two scalars applied across the sharded MLP width, Sarvam-MoE's q/k norms a weight per head over
 # this rank's heads. Gemma 3n's activation sparsity takes the mean and deviation of the gate's output over the whole
 # MLP width, so its MLP runs whole on every rank (the gate and up outputs gathered, the down projection's input sliced).
+# Llama 4's MoE adds the routed experts' sum into its shared expert's output in place (`out.add_`), which autograd
+# refuses on the view torch's row-wise style returns.
 _XIELU_SUMMED = {"layers.*.mlp.act_fn": REPLICATED_SUMMED}
 TP_PLAN_AMENDS: dict[str, dict[str, str]] = {
     "apertus": _XIELU_SUMMED, "apertus1p5_text": _XIELU_SUMMED,
     "sarvam_moe": {"layers.*.self_attn.q_norm": REPLICATED_SUMMED, "layers.*.self_attn.k_norm": REPLICATED_SUMMED},
     "gemma3n_text": {"layers.*.mlp.gate_proj": COLWISE_GATHERED, "layers.*.mlp.up_proj": COLWISE_GATHERED,
                      "layers.*.mlp.down_proj": ROWWISE_WHOLE_INPUT},
+    "llama4_text": {"layers.*.feed_forward.shared_expert.down_proj": ROWWISE_OWN_OUTPUT},
 }
 
 
@@ -268,7 +279,7 @@ def tp_unproven(model_type: str) -> Optional[str]:
 
 
 def expert_tp_params(config) -> dict[str, dict[str, str]]:
-    """{fused experts module pattern ("layers.*.mlp.experts"): {its parameter: "packed_colwise" or "rowwise"}}
+    """{fused experts module pattern ("layers.*.mlp.experts"): {its parameter: its style ("packed_colwise", ...)}}
     from the TP plan's `moe_tp_experts` entries and the parameter entries below them."""
     plan = tp_plan_of(config)
     return {module: {key[len(module) + 1:]: style for key, style in plan.items() if key.startswith(module + ".")}
@@ -276,9 +287,10 @@ def expert_tp_params(config) -> dict[str, dict[str, str]]:
 
 
 def unplaced_packed(config) -> Optional[str]:
-    """A `packed_colwise` pattern outside every fused experts module (hfsplit packs only experts), or None."""
+    """A packed pattern outside every fused experts module (hfsplit packs only experts), or None."""
     inside = {f"{module}.{name}" for module, params in expert_tp_params(config).items() for name in params}
-    return next((k for k, s in tp_plan_of(config).items() if s == PACKED_COLWISE and k not in inside), None)
+    packed = (PACKED_COLWISE, PACKED_ROWWISE)
+    return next((k for k, s in tp_plan_of(config).items() if s in packed and k not in inside), None)
 
 
 def tp_whole_parts(config) -> frozenset[str]:
@@ -348,7 +360,7 @@ def tp_degree_error(config, tp: int) -> Optional[str]:
     if tp > 1 and not tp_supported(config):
         styles = sorted(set(tp_plan_of(config).values()) - set(TP_STYLES))
         packed = unplaced_packed(config)
-        what = ", ".join(styles) or (f"{PACKED_COLWISE} on {packed} outside fused experts" if packed else "no styles")
+        what = ", ".join(styles) or (f"{tp_plan_of(config)[packed]} on {packed} outside fused experts" if packed else "no styles")
         return (f"tp={tp}: {config.model_type}'s tensor-parallel plan uses {what}, "
                 f"which hfsplit does not shard yet (it shards {', '.join(TP_STYLES)}); use tp=1")
     valid = valid_tp_degrees(config, max(tp, 1))

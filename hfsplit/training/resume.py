@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from hfsplit.apply.tp import tp_shard_dim
 from hfsplit.apply.tp_experts import PACKED_HALVES
 from hfsplit.errors import HfsplitError
-from hfsplit.models.families import PACKED_COLWISE, tp_style_of
+from hfsplit.models.families import PACKED_COLWISE, PACKED_ROWWISE, tp_style_of
 from hfsplit.training.optimizers import RAW_KEYS, OnLocalPieces, load_moments, moments, raw_state
 from hfsplit.training.trainer_state import SafeFileSystemReader, read_small_state, small_state_path, write_small_state
 
@@ -264,9 +264,9 @@ def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter, name: str) -> 
     split (see `_packed_halves_apart`)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    halves = _packed_halves(model, name)
-    if halves > 1:
-        return _packed_halves_apart(model, t, halves)
+    packed_dim = _packed_dim(model, name)
+    if packed_dim is not None:
+        return _packed_halves_apart(model, t, packed_dim)
     if isinstance(t, DTensor):
         return t
     dim = tp_shard_dim(param)
@@ -275,23 +275,25 @@ def _global(model, t: torch.Tensor, *, param: torch.nn.Parameter, name: str) -> 
     return DTensor.from_local(t, model.ctx.tp_mesh, [Shard(dim)], run_check=False)
 
 
-def _packed_halves(model, name: str) -> int:
-    """How many packed blocks parameter `name` holds along its TP-split dim (2 for fused experts' gate and up
-    halves, `models.PACKED_COLWISE`), else 1; the same under every split, tp=1 included."""
+def _packed_dim(model, name: str) -> Optional[int]:
+    """The dim along which parameter `name` packs fused experts' gate and up halves (1 of `[E, 2I, H]` under
+    `models.PACKED_COLWISE`, 2 of Llama 4's `[E, H, 2I]` under `models.PACKED_ROWWISE`), else None; the same under
+    every split, tp=1 included."""
     prefix = model.stages[0].body_name + "."
     inner = name[len(prefix):] if name.startswith(prefix) else name
-    return PACKED_HALVES if tp_style_of(model.config, inner) == PACKED_COLWISE else 1
+    return {PACKED_COLWISE: 1, PACKED_ROWWISE: 2}.get(tp_style_of(model.config, inner))
 
 
-def _packed_halves_apart(model, t: torch.Tensor, halves: int) -> torch.Tensor:
-    """A view of packed `t` ([E, 2I, H]; under TP this rank's [E, 2I/tp, H] = [gate_r; up_r]) as [E, 2, I, H], each
-    rank's piece then a plain `Shard(2)`: DCP cannot describe torch's `_StridedShard` (its chunks overlap in the
-    plan), and one layout under every split lets a resume under another tp read the slices it needs."""
+def _packed_halves_apart(model, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A view of packed `t` ([E, 2I, H]; under TP this rank's [E, 2I/tp, H] = [gate_r; up_r]) as [E, 2, I, H] (the
+    halves apart along packed `dim`), each rank's piece then a plain `Shard(dim + 1)`: DCP cannot describe torch's
+    `_StridedShard` (its chunks overlap in the plan), and one layout under every split lets a resume under another tp
+    read the slices it needs."""
     from torch.distributed.tensor import DTensor, Shard
 
     def apart(x: torch.Tensor) -> torch.Tensor:
-        return x.view(x.shape[0], halves, x.shape[1] // halves, *x.shape[2:])
+        return x.view(*x.shape[:dim], PACKED_HALVES, x.shape[dim] // PACKED_HALVES, *x.shape[dim + 1:])
 
     if not isinstance(t, DTensor):
         return apart(t)
-    return DTensor.from_local(apart(t.to_local()), model.ctx.tp_mesh, [Shard(2)], run_check=False)
+    return DTensor.from_local(apart(t.to_local()), model.ctx.tp_mesh, [Shard(dim + 1)], run_check=False)

@@ -308,3 +308,17 @@ def test_tp_collectives_count_the_all_gathers_of_gathered_outputs(arch, gathered
     ins = sum(block.get_submodule(name).in_features for name in whole_in)
     want = 4 * config.hidden_size * feature_bytes + (outs + ins) * feature_bytes // 2
     assert model_costs(config, spec, tp=2).block.comm_bytes == want
+
+
+def test_tp_collectives_count_mla_rope_gradient_all_reduce():
+    """MLA's whole kv_a_proj_with_mqa (mla_kv_a_proj) sums the gradient of its output's rope part over TP in
+    backward: beyond the two hidden-state all-reduces each way, qk_rope_head_dim features per token."""
+    from transformers import AutoConfig
+
+    from hfsplit.load.proof import shrunk_config
+
+    config = shrunk_config(AutoConfig.for_model("glm4_moe_lite"))
+    spec = TrainingSpec(method="lora", seq_len=64, micro_batch_size=1, dtype="float32", activation_checkpointing=False)
+    feature_bytes = 64 * 4  # one feature over the micro-batch's tokens, fp32
+    want = 4 * config.hidden_size * feature_bytes + config.qk_rope_head_dim * feature_bytes
+    assert model_costs(config, spec, tp=2).block.comm_bytes == want

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
-from hfsplit.models.families import COLWISE_GATHERED, ROWWISE_WHOLE_INPUT, tp_style_of, valid_tp_degrees
+from hfsplit.models.families import COLWISE_GATHERED, MLA_KV_A, ROWWISE_WHOLE_INPUT, tp_style_of, valid_tp_degrees
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs import trace  # its functions looked up when called: tests count the traces
 from hfsplit.planning.costs.cache import read_cache, write_cache
@@ -161,17 +161,25 @@ def gather_bytes(layout: Layout, config, *, feature_bytes: int, forwards: int, b
     return (gathered * forwards + sum(whole_in) * backwards) * feature_bytes // 2
 
 
+def rope_grad_features(layout: Layout, config) -> int:
+    """The features whose gradient one block's backward all-reduces beyond the hidden state: MLA's shared key rope
+    part of each whole `mla_kv_a_proj` output (apply/tp.py `RopeGradSummed`), 0 in other models."""
+    return sum(config.qk_rope_head_dim for lin in layout.linears
+               if tp_style_of(config, f"layers.0.{lin.name}") == MLA_KV_A)
+
+
 def block_comm_bytes(layout: Layout, config, spec: TrainingSpec, tp: int, *, hidden_bytes: int,
                      feature_bytes: int) -> int:
     """All-reduce-equivalent bytes one block's TP collectives move per micro-batch: two all-reduces of the hidden
-    state (after attention and after the MLP) each way, recompute repeating the forward ones; and where the plan
-    gathers outputs whole, their all-gathers (`gather_bytes`)."""
+    state (after attention and after the MLP) each way, recompute repeating the forward ones; where the plan
+    gathers outputs whole, their all-gathers (`gather_bytes`); MLA's key rope gradient (`rope_grad_features`)."""
     if tp == 1:
         return 0
     training, ckpt = spec.method != "inference", spec.checkpointing != "off"
     forwards = 1 + (training and ckpt)
-    return (2 * forwards + 2 * training) * hidden_bytes + gather_bytes(
-        layout, config, feature_bytes=feature_bytes, forwards=forwards, backwards=int(training))
+    return ((2 * forwards + 2 * training) * hidden_bytes
+            + training * rope_grad_features(layout, config) * feature_bytes
+            + gather_bytes(layout, config, feature_bytes=feature_bytes, forwards=forwards, backwards=int(training)))
 
 
 def gather_transient_bytes(layout: Layout, config, tp: int, feature_bytes: int) -> int:
