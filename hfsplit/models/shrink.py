@@ -50,9 +50,11 @@ _INDEX_LISTS = ("mlp_only_layers", "moe_layers", "full_attn_idxs", "attn_layer_i
 def shrunk_config(config):
     """A copy of `config` of the same class and switches with tiny sizes (see the module docstring)."""
     data = config.to_dict()
-    # a field under its own name (Ernie's `moe_k` for `num_experts_per_tok`) is shrunk by the rule of the standard name
-    aliases = {std: own for std, own in getattr(config, "attribute_map", {}).items() if own in data and std not in data}
-    data.update({std: data[own] for std, own in aliases.items()})
+    # a field under its own name (Ernie's `moe_k` for `num_experts_per_tok`) is shrunk by the rule of the standard
+    # name, unless its own name has a rule (Inkling's `moe_intermediate_size`, aliased `intermediate_size`)
+    aliases = {std: own for std, own in getattr(config, "attribute_map", {}).items()
+               if own in data and std not in data and own not in _SIZES}
+    data = {**data, **{std: data[own] for std, own in aliases.items()}}
     layers = _layer_count(data)
     small: dict[str, Any] = {}
     for key, value in data.items():
@@ -64,9 +66,11 @@ def shrunk_config(config):
     small.update(_vocab(data))
     small.update(_layers(data, layers))
     small.update(_mamba(data, small))
+    for std, own in aliases.items():  # back under the config's own name, where no rule of that name shrank it
+        value, _ = small.pop(std, None), data.pop(std)
+        if value is not None and own not in small:
+            small[own] = value
     data.update(small)
-    for std, own in aliases.items():
-        data[own] = data.pop(std)
     shrunk = config.__class__.from_dict(data)
     for key in ("_attn_implementation_internal", "_name_or_path"):
         if hasattr(config, key):
