@@ -202,6 +202,15 @@ def test_a_field_under_its_own_name_is_shrunk_by_the_standard_rule(model_type):
         assert verdict.split and max(verdict.logits_diff, verdict.grad_diff) <= proof.TOLERANCE, verdict
 
 
+def test_a_field_with_a_rule_of_its_own_keeps_it_over_its_alias():
+    """Inkling's `moe_intermediate_size` is aliased `intermediate_size`, XLM's `vocab_size` `n_words`: each is shrunk
+    by the rule of its own name (an expert's width, the tiny vocabulary), not the alias's or left at flagship size."""
+    from hfsplit.models.shrink import HIDDEN, VOCAB, shrunk_config
+
+    assert shrunk_config(AutoConfig.for_model("inkling2_text")).moe_intermediate_size == HIDDEN // 2
+    assert shrunk_config(AutoConfig.for_model("xlm")).vocab_size == VOCAB
+
+
 def test_a_config_transformers_itself_cannot_use_is_refused_naming_transformers():
     """Ministral's default config leaves `head_dim` None, which its attention cannot build even unshrunk;
     DeepSeek-V2's leaves `num_experts_per_tok` None, which its router cannot run: the refusal says so, not blaming the
