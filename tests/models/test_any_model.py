@@ -221,3 +221,22 @@ def test_a_config_transformers_itself_cannot_use_is_refused_naming_transformers(
     run = proof.measured_verdict(AutoConfig.for_model("deepseek_v2"))
     assert not run.split and run.reason.startswith("transformers' own forward fails on this config, unsplit too "
                                                    "(TypeError: topk()"), run
+
+
+@pytest.mark.parametrize("model_type", ["hy_v4", "gemma3n_text"])
+def test_the_hidden_streams_cross_the_boundary_in_the_loops_own_layout(model_type):
+    """HY-V4's hyper-connections carry `(batch, seq, streams, hidden)` from block to block, Gemma 3n's AltUp
+    `(streams, batch, seq, hidden)`: a stage sends either as one `(batch, seq, width)` tensor of the width the
+    planner counts, and the next stage gets the loop's own layout back, each token's streams its own."""
+    from hfsplit.models.boundary import boundary_width, hidden_shape
+    from hfsplit.models.shrink import shrunk_config
+    from hfsplit.parallel.followed_stage import packed_boundary, unpacked_boundary
+
+    config = shrunk_config(AutoConfig.for_model(model_type))
+    hidden = torch.randn(hidden_shape(config, 2, 5))
+    sent = packed_boundary(hidden, None, config)
+    per_layer = config.num_hidden_layers * (getattr(config, "hidden_size_per_layer_input", None) or 0)
+    assert hidden.dim() == 4 and sent.shape == (2, 5, boundary_width(config) - per_layer) == (2, 5, 4 * 64)
+    assert torch.equal(sent[1, 3], hidden[1, 3].flatten() if model_type == "hy_v4" else hidden[:, 1, 3].flatten())
+    received, carried = unpacked_boundary(sent, config, carries=False)
+    assert carried is None and torch.equal(received, hidden)
