@@ -42,7 +42,7 @@ _SIZES: dict[str, int] = {
 _SPECIAL_TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 # lists holding one entry per layer, and lists of layer indices
 _PER_LAYER = ("layer_types", "mlp_layer_types", "no_rope_layers", "intermediate_size", "activation_sparsity_pattern",
-              "attn_layer_period", "block_types")
+              "attn_layer_period", "block_types", "attention_layers")
 _INDEX_LISTS = ("mlp_only_layers", "moe_layers", "full_attn_idxs", "attn_layer_indices", "swa_layers",
                 "global_attn_layers", "no_rope_layer_indices", "dense_layers")
 
@@ -187,6 +187,8 @@ def _layers(data: dict, layers: int) -> dict:
             out[key] = data[key][:layers]
             if key == "intermediate_size":
                 out[key] = [2 * HIDDEN] * layers
+    if isinstance(data.get("attention_types"), list) and "attention_layers" in out:  # GPT-Neo: [[kinds, repeats]]
+        out["attention_types"] = [[[kind], 1] for kind in out["attention_layers"]]
     if isinstance(data.get("per_layer_config"), dict):  # Gemma 4: overrides keyed by layer index
         overrides = data["per_layer_config"].items()
         out["per_layer_config"] = {k: _override(data, v) for k, v in overrides if int(k) < layers}

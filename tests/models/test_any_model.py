@@ -211,6 +211,18 @@ def test_a_field_with_a_rule_of_its_own_keeps_it_over_its_alias():
     assert shrunk_config(AutoConfig.for_model("xlm")).vocab_size == VOCAB
 
 
+def test_a_layer_count_under_its_own_name_is_shrunk_with_its_layer_pattern():
+    """GPT-Neo names its layer count `num_layers` and gives its layers' kinds as `[[kinds, repeats]]`: both are cut
+    together, every kind kept, and the shrunk model splits equal to transformers."""
+    from hfsplit.models.shrink import MIN_LAYERS, shrunk_config
+
+    config = AutoConfig.for_model("gpt_neo")
+    tiny = shrunk_config(config)
+    assert tiny.num_layers == MIN_LAYERS and tiny.attention_layers == config.attention_layers[:MIN_LAYERS]
+    assert set(tiny.attention_layers) == set(config.attention_layers)
+    assert proof.measured_verdict(config).split
+
+
 def test_a_config_transformers_itself_cannot_use_is_refused_naming_transformers():
     """Ministral's default config leaves `head_dim` None, which its attention cannot build even unshrunk;
     DeepSeek-V2's leaves `num_experts_per_tok` None, which its router cannot run: the refusal says so, not blaming the
