@@ -32,7 +32,7 @@ from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.budget import budget_kinds, parse_max_memory
 from hfsplit.gpu_kinds import kind_of_device_name
 from hfsplit.checkpoint.resolve import load_config
-from hfsplit.models.boundary import block_inputs, hidden_streams
+from hfsplit.models.boundary import block_inputs, hidden_shape
 from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
 from hfsplit.models.families import FAMILIES
 from hfsplit.models.layout import decoder_layout
@@ -166,8 +166,7 @@ def _probe_block(config, spec, device: torch.device):
         if spec.autocast_dtype is not None:
             autocast_forwards([block], dtype=spec.autocast_dtype)
     set_trainable(block, replace(spec, method="lora") if spec.method == "qlora" else spec)
-    streams = (hidden_streams(config),) if hidden_streams(config) > 1 else ()  # Gemma 3n's AltUp streams stacked
-    x = torch.randn(*streams, spec.micro_batch_size, spec.seq_len, config.hidden_size, dtype=dtype, device=device)
+    x = torch.randn(hidden_shape(config, spec.micro_batch_size, spec.seq_len), dtype=dtype, device=device)
 
     def run(split: bool) -> None:
         inp = x.detach().requires_grad_(spec.method != "inference")

@@ -32,7 +32,8 @@ from hfsplit.planning.costs.cache import read_cache, write_cache
 TOLERANCE = 1e-5
 MAX_PARAMETERS = 20_000_000
 PROOF_VERSION = 3  # 2: per-layer inputs carried, decoder-level buffers (verdicts of 1 refused Gemma 3n/4, Falcon-H1);
-# 3: recurrent mixers run packed examples alone (verdicts of 2 turned packing off for Qwen3.5, Mamba2 hybrids)
+# 3: recurrent mixers run packed examples alone (verdicts of 2 turned packing off for Qwen3.5, Mamba2 hybrids), and
+# fields under their own names shrunk (verdicts of 2 refused Ernie 4.5 MoE, Kimi Linear)
 _SEQ = 12
 _PACKED = (6, 5, 5)  # examples of a packed row, each longer than the shrunk sliding windows
 
@@ -113,7 +114,7 @@ def measured_verdict(config) -> Verdict:
         tiny = shrunk_config(config)
         whole = tiny_model(tiny)
     except Exception as error:  # any failure to build is the reason, named
-        return Verdict(kind, False, False, f"the shrunk model could not be built ({_short(error)})")
+        return Verdict(kind, False, False, unbuilt_reason(config, error))
     try:
         stages = split_stages(whole, pp=2)
     except UnsupportedModelError as error:
@@ -123,12 +124,32 @@ def measured_verdict(config) -> Verdict:
     try:
         logits_diff, grad_diff, where = compared(whole, stages)
     except Exception as error:
-        return Verdict(kind, False, False, f"the split forward failed ({_short(error)}); likely cause: its forward "
-                                           "needs more than the hidden state between its blocks")
+        return Verdict(kind, False, False, failed_forward_reason(whole, error))
     if where:
         return Verdict(kind, False, False, where, logits_diff, grad_diff)
     packing, why = packed_rows_isolated(whole, stages)
     return Verdict(kind, True, packing, why, logits_diff, grad_diff)
+
+
+def unbuilt_reason(config, error: BaseException) -> str:
+    """Why the shrunk model could not be built: transformers' own failure where the config, unshrunk, fails to build
+    too (on the meta device: no memory), so that the shrinking is not blamed for a config transformers cannot use."""
+    try:
+        meta_model(config)
+    except Exception as unshrunk:
+        return f"transformers cannot build a model from this config, unshrunk too ({_short(unshrunk)})"
+    return f"the shrunk model could not be built ({_short(error)})"
+
+
+def failed_forward_reason(whole: nn.Module, error: BaseException) -> str:
+    """Why the split forward failed: transformers' own forward where the whole model fails too, else the split."""
+    try:
+        with torch.no_grad():
+            whole(input_ids=_examples(whole), use_cache=False)
+    except Exception as own:
+        return f"transformers' own forward fails on this config, unsplit too ({_short(own)})"
+    return (f"the split forward failed ({_short(error)}); likely cause: its forward needs more than the hidden state "
+            "between its blocks")
 
 
 def tiny_model(tiny) -> nn.Module:
@@ -206,14 +227,19 @@ def run_split(stages: list[nn.Module], ids: torch.Tensor, position_ids: Optional
 def both_backward(whole: nn.Module, stages: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, transformers' logits, the split's) of one seeded batch, each backward through the same random weighting
     of its logits (every parameter then holds its gradient)."""
-    vocab = whole.config.get_text_config().vocab_size
-    ids = torch.randint(3, vocab, (2, _SEQ), generator=torch.Generator().manual_seed(2))
+    ids = _examples(whole)
     want = whole(input_ids=ids, use_cache=False).logits
     got = run_split(stages, ids)
     weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
     (want * weights).sum().backward()
     (got * weights).sum().backward()
     return ids, want, got
+
+
+def _examples(whole: nn.Module) -> torch.Tensor:
+    """The proof's seeded batch of token ids."""
+    vocab = whole.config.get_text_config().vocab_size
+    return torch.randint(3, vocab, (2, _SEQ), generator=torch.Generator().manual_seed(2))
 
 
 def compared(whole: nn.Module, stages: list[nn.Module]) -> tuple[float, float, str]:

@@ -26,9 +26,23 @@ def text_hidden_size(config) -> int:
 
 
 def hidden_streams(config) -> int:
-    """How many hidden states the model's loop carries from block to block, stacked on a first dimension: Gemma
-    3n's AltUp streams (`altup_num_inputs`), else 1."""
-    return getattr(config, "altup_num_inputs", None) or 1
+    """How many hidden states the model's loop carries from block to block: Gemma 3n's AltUp streams
+    (`altup_num_inputs`), DeepSeek-V4's and HY-V4's hyper-connection streams (`hc_mult`), else 1."""
+    return getattr(config, "altup_num_inputs", None) or getattr(config, "hc_mult", None) or 1
+
+
+def streams_first(config) -> bool:
+    """Whether the loop stacks its hidden streams on a first dimension (Gemma 3n's AltUp) rather than beside each
+    token's hidden state (hyper-connections: `(batch, seq, streams, hidden)`)."""
+    return bool(getattr(config, "altup_num_inputs", None))
+
+
+def hidden_shape(config, batch: int, seq: int) -> tuple[int, ...]:
+    """The shape of the hidden state the model's loop hands each block (`hidden_streams`, where `streams_first`)."""
+    streams, size = hidden_streams(config), text_hidden_size(config)
+    if streams == 1:
+        return batch, seq, size
+    return (streams, batch, seq, size) if streams_first(config) else (batch, seq, streams, size)
 
 
 class _Captured(Exception):

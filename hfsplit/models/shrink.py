@@ -42,7 +42,7 @@ _SIZES: dict[str, int] = {
 _SPECIAL_TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 # lists holding one entry per layer, and lists of layer indices
 _PER_LAYER = ("layer_types", "mlp_layer_types", "no_rope_layers", "intermediate_size", "activation_sparsity_pattern",
-              "attn_layer_period", "block_types")
+              "attn_layer_period", "block_types", "attention_layers")
 _INDEX_LISTS = ("mlp_only_layers", "moe_layers", "full_attn_idxs", "attn_layer_indices", "swa_layers",
                 "global_attn_layers", "no_rope_layer_indices", "dense_layers")
 
@@ -50,6 +50,11 @@ _INDEX_LISTS = ("mlp_only_layers", "moe_layers", "full_attn_idxs", "attn_layer_i
 def shrunk_config(config):
     """A copy of `config` of the same class and switches with tiny sizes (see the module docstring)."""
     data = config.to_dict()
+    # a field under its own name (Ernie's `moe_k` for `num_experts_per_tok`) is shrunk by the rule of the standard
+    # name, unless its own name has a rule (Inkling's `moe_intermediate_size`, aliased `intermediate_size`)
+    aliases = {std: own for std, own in getattr(config, "attribute_map", {}).items()
+               if own in data and std not in data and own not in _SIZES}
+    data = {**data, **{std: data[own] for std, own in aliases.items()}}
     layers = _layer_count(data)
     small: dict[str, Any] = {}
     for key, value in data.items():
@@ -61,6 +66,10 @@ def shrunk_config(config):
     small.update(_vocab(data))
     small.update(_layers(data, layers))
     small.update(_mamba(data, small))
+    for std, own in aliases.items():  # back under the config's own name, where no rule of that name shrank it
+        value, _ = small.pop(std, None), data.pop(std)
+        if value is not None and own not in small:
+            small[own] = value
     data.update(small)
     shrunk = config.__class__.from_dict(data)
     for key in ("_attn_implementation_internal", "_name_or_path"):
@@ -178,6 +187,8 @@ def _layers(data: dict, layers: int) -> dict:
             out[key] = data[key][:layers]
             if key == "intermediate_size":
                 out[key] = [2 * HIDDEN] * layers
+    if isinstance(data.get("attention_types"), list) and "attention_layers" in out:  # GPT-Neo: [[kinds, repeats]]
+        out["attention_types"] = [[[kind], 1] for kind in out["attention_layers"]]
     if isinstance(data.get("per_layer_config"), dict):  # Gemma 4: overrides keyed by layer index
         overrides = data["per_layer_config"].items()
         out["per_layer_config"] = {k: _override(data, v) for k, v in overrides if int(k) < layers}

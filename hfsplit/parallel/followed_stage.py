@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from hfsplit.errors import UnsupportedModelError
-from hfsplit.models.boundary import text_hidden_size
+from hfsplit.models.boundary import streams_first, text_hidden_size
 from hfsplit.models.layout import decoder_layout, meta_model
 from hfsplit.models.packed_recurrence import run_examples_alone
 from hfsplit.plan import Stage
@@ -267,7 +267,7 @@ class FollowedStage(nn.Module):
                 return self._model(**kwargs, logits_to_keep=logits_to_keep).logits
             out = getattr(self._model, self.body_name)(**kwargs)
         except _StageEnd as end:
-            return packed_boundary(end.output, self._relay.carried)
+            return packed_boundary(end.output, self._relay.carried, self.config)
         finally:
             self._relay.received, self._relay.carried, self._relay.running = None, None, False
         raise RuntimeError(f"stage {self.stage_index}: the model's forward ran past its last block "
@@ -358,11 +358,12 @@ def _carry_per_layer_inputs(decoder: nn.Module, relay: _Relay, *, first: bool) -
         decoder.get_per_layer_inputs = lambda *args, **kwargs: None
 
 
-def packed_boundary(hidden: torch.Tensor, carried: Optional[torch.Tensor]) -> torch.Tensor:
+def packed_boundary(hidden: torch.Tensor, carried: Optional[torch.Tensor], config) -> torch.Tensor:
     """What a stage sends on: one `(batch, seq, width)` tensor, the hidden state (its streams side by side where
-    the loop keeps several, Gemma 3n's `(streams, batch, seq, hidden)`), then the per-layer inputs, flattened."""
+    the loop keeps several: Gemma 3n's `(streams, batch, seq, hidden)`, hyper-connections' `(batch, seq, streams,
+    hidden)`), then the per-layer inputs, flattened."""
     if hidden.dim() == 4:
-        hidden = hidden.permute(1, 2, 0, 3).flatten(2)
+        hidden = (hidden.permute(1, 2, 0, 3) if streams_first(config) else hidden).flatten(2)
     return hidden if carried is None else torch.cat([hidden, carried.flatten(2)], dim=-1)
 
 
@@ -372,7 +373,8 @@ def unpacked_boundary(x: torch.Tensor, config, *, carries: bool) -> tuple[torch.
     per_layer = config.hidden_size_per_layer_input if carries else 0
     hidden, carried = x.split([x.shape[-1] - layers * per_layer, layers * per_layer], dim=-1)
     if hidden.shape[-1] > size:
-        hidden = hidden.unflatten(-1, (hidden.shape[-1] // size, size)).permute(2, 0, 1, 3)
+        hidden = hidden.unflatten(-1, (hidden.shape[-1] // size, size))
+        hidden = hidden.permute(2, 0, 1, 3) if streams_first(config) else hidden
     return hidden, carried.unflatten(-1, (layers, per_layer)) if carries else None
 
 

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hfsplit.models.boundary import block_inputs, hidden_streams
+from hfsplit.models.boundary import block_inputs, hidden_shape
 from hfsplit.models.expert_lora import expert_parameters
 from hfsplit.models.families import FAMILIES, Family
 from hfsplit.models.layout import decoder_layout, meta_model
@@ -228,9 +228,7 @@ def trace_block(key: str, spec: TrainingSpec, tp: int) -> BlockTrace:
 def block_events(key: str, spec: TrainingSpec, tp: int) -> BlockEvents:
     config = CONFIGS[key]
     dtype = dtype_of(spec.dtype)
-    # Gemma 3n's blocks take its AltUp streams stacked: (streams, batch, seq, hidden)
-    streams = (hidden_streams(config),) if hidden_streams(config) > 1 else ()
-    shape = (*streams, spec.micro_batch_size, spec.seq_len, config.hidden_size)
+    shape = hidden_shape(config, spec.micro_batch_size, spec.seq_len)
     mode = FakeTensorMode()
     model, block, kwargs, _ = _fake_model(key, spec, tp, mode)
     with mode, _grouped_experts_on_fake_tensors(dequantized=_traces_4bit_experts(spec)):
