@@ -16,7 +16,13 @@ written to `hfsplit/models/tp_proven.json` under the transformers version, which
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from datetime import timedelta
 from typing import Optional
 
@@ -25,16 +31,20 @@ import torch.distributed as dist
 from torch import nn
 
 from hfsplit.apply.tp import grad_summed_over_tp, shard_layout
+from hfsplit.errors import UnsupportedModelError
 from hfsplit.load.proof import (
-    TOLERANCE, both_backward, registered_types, split_gradients, split_stages, tiny_model, without_measures,
+    TOLERANCE, both_backward, config_key, registered_types, split_gradients, split_stages, tiny_model,
+    without_measures,
 )
 from hfsplit.models.families import (
-    TP_PROVEN, TP_STYLES, tp_divides, tp_plan_of, tp_refused_flag, unplaced_packed,
+    TP_PROVEN, TP_STYLES, check_causal_lm, tp_divides, tp_plan_of, tp_refused_flag, unplaced_packed,
 )
+from hfsplit.planning.costs.cache import read_cache, write_cache
 from hfsplit.models.shrink import shrunk_config
 
 TP = 2
 PP = 2
+RANKS_TIMEOUT_S = 300  # the two ranks of a per-config proof: imports, two tiny models, a few collectives
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,13 @@ class TpVerdict:
     reason: str = ""
     logits_diff: float = 0.0
     grad_diff: float = 0.0
+
+    def line(self) -> str:
+        """The verdict as `hfsplit check --tp 2` prints it."""
+        if not self.proven:
+            return f"{self.model_type}: tp=2 refused: {self.reason}"
+        return (f"{self.model_type}: tp=2 shards equal transformers on this config (pp=2 x tp=2, logits "
+                f"{self.logits_diff:.1e}, gradients {self.grad_diff:.1e} relative)")
 
 
 def tp_sweep(types: Optional[list[str]] = None) -> list[dict]:
@@ -76,7 +93,17 @@ def tp_verdict(model_type: str, mesh) -> TpVerdict:
     from transformers import AutoConfig
 
     try:
-        tiny = shrunk_config(AutoConfig.for_model(model_type))
+        config = AutoConfig.for_model(model_type)
+    except Exception as error:
+        return TpVerdict(model_type, False, f"its shrunk config could not be made ({_short(error)})")
+    return replace(config_tp_verdict(config, mesh), model_type=model_type)
+
+
+def config_tp_verdict(config, mesh) -> TpVerdict:
+    """`config` shrunk, split into pp=2 stages sharded over `mesh`, compared with transformers; collective."""
+    model_type = config.model_type
+    try:
+        tiny = shrunk_config(config)
     except Exception as error:
         return TpVerdict(model_type, False, f"its shrunk config could not be made ({_short(error)})")
     if why := unshardable(tiny):
@@ -97,6 +124,92 @@ def tp_verdict(model_type: str, mesh) -> TpVerdict:
         return TpVerdict(model_type, False, f"its tp=2 forward or backward failed ({_short(error)}); likely cause: "
                                             "a module that reads its full width from the config")
     return TpVerdict(model_type, not where, where, logits_diff, grad_diff)
+
+
+# --- the proof on the user's own config ---------------------------------------------------------------------------
+
+def proven_tp(config) -> TpVerdict:
+    """The tp=2 verdict for `config` (cached by its hash); UnsupportedModelError naming the first tensor that differs,
+    or why it cannot be sharded, when its shards do not equal transformers."""
+    verdict = tp_verdict_of(config)
+    if not verdict.proven:
+        name = getattr(config, "_name_or_path", "") or ""
+        raise UnsupportedModelError(
+            f"{name + ': ' if name else ''}model_type {verdict.model_type!r}: its tensor-parallel split is refused on "
+            f"this config: {verdict.reason}; use tp=1 (pipeline stages split it)")
+    return verdict
+
+
+def tp_verdict_of(config) -> TpVerdict:
+    """The tp=2 verdict for `config`: refused by name without a process when hfsplit cannot shard it at all, else
+    from the cache ("tp_proof", by the config's hash) or measured now on two child CPU ranks (`ranks_verdict`)."""
+    check_causal_lm(config)
+    try:
+        tiny = shrunk_config(config)
+    except Exception as error:
+        return TpVerdict(config.model_type, False, f"its shrunk config could not be made ({_short(error)})")
+    if why := unshardable(tiny):
+        return TpVerdict(config.model_type, False, why)
+    key = config_key(config)
+    if (cached := read_cache("tp_proof", key)) is not None:
+        return TpVerdict(**cached)
+    verdict = ranks_verdict(config)
+    write_cache("tp_proof", key, asdict(verdict))
+    return verdict
+
+
+def ranks_verdict(config) -> TpVerdict:
+    """`config_tp_verdict` measured on two gloo CPU ranks: child processes with their own rendezvous on a free port
+    (never a launch's process group, which may already exist in this process), killed after RANKS_TIMEOUT_S."""
+    with tempfile.TemporaryDirectory(prefix="hfsplit-tp-proof-") as folder:
+        config.save_pretrained(folder)
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        ranks = [subprocess.Popen([sys.executable, "-m", "hfsplit.load.tp_proof", folder, str(port), str(rank)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in range(TP)]
+        outputs = []
+        try:
+            for rank in ranks:
+                outputs.append(rank.communicate(timeout=RANKS_TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            return TpVerdict(config.model_type, False, f"its tp=2 proof did not finish in {RANKS_TIMEOUT_S} s")
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait()
+        found = Path(folder, "tp_verdict.json")
+        if not found.exists():
+            last = next((line for line in reversed(outputs[0].splitlines()) if line.strip()), "no output")
+            return TpVerdict(config.model_type, False, f"its tp=2 proof ranks failed ({last[:160]})")
+        return TpVerdict(**json.loads(found.read_text()))
+
+
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                     "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(folder: str, port: int, rank: int) -> None:
+    """One child rank of `ranks_verdict`: the saved config's verdict, written to the folder by rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
+                            timeout=timedelta(seconds=120))
+    try:
+        verdict = config_tp_verdict(AutoConfig.from_pretrained(folder), init_device_mesh("cpu", (TP,)))
+        if rank == 0:
+            Path(folder, "tp_verdict.json").write_text(json.dumps(asdict(verdict)))
+    finally:
+        dist.destroy_process_group()
 
 
 def unshardable(config) -> Optional[str]:
@@ -175,3 +288,7 @@ def write_findings(verdicts: list[dict]) -> None:
     data = json.loads(TP_PROVEN.read_text()) if TP_PROVEN.exists() else {}
     data[transformers.__version__] = findings_of(verdicts)
     TP_PROVEN.write_text(json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":  # a child rank of `ranks_verdict`: FOLDER PORT RANK
+    rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
