@@ -232,7 +232,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            description="Build MODEL's config shrunk (same class, flags and layer kinds, tiny sizes), "
                                        "run it whole and split at pp=2 on the CPU, and compare logits and gradients "
                                        "(fp32, 1e-5) and a packed row. Prints the verdict; exit 2 when refused. "
-                                       "Cached by the config's hash.")
+                                       "Cached by the config's hash. With --tp 2, also sharded at tp=2 over two "
+                                       "child CPU ranks and compared the same way.")
     check.add_argument("model", nargs="?", help="hub name, local folder or config.json (bundled configs answer offline)")
     check.add_argument("--all", action="store_true", help="every causal-LM type transformers registers, on its "
                                                          "default config: the table of docs/guides/families.md")

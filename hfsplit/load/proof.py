@@ -77,8 +77,8 @@ def proven_split(config) -> Verdict:
 
 
 def tp_line(config) -> str:
-    """Whether tp=2 shards `config`'s model, as `hfsplit check` prints it: tensor parallelism is not in this
-    one-process proof (a declared family's own TP tests or the tp=2 sweep, `hfsplit.load.tp_proof`, prove it)."""
+    """Whether tp=2 shards `config`'s model type, as `hfsplit check` without `--tp` prints it: what the tp=2 sweep
+    found for the type (the proof on this config runs on two ranks: `hfsplit.load.tp_proof.proven_tp`)."""
     return f"{config.model_type}: {tp_degree_error(config, 2) or 'tp=2 shards it'}"
 
 
