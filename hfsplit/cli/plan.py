@@ -13,7 +13,7 @@ from hfsplit.apply import third_party_logs
 from hfsplit.budget import format_bytes, local_rank_count, local_share, parse_max_memory, parse_size, torch_gpus
 from hfsplit.cli.charts import plan_memory_chart
 from hfsplit.cli.ship import COMMANDS as SHIP_COMMANDS, add_ship_parsers, run_ship
-from hfsplit.errors import HfsplitError, PlanError, UnsupportedModelError
+from hfsplit.errors import HfsplitError, PlanError
 from hfsplit.training.options import (ACCELERATE_CPU_CONFIG, PLANNED, FinetuneOptions, OptionParser,
                                       add_option_arguments, options_from, plan_arguments, training_only_flags)
 
@@ -143,9 +143,9 @@ def run_plan(args) -> int:
     plan = (longest_plan(make_plan, config, budget, kwargs) if args.max_seq_len
             else make_plan(config, budget, **kwargs))
     if plan.tp > 1:  # the chosen plan shards: its tp proof on this config, refused by name before it is printed
-        from hfsplit.load.tp_proof import proven_tp
+        from hfsplit.load.tp_proof import proven_tp  # lazy: as the proof
 
-        proven_tp(config)
+        proven_tp(config, plan.tp)
     notes = notes + (() if verdict.packing else (f"packing off for {verdict.model_type}: {verdict.reason}"[:200],))
     plan = dataclasses.replace(plan, notes=notes + plan.notes)
     print(plan.to_json() if args.json else plan.table())
@@ -212,12 +212,9 @@ def run_check(args) -> int:
     if args.tp <= 1:  # no tp asked: the type-level finding of the tp=2 sweep, which costs no process
         print(tp_line(config))
         return 0
-    from hfsplit.load.tp_proof import proven_tp  # lazy: spawns the proof's ranks only when --tp asks
-    from hfsplit.models.families import tp_degree_error
+    from hfsplit.load.tp_proof import proven_tp  # lazy: as the proof
 
-    if why := tp_degree_error(config, args.tp):
-        raise UnsupportedModelError(why)
-    print(proven_tp(config).line())
+    print(proven_tp(config, args.tp).line())
     return 0
 
 

@@ -74,7 +74,7 @@ def shared_tp_proof(name_or_path: str, plan: Plan) -> None:
     box: list = [""]
     if dist.get_rank() == 0:
         try:
-            proven_tp(load_config(name_or_path))
+            proven_tp(load_config(name_or_path), plan.tp)
         except errors.UnsupportedModelError as exc:
             box[0] = str(exc)
     dist.broadcast_object_list(box, src=0)

@@ -17,7 +17,6 @@ written to `hfsplit/models/tp_proven.json` under the transformers version, which
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -38,10 +37,11 @@ from hfsplit.load.proof import (
     without_measures,
 )
 from hfsplit.models.families import (
-    TP_PROVEN, TP_STYLES, check_causal_lm, tp_divides, tp_plan_of, tp_refused_flag, unplaced_packed,
+    TP_PROVEN, TP_STYLES, check_causal_lm, tp_degree_error, tp_divides, tp_plan_of, tp_refused_flag, unplaced_packed,
 )
 from hfsplit.planning.costs.cache import read_cache, write_cache
 from hfsplit.models.shrink import shrunk_config
+from hfsplit.parallel.mesh import environment_outside_launch
 
 TP = 2
 PP = 2
@@ -129,9 +129,12 @@ def config_tp_verdict(config, mesh) -> TpVerdict:
 
 # --- the proof on the user's own config ---------------------------------------------------------------------------
 
-def proven_tp(config) -> TpVerdict:
-    """The tp=2 verdict for `config` (cached by its hash); UnsupportedModelError naming the first tensor that differs,
-    or why it cannot be sharded, when its shards do not equal transformers."""
+def proven_tp(config, tp: int = TP) -> TpVerdict:
+    """The tp=2 verdict for `config` (cached by its hash), before a run at degree `tp`; UnsupportedModelError naming
+    why `tp` cannot shard it (`tp_degree_error`: its plan, its sizes, the sweep's type-level finding) or the first
+    tensor that differs when its shards do not equal transformers."""
+    if why := tp_degree_error(config, tp):
+        raise UnsupportedModelError(why)
     verdict = tp_verdict_of(config)
     if not verdict.proven:
         name = getattr(config, "_name_or_path", "") or ""
@@ -165,7 +168,7 @@ def ranks_verdict(config) -> TpVerdict:
     with tempfile.TemporaryDirectory(prefix="hfsplit-tp-proof-") as folder:
         config.save_pretrained(folder)
         port = _free_port()
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+        env = environment_outside_launch()
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         ranks = [subprocess.Popen([sys.executable, "-m", "hfsplit.load.tp_proof", folder, str(port), str(rank)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -186,10 +189,6 @@ def ranks_verdict(config) -> TpVerdict:
             last = next((line for line in reversed(outputs[0].splitlines()) if line.strip()), "no output")
             return TpVerdict(config.model_type, False, f"its tp=2 proof ranks failed ({last[:160]})")
         return TpVerdict(**json.loads(found.read_text()))
-
-
-_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                     "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
 
 def _free_port() -> int:
