@@ -245,7 +245,8 @@ def compared_tp(whole: nn.Module, stages: list[nn.Module], mesh) -> tuple[float,
     if name is None:
         return logits_diff, grad_diff, ""
     return logits_diff, grad_diff, (f"its shards differ from transformers: {name}'s gradient {diffs[name]:.2g} "
-                                    "off (relative)")
+                                    "off (relative); likely cause: a parameter its plan leaves whole that sees only "
+                                    "a rank's share, its gradient not summed over the ranks")
 
 
 def summed_over_tp(stages: list[nn.Module], mesh) -> None:
