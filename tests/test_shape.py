@@ -45,6 +45,7 @@ LAZY = {
     ("cli/plan.py", "hfsplit.checkpoint.synthetic"): "the same (the checkpoint package imports torch)",
     ("cli/plan.py", "hfsplit.planning.max_seq"): "the same (it loads configs through the checkpoint package)",
     ("cli/plan.py", "hfsplit.load.proof"): "the proof builds models: `hfsplit --help` loads none of it",
+    ("cli/plan.py", "hfsplit.load.tp_proof"): "the same (the tp proof imports the proof)",
     ("finetune.py", "hfsplit.training.run"): "the recipe parses its flags before the training stack loads",
     ("finetune.py", "hfsplit.cli.charts"): "matplotlib loads only where a run recorded a timeline to draw",
     ("training/interrupts.py", "hfsplit.training.resume"): "the recipe's --help loads no torch (resume.py does)",

@@ -142,6 +142,10 @@ def run_plan(args) -> int:
         kwargs["spec"] = dataclasses.replace(kwargs["spec"], packing=False)
     plan = (longest_plan(make_plan, config, budget, kwargs) if args.max_seq_len
             else make_plan(config, budget, **kwargs))
+    if plan.tp > 1:  # the chosen plan shards: its tp proof on this config, refused by name before it is printed
+        from hfsplit.load.tp_proof import proven_tp  # lazy: as the proof
+
+        proven_tp(config, plan.tp)
     notes = notes + (() if verdict.packing else (f"packing off for {verdict.model_type}: {verdict.reason}"[:200],))
     plan = dataclasses.replace(plan, notes=notes + plan.notes)
     print(plan.to_json() if args.json else plan.table())
@@ -190,7 +194,8 @@ def longest_plan(make_plan, model, budget, kwargs: dict):
 
 
 def run_check(args) -> int:
-    """`hfsplit check MODEL`: the proof's verdict for MODEL's config, one line; 0 when it splits, 2 when refused."""
+    """`hfsplit check MODEL`: the proof's verdict for MODEL's config, one line; 0 when it splits, 2 when refused.
+    With `--tp N` (N > 1), also the tp proof on the same config (two child CPU ranks, cached), refused with exit 2."""
     from hfsplit.checkpoint.resolve import load_config  # lazy: the checkpoint package loads torch
     from hfsplit.load.proof import all_verdicts, families_markdown, tp_line, verdict_of  # lazy: transformers, torch
 
@@ -202,9 +207,15 @@ def run_check(args) -> int:
     config = load_config(args.model)
     verdict = verdict_of(config)
     print(verdict.line())
-    if verdict.split:  # tensor parallelism is not in the one-process check: what the tp=2 sweep found, or the plan
+    if not verdict.split:
+        return 2
+    if args.tp <= 1:  # no tp asked: the type-level finding of the tp=2 sweep, which costs no process
         print(tp_line(config))
-    return 0 if verdict.split else 2
+        return 0
+    from hfsplit.load.tp_proof import proven_tp  # lazy: as the proof
+
+    print(proven_tp(config, args.tp).line())
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -218,10 +229,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            description="Build MODEL's config shrunk (same class, flags and layer kinds, tiny sizes), "
                                        "run it whole and split at pp=2 on the CPU, and compare logits and gradients "
                                        "(fp32, 1e-5) and a packed row. Prints the verdict; exit 2 when refused. "
-                                       "Cached by the config's hash.")
+                                       "Cached by the config's hash. With --tp 2, also sharded at tp=2 over two "
+                                       "child CPU ranks and compared the same way.")
     check.add_argument("model", nargs="?", help="hub name, local folder or config.json (bundled configs answer offline)")
     check.add_argument("--all", action="store_true", help="every causal-LM type transformers registers, on its "
                                                          "default config: the table of docs/guides/families.md")
+    check.add_argument("--tp", type=int, default=1, metavar="N",
+                       help="also prove the tensor-parallel split on this config: sharded over two CPU ranks (child "
+                            "processes, a few seconds, cached); exit 2 when refused. Default: the type's tp=2 "
+                            "finding only")
     add_ship_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "accelerate-config":

@@ -20,6 +20,7 @@ from hfsplit.parallel.mesh import init_distributed, init_parallel
 from hfsplit.parallel.split_model import SplitModel, build_split_model
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.load.proof import proven_split
+from hfsplit.load.tp_proof import proven_tp
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.planner import make_plan
 
@@ -58,10 +59,27 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         if max_memory is None:
             max_memory = local_share(world.world_size, ranks_here=world.local_world_size)
         plan = shared_plan(name_or_path, max_memory, spec=spec, **plan_options)
+    shared_tp_proof(name_or_path, plan)
     ctx = init_parallel(plan)
     qconfig = quantization_of_run(plan, name_or_path, requested=quantization_config, device=ctx.device)
     return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, lora=lora, lora_seed=lora_seed,
                              quantization_config=qconfig)
+
+
+def shared_tp_proof(name_or_path: str, plan: Plan) -> None:
+    """Under a plan with tp > 1: rank 0 proves the tensor-parallel split on this config (`proven_tp`: two child
+    processes with their own rendezvous, never this launch's group; cached) and every rank raises its refusal."""
+    if plan.tp <= 1:
+        return
+    box: list = [""]
+    if dist.get_rank() == 0:
+        try:
+            proven_tp(load_config(name_or_path), plan.tp)
+        except errors.UnsupportedModelError as exc:
+            box[0] = str(exc)
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise errors.UnsupportedModelError(box[0])
 
 
 def quantization_of_run(plan: Plan, source: str, *, requested, device: torch.device):

@@ -79,8 +79,8 @@ def proven_split(config) -> Verdict:
 
 
 def tp_line(config) -> str:
-    """Whether tp=2 shards `config`'s model, as `hfsplit check` prints it: tensor parallelism is not in this
-    one-process proof (a declared family's own TP tests or the tp=2 sweep, `hfsplit.load.tp_proof`, prove it)."""
+    """Whether tp=2 shards `config`'s model type, as `hfsplit check` without `--tp` prints it: what the tp=2 sweep
+    found for the type (the proof on this config runs on two ranks: `hfsplit.load.tp_proof.proven_tp`)."""
     import transformers
 
     if why := tp_degree_error(config, 2):

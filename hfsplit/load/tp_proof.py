@@ -1,10 +1,11 @@
 """The tp=2 sweep: which followed model types shard over tensor-parallel ranks equal to transformers, proven once per
 transformers version, on two ranks.
 
-The per-config proof (`hfsplit.load.proof`) runs in one process, before a run, on the user's own config: pipeline
-stages chain in a process, tensor-parallel shards do not (each holds a slice and meets the other in collectives). So
-tensor parallelism over a followed split (the model's own forward on DTensor-sharded modules, `apply/tp.py`) is
-proven by this sweep instead: every registered causal-LM type whose shrunk default config has a TP plan hfsplit
+The per-config proof (`hfsplit.load.proof`) runs in one process, where pipeline stages chain and tensor-parallel
+shards do not (each holds a slice and meets the other in collectives). So tensor parallelism over a followed split
+(the model's own forward on DTensor-sharded modules, `apply/tp.py`) is proven on two ranks: on the user's own config
+before a tp>1 run (`proven_tp`: two child processes, cached by the config's hash), and per type by this sweep, a
+pre-filter and the families table: every registered causal-LM type whose shrunk default config has a TP plan hfsplit
 shards at degree 2 is split into pp=2 stages, each sharded over the two ranks as a run shards it, and its logits
 and every parameter's gradient compared with transformers' unsplit model (logits within 1e-5, gradients within
 1e-5 relative to the largest, as the split model's TP tests compare them). A type that differs or fails is recorded
@@ -25,7 +26,12 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from datetime import timedelta
 from typing import Optional
 
@@ -34,17 +40,24 @@ import torch.distributed as dist
 from torch import nn
 
 from hfsplit.apply.tp import grad_summed_over_tp, shard_layout
+from hfsplit.errors import UnsupportedModelError
 from hfsplit.load.proof import (
-    TOLERANCE, both_backward, registered_types, split_gradients, split_stages, tiny_model, without_measures,
+    TOLERANCE, both_backward, config_key, registered_types, split_gradients, split_stages, tiny_model,
+    without_measures,
 )
 from hfsplit.models.families import (
-    TP_PROVEN, TP_STYLES, tp_divides, tp_plan_of, tp_refused_flag, unplaced_packed,
+    TP_PROVEN, TP_STYLES, check_causal_lm, tp_degree_error, tp_divides, tp_plan_of, tp_refused_flag, unplaced_packed,
 )
+from hfsplit.planning.costs.cache import read_cache, write_cache
 from hfsplit.models.shrink import shrunk_config
+from hfsplit.parallel.mesh import environment_outside_launch
 
 TP = 2
 PP = 2
 DIFFER = "its shards differ from transformers: "  # how a verdict names the first tensor that differs
+LIKELY = ("; likely cause: a parameter its plan leaves whole that sees only a rank's share, its gradient not summed "
+          "over the ranks")
+RANKS_TIMEOUT_S = 300  # the two ranks of a per-config proof: imports, two tiny models, a few collectives
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,14 @@ class TpVerdict:
     logits_diff: float = 0.0
     grad_diff: float = 0.0
     rounding: str = ""
+
+    def line(self) -> str:
+        """The verdict as `hfsplit check --tp 2` prints it."""
+        if not self.proven:
+            return f"{self.model_type}: tp=2 refused: {self.reason}"
+        return (f"{self.model_type}: tp=2 shards equal transformers on this config (pp=2 x tp=2, logits "
+                f"{self.logits_diff:.1e}, gradients {self.grad_diff:.1e} relative"
+                + (f"; proven in float64: {self.rounding})" if self.rounding else ")"))
 
 
 def tp_sweep(types: Optional[list[str]] = None) -> list[dict]:
@@ -89,7 +110,17 @@ def tp_verdict(model_type: str, mesh) -> TpVerdict:
     from transformers import AutoConfig
 
     try:
-        tiny = shrunk_config(AutoConfig.for_model(model_type))
+        config = AutoConfig.for_model(model_type)
+    except Exception as error:
+        return TpVerdict(model_type, False, f"its shrunk config could not be made ({_short(error)})")
+    return replace(config_tp_verdict(config, mesh), model_type=model_type)
+
+
+def config_tp_verdict(config, mesh) -> TpVerdict:
+    """`config` shrunk, split into pp=2 stages sharded over `mesh`, compared with transformers; collective."""
+    model_type = config.model_type
+    try:
+        tiny = shrunk_config(config)
     except Exception as error:
         return TpVerdict(model_type, False, f"its shrunk config could not be made ({_short(error)})")
     if why := unshardable(tiny):
@@ -111,7 +142,7 @@ def tp_verdict(model_type: str, mesh) -> TpVerdict:
                                             "a module that reads its full width from the config")
     if where and equal_in_float64(whole, mesh):
         return TpVerdict(model_type, True, "", logits_diff, grad_diff,
-                         rounding=f"{where.removeprefix(DIFFER)} in float32, equal in float64")
+                         rounding=f"{where.removeprefix(DIFFER).removesuffix(LIKELY)} in float32, equal in float64")
     return TpVerdict(model_type, not where, where, logits_diff, grad_diff)
 
 
@@ -140,6 +171,91 @@ def in_float64(whole: nn.Module, mesh) -> tuple[nn.Module, list[nn.Module]]:
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[name] = buffer.double()
     return whole64, stages
+
+
+# --- the proof on the user's own config ---------------------------------------------------------------------------
+
+def proven_tp(config, tp: int = TP) -> TpVerdict:
+    """The tp=2 verdict for `config` (cached by its hash), before a run at degree `tp`; UnsupportedModelError naming
+    why `tp` cannot shard it (`tp_degree_error`: its plan, its sizes, the sweep's type-level finding) or the first
+    tensor that differs when its shards do not equal transformers."""
+    if why := tp_degree_error(config, tp):
+        raise UnsupportedModelError(why)
+    verdict = tp_verdict_of(config)
+    if not verdict.proven:
+        name = getattr(config, "_name_or_path", "") or ""
+        raise UnsupportedModelError(
+            f"{name + ': ' if name else ''}model_type {verdict.model_type!r}: its tensor-parallel split is refused on "
+            f"this config: {verdict.reason}; use tp=1 (pipeline stages split it)")
+    return verdict
+
+
+def tp_verdict_of(config) -> TpVerdict:
+    """The tp=2 verdict for `config`: refused by name without a process when hfsplit cannot shard it at all, else
+    from the cache ("tp_proof", by the config's hash) or measured now on two child CPU ranks (`ranks_verdict`)."""
+    check_causal_lm(config)
+    try:
+        tiny = shrunk_config(config)
+    except Exception as error:
+        return TpVerdict(config.model_type, False, f"its shrunk config could not be made ({_short(error)})")
+    if why := unshardable(tiny):
+        return TpVerdict(config.model_type, False, why)
+    key = config_key(config)
+    if (cached := read_cache("tp_proof", key)) is not None:
+        return TpVerdict(**cached)
+    verdict = ranks_verdict(config)
+    write_cache("tp_proof", key, asdict(verdict))
+    return verdict
+
+
+def ranks_verdict(config) -> TpVerdict:
+    """`config_tp_verdict` measured on two gloo CPU ranks: child processes with their own rendezvous on a free port
+    (never a launch's process group, which may already exist in this process), killed after RANKS_TIMEOUT_S."""
+    with tempfile.TemporaryDirectory(prefix="hfsplit-tp-proof-") as folder:
+        config.save_pretrained(folder)
+        port = _free_port()
+        env = environment_outside_launch()
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        ranks = [subprocess.Popen([sys.executable, "-m", "hfsplit.load.tp_proof", folder, str(port), str(rank)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in range(TP)]
+        outputs = []
+        try:
+            for rank in ranks:
+                outputs.append(rank.communicate(timeout=RANKS_TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            return TpVerdict(config.model_type, False, f"its tp=2 proof did not finish in {RANKS_TIMEOUT_S} s")
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait()
+        found = Path(folder, "tp_verdict.json")
+        if not found.exists():
+            last = next((line for line in reversed(outputs[0].splitlines()) if line.strip()), "no output")
+            return TpVerdict(config.model_type, False, f"its tp=2 proof ranks failed ({last[:160]})")
+        return TpVerdict(**json.loads(found.read_text()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(folder: str, port: int, rank: int) -> None:
+    """One child rank of `ranks_verdict`: the saved config's verdict, written to the folder by rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
+                            timeout=timedelta(seconds=120))
+    try:
+        verdict = config_tp_verdict(AutoConfig.from_pretrained(folder), init_device_mesh("cpu", (TP,)))
+        if rank == 0:
+            Path(folder, "tp_verdict.json").write_text(json.dumps(asdict(verdict)))
+    finally:
+        dist.destroy_process_group()
 
 
 def unshardable(config) -> Optional[str]:
@@ -174,8 +290,7 @@ def compared_tp(whole: nn.Module, stages: list[nn.Module], mesh) -> tuple[float,
     name = next((n for n, d in diffs.items() if not d <= TOLERANCE), None)
     if name is None:
         return logits_diff, grad_diff, ""
-    return logits_diff, grad_diff, (f"{DIFFER}{name}'s gradient {diffs[name]:.2g} "
-                                    "off (relative)")
+    return logits_diff, grad_diff, (f"{DIFFER}{name}'s gradient {diffs[name]:.2g} off (relative){LIKELY}")
 
 
 def summed_over_tp(stages: list[nn.Module], mesh) -> None:
@@ -227,3 +342,7 @@ def write_findings(verdicts: list[dict]) -> None:
         "proven": sorted({t for t in old.get("proven", []) if t not in swept} | set(new["proven"])),
         **{part: dict(sorted(found.items())) for part, found in merged.items()}}
     TP_PROVEN.write_text(json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":  # a child rank of `ranks_verdict`: FOLDER PORT RANK
+    rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -141,6 +141,14 @@ def launcher_world() -> World:
                  run_id=env.get("TORCHELASTIC_RUN_ID"))
 
 
+def environment_outside_launch() -> dict[str, str]:
+    """This process's environment without what a launcher sets, for a child process that must not take itself for
+    a rank of this launch (the tp proof's ranks, which meet at their own rendezvous)."""
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                "ROLE_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+    return {k: v for k, v in os.environ.items() if k not in launcher}
+
+
 def joined_world() -> World:
     """The World of the process group this process has joined (after an elastic regroup: the regrouped one)."""
     given = launcher_world()

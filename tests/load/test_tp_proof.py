@@ -1,0 +1,57 @@
+"""The tp=2 proof on the user's own config (load/tp_proof.py): its two child ranks, its cache by the config's hash,
+its refusals without a process, and `hfsplit check --tp 2`."""
+import pytest
+from transformers import AutoConfig, LlamaConfig
+
+from hfsplit.errors import UnsupportedModelError
+from hfsplit.load import tp_proof
+from hfsplit.load.proof import config_key
+from hfsplit.models.families import tp_degree_error
+from hfsplit.planning.costs.cache import read_cache
+
+
+def no_ranks(config):
+    raise AssertionError("the verdict must come without spawning the proof's ranks")
+
+
+@pytest.mark.slow
+def test_the_tp_proof_runs_on_the_users_own_flags_and_a_second_call_reads_the_cache(monkeypatch):
+    # not llama's default: biased projections, tied embeddings, grouped key-value heads
+    config = LlamaConfig(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, num_key_value_heads=8)
+    assert config_key(config) != config_key(LlamaConfig())
+    verdict = tp_proof.proven_tp(config)
+    assert verdict.proven and verdict.logits_diff <= 1e-5 and verdict.grad_diff <= 1e-5
+    assert read_cache("tp_proof", config_key(config))["proven"] is True  # cached under this config's hash
+    monkeypatch.setattr(tp_proof, "ranks_verdict", no_ranks)
+    assert tp_proof.proven_tp(config) == verdict
+    assert "llama: tp=2 shards equal transformers on this config" in verdict.line()
+
+
+def test_a_type_hfsplit_cannot_shard_is_refused_by_name_without_a_process(monkeypatch):
+    monkeypatch.setattr(tp_proof, "ranks_verdict", no_ranks)
+    with pytest.raises(UnsupportedModelError, match="declares no tensor-parallel plan"):
+        tp_proof.proven_tp(AutoConfig.for_model("gpt2"))
+
+
+def test_hfsplit_check_tp_2_refuses_a_type_the_sweep_refused_with_exit_2(tmp_path, capsys, monkeypatch):
+    from hfsplit.cli.plan import main
+
+    monkeypatch.setattr(tp_proof, "ranks_verdict", no_ranks)  # the type-level record refuses it first
+    AutoConfig.for_model("qwen3_next").save_pretrained(tmp_path)
+    assert main(["check", str(tmp_path), "--tp", "2"]) == 2
+    captured = capsys.readouterr()
+    assert "qwen3_next: split equals transformers (pp=2" in captured.out
+    assert captured.err.startswith("hfsplit check: tp=2: qwen3_next's split follows the model's own forward")
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_flag_the_type_level_sweep_never_saw_is_caught_on_the_users_config():
+    # GLM-4.5's q/k norms (use_qk_norm, off in glm4_moe's default config): the sweep proved the type, yet each rank's
+    # replicated q_norm sees only its heads and its gradient is not summed over the ranks
+    config = AutoConfig.for_model("glm4_moe", use_qk_norm=True)
+    assert tp_degree_error(config, 2) is None  # the type-level record lets it through
+    with pytest.raises(UnsupportedModelError, match=r"glm4_moe.*refused on this config: its shards differ from "
+                                                    r"transformers: model\.layers\.0\.self_attn\.q_norm\.weight's "
+                                                    r"gradient .* off \(relative\); likely cause"):
+        tp_proof.proven_tp(config)
