@@ -219,7 +219,8 @@ def tp_plan_of(config) -> dict[str, str]:
 # Where transformers' TP plans are wrong, found by the tp=2 sweep (`hfsplit.load.tp_proof`). Replicated modules the
 # plans leave out whose gradient is partial on each rank (each rank's is its share of the sum): Apertus's xIELU
 # activation holds two scalars applied across the sharded MLP width, Sarvam-MoE's q/k norms a weight per head over
-# this rank's heads. Gemma 3n's activation sparsity takes the mean and deviation of the gate's output over the whole
+# this rank's heads, GLM-4.5's (`use_qk_norm`, off in glm4_moe's default config, so the proof on the user's config
+# found it, not the sweep) one weight over each rank's heads. Gemma 3n's activation sparsity takes the mean and deviation of the gate's output over the whole
 # MLP width, so its MLP runs whole on every rank (the gate and up outputs gathered, the down projection's input sliced).
 # Llama 4's MoE adds the routed experts' sum into its shared expert's output in place (`out.add_`), which autograd
 # refuses on the view torch's row-wise style returns.
@@ -227,6 +228,7 @@ _XIELU_SUMMED = {"layers.*.mlp.act_fn": REPLICATED_SUMMED}
 TP_PLAN_AMENDS: dict[str, dict[str, str]] = {
     "apertus": _XIELU_SUMMED, "apertus1p5_text": _XIELU_SUMMED,
     "sarvam_moe": {"layers.*.self_attn.q_norm": REPLICATED_SUMMED, "layers.*.self_attn.k_norm": REPLICATED_SUMMED},
+    "glm4_moe": {"layers.*.self_attn.q_norm": REPLICATED_SUMMED, "layers.*.self_attn.k_norm": REPLICATED_SUMMED},
     "gemma3n_text": {"layers.*.mlp.gate_proj": COLWISE_GATHERED, "layers.*.mlp.up_proj": COLWISE_GATHERED,
                      "layers.*.mlp.down_proj": ROWWISE_WHOLE_INPUT},
     "llama4_text": {"layers.*.feed_forward.shared_expert.down_proj": ROWWISE_OWN_OUTPUT},
