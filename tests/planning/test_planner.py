@@ -124,9 +124,9 @@ def test_a_model_whose_tp_plan_hfsplit_cannot_shard_is_planned_at_tp_1():
     spec = TrainingSpec(method="full", seq_len=64, dtype="float32", reserve_bytes=0)
     config = tiny_config("phi3")
     assert make_plan(config, "2x1GiB", spec=spec, tp=2).tp == 2
-    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.self_attn.qkv_proj": "mla_kv_a_proj"}
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.self_attn.qkv_proj": "local_params"}
     assert make_plan(config, "2x1GiB", spec=spec).tp == 1
-    with pytest.raises(PlanError, match=r"tp=2.*mla_kv_a_proj.*use tp=1"):
+    with pytest.raises(PlanError, match=r"tp=2.*local_params.*use tp=1"):
         make_plan(config, "2x1GiB", spec=spec, tp=2)
 
 
