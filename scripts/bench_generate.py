@@ -3,11 +3,13 @@
 Writes a random Llama checkpoint, then under torchrun (2 CPU ranks, one thread each) loads it split in two pipeline
 stages (`split_from_pretrained(..., pp=2)`) and generates greedily for a batch of left-padded prompts of different
 lengths, alternating:
-  - the relay: the whole batch through the stages in turn (`generate(micro_batches=1)`), as `device_map` runs it;
-  - pipelined: the batch cut into micro-batches that flow through the stages together (`generate(micro_batches=m)`).
-Both produce the same tokens (checked); it prints tokens/s of each (median of the repeats) and their ratio.
+  - the relay: the whole batch through the stages in turn (`generate(micro_batches=1, prefill_chunks=1)`), as
+    `device_map` runs it;
+  - pipelined: the batch cut into micro-batches that flow through the stages together (`generate(micro_batches=m)`),
+    the prompts' pass cut along the sequence too (`prefill_chunks`: its default, or `MxC` for C chunks).
+All produce the same tokens (checked); it prints tokens/s of each (median of the repeats) and their ratio.
 
-    python scripts/bench_generate.py --sequences 16 --new-tokens 32 --micro-batches 2 4
+    python scripts/bench_generate.py --sequences 16 --new-tokens 32 --prompt-length 512 --micro-batches 2 2x1 4
 
 It also prints each rank's share of the wall time computing in its stages ("busy") and blocked receiving hidden
 states or tokens ("waiting"), and the median time of a decode step's forward by rows: what cutting costs.
@@ -89,7 +91,13 @@ class Busy:
         return wrapped
 
 
-def worker(checkpoint: str, *, sequences: int, new_tokens: int, prompt: int, cuts: list[int], repeats: int,
+def cut_of(text: str) -> tuple[int, object]:
+    """(micro-batches, prefill chunks) of a cut written `M` (the default chunks: None) or `MxC`."""
+    m, _, c = text.partition("x")
+    return int(m), int(c) if c else None
+
+
+def worker(checkpoint: str, *, sequences: int, new_tokens: int, prompt: int, cuts: list[str], repeats: int,
            schedule: str = "GPipe", split_for: str = "generation") -> None:
     """One rank: load the split, time the relay and each cut alternately, print the medians and each rank's busy
     share (rank 0)."""
@@ -108,19 +116,21 @@ def worker(checkpoint: str, *, sequences: int, new_tokens: int, prompt: int, cut
                                   spec=spec)
     ids, mask = prompts(sequences=sequences, vocab=model.config.vocab_size, longest=prompt)
     greedy = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    times: dict[int, list[float]] = {cut: [] for cut in [1, *cuts]}
+    times: dict[str, list[float]] = {cut: [] for cut in ["1x1", *cuts]}
     busy = {cut: 0.0 for cut in times}
     waiting = {cut: 0.0 for cut in times}
     outputs, watch = {}, Busy(model.stages)
     for repeat in range(repeats + 1):  # the first round warms up
         for cut in times:
             before, blocked = watch.seconds, watch.waiting
-            seconds, outputs[cut] = timed(lambda: model.generate(ids, mask, micro_batches=cut, **greedy))
+            m, chunks = cut_of(cut)
+            seconds, outputs[cut] = timed(lambda: model.generate(ids, mask, micro_batches=m, prefill_chunks=chunks,
+                                                                 **greedy))
             if repeat:
                 times[cut].append(seconds)
                 busy[cut] += watch.seconds - before
                 waiting[cut] += watch.waiting - blocked
-    same = all(torch.equal(outputs[cut], outputs[1]) for cut in cuts)
+    same = all(torch.equal(outputs[cut], outputs["1x1"]) for cut in cuts)
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, {cut: (busy[cut] / sum(times[cut]), waiting[cut] / sum(times[cut]))
                                     for cut in times})
@@ -163,7 +173,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-length", type=int, default=32,
                         help="the longest prompt; prompts are half that to all of it, left-padded")
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4], help="the pipelined cuts to time")
+    parser.add_argument("--micro-batches", nargs="+", default=["2", "4"],
+                        help="the pipelined cuts to time: M micro-batches (the prompts in the default chunks) or MxC "
+                             "(in C chunks; Mx1: each micro-batch's prompts in one pass)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--schedule", default="GPipe",
                         help="the training schedule the split is planned for (Interleaved1F1B: two stages a rank)")
@@ -178,23 +190,26 @@ def main() -> None:
                       cuts=args.micro_batches, repeats=args.repeats, schedule=args.schedule, split_for=args.split_for)
 
     from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
+    from hfsplit.parallel.generation import prefill_chunks_for
 
     with tempfile.TemporaryDirectory() as tmp:
         model = SMALL if args.small else MODEL
         folder = write_tiny_checkpoint(Path(tmp) / "bench", "llama", **model)
         load = os.getloadavg()[0]
         result = run_ranks(str(folder), args)
-    relay = result["rates"]["1"]
+    relay = result["rates"]["1x1"]
     print(f"load average (1 min) before / after the run: {load:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"Llama {model}, fp32, stages {result['layers']}; {args.sequences} sequences × {args.new_tokens} new "
           f"tokens after prompts of {args.prompt_length // 2}-{args.prompt_length} tokens, greedy; same tokens in "
           f"every cut: {result['same_tokens']}")
-    print(f"{'micro-batches':>13}  {'tokens/s':>9}  {'× relay':>8}  {'busy rank 0 / 1':>16}  {'waiting 0 / 1':>14}")
+    print(f"{'micro-batches x prompt chunks':>29}  {'tokens/s':>9}  {'× relay':>8}  {'busy rank 0 / 1':>16}  {'waiting 0 / 1':>14}")
     for cut, rate in result["rates"].items():
         busy = " / ".join(f"{100 * share[cut][0]:.0f}%" for share in result["shares"])
         waiting = " / ".join(f"{100 * share[cut][1]:.0f}%" for share in result["shares"])
-        print(f"{cut:>13}  {rate:9.1f}  {rate / relay:8.2f}  {busy:>16}  {waiting:>14}"
-              + ("  (the relay)" if cut == "1" else ""))
+        m, chunks = cut_of(cut)
+        chunks = chunks or prefill_chunks_for(prompt_length=args.prompt_length, micro_batches=m, pp=2)
+        print(f"{f'{m} x {chunks}':>29}  {rate:9.1f}  {rate / relay:8.2f}  {busy:>16}  {waiting:>14}"
+              + ("  (the relay)" if cut == "1x1" else ""))
     for rank, forwards in enumerate(result["forwards"]):
         print(f"rank {rank}: a decode step's forward, median: "
               + ", ".join(f"{rows} rows {ms:.1f} ms"

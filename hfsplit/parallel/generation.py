@@ -11,6 +11,11 @@ states it needs, runs, and sends on without waiting (`isend`). A receive only ev
 that order, so the loop cannot deadlock. Hidden states and tokens travel on two process groups over the same pipeline ranks: each pair of ranks
 then sees either stream in the order it was sent (NCCL matches point-to-point messages in order, without tags).
 
+The prompts' pass (prefill) is cut along the sequence too (`prefill_chunks`): chunk k+1 of a micro-batch runs on a
+stage while chunk k runs on the next, the cache growing as it would a token at a time, so the stages already work
+at once on the prompts, where a few micro-batches alone would leave a stage idle while the pipeline fills (with 2
+micro-batches on 2 stages, a third of the prefill's time; docs/benchmarks/generate.md).
+
 Tokens are chosen as transformers' `generate` chooses them: its own logits processors for the `GenerationConfig`
 (`GenerationMixin._get_logits_processor`: temperature, top-k, top-p, repetition penalty...), then argmax or one
 multinomial draw; rows that have finished continue with the pad token.
@@ -100,26 +105,60 @@ class Rollout:
     mask: torch.Tensor
     unfinished: torch.Tensor
     caches: dict
-    new: int  # the tokens the next pass feeds: the prompt, then one
+    start: int = 0  # the positions the next pass feeds: start..end (a prompt's chunk, then the new token)
+    end: int = 0
     steps: int = 0
     done: bool = False
     chosen: Optional[torch.Tensor] = None  # on the last stage's rank: the tokens it chose, until it takes them
 
+    @property
+    def new(self) -> int:
+        return self.end - self.start
+
     def inputs(self) -> torch.Tensor:
-        return self.sequences[:, -self.new:]
+        return self.sequences[:, self.start:self.end]
 
     def positions(self) -> torch.Tensor:
         """The fed tokens' position ids, as transformers derives them from the padding mask (pads at 0)."""
         positions = self.mask.long().cumsum(-1) - 1
-        return positions.masked_fill(self.mask == 0, 0)[:, -self.new:]
+        return positions.masked_fill(self.mask == 0, 0)[:, self.start:self.end]
+
+    def seen_mask(self) -> torch.Tensor:
+        """The padding mask of every position up to the fed ones: what the cache and the fed tokens attend over."""
+        return self.mask[:, :self.end]
+
+    def feed(self, end: int) -> None:
+        """The next pass feeds the prompt's positions from where the last one stopped to `end`."""
+        self.start, self.end = self.end, end
 
     def take(self, tokens: torch.Tensor, *, eos: torch.Tensor, limit: int) -> None:
         """Append the chosen `tokens`; done once every row has ended or `limit` tokens are generated."""
         self.sequences = torch.cat([self.sequences, tokens[:, None]], dim=1)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
         self.unfinished &= ~torch.isin(tokens, eos)
-        self.steps, self.new = self.steps + 1, 1
+        self.steps = self.steps + 1
+        self.start, self.end = self.sequences.shape[1] - 1, self.sequences.shape[1]
         self.done = self.steps >= limit or not bool(self.unfinished.any())
+
+
+MIN_CHUNK = 64  # a prefill chunk's fewest positions: shorter ones would spend more on each pass than they overlap
+
+
+def prefill_chunks_for(*, prompt_length: int, micro_batches: int, pp: int) -> int:
+    """How many chunks the prompts' pass is cut into by default: enough that micro-batches × chunks is four times
+    the pipeline ranks (a fill of at most a fifth of the prefill), none under `MIN_CHUNK` positions."""
+    wanted = -(-4 * pp // max(1, micro_batches))
+    return max(1, min(wanted, prompt_length // MIN_CHUNK))
+
+
+def chunk_ends(length: int, chunks: int) -> list[int]:
+    """Where each of `chunks` near-equal chunks of `length` positions ends (the first ones a position longer)."""
+    size, extra = divmod(length, chunks)
+    ends, end = [], 0
+    for k in range(chunks):
+        end += size + (k < extra)
+        ends.append(end)
+    return ends
 
 
 def rollouts_of(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, micro_batches: int, config,
@@ -127,7 +166,7 @@ def rollouts_of(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, micro_
     """The batch cut into `micro_batches` consecutive micro-batches (sizes differing by at most one row), each with
     an empty cache per stage of this rank."""
     return [Rollout(sequences=ids, mask=mask, unfinished=torch.ones(len(ids), dtype=torch.bool, device=ids.device),
-                    caches={index: DynamicCache(config=config) for index in stage_indices}, new=ids.shape[1])
+                    caches={index: DynamicCache(config=config) for index in stage_indices})
             for ids, mask in zip(input_ids.tensor_split(micro_batches), attention_mask.tensor_split(micro_batches))]
 
 
@@ -187,19 +226,28 @@ class PipelinedGeneration:
         self.carry: dict[int, torch.Tensor] = {}  # a micro-batch's hidden states between two stages of this rank
         self.outstanding = 0
 
-    def run(self, rollouts: list[Rollout]) -> list[Rollout]:
-        """Generate every micro-batch to its end. Each step runs this rank's stages in order, each over every
-        micro-batch: a rank holding two stages (the V shape) runs one over all micro-batches while the other rank
-        runs its own, instead of waiting on each micro-batch's round trip."""
-        # a (step, micro-batch) sends at most one hidden state per stage here and the tokens to every other rank
+    def run(self, rollouts: list[Rollout], *, prefill_chunks: int = 1) -> list[Rollout]:
+        """Generate every micro-batch to its end: the prompts in `prefill_chunks` passes along the sequence, then a
+        pass a new token. Each pass runs this rank's stages in order, each over every micro-batch: a rank holding
+        two stages (the V shape) runs one over all micro-batches while the other rank runs its own, instead of
+        waiting on each micro-batch's round trip."""
+        # a (pass, micro-batch) sends at most one hidden state per stage here and the tokens to every other rank
         self.outstanding = 2 * (len(rollouts) + 1) * (len(self.stages) + len(self.owner))
         first = min(self.stages)
+        length = rollouts[0].sequences.shape[1]
         for r in rollouts:
             r.done = self.choice.limit <= 0
-        for step in range(self.choice.limit + 1):
+        for end in chunk_ends(length, max(1, min(prefill_chunks, length))):
             for stage in sorted(self.stages):
                 for index, r in enumerate(rollouts):
-                    if stage == first and step > 0 and not r.done:
+                    if stage == first:
+                        r.feed(end)
+                    if not r.done:
+                        self.run_stage(stage, index, r, choose=end == length)
+        for _ in range(self.choice.limit):
+            for stage in sorted(self.stages):
+                for index, r in enumerate(rollouts):
+                    if stage == first and not r.done:
                         r.take(self.chosen(r), eos=self.choice.eos, limit=self.choice.limit)
                     if not r.done:
                         self.run_stage(stage, index, r)
@@ -207,18 +255,20 @@ class PipelinedGeneration:
             self.sends.popleft()[0].wait()
         return rollouts
 
-    def run_stage(self, stage: int, index: int, r: Rollout) -> None:
-        """One step of micro-batch `index` through stage `stage` of this rank."""
+    def run_stage(self, stage: int, index: int, r: Rollout, *, choose: bool = True) -> None:
+        """One pass of micro-batch `index` through stage `stage` of this rank; the last stage chooses the next
+        tokens unless the pass is a prompt's chunk before its last."""
         if stage == 0:
             x = r.inputs()
         elif self.owner[stage - 1] != self.me:
             x = self.receive_hidden(rows=len(r.sequences), new=r.new, pp=self.owner[stage - 1])
         else:
             x = self.carry.pop(index)
-        x = self.stages[stage](x, cache=r.caches[stage], position_ids=r.positions(), attention_mask=r.mask,
+        x = self.stages[stage](x, cache=r.caches[stage], position_ids=r.positions(), attention_mask=r.seen_mask(),
                                logits_to_keep=1)
         if stage == self.last:
-            self.choose(index, r, x)
+            if choose:
+                self.choose(index, r, x)
         elif self.owner[stage + 1] != self.me:
             self.send(x.contiguous(), pp=self.owner[stage + 1], group=self.ctx.pp_group)
         else:

@@ -37,7 +37,7 @@ from hfsplit.models.families import tp_degree_error
 from hfsplit.models.boundary import boundary_width
 from hfsplit.parallel.generation import (
     Choice, PipelinedGeneration, generation_config_for, joined_sequences, logits_processors, merged_generation_config,
-    rollouts_of, special_tokens, token_group,
+    prefill_chunks_for, rollouts_of, special_tokens, token_group,
 )
 from hfsplit.parallel.mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
 from hfsplit.parallel.pipeline import (
@@ -155,7 +155,8 @@ class SplitModel(nn.Module):
                  temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
                  num_return_sequences: Optional[int] = None, eos_token_id=None, pad_token_id: Optional[int] = None,
                  generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
-                 micro_batches: Optional[int] = None, **generation_kwargs) -> torch.Tensor:
+                 micro_batches: Optional[int] = None, prefill_chunks: Optional[int] = None,
+                 **generation_kwargs) -> torch.Tensor:
         """Continue a batch of prompts as transformers' `generate` does, pipelined over the stages; on every rank.
 
         The batch is cut into micro-batches that flow through the stages together, each stage keeping its layers'
@@ -173,6 +174,10 @@ class SplitModel(nn.Module):
                 pipeline rank, the fewest that keep every stage working (each more re-reads a stage's weights every
                 step: docs/benchmarks/generate.md); 1 relays the whole batch through the stages in turn, as
                 `device_map` does.
+            prefill_chunks: how many passes along the sequence the prompts go through the stages in, so that the
+                stages work at once on them too; default: enough that micro-batches × chunks is four times the
+                pipeline ranks, none under 64 positions (`hfsplit.parallel.generation.prefill_chunks_for`); 1 runs
+                each micro-batch's prompts in one pass, as transformers does.
             generation_kwargs: further `GenerationConfig` fields (repetition_penalty, min_new_tokens, ...).
 
         Returns:
@@ -202,7 +207,9 @@ class SplitModel(nn.Module):
         run = PipelinedGeneration(stages=dict(zip(self.stage_indices, self.stages)), owner=stage_to_pp_rank(self.plan),
                                   ctx=self.ctx, tokens=self._token_group(), hidden_size=boundary_width(self.config),
                                   dtype=self._dtype(), choice=choice)
-        return joined_sequences(run.run(rollouts), pad=pad)
+        chunks = prefill_chunks or prefill_chunks_for(prompt_length=input_ids.shape[1], micro_batches=groups,
+                                                      pp=self.plan.pp)
+        return joined_sequences(run.run(rollouts, prefill_chunks=chunks), pad=pad)
 
     def save_pretrained(self, save_directory, *, tokenizer=None) -> Path:
         """Write the whole model as a Hugging Face folder (sharded safetensors, index, config, generation config;

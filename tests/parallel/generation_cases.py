@@ -38,8 +38,13 @@ def split_and_reference(*, checkpoint: str, tp: int, pp: int, layers: list, sche
     return model, AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
-def greedy_matches_transformers(model, reference, *, cuts=(1, 2, 3, 5), new_tokens: int = 8) -> dict:
-    """Greedy continuations of left-padded prompts, cut into each number of micro-batches of `cuts`, against
+# (micro-batches, prefill chunks): the relay, two cuts, a row a micro-batch; the prompts' pass in chunks of 3, 2, 2
+# positions (rows 1 and 4 all padding in the first), and a position a chunk
+CUTS = ((1, 1), (2, 1), (3, 1), (5, 1), (2, 3), (1, 7))
+
+
+def greedy_matches_transformers(model, reference, *, cuts=CUTS, new_tokens: int = 8) -> dict:
+    """Greedy continuations of left-padded prompts, cut into each (micro-batches, prefill chunks) of `cuts`, against
     transformers' `generate`: without an end-of-sequence token, and with one that row 0 reaches early (the rows
     that end go on with the pad token; the batch stops when every row has ended)."""
     pad = model.config.pad_token_id
@@ -49,9 +54,10 @@ def greedy_matches_transformers(model, reference, *, cuts=(1, 2, 3, 5), new_toke
     eos = int(want[0, ids.shape[1] + 2])  # row 0's third new token: it ends there
     want_eos = reference.generate(ids, attention_mask=mask, eos_token_id=eos, **greedy)
     out = {"expected": want.tolist(), "expected_eos": want_eos.tolist(), "eos": eos, "got": {}, "got_eos": {}}
-    for cut in cuts:
-        out["got"][cut] = model.generate(ids, mask, eos_token_id=None, micro_batches=cut, **greedy).tolist()
-        out["got_eos"][cut] = model.generate(ids, mask, eos_token_id=eos, micro_batches=cut, **greedy).tolist()
+    for cut, chunks in cuts:
+        split = dict(micro_batches=cut, prefill_chunks=chunks, **greedy)
+        out["got"][f"{cut}x{chunks}"] = model.generate(ids, mask, eos_token_id=None, **split).tolist()
+        out["got_eos"][f"{cut}x{chunks}"] = model.generate(ids, mask, eos_token_id=eos, **split).tolist()
     return out
 
 

@@ -22,7 +22,8 @@ def test_split_generation_matches_transformers(name, launch, tiny_checkpoint):
                      kwargs=dict(checkpoint=str(tiny_checkpoint(arch, tied=tied)), sampling=sampling, **split),
                      timeout_s=300)
     for r in results:
-        for cut, got in r["got"].items():  # 1: the relay; 5: a row a micro-batch
+        assert len(r["got"]) == 6
+        for cut, got in r["got"].items():  # "1x1": the relay; "5x1": a row a micro-batch; "2x3": prompts in 3 passes
             assert got == r["expected"], (cut, got, r["expected"])
             assert r["got_eos"][cut] == r["expected_eos"], (cut, r["got_eos"][cut], r["expected_eos"])
         assert r["expected_eos"][0][-1] == 0 != r["expected"][0][-1]  # row 0 ended early: padded after its eos
@@ -114,11 +115,12 @@ def test_the_generation_benchmark_runs_and_both_paths_agree():
 
     root = Path(__file__).resolve().parents[2]
     out = run_command([sys.executable, "scripts/bench_generate.py", "--small", "--sequences", "4", "--new-tokens", "4",
-                       "--micro-batches", "2", "--repeats", "1", "--prompt-length", "8"], cwd=root,
+                       "--micro-batches", "2", "2x2", "--repeats", "1", "--prompt-length", "8"], cwd=root,
                       env=dict(os.environ), timeout_s=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "same tokens in every cut: True" in out.stdout, out.stdout
     assert "(the relay)" in out.stdout and "waiting 0 / 1" in out.stdout
     assert "prompts of 4-8 tokens" in out.stdout
+    assert "2 x 2  " in out.stdout and "2 x 1  " in out.stdout  # 8-position prompts: one chunk by default
     for rank in (0, 1):  # the relay's forwards on the 4 rows, the cut's on 2
         assert f"rank {rank}: a decode step's forward, median: 4 rows " in out.stdout and ", 2 rows " in out.stdout
