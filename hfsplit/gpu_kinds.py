@@ -16,6 +16,9 @@ Conventions:
   say otherwise (the model FLOPs utilisation well-run transformer training reports on A100/H100, 35-50 %, at
   the low end because LoRA steps at small micro-batches run more non-matmul work). A launched run measures its
   own device (`hfsplit.load.probes`), and that measurement replaces peak × efficiency for its kind.
+- `MEMORY_EFFICIENCY` turns the datasheet memory bandwidth into the rate generation's decode steps read weights and
+  KV cache at (0.70: streaming reads reach 85-90 % of the datasheet, a decode step's small kernels, dequantized
+  4-bit weights among them, less).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from hfsplit.errors import BudgetError
 GIB = 2**30
 GB = 1e9
 TFLOPS = 1e12
+MEMORY_EFFICIENCY = 0.70
 DEFAULT_EFFICIENCY = 0.40
 PCIE4_X16 = ("PCIe 4.0 x16", 32 * GB)
 PCIE5_X16 = ("PCIe 5.0 x16", 64 * GB)
@@ -65,6 +69,11 @@ class GpuKind:
     efficiency: float = DEFAULT_EFFICIENCY
     aliases: tuple[str, ...] = ()
     device_names: tuple[str, ...] = ()
+
+    @property
+    def expected_memory_bandwidth(self) -> float:
+        """Bytes/s a decode step is expected to read on this kind (`MEMORY_EFFICIENCY` of the datasheet's)."""
+        return self.memory_bandwidth * MEMORY_EFFICIENCY
 
     @property
     def expected_flops(self) -> float:

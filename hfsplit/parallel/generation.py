@@ -141,16 +141,6 @@ class Rollout:
         self.done = self.steps >= limit or not bool(self.unfinished.any())
 
 
-MIN_CHUNK = 64  # a prefill chunk's fewest positions: shorter ones would spend more on each pass than they overlap
-
-
-def prefill_chunks_for(*, prompt_length: int, micro_batches: int, pp: int) -> int:
-    """How many chunks the prompts' pass is cut into by default: enough that micro-batches × chunks is four times
-    the pipeline ranks (a fill of at most a fifth of the prefill), none under `MIN_CHUNK` positions."""
-    wanted = -(-4 * pp // max(1, micro_batches))
-    return max(1, min(wanted, prompt_length // MIN_CHUNK))
-
-
 def chunk_ends(length: int, chunks: int) -> list[int]:
     """Where each of `chunks` near-equal chunks of `length` positions ends (the first ones a position longer)."""
     size, extra = divmod(length, chunks)

@@ -37,9 +37,10 @@ from hfsplit.models.families import tp_degree_error
 from hfsplit.models.boundary import boundary_width
 from hfsplit.parallel.generation import (
     Choice, PipelinedGeneration, generation_config_for, joined_sequences, logits_processors, merged_generation_config,
-    prefill_chunks_for, rollouts_of, special_tokens, token_group,
+    rollouts_of, special_tokens, token_group,
 )
 from hfsplit.parallel.mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
+from hfsplit.planning.rollout import prefill_chunks_for
 from hfsplit.parallel.pipeline import (
     ReducedOutput, StageTimer, build_schedule, chunked_or, head_in_loss, pipeline_stages, releasing_graph,
 )

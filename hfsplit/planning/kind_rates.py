@@ -11,7 +11,7 @@ The plan's notes say, per kind, which figure it was timed with.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from hfsplit.gpu_kinds import GpuKind
@@ -28,11 +28,14 @@ class KindRates:
         link: the link to plan with when the caller gave none: the named devices' (`links.DEFAULT_LINK` when no
             kind is named); None when the caller gave one.
         notes: one line per kind, and one for the link, saying which figures are the table's and which measured.
+        bandwidths: bytes/s each kind-named device reads memory at (`GpuKind.expected_memory_bandwidth`), which
+            times generation's decode steps.
     """
 
     speeds: dict
     link: Optional[Link]
     notes: tuple[str, ...]
+    bandwidths: dict = field(default_factory=dict)
 
 
 def calibration_key(config, spec, device_kind: str) -> str:
@@ -85,7 +88,8 @@ def kind_rates(kinds: Mapping[str, GpuKind], *, unit: float, config=None, spec=N
         notes.append(f"link between devices: {named.bandwidth / 1e9:.0f} GB/s a direction ({slowest.name}'s {how}; "
                      "table, no latency modelled)")
     link = None if link_given else (named or DEFAULT_LINK)
-    return KindRates(speeds=speeds, link=link, notes=tuple(notes))
+    return KindRates(speeds=speeds, link=link, notes=tuple(notes),
+                     bandwidths={d: k.expected_memory_bandwidth for d, k in kinds.items()})
 
 
 def device_list(devices: list[str]) -> str:

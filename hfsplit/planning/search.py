@@ -25,12 +25,12 @@ from hfsplit.plan import Plan, Stage, TrainingSpec
 from hfsplit.planning.costs.model import ModelCosts, model_costs
 from hfsplit.planning.links import DEFAULT_LINK, Link
 from hfsplit.planning.reference import per_step
-from hfsplit.planning.rollout import rollout_seconds
+from hfsplit.planning.rollout import rollout_micro_batches, rollout_seconds
 from hfsplit.planning.memory_choices import Choice, host_share, plan_spec
 from hfsplit.schedules import AUTO, AUTO_CANDIDATES, TABLE, min_micro_batches, pp_rank_of_stage, virtual_stages
 from hfsplit.planning.stage_costs import (
-    Slot, balanced_time, bubble_fraction, device_speed, generation_forward_s, in_flight, recompute_kept,
-    reference_forward_s, slot_time, slots_fit, stage_layers, stage_memory,
+    Slot, balanced_time, bubble_fraction, decode_step_s, device_speed, generation_forward_s, in_flight, prefill_s,
+    recompute_kept, reference_forward_s, slot_time, slots_fit, stage_layers, stage_memory,
 )
 
 
@@ -40,7 +40,8 @@ MAX_PERMUTED_GROUPS = 5  # device orders tried exhaustively up to this many stag
 def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, micro_batches, global_batch,
               schedule: str, device_speeds: dict, link: Link = DEFAULT_LINK, tp=None, pp=None, dp=None,
               world_size: Optional[int] = None, choices: Optional[Sequence[Choice]] = None,
-              host: Optional[int] = None, headroom: float = 0.0) -> Optional[Plan]:
+              host: Optional[int] = None, headroom: float = 0.0,
+              device_bandwidths: Optional[dict] = None) -> Optional[Plan]:
     """The fastest fitting plan (by tokens/s), or None. Under schedule "auto" each candidate schedule
     is searched and the plan's notes give the best step of each (and of each micro-batch cut, under
     micro_batches="auto"). Each rank runs the first of `choices` (default: the spec's own) that fits it; `host`
@@ -63,7 +64,8 @@ def best_plan(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str,
                 variants = Variants(config, cut, t, usable, cache)
                 for candidate in plans_for_shape(variants, budgets, device_speeds, t=t, p=p, d=d, m=m, schedule=sched,
                                                  name=name, config=config, link=link,
-                                                 host_budget=host_share(host, t * p * d), headroom=headroom):
+                                                 host_budget=host_share(host, t * p * d), headroom=headroom,
+                                                 bandwidths=device_bandwidths):
                     rate = d * m * b / candidate.step_time_s
                     key = (candidate.schedule, b)
                     if key not in best or rate > best[key][0] * (1 + 1e-9):
@@ -130,13 +132,14 @@ def _shapes(config, budgets: dict[str, int], spec: TrainingSpec, *, tp, pp, dp,
 
 def plans_for_shape(variants: "Variants", budgets: dict[str, int], speeds: dict, *, t: int, p: int, d: int, m: int,
                     schedule: str, name: str, config, link: Link = DEFAULT_LINK,
-                    host_budget: Optional[int] = None, headroom: float = 0.0) -> Iterable[Plan]:
+                    host_budget: Optional[int] = None, headroom: float = 0.0,
+                    bandwidths: Optional[dict] = None) -> Iterable[Plan]:
     """Fitting plans of one (tp, pp, dp) shape, one per device order tried."""
     schedule = schedule if p > 1 else "1F1B"
     v = virtual_stages(schedule, p)
     for groups in device_orders(budgets, t=t, count=p * d, speeds=speeds):
         slots = stage_slots(groups, budgets, speeds, p=p, d=d, v=v, m=m, schedule=schedule, link=link,
-                       host_budget=host_budget, headroom=headroom)
+                            host_budget=host_budget, headroom=headroom, bandwidths=bandwidths)
         tried = set()
         for balanced in balanced_times(variants.spec):
             found = split_with_choices(variants, slots, balanced)
@@ -260,7 +263,7 @@ def plan_of_split(costs: Union[ModelCosts, Sequence[ModelCosts]], slots: Sequenc
     spec = replace(plan_spec(variants[0].spec, [choices[level] for level in levels]),
                    host_embedding=any(s.host_embedding for s in stages))
     reference = _reference_s(variants, slots, counts, levels, m=m, bubble=bubble)
-    rollout = _rollout_s(variants, slots, counts, levels, m=m, bubble=bubble)
+    rollout = _rollout_s(variants, slots, counts, levels, m=m, p=p)
     step = max(times.values()) * m / (1 - bubble) + (reference if per_step(spec) and v > 1 else 0.0) + rollout
     return Plan(
         model=name, model_type=config.model_type, num_layers=variants[0].num_layers, tp=t, pp=p, dp=d,
@@ -287,27 +290,32 @@ def _reference_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels:
 
 
 def _rollout_s(variants, slots: Sequence[Slot], counts: Sequence[int], levels: Sequence[int], *, m: int,
-               bubble: float) -> float:
+               p: int) -> float:
     """Seconds of the step's generation (0 where the objective generates none, `hfsplit.planning.rollout`): its
-    prefill a forward-only pipeline of the `m` micro-batches, each decode step the rows' hidden states through every
-    link once."""
+    slowest rank's prompts' pass and decode step, pipelined over the `m` micro-batches, each decode step the rows'
+    hidden states through every link once."""
     spec = variants[0].spec
     if not spec.counts.generation:
         return 0.0
-    ranks: dict[int, float] = {}
+    share = m / rollout_micro_batches(spec, m, p)  # generation's micro-batch in the update's
+    prefill: dict[int, float] = {}
+    decode: dict[int, float] = {}
     for slot, level in zip(slots, levels):
-        seconds = generation_forward_s(variants[level], slot, stage_layers(variants[level], counts, slot.index))
-        ranks[slot.pp_rank] = ranks.get(slot.pp_rank, 0.0) + seconds
-    compute = max(ranks.values()) * m / (1 - bubble)
+        layers = stage_layers(variants[level], counts, slot.index)
+        prefill[slot.pp_rank] = prefill.get(slot.pp_rank, 0.0) + prefill_s(variants[level], slot, layers)
+        decode[slot.pp_rank] = decode.get(slot.pp_rank, 0.0) + decode_step_s(variants[level], slot, layers,
+                                                                            share=share)
     per_token = variants[0].boundary_bytes * m / spec.seq_len  # every row's boundary (hidden state) of one position
     messages = sum(slot.sends for slot in slots) / 2 * slots[0].link.send_s(per_token)
-    return rollout_seconds(compute, spec=spec, step_message_s=messages)
+    return rollout_seconds(prefill_s=max(prefill.values()), decode_step_s=max(decode.values()), spec=spec, m=m, p=p,
+                           step_message_s=messages)
 
 
 def stage_slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], speeds: dict, *, p: int, d: int, v: int,
            m: int, schedule: str, link: Link = DEFAULT_LINK, host_budget: Optional[int] = None,
-           headroom: float = 0.0) -> list[Slot]:
-    """Stage positions: replica r of pipeline rank k runs on device group `groups[r * p + k]`."""
+           headroom: float = 0.0, bandwidths: Optional[dict] = None) -> list[Slot]:
+    """Stage positions: replica r of pipeline rank k runs on device group `groups[r * p + k]`; `bandwidths`: the
+    memory bandwidth of the devices known by it (a budget of GPU kinds), which times generation's decode steps."""
     count = p * v
     slots, ranks = [], [pp_rank_of_stage(schedule, pp=p, index=i) for i in range(count)]
     for index, rank in enumerate(ranks):
@@ -323,6 +331,7 @@ def stage_slots(groups: Sequence[tuple[str, ...]], budgets: dict[str, int], spee
             cap=int(min(budgets[x] for x in flat) * (1 - headroom)) if headroom else None,
             micro_batches=m, relay=v > 1, output_sent=index + 1 < count and ranks[index + 1] != rank,
             gradient_sent=index > 0 and ranks[index - 1] != rank, sends_held=v > 1,
+            memory_bandwidth=min((bandwidths or {}).get(x, 0.0) for x in flat),
         ))
     return slots
 

@@ -46,6 +46,7 @@ class Slot:
     output_sent: bool = True  # the next stage is on another rank (a V's turn passes its output on the rank)
     gradient_sent: bool = False  # the previous stage is on another rank: its input's gradient goes back by message
     sends_held: bool = False  # torch's multi-stage runtime keeps every tensor it sends until the step's end
+    memory_bandwidth: float = 0.0  # bytes/s its devices read memory at (0: unknown, decode steps timed by FLOPs)
 
 
 def stage_memory(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> StageMemory:
@@ -182,17 +183,36 @@ def reference_forward_s(costs: ModelCosts, slot: Slot, layers: Union[int, range]
 
 def generation_forward_s(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float:
     """Seconds of one micro-batch's generation through `slot`'s stage, for an objective that generates (0 else):
-    every position through its blocks once (the prompt's prefill, then a decode step a new token), a no-grad
-    forward's share of their training compute, and the head on the `rollout_tokens` new positions only, as
-    `generate` runs it (one position's logits a step), not on every position as the update does."""
-    spec = costs.spec
-    if not spec.counts.generation:
+    the prompts' pass and a decode step a new token (`prefill_s`, `decode_step_s`)."""
+    if not costs.spec.counts.generation:
         return 0.0
-    parts = _parts(costs, slot, layers)
-    flops = sum(c.flops * k for c, k in parts)
-    if slot.has_head:
-        flops -= costs.head.flops * (1 - min(spec.rollout_tokens, spec.seq_len) / spec.seq_len)
+    return prefill_s(costs, slot, layers) + costs.spec.rollout_tokens * decode_step_s(costs, slot, layers)
+
+
+def prefill_s(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float:
+    """Seconds of one micro-batch's prompts through `slot`'s blocks: a no-grad forward's share of their training
+    compute on the prompt positions (the head keeps one position a row: nothing worth counting)."""
+    spec = costs.spec
+    prompt = spec.seq_len - min(spec.rollout_tokens, spec.seq_len)
+    flops = sum(c.flops * k for c, k in runs_of(costs.layer_blocks, layers, costs.block)) * prompt / spec.seq_len
     return flops / (DEVICE_FLOPS * slot.speed) * forward_fraction(costs)
+
+
+def decode_step_s(costs: ModelCosts, slot: Slot, layers: Union[int, range], *, share: float = 1.0) -> float:
+    """Seconds of one decode step through `slot`'s stage of a micro-batch of `share` × the spec's rows: the compute
+    of one position a row through its blocks and head, or, where the device's memory bandwidth is known
+    (`Slot.memory_bandwidth`), the time to read the stage's weights (once, whatever the rows) and the rows' KV cache
+    (on average filled to the prompt and half the new tokens), whichever is longer."""
+    spec = costs.spec
+    blocks = runs_of(costs.layer_blocks, layers, costs.block)
+    flops = sum(c.flops * k for c, k in blocks) + (costs.head.flops if slot.has_head else 0)
+    compute = share * flops / spec.seq_len / (DEVICE_FLOPS * slot.speed) * forward_fraction(costs)
+    if not slot.memory_bandwidth:
+        return compute
+    weights = sum(c.param_bytes * k for c, k in blocks) + (costs.head.param_bytes if slot.has_head else 0)
+    count = sum(k for _, k in blocks)
+    cache = share * count * costs.kv_bytes * (spec.seq_len - spec.rollout_tokens / 2) / spec.seq_len
+    return max(compute, (weights + cache) / slot.memory_bandwidth)
 
 
 def balanced_time(costs: ModelCosts, slot: Slot, layers: Union[int, range]) -> float:

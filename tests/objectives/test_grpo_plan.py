@@ -39,8 +39,10 @@ def test_a_stage_holds_the_kv_cache_of_every_rollout_row_for_its_layers():
 
 
 def test_the_rollout_is_in_the_step_and_grows_with_its_new_tokens():
+    """On GPU kinds (their memory bandwidth known) a decode step reads the stage's weights for a position a row, so
+    in the same sequence length a new token costs more than a prompt's position."""
     options = dict(pp=2, micro_batches=MICRO, schedule="1F1B", optim="adamw_torch")
-    grpo, longer, sft = (make_plan(MODEL, "2x24GiB", spec=s, **options)
+    grpo, longer, sft = (make_plan(MODEL, "2xRTX4090", spec=s, **options)
                          for s in (GRPO, replace(GRPO, rollout_tokens=512), SFT))
     assert sft.rollout_s == 0.0 and grpo.rollout_s > 0 and longer.rollout_s > grpo.rollout_s
     assert grpo.step_time_s == pytest.approx(sft.step_time_s + grpo.rollout_s, rel=1e-9)
@@ -96,3 +98,41 @@ def test_an_inference_plan_for_generating_counts_the_head_on_the_new_positions_o
     assert [s.layers for s in generating.stages] == [(0, 4), (4, 8)]
     first, last = (s.time_s for s in generating.stages)
     assert first < last < 1.05 * first  # four blocks each, the head's 32 positions of 544 little beside them
+
+
+def test_a_decode_step_reads_its_weights_at_the_kinds_memory_bandwidth():
+    """A decode step of two rows is bound by the bytes it reads (the stage's weights and KV cache) where the
+    device's bandwidth is known; without it, by its FLOPs (a position a row); a prompt's pass by its FLOPs."""
+    from hfsplit.gpu_kinds import gpu_kind
+    from hfsplit.planning.stage_costs import decode_step_s, prefill_s
+
+    costs = model_costs(load_config(MODEL), GRPO)
+    rtx = gpu_kind("RTX4090")
+    bare = Slot(index=1, pp_rank=1, devices=(("1",),), budget=24 << 30, speed=1.0, in_flight=MICRO, has_embed=False,
+                has_head=True, micro_batches=MICRO)
+    known = replace(bare, memory_bandwidth=rtx.expected_memory_bandwidth)
+    read = 12 * costs.block.param_bytes + costs.head.param_bytes + 12 * costs.kv_bytes * (SEQ - 128) / SEQ
+    assert decode_step_s(costs, known, 12) == pytest.approx(read / rtx.expected_memory_bandwidth, rel=1e-9)
+    assert decode_step_s(costs, bare, 12) < decode_step_s(costs, known, 12) / 10  # two rows: far from the ridge
+    assert prefill_s(costs, known, 12) == prefill_s(costs, bare, 12) > 0
+
+
+def test_the_rollout_fills_the_pipeline_once_with_the_prompts_chunks():
+    """The prompts run in m × chunks passes (`prefill_chunks_for`, as `generate` runs them): p − 1 idle passes;
+    each new token takes max(m, p) micro-batch steps on the slowest rank."""
+    from hfsplit.planning.rollout import prefill_chunks_for, rollout_micro_batches, rollout_seconds
+
+    assert prefill_chunks_for(prompt_length=512, micro_batches=2, pp=2) == 4
+    assert prefill_chunks_for(prompt_length=100, micro_batches=2, pp=2) == 1  # no chunk under 64 positions
+    assert prefill_chunks_for(prompt_length=512, micro_batches=8, pp=2) == 1
+    spec = replace(GRPO, seq_len=768, rollout_tokens=256)
+    seconds = rollout_seconds(prefill_s=1.0, decode_step_s=0.01, spec=spec, m=2, p=2, step_message_s=0.001)
+    assert seconds == pytest.approx(1.0 * 2 * 9 / 8 + 256 * (0.01 * 2 + 0.001))
+    # one row: one micro-batch, its prompt in 8 chunks, and each token its round trip through both ranks
+    one = rollout_seconds(prefill_s=1.0, decode_step_s=0.01, spec=replace(spec, micro_batch_size=1), m=1, p=2,
+                          step_message_s=0.0)
+    assert one == pytest.approx(1.0 * 1 * 9 / 8 + 256 * 0.01 * 2)
+    # 8 of the update's micro-batches of 2 rows: generation cuts the 16 rows in 2 (`rollout_micro_batches`)
+    assert rollout_micro_batches(spec, 8, 2) == 2 and rollout_micro_batches(replace(spec, micro_batch_size=1), 1, 2) == 1
+    eight = rollout_seconds(prefill_s=1.0, decode_step_s=0.01, spec=spec, m=8, p=2, step_message_s=0.0)
+    assert eight == pytest.approx(1.0 * 8 * 9 / 8 + 256 * 0.01 * 2)
