@@ -210,13 +210,14 @@ def tp_verdict_of(config) -> TpVerdict:
     return verdict
 
 
-def ranks_verdict(config) -> TpVerdict:
+def ranks_verdict(config, start=None) -> TpVerdict:
     """`config_tp_verdict` measured on two gloo CPU ranks: child processes with their own rendezvous on a free port
     (never a launch's process group, which may already exist in this process), killed after RANKS_TIMEOUT_S or as
-    soon as one fails. Forked from this process where that is safe (`fork_is_safe`), which spares each rank the
-    imports of torch and transformers (most of a new config's cost), else fresh interpreters."""
+    soon as one fails. `start` starts them: `forked_ranks` from this process, which spares each rank the imports of
+    torch and transformers (most of a new config's cost), or `interpreter_ranks`; default: forked where that is safe
+    (`fork_is_safe`)."""
     with tempfile.TemporaryDirectory(prefix="hfsplit-tp-proof-") as folder:
-        start = forked_ranks if fork_is_safe() else interpreter_ranks
+        start = start or (forked_ranks if fork_is_safe() else interpreter_ranks)
         blamed = blamed_rank(start(config, folder, _free_port()), RANKS_TIMEOUT_S)
         found = Path(folder, "tp_verdict.json")
         if found.exists():
@@ -277,17 +278,19 @@ def blamed_rank(ranks: list, timeout_s: float) -> Optional[int]:
     deadline = time.monotonic() + timeout_s
     codes: list = [None] * len(ranks)
     failed: list[int] = []
-    while None in codes and not failed and time.monotonic() < deadline:
-        time.sleep(0.01)
-        codes = [_exit_code(rank) for rank in ranks]
-        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-    for rank in ranks:
-        if _exit_code(rank) is None:
-            rank.kill()
-        if isinstance(rank, subprocess.Popen):
-            rank.wait()
-        else:
-            rank.join()
+    try:
+        while None in codes and not failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+            codes = [_exit_code(rank) for rank in ranks]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+    finally:
+        for rank in ranks:
+            if _exit_code(rank) is None:
+                rank.kill()
+            if isinstance(rank, subprocess.Popen):
+                rank.wait()
+            else:
+                rank.join()
     return failed[0] if failed else None if None in codes else 0
 
 
