@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from datetime import timedelta
@@ -177,13 +178,13 @@ def in_float64(whole: nn.Module, mesh) -> tuple[nn.Module, list[nn.Module]]:
 
 # --- the proof on the user's own config ---------------------------------------------------------------------------
 
-def proven_tp(config, tp: int = TP) -> TpVerdict:
+def proven_tp(config, tp: int = TP, measure=None) -> TpVerdict:
     """The tp=2 verdict for `config` (cached by its hash), before a run at degree `tp`; UnsupportedModelError naming
     why `tp` cannot shard it (`tp_degree_error`: its plan, its sizes, the sweep's type-level finding) or the first
-    tensor that differs when its shards do not equal transformers."""
+    tensor that differs when its shards do not equal transformers. `measure`: as `tp_verdict_of`'s."""
     if why := tp_degree_error(config, tp):
         raise UnsupportedModelError(why)
-    verdict = tp_verdict_of(config)
+    verdict = tp_verdict_of(config, measure)
     if not verdict.proven:
         name = getattr(config, "_name_or_path", "") or ""
         raise UnsupportedModelError(
@@ -192,9 +193,10 @@ def proven_tp(config, tp: int = TP) -> TpVerdict:
     return verdict
 
 
-def tp_verdict_of(config) -> TpVerdict:
+def tp_verdict_of(config, measure=None) -> TpVerdict:
     """The tp=2 verdict for `config`: refused by name without a process when hfsplit cannot shard it at all, else
-    from the cache ("tp_proof", by the config's hash) or measured now on two child CPU ranks (`ranks_verdict`)."""
+    from the cache ("tp_proof", by the config's hash) or measured now on two child CPU ranks by `measure` (default
+    `ranks_verdict`; a launched rank 0's `forked_prover`)."""
     check_causal_lm(config)
     try:
         tiny = shrunk_config(config)
@@ -205,7 +207,7 @@ def tp_verdict_of(config) -> TpVerdict:
     key = config_key(config)
     if (cached := read_cache("tp_proof", key)) is not None:
         return TpVerdict(**cached)
-    verdict = ranks_verdict(config)
+    verdict = (measure or ranks_verdict)(config)
     write_cache("tp_proof", key, asdict(verdict))
     return verdict
 
@@ -254,6 +256,52 @@ def _forked_main(config, folder: str, port: int, rank: int) -> None:
         os.dup2(log.fileno(), fd)
     sys.stdout = sys.stderr = log  # this process's streams may be a capture's (pytest), not fds 1 and 2
     rank_main(config, folder, port, rank)
+
+
+@contextmanager
+def forked_prover(wanted: bool = True):
+    """A `measure` for `tp_verdict_of` in a process about to join a launch: a child forked now, before its process
+    group and CUDA exist, that later forks the proof's ranks itself (`ranks_verdict` with `forked_ranks`), sparing
+    a launched rank 0 the fresh interpreters' imports. `ranks_verdict` where not `wanted` or a fork is unsafe now.
+    The child ends when the block does."""
+    if not (wanted and fork_is_safe()):
+        yield ranks_verdict
+        return
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    ours, theirs = fork.Pipe()
+    prover = fork.Process(target=_prover_main, args=(theirs, ours))  # not a daemon: daemons fork no children
+    prover.start()
+    theirs.close()
+
+    def measured(config) -> TpVerdict:
+        try:
+            ours.send(config)
+            if ours.poll(RANKS_TIMEOUT_S + 60):  # its ranks time out first; this only bounds a hung prover
+                return ours.recv()
+        except (EOFError, OSError):  # the prover ended (a config it could not unpickle): fresh interpreters
+            return ranks_verdict(config)
+        return TpVerdict(config.model_type, False, f"its tp=2 proof did not finish in {RANKS_TIMEOUT_S} s")
+
+    try:
+        yield measured
+    finally:
+        ours.close()  # the prover's recv ends
+        prover.join(timeout=60)
+        if prover.exitcode is None:
+            prover.kill()
+            prover.join()
+
+
+def _prover_main(theirs, ours) -> None:
+    ours.close()  # else this child's own copy keeps its pipe open after the parent is gone
+    while True:
+        try:
+            config = theirs.recv()
+        except EOFError:
+            return
+        theirs.send(ranks_verdict(config, forked_ranks))
 
 
 def interpreter_ranks(config, folder: str, port: int) -> list[subprocess.Popen]:

@@ -1,5 +1,6 @@
 """The tp=2 proof on the user's own config (load/tp_proof.py): its two child ranks (forked, or fresh interpreters inside
 a launch), its cache by the config's hash, its refusals without a process, and `hfsplit check --tp 2`."""
+import multiprocessing
 import signal
 import subprocess
 import sys
@@ -96,3 +97,17 @@ def test_a_failed_rank_has_its_peer_killed_and_late_ranks_are_killed_at_the_time
     ranks = [python("import time; time.sleep(60)") for _ in range(2)]
     assert tp_proof.blamed_rank(ranks, timeout_s=0.5) is None
     assert [rank.returncode for rank in ranks] == [-signal.SIGKILL] * 2
+
+
+def test_a_prover_forked_before_a_launchs_group_proves_inside_it(tmp_path):
+    # a launched rank 0 forks it before it joins its group, so that the proof's ranks still fork (no imports)
+    config = LlamaConfig(num_key_value_heads=4, attention_bias=True)
+    with tp_proof.forked_prover() as measure:
+        assert measure is not tp_proof.ranks_verdict
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        try:
+            verdict = measure(config)
+        finally:
+            dist.destroy_process_group()
+    assert verdict.model_type == "llama" and verdict.proven and verdict.logits_diff <= 1e-5
+    assert not multiprocessing.active_children()  # the prover ended with the block
