@@ -1,7 +1,7 @@
-"""What the tp=2 proof on a user's own config costs (`hfsplit.load.tp_proof.ranks_verdict`, the step that
-`hfsplit check MODEL --tp 2`, `hfsplit plan` with tp>1 and a launched split run before a tp>1 run): its two ranks
-forked from the process that asks (the default outside a launch), against fresh interpreters (a launched run's rank
-0, or a process with CUDA initialised), and the cached verdict.
+"""What the tp=2 proof on a user's own config costs (`hfsplit.load.tp_proof.ranks_verdict`, which `hfsplit check MODEL
+--tp 2`, `hfsplit plan` with tp>1 and a launched run's rank 0 run before a tp>1 split): its two ranks forked (from the
+process that asks, or from a launched rank 0's prover), against fresh interpreters (where no fork is safe: CUDA
+initialised or a process group joined first), and the cached verdict.
 
     taskset -c 0 python scripts/bench_tp_proof.py               # one CPU core, 3 forked proofs a config
     taskset -c 0 python scripts/bench_tp_proof.py --no-fresh    # forked and cached only (fresh: ~15 s a config)
