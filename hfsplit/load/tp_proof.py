@@ -4,13 +4,13 @@ transformers version, on two ranks.
 The per-config proof (`hfsplit.load.proof`) runs in one process, where pipeline stages chain and tensor-parallel
 shards do not (each holds a slice and meets the other in collectives). So tensor parallelism over a followed split
 (the model's own forward on DTensor-sharded modules, `apply/tp.py`) is proven on two ranks: on the user's own config
-before a tp>1 run (`proven_tp`: two child processes, cached by the config's hash), and per type by this sweep, a
-pre-filter and the families table: every registered causal-LM type whose shrunk default config has a TP plan hfsplit
-shards at degree 2 is split into pp=2 stages, each sharded over the two ranks as a run shards it, and its logits
-and every parameter's gradient compared with transformers' unsplit model (logits within 1e-5, gradients within
-1e-5 relative to the largest, as the split model's TP tests compare them). A type that differs or fails is recorded
-with its reason (the first tensor that differs, or the exception), never stopping the sweep. The findings are
-written to `hfsplit/models/tp_proven.json` under the transformers version, which `tp_degree_error` reads.
+before a tp>1 run (`proven_tp`: two child processes, forked where that is safe, cached by the config's hash), and per
+type by this sweep, a pre-filter and the families table: every registered causal-LM type whose shrunk default config
+has a TP plan hfsplit shards at degree 2 is split into pp=2 stages, each sharded over the two ranks as a run shards
+it, and its logits and every parameter's gradient compared with transformers' unsplit model (logits within 1e-5,
+gradients within 1e-5 relative to the largest, as the split model's TP tests compare them). A type that differs or
+fails is recorded with its reason (the first tensor that differs, or the exception), never stopping the sweep. The
+findings are written to `hfsplit/models/tp_proven.json` under the transformers version, which `tp_degree_error` reads.
 
 Where float32 differs, the same comparison runs again with both models in float64 (`in_float64`), and the type is
 proven when it passes there: a sharding fault (a gradient not summed, or summed twice, a layout that mismatches the
