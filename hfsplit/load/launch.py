@@ -16,11 +16,11 @@ from hfsplit.budget import local_share
 from hfsplit.apply.quantize import check_quantization, quantization_config_of
 from hfsplit.checkpoint.quantized import quantization_of_checkpoint
 from hfsplit.errors import PlanError
-from hfsplit.parallel.mesh import init_distributed, init_parallel
+from hfsplit.parallel.mesh import init_distributed, init_parallel, launcher_world
 from hfsplit.parallel.split_model import SplitModel, build_split_model
 from hfsplit.checkpoint.resolve import load_config
 from hfsplit.load.proof import proven_split
-from hfsplit.load.tp_proof import proven_tp
+from hfsplit.load.tp_proof import forked_prover, proven_tp
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.planner import make_plan
 
@@ -48,33 +48,36 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
         lora_seed: what the plan's own LoRA draws its A matrices from.
         **plan_options: passed to `hfsplit.planning.planner.make_plan` (spec, micro_batches, schedule, tp, pp, dp).
     """
-    world = init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
-    proven_split(load_config(name_or_path))  # the split equals transformers on this config, or refused by name
-    if plan is None:
-        wanted = quantization_of_checkpoint(name_or_path, quantization_config, method="qlora"
-                                            if quantization_config is not None else training)  # or as stored
-        spec = plan_options.pop("spec", None) or spec_of_intent(
-            training, dtype=dtype or load_config(name_or_path).dtype, quantization=wanted)
-        plan_options.setdefault("gpus", world.device.type == "cuda")  # CPU ranks: "0", "1" budgets are not GPUs
-        if max_memory is None:
-            max_memory = local_share(world.world_size, ranks_here=world.local_world_size)
-        plan = shared_plan(name_or_path, max_memory, spec=spec, **plan_options)
-    shared_tp_proof(name_or_path, plan)
+    given = launcher_world()  # rank 0 forks its tp proof's prover before it joins the group (`forked_prover`)
+    with forked_prover(given.rank == 0 and given.world_size > 1 and (plan is None or plan.tp > 1)) as measure:
+        world = init_distributed()  # before the plan broadcast (NCCL: one GPU per rank; the plan's GPU follows)
+        proven_split(load_config(name_or_path))  # the split equals transformers on this config, or refused by name
+        if plan is None:
+            wanted = quantization_of_checkpoint(name_or_path, quantization_config, method="qlora"
+                                                if quantization_config is not None else training)  # or as stored
+            spec = plan_options.pop("spec", None) or spec_of_intent(
+                training, dtype=dtype or load_config(name_or_path).dtype, quantization=wanted)
+            plan_options.setdefault("gpus", world.device.type == "cuda")  # CPU ranks: "0", "1" budgets aren't GPUs
+            if max_memory is None:
+                max_memory = local_share(world.world_size, ranks_here=world.local_world_size)
+            plan = shared_plan(name_or_path, max_memory, spec=spec, **plan_options)
+        shared_tp_proof(name_or_path, plan, measure)
     ctx = init_parallel(plan)
     qconfig = quantization_of_run(plan, name_or_path, requested=quantization_config, device=ctx.device)
     return build_split_model(plan, name_or_path, ctx=ctx, dtype=dtype, lora=lora, lora_seed=lora_seed,
                              quantization_config=qconfig)
 
 
-def shared_tp_proof(name_or_path: str, plan: Plan) -> None:
+def shared_tp_proof(name_or_path: str, plan: Plan, measure=None) -> None:
     """Under a plan with tp > 1: rank 0 proves the tensor-parallel split on this config (`proven_tp`: two child
-    processes with their own rendezvous, never this launch's group; cached) and every rank raises its refusal."""
+    processes with their own rendezvous, never this launch's group; cached; measured by `measure`, as
+    `tp_verdict_of`'s) and every rank raises its refusal."""
     if plan.tp <= 1:
         return
     box: list = [""]
     if dist.get_rank() == 0:
         try:
-            proven_tp(load_config(name_or_path), plan.tp)
+            proven_tp(load_config(name_or_path), plan.tp, measure)
         except errors.UnsupportedModelError as exc:
             box[0] = str(exc)
     dist.broadcast_object_list(box, src=0)

@@ -4,13 +4,13 @@ transformers version, on two ranks.
 The per-config proof (`hfsplit.load.proof`) runs in one process, where pipeline stages chain and tensor-parallel
 shards do not (each holds a slice and meets the other in collectives). So tensor parallelism over a followed split
 (the model's own forward on DTensor-sharded modules, `apply/tp.py`) is proven on two ranks: on the user's own config
-before a tp>1 run (`proven_tp`: two child processes, cached by the config's hash), and per type by this sweep, a
-pre-filter and the families table: every registered causal-LM type whose shrunk default config has a TP plan hfsplit
-shards at degree 2 is split into pp=2 stages, each sharded over the two ranks as a run shards it, and its logits
-and every parameter's gradient compared with transformers' unsplit model (logits within 1e-5, gradients within
-1e-5 relative to the largest, as the split model's TP tests compare them). A type that differs or fails is recorded
-with its reason (the first tensor that differs, or the exception), never stopping the sweep. The findings are
-written to `hfsplit/models/tp_proven.json` under the transformers version, which `tp_degree_error` reads.
+before a tp>1 run (`proven_tp`: two child processes, forked where that is safe, cached by the config's hash), and per
+type by this sweep, a pre-filter and the families table: every registered causal-LM type whose shrunk default config
+has a TP plan hfsplit shards at degree 2 is split into pp=2 stages, each sharded over the two ranks as a run shards
+it, and its logits and every parameter's gradient compared with transformers' unsplit model (logits within 1e-5,
+gradients within 1e-5 relative to the largest, as the split model's TP tests compare them). A type that differs or
+fails is recorded with its reason (the first tensor that differs, or the exception), never stopping the sweep. The
+findings are written to `hfsplit/models/tp_proven.json` under the transformers version, which `tp_degree_error` reads.
 
 Where float32 differs, the same comparison runs again with both models in float64 (`in_float64`), and the type is
 proven when it passes there: a sharding fault (a gradient not summed, or summed twice, a layout that mismatches the
@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import socket
 import subprocess
 import sys
 import tempfile
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from datetime import timedelta
@@ -175,13 +178,13 @@ def in_float64(whole: nn.Module, mesh) -> tuple[nn.Module, list[nn.Module]]:
 
 # --- the proof on the user's own config ---------------------------------------------------------------------------
 
-def proven_tp(config, tp: int = TP) -> TpVerdict:
+def proven_tp(config, tp: int = TP, measure=None) -> TpVerdict:
     """The tp=2 verdict for `config` (cached by its hash), before a run at degree `tp`; UnsupportedModelError naming
     why `tp` cannot shard it (`tp_degree_error`: its plan, its sizes, the sweep's type-level finding) or the first
-    tensor that differs when its shards do not equal transformers."""
+    tensor that differs when its shards do not equal transformers. `measure`: as `tp_verdict_of`'s."""
     if why := tp_degree_error(config, tp):
         raise UnsupportedModelError(why)
-    verdict = tp_verdict_of(config)
+    verdict = tp_verdict_of(config, measure)
     if not verdict.proven:
         name = getattr(config, "_name_or_path", "") or ""
         raise UnsupportedModelError(
@@ -190,9 +193,10 @@ def proven_tp(config, tp: int = TP) -> TpVerdict:
     return verdict
 
 
-def tp_verdict_of(config) -> TpVerdict:
+def tp_verdict_of(config, measure=None) -> TpVerdict:
     """The tp=2 verdict for `config`: refused by name without a process when hfsplit cannot shard it at all, else
-    from the cache ("tp_proof", by the config's hash) or measured now on two child CPU ranks (`ranks_verdict`)."""
+    from the cache ("tp_proof", by the config's hash) or measured now on two child CPU ranks by `measure` (default
+    `ranks_verdict`; a launched rank 0's `forked_prover`)."""
     check_causal_lm(config)
     try:
         tiny = shrunk_config(config)
@@ -203,38 +207,143 @@ def tp_verdict_of(config) -> TpVerdict:
     key = config_key(config)
     if (cached := read_cache("tp_proof", key)) is not None:
         return TpVerdict(**cached)
-    verdict = ranks_verdict(config)
+    verdict = (measure or ranks_verdict)(config)
     write_cache("tp_proof", key, asdict(verdict))
     return verdict
 
 
-def ranks_verdict(config) -> TpVerdict:
+def ranks_verdict(config, start=None) -> TpVerdict:
     """`config_tp_verdict` measured on two gloo CPU ranks: child processes with their own rendezvous on a free port
-    (never a launch's process group, which may already exist in this process), killed after RANKS_TIMEOUT_S."""
+    (never a launch's process group, which may already exist in this process), killed after RANKS_TIMEOUT_S or as
+    soon as one fails. `start` starts them: `forked_ranks` from this process, which spares each rank the imports of
+    torch and transformers (most of a new config's cost), or `interpreter_ranks`; default: forked where that is safe
+    (`fork_is_safe`)."""
     with tempfile.TemporaryDirectory(prefix="hfsplit-tp-proof-") as folder:
-        config.save_pretrained(folder)
-        port = _free_port()
-        env = environment_outside_launch()
-        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-        ranks = [subprocess.Popen([sys.executable, "-m", "hfsplit.load.tp_proof", folder, str(port), str(rank)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank in range(TP)]
-        outputs = []
-        try:
-            for rank in ranks:
-                outputs.append(rank.communicate(timeout=RANKS_TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            return TpVerdict(config.model_type, False, f"its tp=2 proof did not finish in {RANKS_TIMEOUT_S} s")
-        finally:
-            for rank in ranks:
-                if rank.poll() is None:
-                    rank.kill()
-                    rank.wait()
+        start = start or (forked_ranks if fork_is_safe() else interpreter_ranks)
+        blamed = blamed_rank(start(config, folder, _free_port()), RANKS_TIMEOUT_S)
         found = Path(folder, "tp_verdict.json")
-        if not found.exists():
-            last = next((line for line in reversed(outputs[0].splitlines()) if line.strip()), "no output")
-            return TpVerdict(config.model_type, False, f"its tp=2 proof ranks failed ({last[:160]})")
-        return TpVerdict(**json.loads(found.read_text()))
+        if found.exists():
+            return TpVerdict(**json.loads(found.read_text()))
+        if blamed is None:
+            return TpVerdict(config.model_type, False, f"its tp=2 proof did not finish in {RANKS_TIMEOUT_S} s")
+        lines = Path(folder, f"rank-{blamed}.log").read_text(errors="replace").splitlines()
+        last = next((line for line in reversed(lines) if line.strip()), "no output")
+        return TpVerdict(config.model_type, False, f"its tp=2 proof ranks failed ({last[:160]})")
+
+
+def fork_is_safe() -> bool:
+    """Whether this process can fork the proof's ranks: on Linux (elsewhere fork is unsafe with the system's
+    libraries), before CUDA is initialised (a forked child cannot use it), and outside a process group (a child
+    would inherit the launch's connections to its peers, and `init_process_group` refuses a second default group)."""
+    return sys.platform == "linux" and not torch.cuda.is_initialized() and not dist.is_initialized()
+
+
+def forked_ranks(config, folder: str, port: int) -> list:
+    """The proof's ranks as children forked from this process (torch and transformers already imported), each one's
+    output in the folder's `rank-N.log`."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    ranks = [fork.Process(target=_forked_main, args=(config, folder, port, rank), daemon=True) for rank in range(TP)]
+    for rank in ranks:
+        rank.start()
+    return ranks
+
+
+def _forked_main(config, folder: str, port: int, rank: int) -> None:
+    log = open(Path(folder, f"rank-{rank}.log"), "w", buffering=1)
+    for fd in (1, 2):  # what the C++ side prints (gloo, OpenMP) too
+        os.dup2(log.fileno(), fd)
+    sys.stdout = sys.stderr = log  # this process's streams may be a capture's (pytest), not fds 1 and 2
+    rank_main(config, folder, port, rank)
+
+
+@contextmanager
+def forked_prover(wanted: bool = True):
+    """A `measure` for `tp_verdict_of` in a process about to join a launch: a child forked now, before its process
+    group and CUDA exist, that later forks the proof's ranks itself (`ranks_verdict` with `forked_ranks`), sparing
+    a launched rank 0 the fresh interpreters' imports. `ranks_verdict` where not `wanted` or a fork is unsafe now.
+    The child ends when the block does."""
+    if not (wanted and fork_is_safe()):
+        yield ranks_verdict
+        return
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    ours, theirs = fork.Pipe()
+    prover = fork.Process(target=_prover_main, args=(theirs, ours))  # not a daemon: daemons fork no children
+    prover.start()
+    theirs.close()
+
+    def measured(config) -> TpVerdict:
+        try:
+            ours.send(config)
+            if ours.poll(RANKS_TIMEOUT_S + 60):  # its ranks time out first; this only bounds a hung prover
+                return ours.recv()
+        except (EOFError, OSError):  # the prover ended (a config it could not unpickle): fresh interpreters
+            return ranks_verdict(config)
+        return TpVerdict(config.model_type, False, f"its tp=2 proof did not finish in {RANKS_TIMEOUT_S} s")
+
+    try:
+        yield measured
+    finally:
+        ours.close()  # the prover's recv ends
+        prover.join(timeout=60)
+        if prover.exitcode is None:
+            prover.kill()
+            prover.join()
+
+
+def _prover_main(theirs, ours) -> None:
+    ours.close()  # else this child's own copy keeps its pipe open after the parent is gone
+    while True:
+        try:
+            config = theirs.recv()
+        except EOFError:
+            return
+        theirs.send(ranks_verdict(config, forked_ranks))
+
+
+def interpreter_ranks(config, folder: str, port: int) -> list[subprocess.Popen]:
+    """The proof's ranks in fresh interpreters (`python -m hfsplit.load.tp_proof FOLDER PORT RANK`), reading `config`
+    saved in the folder, each one's output in the folder's `rank-N.log`."""
+    config.save_pretrained(folder)
+    env = environment_outside_launch()
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    ranks = []
+    for rank in range(TP):
+        with open(Path(folder, f"rank-{rank}.log"), "w") as log:
+            ranks.append(subprocess.Popen([sys.executable, "-m", "hfsplit.load.tp_proof", folder, str(port), str(rank)],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+    return ranks
+
+
+def blamed_rank(ranks: list, timeout_s: float) -> Optional[int]:
+    """Wait for the child ranks (forked `multiprocessing.Process`es or `subprocess.Popen`s): the one whose log tells
+    why a verdict is missing (the first that failed, else rank 0), or None when some still ran after `timeout_s`.
+    Once one has failed or the time is up the others are killed (a rank whose peer died would wait for it until
+    gloo's timeout)."""
+    deadline = time.monotonic() + timeout_s
+    codes: list = [None] * len(ranks)
+    failed: list[int] = []
+    try:
+        while None in codes and not failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+            codes = [_exit_code(rank) for rank in ranks]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+    finally:
+        for rank in ranks:
+            if _exit_code(rank) is None:
+                rank.kill()
+            if isinstance(rank, subprocess.Popen):
+                rank.wait()
+            else:
+                rank.join()
+    return failed[0] if failed else None if None in codes else 0
+
+
+def _exit_code(rank) -> Optional[int]:
+    return rank.poll() if isinstance(rank, subprocess.Popen) else rank.exitcode
 
 
 def _free_port() -> int:
@@ -243,15 +352,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_main(folder: str, port: int, rank: int) -> None:
-    """One child rank of `ranks_verdict`: the saved config's verdict, written to the folder by rank 0."""
+def rank_main(config, folder: str, port: int, rank: int) -> None:
+    """One child rank of `ranks_verdict`: `config`'s verdict on the two ranks' own gloo group, written to the folder
+    by rank 0."""
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoConfig
 
+    torch.set_num_threads(1)  # a forked rank keeps its parent's thread count; two ranks share the cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
                             timeout=timedelta(seconds=120))
     try:
-        verdict = config_tp_verdict(AutoConfig.from_pretrained(folder), init_device_mesh("cpu", (TP,)))
+        verdict = config_tp_verdict(config, init_device_mesh("cpu", (TP,)))
         if rank == 0:
             Path(folder, "tp_verdict.json").write_text(json.dumps(asdict(verdict)))
     finally:
@@ -344,5 +454,7 @@ def write_findings(verdicts: list[dict]) -> None:
     TP_PROVEN.write_text(json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-if __name__ == "__main__":  # a child rank of `ranks_verdict`: FOLDER PORT RANK
-    rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+if __name__ == "__main__":  # a child rank of `ranks_verdict` in a fresh interpreter: FOLDER PORT RANK
+    from transformers import AutoConfig
+
+    rank_main(AutoConfig.from_pretrained(sys.argv[1]), sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

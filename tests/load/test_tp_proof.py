@@ -1,6 +1,12 @@
-"""The tp=2 proof on the user's own config (load/tp_proof.py): its two child ranks, its cache by the config's hash,
-its refusals without a process, and `hfsplit check --tp 2`."""
+"""The tp=2 proof on the user's own config (load/tp_proof.py): its two child ranks (forked, or fresh interpreters inside
+a launch), its cache by the config's hash, its refusals without a process, and `hfsplit check --tp 2`."""
+import multiprocessing
+import signal
+import subprocess
+import sys
+
 import pytest
+import torch.distributed as dist
 from transformers import AutoConfig, LlamaConfig
 
 from hfsplit.errors import UnsupportedModelError
@@ -55,3 +61,53 @@ def test_a_flag_the_type_level_sweep_never_saw_is_proven_on_the_users_config():
     assert "q_norm" in "".join(tp_plan_of(config))
     verdict = tp_proof.proven_tp(config)
     assert verdict.proven and verdict.grad_diff <= 1e-5 and not verdict.rounding
+
+
+def test_a_launched_rank_never_forks_the_proof(tmp_path):
+    # a forked rank would inherit the launch's connections to its peers (the launched tp tests run the fresh path)
+    assert tp_proof.fork_is_safe()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert not tp_proof.fork_is_safe()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_forked_rank_that_fails_is_named_from_its_own_log(monkeypatch):
+    own = tp_proof.config_tp_verdict
+
+    def rank_1_fails(config, mesh):
+        if dist.get_rank() == 1:
+            raise RuntimeError("rank 1 could not shard")
+        return own(config, mesh)
+
+    monkeypatch.setattr(tp_proof, "config_tp_verdict", rank_1_fails)  # the forked ranks inherit it
+    verdict = tp_proof.ranks_verdict(LlamaConfig(), tp_proof.forked_ranks)
+    assert not verdict.proven
+    assert verdict.reason == "its tp=2 proof ranks failed (RuntimeError: rank 1 could not shard)"
+
+
+def test_a_failed_rank_has_its_peer_killed_and_late_ranks_are_killed_at_the_timeout():
+    def python(code):
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    ranks = [python("import time; time.sleep(60)"), python("raise SystemExit(3)")]
+    assert tp_proof.blamed_rank(ranks, timeout_s=120) == 1  # the peer does not sleep its 60 s out
+    assert [rank.returncode for rank in ranks] == [-signal.SIGKILL, 3]
+    ranks = [python("import time; time.sleep(60)") for _ in range(2)]
+    assert tp_proof.blamed_rank(ranks, timeout_s=0.5) is None
+    assert [rank.returncode for rank in ranks] == [-signal.SIGKILL] * 2
+
+
+def test_a_prover_forked_before_a_launchs_group_proves_inside_it(tmp_path):
+    # a launched rank 0 forks it before it joins its group, so that the proof's ranks still fork (no imports)
+    config = LlamaConfig(num_key_value_heads=4, attention_bias=True)
+    with tp_proof.forked_prover() as measure:
+        assert measure is not tp_proof.ranks_verdict
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        try:
+            verdict = measure(config)
+        finally:
+            dist.destroy_process_group()
+    assert verdict.model_type == "llama" and verdict.proven and verdict.logits_diff <= 1e-5
+    assert not multiprocessing.active_children()  # the prover ended with the block
