@@ -60,6 +60,7 @@ PP = 2
 DIFFER = "its shards differ from transformers: "  # how a verdict names the first tensor that differs
 LIKELY = ("; likely cause: a parameter its plan leaves whole that sees only a rank's share, its gradient not summed "
           "over the ranks")
+UNFINISHED, RANKS_FAILED = "its tp=2 proof did not finish", "its tp=2 proof ranks failed"  # not the model's verdict
 RANKS_TIMEOUT_S = 300  # the two ranks of a per-config proof: imports, two tiny models, a few collectives
 
 
@@ -208,7 +209,8 @@ def tp_verdict_of(config, measure=None) -> TpVerdict:
     if (cached := read_cache("tp_proof", key)) is not None:
         return TpVerdict(**cached)
     verdict = (measure or ranks_verdict)(config)
-    write_cache("tp_proof", key, asdict(verdict))
+    if not verdict.reason.startswith((UNFINISHED, RANKS_FAILED)):  # a crash or a hang may not recur: not kept
+        write_cache("tp_proof", key, asdict(verdict))
     return verdict
 
 
@@ -225,10 +227,10 @@ def ranks_verdict(config, start=None) -> TpVerdict:
         if found.exists():
             return TpVerdict(**json.loads(found.read_text()))
         if blamed is None:
-            return TpVerdict(config.model_type, False, f"its tp=2 proof did not finish in {RANKS_TIMEOUT_S} s")
+            return TpVerdict(config.model_type, False, f"{UNFINISHED} in {RANKS_TIMEOUT_S} s")
         lines = Path(folder, f"rank-{blamed}.log").read_text(errors="replace").splitlines()
         last = next((line for line in reversed(lines) if line.strip()), "no output")
-        return TpVerdict(config.model_type, False, f"its tp=2 proof ranks failed ({last[:160]})")
+        return TpVerdict(config.model_type, False, f"{RANKS_FAILED} ({last[:160]})")
 
 
 def fork_is_safe() -> bool:
@@ -282,7 +284,7 @@ def forked_prover(wanted: bool = True):
                 return ours.recv()
         except (EOFError, OSError):  # the prover ended (a config it could not unpickle): fresh interpreters
             return ranks_verdict(config)
-        return TpVerdict(config.model_type, False, f"its tp=2 proof did not finish in {RANKS_TIMEOUT_S} s")
+        return TpVerdict(config.model_type, False, f"{UNFINISHED} in {RANKS_TIMEOUT_S} s")
 
     try:
         yield measured

@@ -111,3 +111,19 @@ def test_a_prover_forked_before_a_launchs_group_proves_inside_it(tmp_path):
             dist.destroy_process_group()
     assert verdict.model_type == "llama" and verdict.proven and verdict.logits_diff <= 1e-5
     assert not multiprocessing.active_children()  # the prover ended with the block
+
+
+def test_a_proof_that_crashed_or_hung_is_not_cached_and_runs_again():
+    config = LlamaConfig(rms_norm_eps=1.234e-5)  # a config no other test proves
+    calls = []
+
+    def crashed(config):
+        calls.append(1)
+        return tp_proof.TpVerdict(config.model_type, False, f"{tp_proof.RANKS_FAILED} (Killed)")
+
+    first = tp_proof.tp_verdict_of(config, measure=crashed)
+    assert not first.proven and read_cache("tp_proof", config_key(config)) is None
+    assert tp_proof.tp_verdict_of(config, measure=crashed) == first and len(calls) == 2
+    refused = tp_proof.TpVerdict(config.model_type, False, tp_proof.DIFFER + "model.layers.0.mlp.up_proj.weight")
+    tp_proof.tp_verdict_of(config, measure=lambda config: refused)
+    assert read_cache("tp_proof", config_key(config))["reason"] == refused.reason  # the model's own verdict: kept
