@@ -190,7 +190,7 @@ def main() -> None:
                       cuts=args.micro_batches, repeats=args.repeats, schedule=args.schedule, split_for=args.split_for)
 
     from hfsplit.checkpoint.synthetic import write_tiny_checkpoint
-    from hfsplit.parallel.generation import prefill_chunks_for
+    from hfsplit.planning.rollout import prefill_chunks_for
 
     with tempfile.TemporaryDirectory() as tmp:
         model = SMALL if args.small else MODEL
