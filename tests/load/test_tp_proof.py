@@ -55,3 +55,26 @@ def test_a_flag_the_type_level_sweep_never_saw_is_proven_on_the_users_config():
     assert "q_norm" in "".join(tp_plan_of(config))
     verdict = tp_proof.proven_tp(config)
     assert verdict.proven and verdict.grad_diff <= 1e-5 and not verdict.rounding
+
+
+def test_whatever_the_tp_proof_hits_on_rank_0_every_rank_raises(tmp_path):
+    """Rank 0 runs the proof and broadcasts its outcome: an hfsplit error (a missing folder) is raised on both ranks
+    with its type and message; an unexpected one (a config with zero attention heads: ZeroDivisionError) rank 0
+    re-raises as it came and rank 1 as one line naming it. Only the refusal of the proof used to reach rank 1, which
+    otherwise waited in the broadcast forever."""
+    import json
+
+    from hfsplit.checkpoint.synthetic import tiny_config
+    from tests.parallel.launcher import launch
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({**tiny_config("llama").to_dict(), "num_attention_heads": 0}))
+    missing = str(tmp_path / "missing")
+    ranks = launch("tests.parallel.cases:tp_proof_errors", world_size=2, timeout_s=120,
+                   kwargs={"folders": [missing, str(odd)]})
+    gone, bug = zip(*ranks)
+    assert gone[0] == gone[1] and gone[0][0] == "CheckpointError" and missing in gone[0][1], gone
+    assert bug[0] == ("ZeroDivisionError", "integer modulo by zero"), bug
+    assert bug[1] == ("UnsupportedModelError", "the tensor-parallel proof failed on rank 0: ZeroDivisionError: "
+                                                "integer modulo by zero"), bug
