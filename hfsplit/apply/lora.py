@@ -16,8 +16,8 @@ sliced, so the unsplit model and every split start from the same adapters.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-
 import fnmatch
 import math
 import re
@@ -31,8 +31,8 @@ from torch import nn
 
 from hfsplit.apply.quantized_experts_lora import register_quantized_experts_lora
 from hfsplit.apply.tp import GradSummedOverTP, mark_tp_sharded, rope_grad_summed, tp_shard_dim
-from hfsplit.errors import HfsplitError
-from hfsplit.models.expert_lora import default_lora_targets, split_lora_targets
+from hfsplit.errors import HfsplitError, PlanError
+from hfsplit.models.expert_lora import default_lora_targets, expert_lora_tp_refusal, split_lora_targets
 from hfsplit.models.families import COLWISE_GATHERED, MLA_KV_A, ROWWISE_OWN_OUTPUT, ROWWISE_WHOLE_INPUT, tp_plan_of
 from hfsplit.plan import Plan
 from hfsplit.plan.steps import Step, lora_step
@@ -127,13 +127,7 @@ def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: in
     """
     from peft import inject_adapter_in_model  # lazy: importing peft imports bitsandbytes and torch._inductor (~3 s)
 
-    names = {n.rsplit(".", 1)[-1] for n, _ in module.named_modules()}
-    missing = sorted(set(config.target_modules) - names)
-    if missing and not set(config.target_modules) & names or missing and _whole_model(module):
-        raise HfsplitError(f"LoRA target(s) {', '.join(missing)} name no module of the model; "
-                           f"linear layers here: {', '.join(sorted(n for n in names if n.endswith('proj')))}")
-    if missing:  # a stage holding some layer kinds only (Qwen3-Next's full attention): the targets it has
-        config = dataclasses.replace(config, target_modules=sorted(set(config.target_modules) & names))
+    config = module_lora_config(module, config)
     for p in module.parameters():
         p.requires_grad_(False)
     inject_adapter_in_model(config, module)
@@ -148,6 +142,44 @@ def add_lora(module: nn.Module, config, *, seed: int, tp_group=None, tp_rank: in
                       rope_dim=getattr(module.config, "qk_rope_head_dim", 0) if style == MLA_KV_A else 0)
     seed_lora_weights(module, seed=seed, tp_rank=tp_rank, tp_size=tp_size)
     return module
+
+
+def module_lora_config(module: nn.Module, config):
+    """`config` (a LoraConfig) as `module` takes it: a stage holding some layer kinds only (Qwen3-Next's full
+    attention) keeps the module targets it has.
+
+    Raises:
+        HfsplitError: a target names no module of the model.
+    """
+    names = {n.rsplit(".", 1)[-1] for n, _ in module.named_modules()}
+    missing = sorted(set(config.target_modules) - names)
+    if missing and not set(config.target_modules) & names or missing and _whole_model(module):
+        raise HfsplitError(f"LoRA target(s) {', '.join(missing)} name no module of the model; "
+                           f"linear layers here: {', '.join(sorted(n for n in names if n.endswith('proj')))}")
+    return dataclasses.replace(config, target_modules=sorted(set(config.target_modules) & names)) if missing else config
+
+
+def check_expert_lora(modules: Sequence[nn.Module], lora: Optional[LoraSetup], *, plan: Plan) -> None:
+    """Refuse LoRA on fused expert parameters under tp > 1 before any weight is read (`PlanError`, one line naming
+    the targets and the fix): peft adapts a 3-D expert parameter whole, while TP holds a slice of it. `modules` are
+    this rank's stages on the meta device, each probed on a copy with peft's own injection, so the expert parameters
+    peft's MoE target conversion adapts for module names (Qwen3-Next's shared-expert `gate_proj` and `up_proj`) are
+    refused too; `lora`: the run's, else the plan's own."""
+    if plan.tp <= 1 or not any(step.kind == "lora" for step in plan.steps()):
+        return
+    from peft import inject_adapter_in_model  # lazy: importing peft imports bitsandbytes and torch._inductor (~3 s)
+
+    config = (lora or default_lora(plan, modules[0].config)).config
+    for module in modules:
+        probe, copied = copy.deepcopy(module_lora_config(module, config)), copy.deepcopy(module)
+        inject_adapter_in_model(probe, copied)  # converts `probe` in place, as peft converts the run's config
+        adapted = sorted({_IN_PLAN.search(f"{name.replace('.base_layer', '')}.{sub.parameter_name}").group(1)
+                          for name, sub in copied.named_modules() if getattr(sub, "parameter_name", None)})
+        if adapted:
+            mapped = sorted(set(config.target_modules) - set(probe.target_modules))
+            named = [p.rsplit(".", 1)[-1] for p in config.target_parameters or ()]
+            raise PlanError(expert_lora_tp_refusal(named + mapped, adapted, tp=plan.tp, mapped=bool(mapped),
+                                                   default=lora is None and plan.spec.lora_targets is None))
 
 
 def shard_adapter(a: nn.Linear, b: nn.Linear, *, style: Optional[str], tp_group, rope_dim: int = 0) -> None:

@@ -24,7 +24,7 @@ from hfsplit.apply.autocast import autocast_stages
 from hfsplit.apply.checkpointing import checkpoint_blocks
 from hfsplit.apply.host_embedding import keep_embeddings_on_host
 from hfsplit.apply.load import read_weights
-from hfsplit.apply.lora import LoraSetup, add_adapters
+from hfsplit.apply.lora import LoraSetup, add_adapters, check_expert_lora
 from hfsplit.apply.quantize import check_quantized
 from hfsplit.apply.tiled_mlp import tile_stage_mlps
 from hfsplit.apply.tp import shard_stages
@@ -93,6 +93,7 @@ def apply_plan(modules: Sequence[nn.Module], *, plan: Plan, ctx: StageContext,
     Returns:
         The steps applied, in order (compare `plan.steps()`).
     """
+    check_expert_lora(modules, lora, plan=plan)
     inputs = StepInputs(plan=plan, ctx=ctx, load=load, lora=lora, lora_seed=lora_seed)
     return tuple(STEPS[step.kind](modules, step, inputs) for step in plan.steps())
 

@@ -5,7 +5,7 @@ never imports the planner; this module calls the planner only when no plan is gi
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,8 @@ from hfsplit.load.proof import proven_split
 from hfsplit.load.tp_proof import forked_prover, proven_tp
 from hfsplit.plan import Plan, TrainingSpec
 from hfsplit.planning.planner import make_plan
+
+T = TypeVar("T")
 
 
 def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[Plan] = None,
@@ -71,18 +73,10 @@ def split_from_pretrained(name_or_path: str, max_memory=None, *, plan: Optional[
 def shared_tp_proof(name_or_path: str, plan: Plan, measure=None) -> None:
     """Under a plan with tp > 1: rank 0 proves the tensor-parallel split on this config (`proven_tp`: two child
     processes with their own rendezvous, never this launch's group; cached; measured by `measure`, as
-    `tp_verdict_of`'s) and every rank raises its refusal."""
-    if plan.tp <= 1:
-        return
-    box: list = [""]
-    if dist.get_rank() == 0:
-        try:
-            proven_tp(load_config(name_or_path), plan.tp, measure)
-        except errors.UnsupportedModelError as exc:
-            box[0] = str(exc)
-    dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise errors.UnsupportedModelError(box[0])
+    `tp_verdict_of`'s) and every rank raises its refusal, or whatever else the proof hit there (`on_rank0`)."""
+    if plan.tp > 1:
+        on_rank0(lambda: proven_tp(load_config(name_or_path), plan.tp, measure),
+                 what="the tensor-parallel proof", failed=errors.UnsupportedModelError)
 
 
 def quantization_of_run(plan: Plan, source: str, *, requested, device: torch.device):
@@ -111,27 +105,35 @@ def spec_of_intent(training: str, *, dtype, quantization=None) -> TrainingSpec:
 
 
 def shared_plan(name_or_path: str, max_memory, **plan_options) -> Plan:
-    """The plan made on rank 0 and broadcast; a planning error is raised on every rank (no hang).
+    """The plan made on rank 0 and broadcast; a planning error is raised on every rank (no hang, `on_rank0`)."""
+    return Plan.from_json(on_rank0(lambda: make_plan(name_or_path, max_memory, **plan_options).to_json(),
+                                   what="planning", failed=PlanError))
 
-    An hfsplit error (bad budget, nothing fits, unsupported model...) is raised on every rank
-    with its own type and message; rank 0 re-raises anything else as it came (a bug keeps its
-    traceback there).
+
+def on_rank0(work: Callable[[], T], *, what: str, failed: type[errors.HfsplitError]) -> T:
+    """`work()` run on rank 0 alone, its (picklable) result shared with every rank; whatever rank 0 hits is raised
+    on every rank, so no rank waits forever in the broadcast.
+
+    An hfsplit error (bad budget, nothing fits, unsupported model...) is raised on every rank with its own type and
+    message; anything else rank 0 re-raises as it came (a bug keeps its traceback there), and the other ranks raise
+    `failed` naming `what` failed on rank 0 and the error's first line.
     """
     box: list = [None]
     failure: Optional[BaseException] = None
     if dist.get_rank() == 0:
         try:
-            box[0] = ("ok", make_plan(name_or_path, max_memory, **plan_options).to_json())
-        except Exception as exc:  # raised on every rank below, so no rank waits forever
+            box[0] = ("ok", work())
+        except Exception as exc:  # raised on every rank below
             failure = exc
             kind = type(exc).__name__ if isinstance(exc, errors.HfsplitError) else ""
-            box[0] = ("error", kind, str(exc) if kind else f"planning failed on rank 0: {type(exc).__name__}: {exc}")
+            first = (str(exc).strip().splitlines() or [""])[0]
+            box[0] = ("error", kind, str(exc) if kind else f"{what} failed on rank 0: {type(exc).__name__}: {first}")
     dist.broadcast_object_list(box, src=0)
-    if box[0][0] == "error":
-        if failure is not None:
-            raise failure
-        _, kind, message = box[0]
-        error_type = getattr(errors, kind, None) if kind else None
-        raise (error_type if isinstance(error_type, type) and issubclass(error_type, errors.HfsplitError)
-               else PlanError)(message)
-    return Plan.from_json(box[0][1])
+    if box[0][0] == "ok":
+        return box[0][1]
+    if failure is not None:
+        raise failure
+    _, kind, message = box[0]
+    error_type = getattr(errors, kind, None) if kind else None
+    raise (error_type if isinstance(error_type, type) and issubclass(error_type, errors.HfsplitError)
+           else failed)(message)

@@ -31,9 +31,10 @@ from hfsplit.planning.costs.cache import read_cache, write_cache
 
 TOLERANCE = 1e-5
 MAX_PARAMETERS = 20_000_000
-PROOF_VERSION = 3  # 2: per-layer inputs carried, decoder-level buffers (verdicts of 1 refused Gemma 3n/4, Falcon-H1);
+PROOF_VERSION = 4  # 2: per-layer inputs carried, decoder-level buffers (verdicts of 1 refused Gemma 3n/4, Falcon-H1);
 # 3: recurrent mixers run packed examples alone (verdicts of 2 turned packing off for Qwen3.5, Mamba2 hybrids), and
-# fields under their own names shrunk (verdicts of 2 refused Ernie 4.5 MoE, Kimi Linear)
+# fields under their own names shrunk (verdicts of 2 refused Ernie 4.5 MoE, Kimi Linear); 4: decoders building their
+# masks without the position ids given them and `seq_idx` (verdicts of 3 turned packing off for Granite 4, AFMoE)
 _SEQ = 12
 _PACKED = (6, 5, 5)  # examples of a packed row, each longer than the shrunk sliding windows
 

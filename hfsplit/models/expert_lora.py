@@ -76,6 +76,30 @@ def split_lora_targets(targets: Sequence[str], config) -> tuple[list[str], list[
     return [t for t in targets if t not in experts], [experts[t][0] for t in targets if t in experts]
 
 
+def expert_lora_tp_error(config, targets: Optional[Sequence[str]], tp: int) -> Optional[str]:
+    """Why LoRA on `targets` cannot train at tensor-parallel degree `tp` (None when it can): a target naming a fused
+    expert parameter. From the names alone, without peft (the planner imports none of it); the run also refuses the
+    expert parameters peft's MoE target conversion adapts for module names (`hfsplit.apply.lora.check_expert_lora`)."""
+    if tp <= 1 or not targets:  # the default targets name no expert parameter (`default_lora_targets`)
+        return None
+    experts = expert_parameters(config)
+    named = [t for t in dict.fromkeys(targets) if t in experts]
+    return expert_lora_tp_refusal(named, [experts[t][0] for t in named], tp=tp) if named else None
+
+
+def expert_lora_tp_refusal(targets: Sequence[str], parameters: Sequence[str], *, tp: int, mapped: bool = False,
+                           default: bool = False) -> str:
+    """The one line refusing LoRA `targets` that adapt fused expert `parameters` at tensor-parallel degree `tp`
+    (`mapped`: peft maps these module names onto the experts; `default`: LoRA's default targets, none given)."""
+    names = ",".join(targets)
+    how = " (peft's MoE target conversion maps these names onto them)" if mapped else ""
+    what = f"LoRA's default targets include {names}" if default else f"--lora-targets {names}"
+    fix = f"pass --lora-targets without {names}" if default else f"leave {names} out of --lora-targets"
+    return (f"{what} at tp={tp}: LoRA on the fused experts' parameters {', '.join(parameters)}{how} trains at tp=1 "
+            f"only (peft adapts a 3-D expert parameter whole, tensor parallelism holds a slice of it); use --tp 1 "
+            f"(pipeline stages split the model), or {fix}")
+
+
 def expert_lora_numel(config, targets: Optional[Sequence[str]], r: int) -> int:
     """Adapter elements of one block's targeted expert parameters: r·E·(in + out) each (0 without such targets)."""
     experts = expert_parameters(config)

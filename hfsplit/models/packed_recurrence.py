@@ -11,9 +11,10 @@ as it is.
 A mixer is found by what makes it recurrent, not by name: a decoder block's child holding a depthwise causal
 convolution (`nn.Conv1d` with a group per channel), the front of every such mixer transformers builds. The block's
 position ids, which the mixer is not given, reach it through a pre-hook on the block, so an activation
-checkpointing recompute (the block called again with the same arguments) splits alike. Running a mixer that needed
-none of this example by example only costs time: the proof (`hfsplit.load.proof.packed_rows_isolated`) still
-decides whether a model packs.
+checkpointing recompute (the block called again with the same arguments) splits alike; a decoder that hands its
+blocks none hands them `seq_idx` instead when a stage gives it one (`hfsplit.models.packed_masks`). Running a mixer
+that needed none of this example by example only costs time: the proof (`hfsplit.load.proof.packed_rows_isolated`)
+still decides whether a model packs.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from hfsplit.models.packed_masks import lengths_of_index
 from hfsplit.models.varlen import example_lengths, is_packed
 
 _EXAMPLES = "_hfsplit_examples"  # the mixer's attribute: this call's example lengths per row, or None
@@ -52,12 +54,20 @@ def _depthwise(module: nn.Module) -> bool:
 
 
 def _note_examples(mixer: nn.Module, block: nn.Module, args, kwargs) -> None:
-    positions = kwargs.get("position_ids")
+    setattr(mixer, _EXAMPLES, None if kwargs.get("cache") is not None else _packed_lengths(kwargs))
+
+
+def _packed_lengths(kwargs: dict) -> Optional[list[list[int]]]:
+    """Per row, its examples' lengths, from the block's position ids (or `seq_idx`, which a decoder blind to them
+    passes on, `hfsplit.models.packed_masks`); None when no row is packed."""
+    positions, index = kwargs.get("position_ids"), kwargs.get("seq_idx")
     if torch.is_tensor(positions) and positions.dim() == 3:  # multimodal rope's (sections, batch, seq): all alike
         positions = positions[0]
-    packed = torch.is_tensor(positions) and positions.dim() == 2 and kwargs.get("cache") is None and \
-        is_packed(positions)
-    setattr(mixer, _EXAMPLES, example_lengths(positions) if packed else None)
+    if torch.is_tensor(positions) and positions.dim() == 2:
+        return example_lengths(positions) if is_packed(positions) else None
+    if torch.is_tensor(index) and index.dim() == 2 and bool((index.diff(dim=-1) != 0).any()):
+        return lengths_of_index(index)
+    return None
 
 
 def _forward_by_example(mixer: nn.Module, forward, *args, **kwargs):
@@ -68,6 +78,7 @@ def _forward_by_example(mixer: nn.Module, forward, *args, **kwargs):
     lengths = getattr(mixer, _EXAMPLES)
     if lengths is None or kwargs.get("cache") is not None:
         return forward(hidden, *args, **kwargs)
+    kwargs.pop("seq_idx", None)  # each example runs alone (transformers' torch kernels refuse an index)
     batch, seq = hidden.shape[:2]
     spans: dict[int, list[tuple[int, int]]] = {}  # example length: (row, start) of each such example
     for row, row_lengths in enumerate(lengths):

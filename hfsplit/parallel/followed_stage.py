@@ -34,7 +34,9 @@ from torch import nn
 from hfsplit.errors import UnsupportedModelError
 from hfsplit.models.boundary import streams_first, text_hidden_size
 from hfsplit.models.layout import decoder_layout, meta_model
+from hfsplit.models.packed_masks import builds_masks_blind, packed_inputs
 from hfsplit.models.packed_recurrence import run_examples_alone
+from hfsplit.models.varlen import is_packed
 from hfsplit.plan import Stage
 
 
@@ -174,6 +176,7 @@ class FollowedStage(nn.Module):
                 blocks[i] = SkippedBlock(i, relay=self._relay, role=role, arity=arity, like=blocks[i])
             else:
                 run_examples_alone(blocks[i])  # a recurrent mixer's state restarts at each packed example
+        self._blind = builds_masks_blind(full.get_submodule(layout.base))  # packed rows: masks and seq_idx given
         absent = (() if stage.has_embed else layout.before) + (() if stage.has_head else (*layout.after,
                                                                                            *layout.outside))
         for path in absent:
@@ -254,6 +257,9 @@ class FollowedStage(nn.Module):
             kwargs["cache"] = stage_cache(cache, range(*self.layer_range))
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
+        if self._blind and cache is None and position_ids is not None and is_packed(position_ids):
+            dtype = self.input_embeddings().weight.dtype if self.has_embed else x.dtype
+            kwargs.update(packed_inputs(self.config, position_ids, dtype=dtype, attention_mask=attention_mask))
         if self.has_embed:
             kwargs["input_ids"] = x
         else:

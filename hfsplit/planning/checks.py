@@ -7,6 +7,7 @@ from typing import Optional
 
 from hfsplit.budget import format_bytes
 from hfsplit.errors import PlanError
+from hfsplit.models.expert_lora import expert_lora_tp_error
 from hfsplit.models.families import tp_degree_error
 from hfsplit.plan import TrainingSpec, checkpointing_mode
 from hfsplit.planning.memory_choices import AUTO as AUTO_CHOICE
@@ -81,6 +82,11 @@ def check_degrees(config, budgets: dict[str, int], *, tp, pp, dp, micro_batches=
         raise PlanError(f"pp={pp} is more pipeline stages than the model's {config.num_hidden_layers} layers")
     check_budget_count(world_size, budgets)
 
+
+def check_lora_at_tp(config, spec: TrainingSpec, *, tp: Optional[int]) -> None:
+    """A forced tensor-parallel degree against LoRA on fused expert parameters, which trains at tp=1 only."""
+    if spec.method in ("lora", "qlora") and (why := expert_lora_tp_error(config, spec.lora_targets, tp or 1)):
+        raise PlanError(why)
 
 
 def checked_headroom(headroom: float) -> float:

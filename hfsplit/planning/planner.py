@@ -27,7 +27,7 @@ from hfsplit.planning.memory_choices import host_budget, host_embedding_offered,
 from hfsplit.planning.reserve import reserve_for
 from hfsplit.planning.timing import DEVICE_FLOPS
 from hfsplit.schedules import AUTO
-from hfsplit.planning.checks import check_degrees, check_options, checked_headroom
+from hfsplit.planning.checks import check_degrees, check_lora_at_tp, check_options, checked_headroom
 from hfsplit.planning.diagnosis import Search, could_fit, diagnosis_schedule, explain_no_fit
 from hfsplit.planning.search import best_plan, forced_count
 
@@ -103,6 +103,7 @@ def _check_request(config, budgets: dict[str, int], spec: TrainingSpec, options:
                   tp=o["tp"], pp=o["pp"], dp=o["dp"])
     check_degrees(config, budgets, tp=o["tp"], pp=o["pp"], dp=o["dp"], micro_batches=forced_count(o["micro_batches"]),
                   schedule=o["schedule"], world_size=o["world_size"])
+    check_lora_at_tp(config, spec, tp=o["tp"])
 
 
 def _no_fit(config, budgets: dict[str, int], spec: TrainingSpec, *, name: str, knobs: dict, options: dict,

@@ -19,7 +19,7 @@ import math
 from dataclasses import replace
 from typing import Iterable, Optional, Sequence, Union
 
-from hfsplit.models.expert_lora import expert_parameters
+from hfsplit.models.expert_lora import expert_lora_tp_error, expert_parameters
 from hfsplit.models.families import valid_tp_degrees
 from hfsplit.plan import Plan, Stage, TrainingSpec
 from hfsplit.planning.costs.model import ModelCosts, model_costs
@@ -382,5 +382,8 @@ def micro_batch_count(micro_batches, global_batch, spec: TrainingSpec, p: int, d
 
 
 def tp_degrees_for(config, spec: TrainingSpec, devices: int) -> list[int]:
-    """TP degrees the planner tries: QLoRA keeps tp=1 (a bitsandbytes 4-bit weight is not shardable by DTensor)."""
-    return [1] if spec.method == "qlora" else valid_tp_degrees(config, devices)
+    """TP degrees the planner tries: QLoRA keeps tp=1 (a bitsandbytes 4-bit weight is not shardable by DTensor), and
+    so does LoRA on fused expert parameters (`expert_lora_tp_error`)."""
+    if spec.method == "qlora" or spec.method == "lora" and expert_lora_tp_error(config, spec.lora_targets, 2):
+        return [1]
+    return valid_tp_degrees(config, devices)

@@ -42,6 +42,18 @@ def test_a_plan_flag_the_planner_cannot_take_is_one_line(flags, words, capsys):
     assert line.startswith("hfsplit plan: ") and all(word in line for word in words), line
 
 
+def test_expert_lora_at_a_forced_tp2_is_one_line(tmp_path, capsys):
+    """`--lora-targets gate_up_proj --tp 2` on an MoE: one line naming the option, the expert parameter and the fix
+    (it failed deep inside peft at the first step: "aten.baddbmm got mixed Tensor and DTensor")."""
+    from hfsplit.checkpoint.synthetic import tiny_config
+
+    tiny_config("qwen3_moe").save_pretrained(tmp_path)
+    line = refusal(["plan", str(tmp_path / "config.json"), "--max-memory", "2x1GiB", "--method", "lora", "--tp", "2",
+                    "--lora-targets", "q_proj,gate_up_proj"], capsys)
+    assert line.startswith("hfsplit plan: --lora-targets gate_up_proj at tp=2: ") and "use --tp 1" in line, line
+    assert "mlp.experts.gate_up_proj" in line and "leave gate_up_proj out of --lora-targets" in line, line
+
+
 @pytest.mark.parametrize("argv", [["--max-memory", "-1GiB"], ["--max-memory=-1GiB"], ["--max-memory", "-1"],
                                   ["--max-memory", "24GiB,-1GiB"]])
 def test_a_negative_budget_is_one_line_naming_the_option_and_the_fix(argv, capsys):

@@ -127,3 +127,26 @@ def test_a_proof_that_crashed_or_hung_is_not_cached_and_runs_again():
     refused = tp_proof.TpVerdict(config.model_type, False, tp_proof.DIFFER + "model.layers.0.mlp.up_proj.weight")
     tp_proof.tp_verdict_of(config, measure=lambda config: refused)
     assert read_cache("tp_proof", config_key(config))["reason"] == refused.reason  # the model's own verdict: kept
+
+
+def test_whatever_the_tp_proof_hits_on_rank_0_every_rank_raises(tmp_path):
+    """Rank 0 runs the proof and broadcasts its outcome: an hfsplit error (a missing folder) is raised on both ranks
+    with its type and message; an unexpected one (a config with zero attention heads: ZeroDivisionError) rank 0
+    re-raises as it came and rank 1 as one line naming it. Only the refusal of the proof used to reach rank 1, which
+    otherwise waited in the broadcast forever."""
+    import json
+
+    from hfsplit.checkpoint.synthetic import tiny_config
+    from tests.parallel.launcher import launch
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({**tiny_config("llama").to_dict(), "num_attention_heads": 0}))
+    missing = str(tmp_path / "missing")
+    ranks = launch("tests.parallel.cases:tp_proof_errors", world_size=2, timeout_s=120,
+                   kwargs={"folders": [missing, str(odd)]})
+    gone, bug = zip(*ranks)
+    assert gone[0] == gone[1] and gone[0][0] == "CheckpointError" and missing in gone[0][1], gone
+    assert bug[0] == ("ZeroDivisionError", "integer modulo by zero"), bug
+    assert bug[1] == ("UnsupportedModelError", "the tensor-parallel proof failed on rank 0: ZeroDivisionError: "
+                                                "integer modulo by zero"), bug

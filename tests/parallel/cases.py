@@ -235,6 +235,25 @@ def bad_plan_error(*, checkpoint: str, pp: int, layers: list, schedule: str = "1
     return ""
 
 
+def tp_proof_errors(*, folders: list[str]) -> list[tuple[str, str]]:
+    """(error type, message) each rank raises from `shared_tp_proof` on each folder under a tp=2 plan (("", "") when
+    none): rank 0 alone reads the folder and runs the proof; a wait on a peer gives up after 60 s."""
+    from hfsplit.checkpoint.synthetic import tiny_config
+    from hfsplit.load.launch import shared_tp_proof
+    from hfsplit.parallel.mesh import init_distributed
+
+    init_distributed(timeout_s=60)
+    plan = hand_plan(tiny_config("llama"), tp=2, pp=1, layers=[(0, 2)], schedule="GPipe")
+    out = []
+    for folder in folders:
+        try:
+            shared_tp_proof(folder, plan)
+            out.append(("", ""))
+        except Exception as exc:
+            out.append((type(exc).__name__, str(exc)))
+    return out
+
+
 def planned_split_runs(*, checkpoint: str, max_memory: str, pp: int, tp: int, schedule: str) -> dict:
     """`hfsplit.from_pretrained` under a launch (it dispatches to the split model) through the real
     planner: the plan it ran and the logits error."""

@@ -116,3 +116,23 @@ def test_qwen3_30b_a3b_qlora_fits_one_24gib_card_and_mixtral_8x7b_two_with_4bit_
         assert "MoE experts nf4 too, expert by expert" in " ".join(map(str, plan.steps()))
         with pytest.raises(PlanError, match=r"the MoE experts in 4 bits too \(--quantize-experts on\)"):
             make_plan(model, budget, spec=replace(spec, quantize_experts=False))
+
+
+def test_expert_lora_keeps_tp1_and_a_forced_tp2_is_refused_before_any_search():
+    """LoRA on fused expert parameters trains at tp=1 only (peft adapts a 3-D parameter whole): left to itself the
+    planner tries tp=1 alone for it (tp=2 still for attention-only LoRA); a forced tp=2 is one line naming
+    --lora-targets, the expert parameter and the fix, before any search."""
+    from hfsplit.errors import PlanError
+    from hfsplit.planning.planner import make_plan
+    from hfsplit.planning.search import tp_degrees_for
+
+    config = tiny_config("qwen3_moe")
+    experts = TrainingSpec(method="lora", seq_len=16, dtype="float32", lora_targets=("q_proj", "gate_up_proj"))
+    assert tp_degrees_for(config, experts, 2) == [1]
+    assert tp_degrees_for(config, replace(experts, lora_targets=("q_proj",)), 2) == [1, 2]
+    with pytest.raises(PlanError) as refused:
+        make_plan(config, "2x1GiB", spec=experts, tp=2)
+    line = str(refused.value)
+    assert line.startswith("--lora-targets gate_up_proj at tp=2: LoRA on the fused experts' parameters "
+                           "mlp.experts.gate_up_proj trains at tp=1 only") and "\n" not in line, line
+    assert "use --tp 1" in line and "leave gate_up_proj out of --lora-targets" in line, line
