@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # About 1.1B parameters (TinyLlama's shape): 22 blocks, hidden 2048, GQA 32/4 heads.
 LLAMA_1B = dict(num_layers=22, hidden=2048, heads=32, kv_heads=4, intermediate=5632, vocab=32000,
-                max_positions=2048)
+                max_positions=16384)  # the long-context row's sequence
 TINY = dict(num_layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256, max_positions=512)
 SHAPES = {False: dict(seq_len=1024, micro_batch_size=2, micro_batches=2, steps=6),
           True: dict(seq_len=32, micro_batch_size=2, micro_batches=2, steps=3)}
@@ -52,16 +52,18 @@ def main(argv=None) -> int:
         checkpoint = _write_model(Path(tmp) / "model", tiny=args.tiny)
         shape = SHAPES[args.tiny]
         job = dict(checkpoint=str(checkpoint), device=args.device, out=str(Path(tmp) / "runs"), **shape)
+        # each table printed once its runs are done: a later run's failure keeps the earlier tables
         rows = [_run_child(dict(job, kind="hfsplit", method=m, ckpt=c)) for m in ("lora", "full") for c in (False, True)]
         plain = _run_child(dict(job, kind="plain"))
         loads = {kind: _run_child(dict(job, kind=kind)) for kind in ("load_hfsplit", "load_transformers")}
-        headroom = [_run_child(dict(job, kind="hfsplit", method=m, ckpt=c, optim=o))
-                    for m, c, o in (("lora", "offload", "adamw_torch"), ("full", True, "adamw_8bit"))]
+        print(report(rows, plain=plain, loads=loads, tiny=args.tiny, device=args.device), flush=True)
         long = _run_child(dict(job, **LONG[args.tiny], kind="hfsplit", method="lora", ckpt=True, tiled=True,
                                chunked=True))
-    print(report(rows, plain=plain, loads=loads, tiny=args.tiny, device=args.device))
-    print(headroom_report(headroom, on=next(r for r in rows if r["method"] == "lora" and r["ckpt"]), device=args.device))
-    print(long_context_report(long, device=args.device))
+        print(long_context_report(long, device=args.device), flush=True)
+        headroom = [_run_child(dict(job, kind="hfsplit", method=m, ckpt=c, optim=o))
+                    for m, c, o in (("lora", "offload", "adamw_torch"), ("full", True, "adamw_8bit"))]
+        print(headroom_report(headroom, on=next(r for r in rows if r["method"] == "lora" and r["ckpt"]),
+                              device=args.device), flush=True)
     return 0
 
 

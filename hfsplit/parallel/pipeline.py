@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import time
 from typing import Callable, Optional, Sequence
 
@@ -56,6 +58,25 @@ def releasing_graph(loss_fn: Callable) -> Callable:
         return loss
 
     return with_release
+
+
+def _takes_loss_kwargs() -> bool:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return "loss_kwargs" in inspect.signature(PipelineScheduleSingle.step).parameters
+
+
+# torch 2.12+ hands a step's `loss_kwargs` to the loss; before, a step's keywords all went to the first stage
+SCHEDULE_TAKES_LOSS_KWARGS = _takes_loss_kwargs()
+
+
+def with_step_kwargs(loss_fn: Callable, held: dict) -> Callable:
+    """`loss_fn` called with the keywords in `held` as well (the step sets them: its `num_items_in_batch`), for a
+    torch whose schedules take no `loss_kwargs` (`SCHEDULE_TAKES_LOSS_KWARGS`)."""
+    @functools.wraps(loss_fn)
+    def loss(output, target, **kwargs):
+        return loss_fn(output, target, **{**held, **kwargs})
+    return loss
 
 
 def build_schedule(name: str, stages: list, *, micro_batches: int, loss_fn: Optional[Callable]):

@@ -42,7 +42,8 @@ from hfsplit.parallel.generation import (
 from hfsplit.parallel.mesh import ParallelContext, stage_indices_of_pp_rank, stage_to_pp_rank
 from hfsplit.planning.rollout import prefill_chunks_for
 from hfsplit.parallel.pipeline import (
-    ReducedOutput, StageTimer, build_schedule, chunked_or, head_in_loss, pipeline_stages, releasing_graph,
+    SCHEDULE_TAKES_LOSS_KWARGS, ReducedOutput, StageTimer, build_schedule, chunked_or, head_in_loss, pipeline_stages,
+    releasing_graph, with_step_kwargs,
 )
 from hfsplit.parallel.router import carrying, with_router_loss
 from hfsplit.parallel.save import save_split_model
@@ -70,6 +71,7 @@ class SplitModel(nn.Module):
         self.stages = nn.ModuleList(stages)
         self.stage_indices = stage_indices
         self._schedules: dict[tuple, object] = {}
+        self._step_loss_kwargs: dict = {}  # the step's loss keywords, under a torch whose schedules take none
         self._timer = StageTimer()
         self._tokens = None  # generation's second pipeline group (`_token_group`)
         self.generation_config = generation_config_for(config)  # build_split_model: the checkpoint's own
@@ -272,8 +274,12 @@ class SplitModel(nn.Module):
         # MoE: the router sums travel with the hidden states (parallel/router.py)
         with head_in_loss(self.stages, enabled=self.plan.spec.chunked_loss), carrying(self.stages), \
                 self._timer.recording(record):
-            schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                          loss_kwargs={"num_items_in_batch": items}, position_ids=positions, **masked)
+            if SCHEDULE_TAKES_LOSS_KWARGS:
+                masked["loss_kwargs"] = {"num_items_in_batch": items}
+            else:
+                self._step_loss_kwargs["num_items_in_batch"] = items
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, position_ids=positions,
+                          **masked)
         if sync:
             self.sync_grads()
         return torch.stack([loss.detach() for loss in losses]).sum() if self.has_last else None
@@ -417,6 +423,8 @@ class SplitModel(nn.Module):
             stages = pipeline_stages(modules, indices=self.stage_indices, num_stages=self.num_stages,
                                      device=self.device, group=self.ctx.pp_group)
             # the router term is a mean over the step's forwards, as the mean of per-micro-batch losses had it
+            if loss_fn is not None and not SCHEDULE_TAKES_LOSS_KWARGS:
+                loss_fn = with_step_kwargs(loss_fn, self._step_loss_kwargs)
             if loss_fn is not None:
                 loss_fn = self._timer.with_loss_in_forward(releasing_graph(with_router_loss(
                     loss_fn, self.stages, forwards=micro * self.plan.dp)), device=self.device)
