@@ -57,3 +57,22 @@ def test_the_launchers_world_carries_torchruns_restart_count_and_run_id(monkeypa
     monkeypatch.setenv("RANK", "3")
     restarted = launcher_world()
     assert (restarted.rank, restarted.world_size, restarted.restart_count, restarted.run_id) == (3, 4, 2, "job-7")
+
+
+def test_a_torch_without_loss_kwargs_still_hands_the_step_its_token_count():
+    """Under torch before 2.12 a schedule calls the loss with (output, target) alone; the step's
+    `num_items_in_batch` reaches transformers' causal-LM loss through `with_step_kwargs` all the same."""
+    import torch
+
+    from hfsplit.models.loss import causal_lm_loss
+    from hfsplit.parallel.pipeline import with_step_kwargs
+
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(2, 5, 11, generator=gen), torch.randint(0, 11, (2, 5), generator=gen)
+    loss, held = causal_lm_loss(11), {}
+    wrapped = with_step_kwargs(loss, held)
+    held["num_items_in_batch"] = 40  # the step's label tokens over the whole global batch
+    assert torch.equal(wrapped(logits, labels), loss(logits, labels, num_items_in_batch=40))
+    assert not torch.equal(wrapped(logits, labels), loss(logits, labels))  # a mean over these 8 would differ
+    assert torch.equal(wrapped(logits, labels, num_items_in_batch=8), loss(logits, labels, num_items_in_batch=8))
+    assert wrapped.causal_lm  # a chunked_loss plan still recognises it
