@@ -80,9 +80,8 @@ def make_plan(
     given_reserve, spec = spec.reserve_bytes, _with_reserve(spec, budgets, gpus=gpus, distributed=(
         world_size or len(budgets)) > 1 and not single_process)
     options = dict(micro_batches=micro_batches, global_batch=global_batch, schedule=schedule, tp=tp, pp=pp, dp=dp,
-                   device_speeds={**rates.speeds, **(device_speeds or {})}, link=link or rates.link,
-                   world_size=world_size, host=host, headroom=checked_headroom(headroom),
-                   device_bandwidths=rates.bandwidths)
+                   device_speeds={**rates.speeds, **(device_speeds or {})}, device_bandwidths=rates.bandwidths,
+                   link=link or rates.link, world_size=world_size, host=host, headroom=checked_headroom(headroom))
     knobs = dict(activation_checkpointing=activation_checkpointing, optim=optim, tiled_mlp=tiled_mlp,
                  chunked_loss=chunked_loss, host_embedding=host_embedding)
     _check_request(config, budgets, spec, options, activation_checkpointing=activation_checkpointing)

@@ -73,7 +73,7 @@ def test_tp_divides_block_projections_only(name, tp):
     norms = 2 * config.hidden_size * 2  # two RMSNorm weights per block, replicated
     # Qwen2's q/k/v biases are colwise-sharded with their weights, so only the norms stay whole.
     assert split.block.param_bytes - norms == (one.block.param_bytes - norms) // tp
-    assert split.block.grad_bytes == split.block.param_bytes
+    assert split.block.grad_bytes == 2 * split.block.param_bytes  # the fp32 masters' gradients
     # embedding and lm_head are sharded over the vocabulary, the final norm is not
     assert split.embed.param_bytes == one.embed.param_bytes // tp
     norm = config.hidden_size * 2
@@ -322,3 +322,16 @@ def test_tp_collectives_count_mla_rope_gradient_all_reduce():
     feature_bytes = 64 * 4  # one feature over the micro-batch's tokens, fp32
     want = 4 * config.hidden_size * feature_bytes + config.qk_rope_head_dim * feature_bytes
     assert model_costs(config, spec, tp=2).block.comm_bytes == want
+
+
+def test_full_fine_tuning_in_16_bits_counts_the_gradients_torch_gives_its_fp32_masters():
+    """Full fine-tuning in bf16 keeps fp32 master weights and computes under autocast: their gradients are fp32.
+    Counted in bf16 they left the plan 2 bytes a parameter short on an H200 (docs/benchmarks/gpu.md)."""
+    import torch
+
+    costs = model_costs(bundled("Qwen--Qwen2.5-0.5B"), TrainingSpec(method="full", dtype="bfloat16", seq_len=128))
+    layer = torch.nn.Linear(8, 8)  # a master weight (`TrainingSpec.weights_dtype`: float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(2, 8)).sum().backward()
+    assert layer.weight.grad.element_size() == 4
+    assert costs.block.grad_bytes == costs.block.trainable_numel * layer.weight.grad.element_size()

@@ -274,7 +274,11 @@ def _part_state(layout: Layout, spec: TrainingSpec, tp: int, config, part: str, 
     params, grads, optim, values = numel * size, 0, 0, 0
     if spec.method == "full":
         master = _MASTER_WEIGHT_BYTES if spec.full_autocast_dtype else 0  # the run's fp32 masters
-        grads, optim, values = numel * size, moments_bytes(trainable, spec.optim) + master * numel, numel
+        # the gradients are the masters' (fp32), not the 16-bit copies autocast computes with: counted in `dtype`
+        # they left full fine-tuning in bf16 2 bytes a parameter short on CUDA (1.10-1.14x the plan on an H200:
+        # docs/benchmarks/gpu.md)
+        grads = numel * dtype_of(spec.weights_dtype).itemsize
+        optim, values = moments_bytes(trainable, spec.optim) + master * numel, numel
     elif spec.method in ("lora", "qlora") and part == "block":
         values = sum(trainable)
         params = quantized_block_bytes(layout, spec, config) if spec.method == "qlora" else params
