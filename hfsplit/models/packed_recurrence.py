@@ -49,6 +49,11 @@ def recurrent_mixer(block: nn.Module) -> Optional[nn.Module]:
     return None
 
 
+def has_recurrent_mixer(module: nn.Module) -> bool:
+    """Whether any block under `module` (a stage) holds a recurrent token mixer (a depthwise causal convolution)."""
+    return any(_depthwise(m) for m in module.modules())
+
+
 def _depthwise(module: nn.Module) -> bool:
     return isinstance(module, nn.Conv1d) and module.groups > 1 and module.groups == module.in_channels
 

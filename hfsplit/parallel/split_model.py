@@ -35,6 +35,7 @@ from hfsplit.errors import PlanError, SplitAttributeError
 from hfsplit.models.loss import IGNORE_INDEX
 from hfsplit.models.families import tp_degree_error
 from hfsplit.models.boundary import boundary_width
+from hfsplit.models.packed_recurrence import has_recurrent_mixer
 from hfsplit.parallel.generation import (
     Choice, PipelinedGeneration, generation_config_for, joined_sequences, logits_processors, merged_generation_config,
     rollouts_of, special_tokens, token_group,
@@ -72,6 +73,7 @@ class SplitModel(nn.Module):
         self.stage_indices = stage_indices
         self._schedules: dict[tuple, object] = {}
         self._step_loss_kwargs: dict = {}  # the step's loss keywords, under a torch whose schedules take none
+        self._recurrent: Optional[bool] = None  # any stage holds a recurrent mixer (`_recurrent_stages`)
         self._timer = StageTimer()
         self._tokens = None  # generation's second pipeline group (`_token_group`)
         self.generation_config = generation_config_for(config)  # build_split_model: the checkpoint's own
@@ -179,8 +181,9 @@ class SplitModel(nn.Module):
                 `device_map` does.
             prefill_chunks: how many passes along the sequence the prompts go through the stages in, so that the
                 stages work at once on them too; default: enough that micro-batches × chunks is four times the
-                pipeline ranks, none under 64 positions (`hfsplit.parallel.generation.prefill_chunks_for`); 1 runs
-                each micro-batch's prompts in one pass, as transformers does.
+                pipeline ranks, none under 64 positions (`hfsplit.planning.rollout.prefill_chunks_for`); 1 runs
+                each micro-batch's prompts in one pass, as transformers does, and so does a model with recurrent
+                layers (Gated DeltaNet, Mamba2), which refuses more.
             generation_kwargs: further `GenerationConfig` fields (repetition_penalty, min_new_tokens, ...).
 
         Returns:
@@ -210,9 +213,29 @@ class SplitModel(nn.Module):
         run = PipelinedGeneration(stages=dict(zip(self.stage_indices, self.stages)), owner=stage_to_pp_rank(self.plan),
                                   ctx=self.ctx, tokens=self._token_group(), hidden_size=boundary_width(self.config),
                                   dtype=self._dtype(), choice=choice)
-        chunks = prefill_chunks or prefill_chunks_for(prompt_length=input_ids.shape[1], micro_batches=groups,
-                                                      pp=self.plan.pp)
+        chunks = self._prefill_chunks(prefill_chunks, prompt_length=input_ids.shape[1], micro_batches=groups)
         return joined_sequences(run.run(rollouts, prefill_chunks=chunks), pad=pad)
+
+    def _prefill_chunks(self, asked: Optional[int], *, prompt_length: int, micro_batches: int) -> int:
+        """The passes `generate` runs the prompts in: `asked`, else `prefill_chunks_for`'s default; one where a
+        stage holds a recurrent mixer, whose state's continuation over a later chunk the proof has not covered."""
+        if not self._recurrent_stages():
+            return asked or prefill_chunks_for(prompt_length=prompt_length, micro_batches=micro_batches,
+                                               pp=self.plan.pp)
+        if asked not in (None, 1):
+            raise ValueError(f"generate(prefill_chunks={asked}): {self.config.model_type}'s recurrent layers run "
+                             "the prompts in one pass here; pass prefill_chunks=1 or leave it unset")
+        return 1
+
+    def _recurrent_stages(self) -> bool:
+        """Whether any stage of the model holds a recurrent mixer (Gated DeltaNet, Mamba2): every rank's answer
+        alike (collective, once)."""
+        if self._recurrent is None:
+            flag = torch.tensor([int(any(has_recurrent_mixer(s) for s in self.stages))], device=self.device)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self._recurrent = bool(flag.item())
+        return self._recurrent
 
     def save_pretrained(self, save_directory, *, tokenizer=None) -> Path:
         """Write the whole model as a Hugging Face folder (sharded safetensors, index, config, generation config;

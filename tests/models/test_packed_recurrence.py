@@ -57,3 +57,15 @@ def test_a_packed_row_through_recurrent_mixers_equals_each_example_alone(model_t
     # the same row unpacked (one example's positions) is one sequence: its later tokens see the earlier ones
     whole_row = run_split(stages, torch.cat(examples)[None])[0]
     assert (whole_row[LENGTHS[0]:] - packed[LENGTHS[0]:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("model_type, recurrent", [("qwen3_next", [True, True]), ("granitemoehybrid", [True, True]),
+                                                   ("llama", [False, False])])
+def test_a_stage_with_a_recurrent_mixer_is_told_from_an_attention_only_one(model_type, recurrent):
+    """Generation runs the prompts of a model with recurrent layers in one pass (`SplitModel._prefill_chunks`):
+    whether a stage holds one is read from its modules, as packing finds its mixers."""
+    from hfsplit.models.packed_recurrence import has_recurrent_mixer
+
+    overrides = GRANITE_4 if model_type == "granitemoehybrid" else {}
+    stages = split_stages(tiny_model(shrunk_config(AutoConfig.for_model(model_type, **overrides))), pp=2)
+    assert [has_recurrent_mixer(stage) for stage in stages] == recurrent
