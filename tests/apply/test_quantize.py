@@ -94,7 +94,7 @@ def test_qlora_time_counts_a_dequantize_per_micro_batch():
 
     from hfsplit.plan import TrainingSpec
     from hfsplit.planning.costs.model import model_costs
-    from hfsplit.planning.costs.model import DEQUANTIZE_FLOPS_PER_VALUE
+    from hfsplit.planning.costs.quantized import DEQUANTIZE_FLOPS_PER_VALUE
 
     config = tiny_config("llama")
     flops = {}

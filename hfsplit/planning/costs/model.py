@@ -11,21 +11,23 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 from dataclasses import dataclass, field, replace
 
-from hfsplit.checkpoint.quantized import quantized_experts_bytes, quantized_linear_bytes
 from hfsplit.errors import PlanError
 from hfsplit.models.boundary import boundary_width
 from hfsplit.models.expert_lora import default_lora_targets, expert_lora_numel, expert_parameters
 from hfsplit.models.families import tp_degree_error, tp_whole_parts
 from hfsplit.models.layer_kinds import kind_config, layer_kinds
-from hfsplit.models.layout import block_linear_names, meta_model, one_layer_config, routed_expert_numel
+from hfsplit.models.layout import block_linear_names, routed_expert_numel
 from hfsplit.plan import TrainingSpec
 from hfsplit.planning.costs.cache import read_cache, write_cache
 from hfsplit.planning.costs.optimizer import moments_bytes, shared_bytes
+from hfsplit.planning.costs.quantized import (
+    DEQUANTIZE_FLOPS_PER_VALUE, experts_4bit, quantized_block_bytes, routed_lora_numel,
+    split_lora_activation_bytes, with_dequantize,
+)
 from hfsplit.planning.costs.layout import (
-    CONFIGS, LORA_ADAPTER_DTYPE, Layout, Linear, dtype_of, head_dim, keyed, layout_of, lora_targets, parts,
+    CONFIGS, LORA_ADAPTER_DTYPE, Layout, Linear, dtype_of, head_dim, keyed, layout_of, lora_targets,
 )
 from hfsplit.planning.costs.masks import attended_positions, stage_mask_bytes
 from hfsplit.planning.costs.trace import BlockTrace
@@ -315,7 +317,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     # Block FLOPs: every matmul parameter (base + adapter) × 2 per token, plus QKᵀ and AV.
     matmul_numel = sum(
         lin.in_features * lin.out_features // (tp if lin.shard else 1) for lin in layout.linears
-    ) + _routed_lora_numel(lora_numel, config, spec) + routed_expert_numel(config) // tp  # MoE: the top-k experts
+    ) + routed_lora_numel(lora_numel, config, spec) + routed_expert_numel(config) // tp  # MoE: the top-k experts
     heads_dim = config.num_attention_heads // _head_split(config, tp) * head_dim(config)
     # QKᵀ and AV over the pairs a row attends: seq² (a mask or sdpa's causal flag), or each packed example's l²
     # where packed rows run example by example (sdpa: hfsplit.models.varlen)
@@ -330,7 +332,7 @@ def _model_costs(key: str, spec: TrainingSpec, tp: int) -> ModelCosts:
     if spec.method == "inference":  # what generation keeps per block: held, like kept activations, per micro-batch
         block_acts = kv_cache_bytes(config, spec, tp)
     if spec.method == "qlora":  # bitsandbytes dequantizes every weight in each pass of each micro-batch
-        experts = _experts_4bit(config, spec)  # their dequantized matrices: in the trace (costs.moe)
+        experts = experts_4bit(config, spec)  # their dequantized matrices: in the trace (costs.moe)
         block_ws, block_flops = with_dequantize(block_ws, block_flops, layout.linears, spec, itemsize=size,
                                                 experts=[shape for _, shape in experts.values()])
         block_flops += _tiled_dequantize_flops(layout, spec)
@@ -507,46 +509,6 @@ def _traced_spec(spec: TrainingSpec) -> TrainingSpec:
 _EXPERT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})
 
 
-def _experts_4bit(config, spec: TrainingSpec) -> dict:
-    """{name: (path, shape)} of the fused expert parameters a `spec` run holds in 4 bits ({} for none)."""
-    return expert_parameters(config) if spec.experts_in_4bit else {}
-
-
-def split_lora_activation_bytes(config, spec: TrainingSpec, *, itemsize: int) -> int:
-    """Bytes one block's split LoRA on 4-bit experts keeps for backward per micro-batch: for each targeted expert
-    parameter, the routed rows it reads (tokens × top-k × its input width, kept for A's gradient: the frozen 4-bit
-    matmul keeps none), their rank-r projection (for B's gradient), B's contiguous copy in the compute dtype (its
-    per-expert slices are strided across experts), and A's copy where the adapters' fp32 differs from it."""
-    experts = _experts_4bit(config, spec)
-    targeted = [experts[t][1] for t in dict.fromkeys(spec.lora_targets or ()) if t in experts]
-    if not targeted:
-        return 0
-    rows = spec.micro_batch_size * spec.seq_len * (getattr(config, "num_experts_per_tok", 0) or 0)
-    transposed = _is_transposed(config)
-    cast = itemsize != LORA_ADAPTER_DTYPE.itemsize
-    total = 0
-    for experts, d1, d2 in targeted:
-        width, out = (d1, d2) if transposed else (d2, d1)
-        total += rows * (width + spec.lora_r) * itemsize + experts * spec.lora_r * (out + (width if cast else 0)) * itemsize
-    return total
-
-
-def _is_transposed(config) -> bool:
-    """Whether `config`'s fused experts hold `[E, in, out]` (gpt-oss), read from the real class on meta."""
-    model = meta_model(one_layer_config(config))
-    return any(getattr(sub, "is_transposed", False) for sub in parts(model)[1].modules())
-
-
-def _routed_lora_numel(lora_numel: int, config, spec: TrainingSpec) -> int:
-    """Adapter elements a token's matmuls pass through: split LoRA on 4-bit experts runs only the routed experts'
-    slices (top-k of E), peft's dense ΔW every expert's."""
-    if not spec.experts_in_4bit or spec.method != "qlora":
-        return lora_numel
-    experts = expert_lora_numel(config, spec.lora_targets, spec.lora_r)
-    count = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 1
-    return lora_numel - experts + experts * (getattr(config, "num_experts_per_tok", 0) or 0) // count
-
-
 def weight_bytes(config, spec: TrainingSpec) -> int:
     """Bytes of the model's weights held once, without a trace: every split of a `spec` run holds at least
     this much across its devices (TP replicates norms, adapters and optimizer state come on top; an input embedding
@@ -564,44 +526,3 @@ def _block_weight_bytes(config, spec: TrainingSpec) -> int:
     if spec.method == "qlora":
         return quantized_block_bytes(layout, spec, config)
     return (layout.block_numel_replicated + layout.block_numel_sharded) * dtype_of(spec.dtype).itemsize
-
-
-def quantized_block_bytes(layout: Layout, spec: TrainingSpec, config) -> int:
-    """Exact bytes of one block under bitsandbytes (tp=1): its linears' quantized weights and state, an MoE's fused
-    experts' where they are 4-bit (`TrainingSpec.experts_in_4bit`, each expert quantized alone), the rest (norms,
-    biases, the router) in the spec's dtype."""
-    experts = [shape for _, shape in _experts_4bit(config, spec).values()]
-    weights = sum(lin.in_features * lin.out_features for lin in layout.linears)
-    rest = layout.block_numel_replicated + layout.block_numel_sharded - weights - sum(map(math.prod, experts))
-    return rest * dtype_of(spec.dtype).itemsize + sum(
-        quantized_linear_bytes(lin.in_features, lin.out_features, quant_type=spec.bnb_4bit_quant_type,
-                               double_quant=spec.bnb_4bit_use_double_quant, load_in_8bit=spec.load_in_8bit)
-        for lin in layout.linears) + sum(
-        quantized_experts_bytes(*shape, quant_type=spec.bnb_4bit_quant_type, double_quant=spec.bnb_4bit_use_double_quant)
-        for shape in experts)
-
-
-# Dequantizing one 4-bit value (and its double-quantized absmax share) costs as much time as this many matmul
-# FLOPs on the CPU (scripts/profile_qlora.py, one thread: 2816×1024 and 14336×4096 NF4 weights dequantized at
-# 6.3–7.6 ns a value against matmuls at 31–39 GFLOP/s, 196–297 FLOPs a value). Not measured on a GPU.
-DEQUANTIZE_FLOPS_PER_VALUE = 250.0
-
-
-def with_dequantize(workspace: int, flops: float, linears, spec, *, itemsize: int, experts=()) -> tuple[int, float]:
-    """One QLoRA block's per-micro-batch (workspace bytes, FLOPs) with what dequantizing its `linears` and its 4-bit
-    fused `experts` (shapes `[E, d1, d2]`) adds.
-
-    Forward and backward each dequantize one weight at a time to the compute dtype, so the workspace is the
-    largest linear weight in 16 bits (4-bit experts' dequantized matrices are in the block's trace, at the moment
-    each grouped matmul holds them: `hfsplit.planning.costs.moe`). bitsandbytes dequantizes every 4-bit weight
-    afresh in forward, in backward (input gradient) and, under activation checkpointing, in the recompute, for
-    each micro-batch: a fixed time per micro-batch, not per token, so fewer and larger micro-batches pay it fewer
-    times (what the time model's micro-batch choice weighs). 8-bit weights are not counted (not measured).
-    """
-    sizes = [lin.in_features * lin.out_features for lin in linears]
-    workspace += max(sizes) * itemsize
-    sizes += [math.prod(shape) for shape in experts]  # counted as every expert routed, as a long micro-batch does
-    if spec.load_in_8bit:
-        return workspace, flops
-    passes = 3 if spec.activation_checkpointing else 2
-    return workspace, flops + DEQUANTIZE_FLOPS_PER_VALUE * sum(sizes) * passes
